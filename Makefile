@@ -1,0 +1,29 @@
+# make demo   train llama-tiny under several strategies on 8 simulated CPU devices
+# make test   the test suite (8 simulated CPU devices)
+# make bench  print throughput / memory / speed figures (no assertions)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	@PYTHON=$$(bash scripts/find-python.sh) || exit 1; \
+	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
+	  [ -x $(PY) ] || $$PYTHON -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,plot]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) experiments/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) experiments/bench_strategies.py
+	@for f in experiments/bench_*.py; do [ "$$f" = experiments/bench_strategies.py ] || { echo "== $$f"; $(PY) $$f; }; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,122 @@
+"""From logical names to NamedShardings, and the layout in force while a step is traced.
+
+Parameters carry their logical names as flax `out_sharding` metadata; activations are annotated by
+the model with `constrain(x, names)`. Both go through `spec_for`, which looks each name up in a
+rules table and drops mesh axes of size 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.rules import Rules, rules_for
+from jaxpar.strategy import Strategy
+
+
+def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
+    """PartitionSpec for a tuple of logical names (None = unsharded dim)."""
+    used: set[str] = set()
+    dims = []
+    for name in names:
+        axes = tuple(a for a in (rules[name] if name is not None else ()) if mesh.shape[a] > 1 and a not in used)
+        used.update(axes)
+        dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return P(*dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus the three rules tables of a strategy."""
+    mesh: Mesh
+    strategy: Strategy
+
+    def rules(self, purpose: str) -> Rules:
+        return rules_for(self.strategy, purpose)
+
+    def axes(self, name: str) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) an activation's logical name is sharded over."""
+        return tuple(a for a in self.rules("activations")[name] if self.mesh.shape[a] > 1)
+
+    def size(self, name: str) -> int:
+        n = 1
+        for a in self.axes(name):
+            n *= self.mesh.shape[a]
+        return n
+
+    def activation(self, *names: str | None) -> NamedSharding:
+        return NamedSharding(self.mesh, spec_for(names, self.rules("activations"), self.mesh))
+
+
+_CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxpar_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None) -> Iterator[None]:
+    """Make `layout` the one `constrain` and the shard_map kernels see while tracing."""
+    token = _CURRENT.set(layout)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_layout() -> Layout | None:
+    return _CURRENT.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Annotate an activation with logical names; a no-op outside a layout (one device)."""
+    layout = _CURRENT.get()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.activation(*names))
+
+
+# ---- parameters and optimizer state ------------------------------------------------------------
+
+def logical_specs(state: Any) -> Any:
+    """Tree of logical-name tuples, one per parameter leaf (from the `out_sharding` metadata)."""
+    return jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * v.value.ndim,
+                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(abstract_state: Any, layout: Layout, purpose: str = "params") -> Any:
+    """NamedSharding per parameter leaf, in the same nnx.State structure as the parameters."""
+    rules = layout.rules(purpose)
+
+    def one(v: nnx.Variable) -> nnx.Variable:
+        names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.value.shape)
+        return v.replace(NamedSharding(layout.mesh, spec_for(names, rules, layout.mesh)))
+
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def optimizer_shardings(abstract_opt_state: Any, abstract_params: Any, layout: Layout) -> Any:
+    """Shardings for an optax state: leaves shaped like a parameter follow the optimizer rules
+    for that parameter (matched by the tail of their tree path); everything else is replicated."""
+    by_path = {}
+    opt_sh = param_shardings(abstract_params, layout, "optimizer")
+    for path, sh in jax.tree_util.tree_leaves_with_path(opt_sh):
+        by_path[_path_key(path)] = sh
+    replicated = NamedSharding(layout.mesh, P())
+
+    def one(path, leaf):
+        key = _path_key(path)
+        for start in range(len(key)):
+            if key[start:] in by_path:
+                return by_path[key[start:]]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

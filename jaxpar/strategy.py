@@ -1,0 +1,204 @@
+"""A strategy = mesh axis sizes + options. Loaded from a mesh_configs TOML or an inline spec.
+
+    data=2,fsdp=2,tensor=2                      inline (every other axis is 1; -1 fills the rest)
+    mesh_configs/dp2-fsdp2-tp2.toml             a file with [mesh] sizes and [options]
+    dp2-fsdp2-tp2                               the same, by name (looked up in mesh_configs/)
+
+The options are the variants of a strategy (DESIGN.md): they change *how* the same mesh is used,
+never which code path a model takes. Command-line STRATEGY FLAGS override a file's [options].
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+from typing import Any
+
+from jaxpar.errors import ConfigError
+
+# Canonical order, outermost (slowest links) to innermost (fastest links).
+AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "expert", "tensor")
+
+MESH_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "mesh_configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    zero: int | None = None           # 0 | 1 | 3; None = 3 if the fsdp axis is > 1, else 0
+    sequence_parallel: bool = False   # shard the residual stream's sequence dim over `tensor`
+    remat: str = "none"               # none | full | dots | dots_no_batch
+    dtype: str = "float32"            # compute dtype; master weights stay float32
+    attention: str = "dense"          # dense | ring | allgather
+    cp_layout: str = "contiguous"     # contiguous | zigzag
+    microbatches: int = 1             # pipeline micro-batches (pipeline > 1)
+    pp_schedule: str = "gpipe"        # gpipe | circular
+    pp_repeats: int = 1               # circular schedule: layer chunks per stage (v)
+    grad_accum: int = 1               # gradient-accumulation steps per optimizer step
+
+
+CHOICES: dict[str, tuple] = {
+    "zero": (None, 0, 1, 3),
+    "remat": ("none", "full", "dots", "dots_no_batch"),
+    "dtype": ("float32", "bfloat16"),
+    "attention": ("dense", "ring", "allgather"),
+    "cp_layout": ("contiguous", "zigzag"),
+    "pp_schedule": ("gpipe", "circular"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    mesh: tuple[tuple[str, int], ...]   # ((axis, size), ...) in canonical order; may hold one -1
+    options: Options = Options()
+    description: str = ""
+    dcn: tuple[tuple[str, int], ...] = ()  # across-host part of each axis (multi-host layouts)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    @property
+    def zero(self) -> int:
+        if self.options.zero is not None:
+            return self.options.zero
+        return 3 if self.size("fsdp") > 1 else 0
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for _, s in self.mesh:
+            n *= s
+        return n
+
+    def resolved(self, num_devices: int) -> "Strategy":
+        """Replace a -1 axis by what fills `num_devices`; check the product."""
+        sizes = self.sizes
+        free = [a for a, s in sizes.items() if s == -1]
+        known = 1
+        for a, s in sizes.items():
+            if s != -1:
+                known *= s
+        if len(free) > 1:
+            raise ConfigError(f"mesh {self.name}: only one axis may be -1, got {', '.join(free)}")
+        if free:
+            if num_devices % known:
+                raise ConfigError(f"mesh {self.name}: the fixed axes' product {known} does not divide "
+                                  f"{num_devices} devices, so -1 for {free[0]} cannot be filled")
+            sizes[free[0]] = num_devices // known
+        product = 1
+        for s in sizes.values():
+            product *= s
+        if product != num_devices:
+            desc = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
+            raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}")
+        return dataclasses.replace(self, mesh=tuple(sizes.items()))
+
+    def with_options(self, **overrides: Any) -> "Strategy":
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self, options=make_options(dataclasses.asdict(self.options) | overrides,
+                                                              self.name))
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{a}={s}" for a, s in self.mesh if s != 1) or "1 device"
+        return f"{self.name} [{axes}]"
+
+
+def make_options(raw: dict[str, Any], where: str) -> Options:
+    known = {f.name: f for f in dataclasses.fields(Options)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = key.replace("-", "_")
+        if key not in known:
+            raise ConfigError(f"{where}: unknown option {key!r}; options: {', '.join(known)}")
+        default = known[key].default
+        if key == "zero":
+            value = None if value is None else _as_int(key, value, where)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: option {key}={value!r} must be true or false")
+        elif isinstance(default, int):
+            value = _as_int(key, value, where)
+            if value < 1:
+                raise ConfigError(f"{where}: option {key}={value} must be >= 1")
+        if key in CHOICES and value not in CHOICES[key]:
+            allowed = " | ".join(str(c) for c in CHOICES[key] if c is not None)
+            raise ConfigError(f"{where}: option {key}={value!r} is not one of {allowed}")
+        out[key] = value
+    return Options(**out)
+
+
+def _as_int(key: str, value: Any, where: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: option {key}={value!r} must be an integer") from None
+
+
+def _mesh_sizes(raw: dict[str, Any], where: str) -> tuple[tuple[str, int], ...]:
+    for axis, size in raw.items():
+        if axis not in AXES:
+            raise ConfigError(f"{where}: unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"{where}: mesh axis {axis}={size!r} must be a positive integer or -1")
+    return tuple((a, int(raw.get(a, 1))) for a in AXES)
+
+
+def parse_inline(spec: str) -> Strategy:
+    raw: dict[str, Any] = {}
+    for item in spec.split(","):
+        axis, eq, value = item.partition("=")
+        axis = axis.strip()
+        if not eq:
+            raise ConfigError(f"malformed mesh spec {spec!r}: expected axis=size items like data=2,tensor=4")
+        try:
+            raw[axis] = int(value)
+        except ValueError:
+            raise ConfigError(f"malformed mesh spec {spec!r}: size {value!r} of {axis} is not an integer") from None
+    return Strategy(name=spec, mesh=_mesh_sizes(raw, f"mesh {spec!r}"))
+
+
+def load_toml(path: pathlib.Path) -> Strategy:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read mesh file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"mesh file {path} is not valid TOML: {e}") from None
+    where = str(path)
+    unknown = set(data) - {"description", "mesh", "options"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown table(s) {', '.join(sorted(unknown))}; expected description, [mesh], [options]")
+    mesh = dict(data.get("mesh", {}))
+    if not isinstance(data.get("mesh", {}), dict) or not mesh:
+        raise ConfigError(f"{where}: needs a [mesh] table with axis sizes")
+    dcn = mesh.pop("dcn", {})
+    return Strategy(name=path.stem, mesh=_mesh_sizes(mesh, where),
+                    options=make_options(dict(data.get("options", {})), where),
+                    description=str(data.get("description", "")),
+                    dcn=tuple((a, s) for a, s in _mesh_sizes(dcn, where + " [mesh.dcn]") if s != 1) if dcn else ())
+
+
+def parse_strategy(spec: str) -> Strategy:
+    """Inline `axis=size,...`, a TOML path, or the name of a file in mesh_configs/."""
+    if "=" in spec:
+        return parse_inline(spec)
+    path = pathlib.Path(spec)
+    if path.suffix == ".toml" or path.exists():
+        return load_toml(path)
+    candidate = MESH_CONFIG_DIR / f"{spec}.toml"
+    if candidate.exists():
+        return load_toml(candidate)
+    names = ", ".join(sorted(p.stem for p in MESH_CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"unknown mesh {spec!r}: not an inline spec (data=2,tensor=4), a TOML path, "
+                      f"or a name in mesh_configs/ ({names})")
+
+
+def catalogue() -> list[Strategy]:
+    """Every strategy in mesh_configs/, by name."""
+    return [load_toml(p) for p in sorted(MESH_CONFIG_DIR.glob("*.toml"))]

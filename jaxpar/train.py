@@ -1,0 +1,231 @@
+"""Training: optimizer, sharded state, the jitted step, and the loop.
+
+Follow one parameter from the model to the devices:
+  1. the model annotates it with logical names (models/layers.py: `param`);
+  2. `jaxpar.sharding.param_shardings` looks the names up in the strategy's rules table;
+  3. `Trainer` initialises it under jit with those out_shardings, so it is born sharded;
+  4. the step is jitted with the same shardings in and out, and XLA inserts the collectives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import validate
+from jaxpar.data import local_batch, process_rows, to_global
+from jaxpar.mesh import make_mesh
+from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
+from jaxpar.strategy import Strategy
+from models.config import ModelConfig, RunConfig
+from models.lm import LM
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    batch: int = 16          # global, in sequences
+    seq: int = 64
+    steps: int = 20
+    lr: float = 3e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on a warmup + cosine schedule, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tc.lr, warmup_steps=max(tc.warmup, 1), decay_steps=max(tc.steps, tc.warmup + 1),
+        end_value=tc.lr * tc.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+
+
+class TrainState(NamedTuple):
+    params: Any      # nnx.State of float32 master weights
+    opt_state: Any
+    step: jax.Array
+
+
+def run_config(strategy: Strategy) -> RunConfig:
+    o = strategy.options
+    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention)
+
+
+def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
+    """The token layout along the sequence (zigzag for load-balanced causal context parallelism)."""
+    if strategy.size("context") == 1 or strategy.options.cp_layout == "contiguous":
+        return None
+    from jaxpar.ops.context_parallel import token_permutation  # noqa: PLC0415
+    return token_permutation(seq, strategy.size("context"), strategy.options.cp_layout)
+
+
+class Trainer:
+    """Everything one training run needs, built and validated before anything compiles."""
+
+    def __init__(self, model: ModelConfig, strategy: Strategy, tc: TrainConfig, devices: list | None = None):
+        devices = list(jax.devices() if devices is None else devices)
+        self.strategy = strategy.resolved(len(devices))
+        validate.check(model, self.strategy, batch=tc.batch, seq=tc.seq)
+        self.model_cfg, self.tc = model, tc
+        self.mesh = make_mesh(self.strategy, devices)
+        self.layout = Layout(self.mesh, self.strategy)
+        self.run = run_config(self.strategy)
+        self.optimizer = make_optimizer(tc)
+        self.order = token_order(self.strategy, tc.seq)
+
+        abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))
+        self.graphdef, abstract_params = nnx.split(abstract)
+        self.param_shardings = param_shardings(abstract_params, self.layout)
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        self.opt_shardings = optimizer_shardings(abstract_opt, abstract_params, self.layout)
+        # ZeRO-1: the gradient entering the update is sharded like the moments (reduce-scatter).
+        self.grad_shardings = (param_shardings(abstract_params, self.layout, "optimizer")
+                               if self.strategy.zero == 1 else self.param_shardings)
+        replicated = NamedSharding(self.mesh, P())
+        self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, replicated)
+        self.batch_sharding = self.layout.activation("batch", "seq")
+        self.abstract_params = abstract_params
+        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self._grads = jax.jit(jax.value_and_grad(self._loss), in_shardings=(self.param_shardings, self.batch_sharding),
+                              out_shardings=(replicated, self.param_shardings))
+
+    # ---- state --------------------------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        """Parameters and optimizer state created directly in their shards (never a full replica)."""
+        model, run, seed = self.model_cfg, self.run, self.tc.seed
+
+        def init():
+            params = nnx.state(LM(model, run, rngs=nnx.Rngs(seed)))
+            return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def state_from_params(self, params) -> TrainState:
+        """A fresh train state around given parameters (host or device arrays), placed in this
+        strategy's shardings; the optimizer state is created directly in its shards."""
+        params = jax.device_put(params, self.param_shardings)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+        return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step))
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _loss(self, params, batch) -> jax.Array:
+        with use_layout(self.layout):
+            dt = jnp.dtype(self.run.dtype)
+            if dt != jnp.float32:
+                params = jax.tree.map(lambda p: p.astype(dt), params)
+            model = nnx.merge(self.graphdef, params)
+            x = model.embed(batch["inputs"])
+            x = self.apply_stack(model, x, batch["positions"])
+            return model.loss(x, batch["labels"])
+
+    def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """The layer stack: a plain scan, or a pipeline schedule over the `pipeline` axis."""
+        if self.strategy.size("pipeline") > 1:
+            from jaxpar.pipeline import pipelined_stack  # noqa: PLC0415
+            return pipelined_stack(model, x, positions, self.strategy, self.layout)
+        return model.apply_stack(x, positions)
+
+    def _loss_and_grads(self, params, batch):
+        accum = self.strategy.options.grad_accum
+        if accum == 1:
+            return jax.value_and_grad(self._loss)(params, batch)
+
+        # Micro-batch k takes rows k, k+A, k+2A, ...: a reshape that keeps each micro-batch's
+        # rows on the devices that already hold them.
+        def split(x):
+            return jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
+
+        def body(carry, micro):
+            loss_sum, grad_sum = carry
+            loss, grads = jax.value_and_grad(self._loss)(params, micro)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), jax.tree.map(split, batch))
+        return loss / accum, jax.tree.map(lambda g: g / accum, grads)
+
+    def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        loss, grads = self._loss_and_grads(state.params, batch)
+        with jax.named_scope("optimizer"):
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm}
+
+    # ---- public API ---------------------------------------------------------------------------
+    def batch(self, source, step: int) -> dict[str, jax.Array]:
+        rows = process_rows(self.tc.batch)
+        return to_global(local_batch(source, step, rows, self.tc.seq, self.order), self.batch_sharding, self.tc.batch)
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        return self._step(state, batch)
+
+    def loss_and_grads(self, params, batch):
+        """Loss and gradients of one batch (no update) — what the equivalence tests compare."""
+        return self._grads(params, batch)
+
+    def lower_step(self, abstract: bool = False):
+        """The step lowered for analysis; `abstract` uses shapes only (no arrays allocated)."""
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             jax.eval_shape(lambda: self._abstract_state()), self.state_shardings)
+        batch = {k: jax.ShapeDtypeStruct((self.tc.batch, self.tc.seq), jnp.int32, sharding=self.batch_sharding)
+                 for k in ("inputs", "labels", "positions")}
+        return self._step.lower(state, batch)
+
+    def _abstract_state(self) -> TrainState:
+        params = self.abstract_params
+        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def gather(tree) -> Any:
+    """A pytree of global arrays as host numpy (for tests and reports)."""
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 x (matmul params) + causal attention scores/values.
+
+    6N (Kaplan et al. 2020) counts forward+backward matmuls; attention adds 6 * 2 * s * h * dh per
+    attention layer and token, halved for causal masking (PaLM, Chowdhery et al. 2022, app. B).
+    """
+    d = cfg.d_model
+    per_attn = 0
+    if "A" in cfg.pattern:
+        mlp_mats = 3 if cfg.mlp_type == "swiglu" else 2
+        per_attn = d * cfg.head_dim * (2 * cfg.heads + 2 * cfg.kv_heads) + mlp_mats * d * cfg.mlp_dim
+    per_mamba = 0
+    if "M" in cfg.pattern:
+        d_in_proj = 2 * cfg.d_inner + 2 * cfg.ngroups * cfg.d_state + cfg.ssm_heads
+        per_mamba = d * d_in_proj + cfg.d_inner * d
+    n = cfg.attention_layers * per_attn + cfg.mamba_layers * per_mamba + d * cfg.vocab
+    attn = cfg.attention_layers * 6 * 2 * seq * cfg.heads * cfg.head_dim / 2
+    return 6 * n + attn
+
+
+def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0):
+    """Run steps [start, tc.steps); `on_step(step, metrics)` sees host floats each step."""
+    state = trainer.init_state() if state is None else state
+    tokens = trainer.tc.batch * trainer.tc.seq
+    flops = model_flops_per_token(trainer.model_cfg, trainer.tc.seq) * tokens
+    for step in range(start, trainer.tc.steps):
+        batch = trainer.batch(source, step)
+        t0 = time.perf_counter()
+        state, metrics = trainer.step(state, batch)
+        loss = float(metrics["loss"])  # blocks until the step is done
+        dt = time.perf_counter() - t0
+        if on_step is not None:
+            on_step(step, {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                           "step_time_s": dt, "tokens_per_s": tokens / dt, "model_flops_per_s": flops / dt})
+    return state

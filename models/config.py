@@ -1,0 +1,200 @@
+"""Model configuration: one frozen dataclass for every model family, plus named presets.
+
+A model is a stack of `layers` blocks. `pattern` says which block each layer is and is repeated
+to fill the stack: "A" is a LLaMA-style attention block (GQA attention + MLP), "M" is a Mamba-2
+block. So a transformer has pattern "A", a pure Mamba-2 model "M", and a hybrid e.g. "MMMA".
+
+Spec strings (the CLI's `--model`):
+    llama-tiny                          a preset
+    llama-tiny:layers=4,d_model=256     a preset with overrides
+    path/to/model.toml                  a TOML file: optional `preset = "..."` plus fields
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+from typing import Any
+
+from jaxpar.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "custom"
+    layers: int = 2
+    d_model: int = 64
+    vocab: int = 256
+    max_seq: int = 256
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    pattern: str = "A"  # A = attention block, M = Mamba-2 block; repeated to fill `layers`
+    # attention blocks
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 8
+    mlp_dim: int = 256
+    mlp_type: str = "swiglu"  # swiglu | gelu
+    rope_theta: float = 10_000.0
+    # Mamba-2 blocks
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    ssm_head_dim: int = 16
+    ngroups: int = 1
+    chunk: int = 16
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def units(self) -> int:
+        """Number of scanned units: each unit is one repetition of `pattern`."""
+        return self.layers // len(self.pattern)
+
+    @property
+    def attention_layers(self) -> int:
+        return self.units * self.pattern.count("A")
+
+    @property
+    def mamba_layers(self) -> int:
+        return self.units * self.pattern.count("M")
+
+    @property
+    def d_inner(self) -> int:
+        """Mamba-2 inner width (expand * d_model)."""
+        return self.expand * self.d_model
+
+    @property
+    def ssm_heads(self) -> int:
+        return self.d_inner // self.ssm_head_dim
+
+    def validate(self) -> None:
+        """Constraints internal to the model (strategy constraints live in jaxpar.validate)."""
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"model {self.name}: {msg}")
+        for f in ("layers", "d_model", "vocab", "max_seq"):
+            need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
+        need(self.pattern != "" and set(self.pattern) <= {"A", "M"},
+             f"pattern must be a non-empty string of 'A' (attention) and 'M' (Mamba), got {self.pattern!r}")
+        need(self.layers % len(self.pattern) == 0,
+             f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
+        if "A" in self.pattern:
+            need(self.heads > 0 and self.kv_heads > 0 and self.head_dim > 0,
+                 f"heads, kv_heads, head_dim must be positive, got {self.heads}, {self.kv_heads}, {self.head_dim}")
+            need(self.heads % self.kv_heads == 0,
+                 f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
+            need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
+            need(self.mlp_type in ("swiglu", "gelu"), f"mlp_type must be swiglu or gelu, got {self.mlp_type!r}")
+        if "M" in self.pattern:
+            need(self.d_inner % self.ssm_head_dim == 0,
+                 f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner=expand*d_model={self.d_inner}")
+            need(self.ssm_heads % self.ngroups == 0,
+                 f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
+            need(self.d_conv >= 1 and self.chunk >= 1, f"d_conv and chunk must be >= 1")
+
+
+# Published dimensions. LLaMA 3: Meta's model card / "The Llama 3 Herd of Models" (2024), table 3.
+# GPT-3 175B: Brown et al. 2020 table 2.1; vocab padded to 51200 as Megatron-LM does (50257 -> x128).
+# Mamba-2: Dao & Gu 2024, the state-spaces/mamba2-* checkpoints' configs (vocab padded to 50280).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": dict(layers=2, d_model=64, heads=16, kv_heads=8, head_dim=8, mlp_dim=128,
+                       vocab=256, max_seq=256),
+    "llama3-8b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336,
+                      vocab=128256, max_seq=8192, rope_theta=500_000.0),
+    "llama3-70b": dict(layers=80, d_model=8192, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672,
+                       vocab=128256, max_seq=8192, rope_theta=500_000.0),
+    "llama3-405b": dict(layers=126, d_model=16384, heads=128, kv_heads=8, head_dim=128, mlp_dim=53248,
+                        vocab=128256, max_seq=8192, rope_theta=500_000.0),
+    "gpt3-175b": dict(layers=96, d_model=12288, heads=96, kv_heads=96, head_dim=128, mlp_dim=49152,
+                      mlp_type="gelu", vocab=51200, max_seq=2048, tie_embeddings=True),
+    "mamba2-tiny": dict(pattern="M", layers=2, d_model=64, vocab=256, max_seq=256, d_state=16,
+                        d_conv=4, expand=2, ssm_head_dim=16, ngroups=2, chunk=16),
+    "mamba2-130m": dict(pattern="M", layers=24, d_model=768, vocab=50280, max_seq=2048, d_state=128,
+                        d_conv=4, expand=2, ssm_head_dim=64, ngroups=1, chunk=256, tie_embeddings=True),
+    "mamba2-370m": dict(pattern="M", layers=48, d_model=1024, vocab=50280, max_seq=2048, d_state=128,
+                        d_conv=4, expand=2, ssm_head_dim=64, ngroups=1, chunk=256, tie_embeddings=True),
+    "mamba2-1.3b": dict(pattern="M", layers=48, d_model=2048, vocab=50280, max_seq=2048, d_state=128,
+                        d_conv=4, expand=2, ssm_head_dim=64, ngroups=1, chunk=256, tie_embeddings=True),
+    "mamba2-2.7b": dict(pattern="M", layers=64, d_model=2560, vocab=50280, max_seq=2048, d_state=128,
+                        d_conv=4, expand=2, ssm_head_dim=64, ngroups=1, chunk=256, tie_embeddings=True),
+    "hybrid-tiny": dict(pattern="MMMA", layers=4, d_model=64, heads=8, kv_heads=4, head_dim=8,
+                        mlp_dim=128, vocab=256, max_seq=256, d_state=16, d_conv=4, expand=2,
+                        ssm_head_dim=16, ngroups=2, chunk=16),
+}
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+
+
+def _coerce(key: str, raw: Any, where: str) -> Any:
+    if key not in _FIELDS or key == "name":
+        known = ", ".join(k for k in _FIELDS if k != "name")
+        raise ConfigError(f"{where}: unknown model field {key!r}; known fields: {known}")
+    default = getattr(ModelConfig, key)
+    if isinstance(raw, str):
+        text = raw.strip()
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return text.lower() in ("true", "1")
+            if isinstance(default, int):
+                return int(text)
+            if isinstance(default, float):
+                return float(text)
+            return text
+        except ValueError:
+            raise ConfigError(f"{where}: {key}={raw!r} is not a valid {type(default).__name__}") from None
+    if isinstance(default, bool) and not isinstance(raw, bool):
+        raise ConfigError(f"{where}: {key}={raw!r} must be true or false")
+    if isinstance(default, float) and isinstance(raw, int):
+        return float(raw)
+    if type(raw) is not type(default):
+        raise ConfigError(f"{where}: {key}={raw!r} must be a {type(default).__name__}")
+    return raw
+
+
+def from_preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    fields = {**PRESETS[name], **{k: _coerce(k, v, f"model {name}") for k, v in overrides.items()}}
+    cfg = ModelConfig(name=name, **fields)
+    cfg.validate()
+    return cfg
+
+
+def parse_model(spec: str) -> ModelConfig:
+    """`preset`, `preset:key=value,...` or a TOML path (see module docstring)."""
+    if spec.endswith(".toml"):
+        path = pathlib.Path(spec)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read model file {spec}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"model file {spec} is not valid TOML: {e}") from None
+        preset = data.pop("preset", None)
+        base = dict(PRESETS[preset]) if preset in PRESETS else {}
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"{spec}: unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
+        fields = {**base, **{k: _coerce(k, v, spec) for k, v in data.items()}}
+        cfg = ModelConfig(name=path.stem, **fields)
+        cfg.validate()
+        return cfg
+    name, _, rest = spec.partition(":")
+    overrides: dict[str, str] = {}
+    if rest:
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip() or not value.strip():
+                raise ConfigError(f"malformed model override {item!r} in {spec!r}: expected key=value")
+            overrides[key.strip()] = value
+    cfg = from_preset(name, **overrides)
+    return dataclasses.replace(cfg, name=spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How a model executes (set by the strategy's options; never changes the maths)."""
+    dtype: str = "float32"        # compute dtype; parameters stay float32
+    remat: str = "none"           # none | full | dots | dots_no_batch
+    attention: str = "dense"      # dense | ring | allgather

@@ -1,0 +1,73 @@
+"""Building blocks shared by the model families: annotated parameters, RMSNorm, RoPE, MLP.
+
+Every parameter is created by `param`, which records its logical axis names as flax metadata
+(`out_sharding`). Nothing here knows about meshes: `jaxpar.sharding` turns names into shardings.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.sharding import constrain
+from models.config import ModelConfig, RunConfig
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None = None,
+          value: float | None = None) -> nnx.Param:
+    """A float32 parameter, normal(0, std) or constant `value`, annotated with logical `names`."""
+    assert len(shape) == len(names), (shape, names)
+    if value is not None:
+        x = jnp.full(shape, value, jnp.float32)
+    else:
+        x = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(x, out_sharding=names, eager_sharding=False)
+
+
+def dtype_of(run: RunConfig):
+    return jnp.dtype(run.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, name: str = "act_embed"):
+        self.scale = param(rngs, (dim,), ("embed" if name == "act_embed" else name,), value=1.0)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half form) of x [b, s, h, d] at integer `positions` [b, s]."""
+    d = x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)            # [d/2]
+    angles = positions.astype(jnp.float32)[..., None] * freqs                # [b, s, d/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU (w_gate, w_up, w_down) or GeLU (w_up, w_down); column- then row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.run, self.gated = run, cfg.mlp_type == "swiglu"
+        if self.gated:
+            self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std=d ** -0.5)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), std=d ** -0.5)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = dtype_of(self.run)
+        up = x @ self.w_up[...].astype(dt)
+        if self.gated:
+            h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * up
+        else:
+            h = jax.nn.gelu(up, approximate=True)
+        h = constrain(h, ("batch", "seq", "act_mlp"))
+        return h @ self.w_down[...].astype(dt)

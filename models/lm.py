@@ -1,0 +1,107 @@
+"""A decoder-only language model: embedding, a scanned stack of units, final norm, LM head.
+
+A *unit* is one repetition of `cfg.pattern` ("A" attention block, "M" Mamba-2 block). The units'
+parameters are stacked on a leading `layers` axis (created with nnx.vmap) and applied with
+`jax.lax.scan`, so a 126-layer model compiles one unit body; the pipeline splits the same stack
+across stages.
+
+The public pieces, so that pipeline parallelism can replace the middle:
+    embed(tokens) -> x          apply_stack(x, positions) -> x          loss(x, labels) -> scalar
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.sharding import constrain
+from models.config import ModelConfig, RunConfig
+from models.layers import RMSNorm, dtype_of, param
+from models.transformer import RESIDUAL, AttentionBlock
+
+
+def block_class(kind: str):
+    if kind == "A":
+        return AttentionBlock
+    from models.mamba import MambaBlock  # noqa: PLC0415
+    return MambaBlock
+
+
+class Unit(nnx.Module):
+    """One repetition of the pattern: its blocks applied in order."""
+
+    def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in cfg.pattern])
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x, positions)
+        return x
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat(fn, policy: str):
+    """Wrap a scan body in jax.checkpoint under the named policy ("none" leaves it alone)."""
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+
+
+class LM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, run: RunConfig = RunConfig(), *, rngs: nnx.Rngs):
+        self.cfg, self.run = cfg, run
+        self.embedding = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"), std=1.0)
+
+        @nnx.split_rngs(splits=cfg.units)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_units(rngs: nnx.Rngs) -> Unit:
+            return Unit(cfg, run, rngs=rngs)
+
+        self.units = make_units(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), std=cfg.d_model ** -0.5)
+
+    # ---- the three stages ----------------------------------------------------------------------
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.run))
+        return constrain(x, RESIDUAL)
+
+    def apply_stack(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        graphdef, stacked = nnx.split(self.units)
+        x, _ = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
+        return x
+
+    def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """Mean token cross-entropy, vocab-parallel: logits stay sharded on `act_vocab`, the
+        log-sum-exp and the label logit are reductions over vocab (all-reduces when it is
+        sharded), so no device ever holds the full [b, s, vocab] logits."""
+        x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+        w = self.embedding[...].T if self.cfg.tie_embeddings else self.head[...]
+        logits = (x @ w.astype(x.dtype)).astype(jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "act_vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        one_hot = jax.nn.one_hot(labels, self.cfg.vocab, dtype=jnp.float32)
+        label_logit = jnp.sum(logits * constrain(one_hot, ("batch", "seq", "act_vocab")), axis=-1)
+        nll = lse - label_logit
+        if weights is None:
+            return jnp.mean(nll)
+        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, labels: jax.Array) -> jax.Array:
+        return self.loss(self.apply_stack(self.embed(tokens), positions), labels)
+
+
+def unit_step(graphdef, policy: str, positions: jax.Array):
+    """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy)."""
+    def step(x, unit_state):
+        return nnx.merge(graphdef, unit_state)(x, positions), None
+    return remat(step, policy)

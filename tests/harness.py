@@ -1,0 +1,59 @@
+"""Shared, cached pieces for the strategy tests: the 1-device reference and one Trainer per strategy.
+
+Compiling a train step costs seconds on a 2-core machine, so every test that needs the trainer of a
+(model, strategy) pair gets the same instance, compiled once per session.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxpar.data import Synthetic
+from jaxpar.strategy import parse_strategy
+from jaxpar.train import TrainConfig, Trainer, gather
+from models.config import parse_model
+
+TC = TrainConfig(batch=16, seq=32, steps=10, lr=3e-3, warmup=3)
+STEPS = 10
+
+
+@functools.cache
+def trainer(model: str, mesh: str, devices: int = 8, **options) -> Trainer:
+    strategy = parse_strategy(mesh).with_options(**options)
+    return Trainer(parse_model(model), strategy, TC, devices=jax.devices()[:devices])
+
+
+@functools.cache
+def reference_params(model: str):
+    """Parameters initialised on one device (host numpy)."""
+    return gather(trainer(model, "data=1", devices=1).init_state().params)
+
+
+def source(model: str) -> Synthetic:
+    return Synthetic(parse_model(model).vocab, seed=0)
+
+
+@functools.cache
+def loss_and_grads(model: str, mesh: str, devices: int = 8, **options):
+    tr = trainer(model, mesh, devices, **options)
+    state = tr.state_from_params(reference_params(model))
+    loss, grads = tr.loss_and_grads(state.params, tr.batch(source(model), 0))
+    return float(loss), gather(grads)
+
+
+@functools.cache
+def trajectory(model: str, mesh: str, devices: int = 8, **options) -> tuple[np.ndarray, object]:
+    """Losses of STEPS steps from the reference parameters, and the final state."""
+    tr = trainer(model, mesh, devices, **options)
+    state = tr.state_from_params(reference_params(model))
+    losses = []
+    for step in range(STEPS):
+        state, metrics = tr.step(state, tr.batch(source(model), step))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def leaves_with_paths(tree):
+    return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
