@@ -25,8 +25,13 @@ def simulate_cpu_devices(n: int) -> None:
             raise ConfigError(f"--devices {n} asked after JAX already started with {have} devices; "
                               "set it before the first JAX computation (or in a fresh process)")
         return
-    flags = re.sub(rf"{FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).split()
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{FLAG}={n}"])
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
+
+
+def with_device_count(xla_flags: str, n: int) -> str:
+    """`xla_flags` with the device-count flag set to n (any earlier value replaced, others kept)."""
+    flags = re.sub(rf"{FLAG}=\S+", "", xla_flags).split()
+    return " ".join(flags + [f"{FLAG}={n}"])
 
 
 def backend_started() -> bool:

@@ -32,7 +32,3 @@ def make_mesh(strategy: Strategy, devices: list | None = None) -> Mesh:
         array = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(array, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
-
-def device_ids(mesh: Mesh) -> np.ndarray:
-    """The mesh's device ids, shaped like the mesh (used to read replica groups in HLO)."""
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)

@@ -1,0 +1,552 @@
+"""Tally the collectives in compiled HLO: kind x mesh axes x bytes x phase, loop trip counts included.
+
+The input is the optimized, SPMD-partitioned, per-device HLO module that
+``jax.jit(f).lower(...).compile().as_text()`` prints. Every collective instance is sized from its
+shape, mapped back to the mesh axes its device groups span, multiplied by how often its computation
+runs, labelled with a training phase, and merged with its equals.
+
+HLO text handled ([seen]: in jax 0.12 CPU output; [XLA]: only in XLA's source and tests)
+------------------------------------------------------------------------------------------
+Module
+    ``HloModule ...`` header, then computations ``[ENTRY] %name (params) -> shape {`` ... ``}``
+    [seen]; ``%`` and the signature may be left out, as in hand-written HLO. One instruction
+    per line: ``[ROOT] %name = SHAPE opcode(operands), attr=value, ...``. Other top-level
+    sections (``FileNames``, ``StackFrames``, ...) are skipped [seen].
+Shapes
+    ``f32[4,8]{1,0}`` (layout ignored), scalars ``f32[]``, tuples ``(f32[4], f32[4])`` with
+    XLA's ``/*index=5*/`` comments [seen]; nested tuples and dynamic dims ``f32[<=8]`` [XLA].
+    Element sizes for pred, s/u 1..64, f16, bf16, f32, f64, c64, c128, f8* and f4e2m1fn;
+    sub-byte arrays round up to whole bytes.
+Collectives
+    ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``,
+    plain or combined (tuple-shaped) [seen]. Async pairs count once, at the start [XLA]:
+    ``all-reduce-start`` (shape = the result), ``all-gather-start`` (``(operands, results)``),
+    ``collective-permute-start`` (``(operand, result, u32[], u32[])``), XLA's async sugar
+    ``reduce-scatter-start`` / ``all-to-all-start`` (``((operands), results, ...)``), and
+    ``async-start(...), calls=%c``, which runs the collective inside ``%c`` once per start.
+    ``-update`` / ``-done`` ops are skipped. ``send``, ``recv``, ``ragged-all-to-all`` and
+    ``collective-broadcast`` are not tallied; they add a warning.
+Replica groups
+    explicit ``replica_groups={{0,2},{1,3}}`` [seen] and ``replica_groups={}`` (all devices)
+    [XLA]; iota ``replica_groups=[4,2]<=[2,2,2]T(1,0,2)`` [seen] and ``[2,4]<=[8]`` [XLA];
+    mesh axes ``replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}``, including sub-axes
+    ``{'x':(2)4}`` (pre-size 2, size 4; Shardy's notation) [seen]; unquoted names and a
+    non-iota ``mesh[...], device_ids=(...)`` [XLA]. ``collective-permute`` uses
+    ``source_target_pairs={{0,1},{1,2}}`` [seen].
+Loops and calls
+    The call graph is walked from ENTRY through ``calls=``, ``to_apply=``, ``body=``,
+    ``condition=``, ``branch_computations={...}``, ``true_computation=``,
+    ``false_computation=`` and ``called_computations={...}``. A ``while`` with
+    ``backend_config={..."known_trip_count":{"n":"80"}...}`` [seen] runs its body n times and its
+    condition n+1 times; nested loops multiply and a computation reached along several paths
+    sums them. Two cases are counted with a warning in ``Tally.warnings``: a ``while`` without
+    a known trip count (body counted once) and a ``conditional`` (every branch counted once).
+
+Device ids
+    Replica-group ids in a jit-compiled SPMD module are *partition ids*: positions in the
+    executable's device assignment, which jax takes from ``mesh.devices.flat``. They are not
+    ``Device.id``: on a mesh built from devices (3, 1, 0, 2) the HLO still says ``{0,1,2,3}``.
+    ``tally`` takes the id that the HLO uses for each mesh position; ``tally_compiled`` passes
+    ``arange(mesh.size).reshape(mesh shape)``.
+
+Axes
+    A group set spans the axes S iff every group is the set of devices that vary along S with
+    the other coordinates fixed. S may name part of an axis: ``'data:(2)2'`` is the minor
+    half of an axis ``data`` of size 4 (Shardy's sub-axis notation). Groups of one device
+    (``axes == ()``) move no data and are dropped. Groups that are no such product are
+    reported with ``axes == ("?",)`` and a warning. A collective-permute spans the axes along
+    which some source and target differ.
+
+Bytes (per device, summed over instances and loop trips)
+    all-reduce, all-gather, all-to-all, collective-permute: the result buffer (all tuple
+    elements); reduce-scatter: the result times the group size n (the pre-scatter buffer).
+    ``wire_bytes`` is what one device sends under the ring algorithm: AG, RS, A2A
+    (n-1)/n x bytes, AR 2(n-1)/n x bytes, permute = bytes. Note that XLA:CPU promotes a bf16
+    all-reduce to f32, so the CPU tally shows 4 bytes per element there.
+
+Phases (from ``metadata={op_name="..."}``; the first rule that applies wins)
+    1. no op_name -> ``other``;
+    2. the optimizer scope name (default ``"optimizer"``, i.e. code under
+       ``jax.named_scope("optimizer")``) appears as a whole word -> ``optimizer``;
+    3. ``transpose(`` appears (jax names backward ops ``transpose(jvp(...))``) -> ``backward``;
+    4. anything else (``jvp(...)``, a parameter name, plain forward code) -> ``forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import graphlib
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+PHASES = ("forward", "backward", "optimizer", "other")
+OPTIMIZER_SCOPE = "optimizer"
+UNMATCHED_AXES = ("?",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind over one set of mesh axes in one phase, merged."""
+
+    kind: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int
+    wire_bytes: float
+    phase: str
+
+
+class Tally(list):
+    """The merged ``Collective`` list, plus ``warnings``: why some counts may be inexact."""
+
+    def __init__(self, collectives: Iterable[Collective] = (), warnings: Iterable[str] = ()):
+        super().__init__(collectives)
+        self.warnings = list(warnings)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def tally(
+    hlo_text: str,
+    axis_names: Sequence[str],
+    device_ids: np.ndarray,
+    *,
+    optimizer_scope: str = OPTIMIZER_SCOPE,
+) -> Tally:
+    """Tally the collectives of an HLO module on a mesh.
+
+    ``device_ids`` has the mesh shape (axes in ``axis_names`` order) and holds the id the HLO
+    uses for the device at each mesh position (see "Device ids" in the module docstring).
+    """
+    mesh = _MeshIndex.build(axis_names, device_ids)
+    computations, entry = _parse_module(hlo_text)
+    merged: dict[tuple[str, tuple[str, ...], str], list] = {}
+    warnings: list[str] = []
+    for instr, times, notes in _executed_instructions(computations, entry):
+        if instr.opcode in _UNTALLIED_OPCODES:
+            warnings.append(f"{instr.opcode} %{instr.name} is not tallied")
+        kind = _KIND_OF_OPCODE.get(instr.opcode)
+        if kind is None or times == 0:
+            continue
+        axes, n = _communicator(instr, mesh)
+        if not axes:
+            continue
+        if axes == UNMATCHED_AXES:
+            warnings.append(f"{instr.opcode} %{instr.name}: device groups match no mesh axes")
+        warnings.extend(notes)
+        size = _buffer_bytes(instr, kind, n)
+        key = (kind, axes, phase_of(_op_name(instr), optimizer_scope))
+        totals_ = merged.setdefault(key, [0, 0, 0.0])
+        totals_[0] += times
+        totals_[1] += times * size
+        totals_[2] += times * size * _wire_factor(kind, n)
+    collectives = [Collective(k, axes, c, b, w, phase) for (k, axes, phase), (c, b, w) in merged.items()]
+    collectives.sort(key=lambda c: (KINDS.index(c.kind), PHASES.index(c.phase), c.axes))
+    return Tally(collectives, dict.fromkeys(warnings))
+
+
+def tally_compiled(compiled, mesh, *, optimizer_scope: str = OPTIMIZER_SCOPE) -> Tally:
+    """Tally a ``jax.stages.Compiled`` whose shardings live on ``mesh`` (a Mesh or AbstractMesh)."""
+    shape = tuple(mesh.shape.values())
+    positions = np.arange(math.prod(shape)).reshape(shape)
+    return tally(compiled.as_text(), mesh.axis_names, positions, optimizer_scope=optimizer_scope)
+
+
+def totals(collectives: Iterable[Collective]) -> dict:
+    """Sum of ``count``, ``bytes`` and ``wire_bytes`` over collectives."""
+    collectives = list(collectives)
+    return {
+        "count": sum(c.count for c in collectives),
+        "bytes": sum(c.bytes for c in collectives),
+        "wire_bytes": sum(c.wire_bytes for c in collectives),
+    }
+
+
+def phase_of(op_name: str | None, optimizer_scope: str = OPTIMIZER_SCOPE) -> str:
+    """Training phase of an op from its metadata op_name (rules in the module docstring)."""
+    if not op_name:
+        return "other"
+    if re.search(rf"\b{re.escape(optimizer_scope)}\b", op_name):
+        return "optimizer"
+    if "transpose(" in op_name:
+        return "backward"
+    return "forward"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the module text
+# ----------------------------------------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.+)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    shape: str  # the result shape, e.g. "f32[4,8]{1,0}" or "(f32[4], s32[])"
+    opcode: str
+    text: str  # everything after the shape: opcode, operands, attributes
+
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """The instructions of each computation, by name, and the name of the ENTRY computation."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry = current = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            header = _COMPUTATION.match(line)
+            if header:
+                current = header["name"]
+                computations[current] = []
+                entry = current if header["entry"] else entry
+        elif line.lstrip().startswith("}"):
+            current = None
+        elif match := _INSTRUCTION.match(line):
+            computations[current].append(_parse_instruction(match["name"], match["rest"]))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _parse_instruction(name: str, rest: str) -> _Instruction:
+    if rest.startswith("("):
+        end = _closing(rest, 0) + 1
+        shape, text = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, text = rest.partition(" ")
+    opcode = _OPCODE.match(text)
+    return _Instruction(name, shape, opcode[1] if opcode else "", text)
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``text[start]`` (any of ``([{``, nested)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
+
+
+def _op_name(instr: _Instruction) -> str | None:
+    match = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', instr.text)
+    return match[1] if match else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Call graph: how many times each computation runs per execution of ENTRY
+# ----------------------------------------------------------------------------------------------
+
+_CALLED = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
+
+
+class _Call(NamedTuple):
+    callee: str
+    times: int  # runs of the callee per run of the calling instruction
+    note: str | None  # why ``times`` may be inexact
+
+
+def _calls(instr: _Instruction) -> list[_Call]:
+    """The computations an instruction runs, with how often."""
+    if instr.opcode in ("async-update", "async-done"):
+        return []  # the matching async-start already ran the wrapped computation
+    trip = _trip_count(instr) if instr.opcode == "while" else None
+    calls = []
+    for attr, value in _CALLED.findall(instr.text):
+        times, note = 1, None
+        if attr in ("body", "condition") and trip is None:
+            note = f"while %{instr.name} has no known_trip_count: its body is counted once"
+        elif attr == "body":
+            times = trip
+        elif attr == "condition":
+            times = trip + 1
+        elif attr in _BRANCH_ATTRS:
+            note = f"conditional %{instr.name}: each branch is counted as taken"
+        calls.extend(_Call(callee, times, note) for callee in re.findall(r"%?([\w.\-]+)", value))
+    return calls
+
+
+def _trip_count(instr: _Instruction) -> int | None:
+    match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.text)
+    return int(match[1]) if match else None
+
+
+def _executed_instructions(
+    computations: dict[str, list[_Instruction]], entry: str
+) -> Iterator[tuple[_Instruction, int, set[str]]]:
+    """Each instruction reachable from ENTRY, with its runs per step and notes on inexact counts."""
+    calls = {name: [c for instr in instrs for c in _calls(instr)] for name, instrs in computations.items()}
+    callers: dict[str, set[str]] = {entry: set()}
+    pending = [entry]
+    while pending:
+        caller = pending.pop()
+        for call in calls[caller]:
+            if call.callee not in computations:
+                raise ValueError(f"%{caller} calls undefined computation %{call.callee}")
+            if call.callee not in callers:
+                callers[call.callee] = set()
+                pending.append(call.callee)
+            callers[call.callee].add(caller)
+    times = dict.fromkeys(callers, 0) | {entry: 1}
+    notes: dict[str, set[str]] = {name: set() for name in callers}
+    for name in graphlib.TopologicalSorter(callers).static_order():  # callers before callees
+        for call in calls[name]:
+            times[call.callee] += times[name] * call.times
+            notes[call.callee] |= notes[name] | ({call.note} if call.note else set())
+        for instr in computations[name]:
+            yield instr, times[name], notes[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+# ----------------------------------------------------------------------------------------------
+
+_KIND_OF_OPCODE = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS}
+_UNTALLIED_OPCODES = frozenset({"send", "recv", "ragged-all-to-all", "collective-broadcast"})
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
+_ELEMENT_BITS = {
+    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+    "f4e2m1fn": 4, "token": 0,
+}  # fmt: skip
+
+
+def _buffer_bytes(instr: _Instruction, kind: str, n: int) -> int:
+    """Bytes of the full buffer one instance moves: reduced, gathered or pre-scatter."""
+    result = _shape_bytes(_result_shape(instr))
+    return result * n if kind == "reduce-scatter" else result
+
+
+def _result_shape(instr: _Instruction) -> str:
+    """The shape of the buffers a collective produces, for sync and async-start forms."""
+    if not instr.opcode.endswith("-start"):
+        return instr.shape
+    elements = _tuple_elements(instr.shape)
+    if instr.opcode == "all-reduce-start" and not elements[0].startswith("("):
+        return instr.shape  # native all-reduce-start: its shape is the result
+    return elements[1]  # (operands, results, [contexts...])
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """Top-level elements of a tuple shape; a non-tuple shape is its own only element."""
+    shape = _INDEX_COMMENT.sub("", shape)
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(shape):
+        depth += (char in "([{") - (char in ")]}")
+        if (char == "," and depth == 1) or depth == 0:
+            elements.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [e for e in elements if e]
+
+
+def _shape_bytes(shape: str) -> int:
+    """Bytes of all arrays in a (possibly tuple) shape."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        elements = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
+        total += -(-_element_bits(dtype) * elements // 8)
+    return total
+
+
+def _element_bits(dtype: str) -> int:
+    if dtype.startswith("f8"):
+        return 8
+    if dtype not in _ELEMENT_BITS:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return _ELEMENT_BITS[dtype]
+
+
+def _wire_factor(kind: str, n: int) -> float:
+    """Bytes one device sends per byte of buffer, ring algorithm, group size n."""
+    if kind == "collective-permute":
+        return 1.0
+    share = (n - 1) / n
+    return 2 * share if kind == "all-reduce" else share
+
+
+# ----------------------------------------------------------------------------------------------
+# Device groups and the mesh axes they span
+# ----------------------------------------------------------------------------------------------
+
+
+class _Span(NamedTuple):
+    """A (sub-)axis: coordinates ``0, stride, ..., (size-1)*stride`` of mesh axis ``axis``."""
+
+    axis: int
+    stride: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshIndex:
+    names: tuple[str, ...]
+    ids: np.ndarray  # the HLO id at each mesh position
+    coords: dict[int, tuple[int, ...]]  # HLO id -> mesh position
+
+    @staticmethod
+    def build(axis_names: Sequence[str], device_ids: np.ndarray) -> _MeshIndex:
+        ids = np.asarray(device_ids)
+        if ids.ndim != len(axis_names):
+            raise ValueError(f"device_ids has {ids.ndim} dims but there are {len(axis_names)} axis names")
+        coords = {int(ids[pos]): pos for pos in np.ndindex(ids.shape)}
+        if len(coords) != ids.size:
+            raise ValueError("device_ids holds a device more than once")
+        return _MeshIndex(tuple(axis_names), ids, coords)
+
+    def check(self, groups: list[list[int]]) -> None:
+        for device in (d for g in groups for d in g if d not in self.coords):
+            raise ValueError(f"device id {device} in the HLO is not in the mesh ({self.ids.size} devices)")
+
+
+def _communicator(instr: _Instruction, mesh: _MeshIndex) -> tuple[tuple[str, ...], int]:
+    """The mesh axes an instance spans and its group size."""
+    if instr.opcode.startswith("collective-permute"):
+        return _permute_axes(_source_target_pairs(instr.text), mesh), 2
+    groups = _replica_groups(instr.text, mesh)
+    mesh.check(groups)
+    axes = _axes_spanned(groups, mesh)
+    return (UNMATCHED_AXES if axes is None else axes), len(groups[0])
+
+
+def _replica_groups(text: str, mesh: _MeshIndex) -> list[list[int]]:
+    """Device groups of a ``replica_groups=`` attribute in any of its syntaxes."""
+    match = re.search(r"\breplica_groups=", text)
+    spec = text[match.end():] if match else "{}"
+    if spec.startswith("mesh["):
+        return _mesh_axes_groups(spec)
+    if spec.startswith("["):
+        return _iota_ids(spec).tolist()
+    groups = [_ints(g) for g in re.findall(r"\{([^{}]*)\}", spec[1:_closing(spec, 0)])]
+    return groups or [mesh.ids.ravel().tolist()]
+
+
+def _source_target_pairs(text: str) -> list[list[int]]:
+    spec = text[re.search(r"\bsource_target_pairs=", text).end():]
+    return [_ints(p) for p in re.findall(r"\{([^{}]*)\}", spec[1:_closing(spec, 0)])]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text)]
+
+
+_IOTA = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _iota_ids(spec: str) -> np.ndarray:
+    """``[dims]<=[reshape]T(perm)``: iota over ``reshape``, transposed by ``perm``, shaped ``dims``."""
+    match = _IOTA.match(spec)
+    reshape = _ints(match["reshape"])
+    perm = _ints(match["perm"]) if match["perm"] else list(range(len(reshape)))
+    return np.arange(math.prod(reshape)).reshape(reshape).transpose(perm).reshape(_ints(match["dims"]))
+
+
+_MESH_AXES = re.compile(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>.*?)\))?\s*\{(?P<refs>[^}]*)\}")
+
+
+def _mesh_axes_groups(spec: str) -> list[list[int]]:
+    """Groups of ``mesh['a'=2,'b'=4] {'b'}``: the devices that vary along the listed (sub-)axes."""
+    match = _MESH_AXES.match(spec)
+    axes = re.findall(r"'?([^',=\s]+)'?=(\d+)", match["axes"])
+    names = [name for name, _ in axes]
+    sizes = [int(size) for _, size in axes]
+    ids = _mesh_device_ids(match["ids"], sizes)
+    spans = []
+    for ref in filter(str.strip, match["refs"].split(",")):
+        name, pre, size = re.fullmatch(r"\s*'?([^':\s]+)'?(?::\((\d+)\)(\d+))?\s*", ref).groups()
+        axis = names.index(name)
+        if size is None:
+            spans.append(_Span(axis, 1, sizes[axis]))
+        else:
+            spans.append(_Span(axis, sizes[axis] // (int(pre) * int(size)), int(size)))
+    return _groups_along(ids, spans)
+
+
+def _mesh_device_ids(text: str | None, sizes: list[int]) -> np.ndarray:
+    """Device ids of an HLO mesh: iota unless ``device_ids=(...)`` gives them (iota form or a list)."""
+    if text is None:
+        return np.arange(math.prod(sizes)).reshape(sizes)
+    if "<=" in text:
+        return _iota_ids(text).reshape(sizes)
+    return np.array(_ints(re.sub(r"^\s*\[[\d,]*\]", "", text))).reshape(sizes)
+
+
+def _groups_along(ids: np.ndarray, spans: Sequence[_Span]) -> list[list[int]]:
+    """Partition the devices: same group iff equal coordinates once the spans are zeroed out."""
+    coords = np.indices(ids.shape)
+    for axis, stride, size in spans:
+        coords[axis] -= (coords[axis] // stride % size) * stride
+    groups: dict[int, list[int]] = {}
+    keys = np.ravel_multi_index(tuple(coords), ids.shape).ravel()
+    for key, device in zip(keys.tolist(), ids.ravel().tolist()):
+        groups.setdefault(key, []).append(device)
+    return list(groups.values())
+
+
+def _axes_spanned(groups: list[list[int]], mesh: _MeshIndex) -> tuple[str, ...] | None:
+    """Labels of the (sub-)axes the groups vary along, or None if they are no such product.
+
+    The group holding the mesh origin shows, per axis, which coordinates a group covers; they
+    must form ``0, stride, ..., (size-1)*stride``. The partition those spans induce must then
+    equal the given groups.
+    """
+    origin = int(mesh.ids.flat[0])
+    first = next((g for g in groups if origin in g), None)
+    if first is None:
+        return None
+    positions = np.array([mesh.coords[d] for d in first])
+    spans = []
+    for axis, length in enumerate(mesh.ids.shape):
+        values = np.unique(positions[:, axis])
+        if len(values) == 1:
+            continue
+        span = _Span(axis, int(values[1]), len(values))
+        evenly_spaced = np.array_equal(values, np.arange(span.size) * span.stride)
+        if not evenly_spaced or length % (span.stride * span.size):
+            return None
+        spans.append(span)
+    if {frozenset(g) for g in _groups_along(mesh.ids, spans)} != {frozenset(g) for g in groups}:
+        return None
+    return tuple(_span_label(span, mesh) for span in spans)
+
+
+def _span_label(span: _Span, mesh: _MeshIndex) -> str:
+    """``name`` for a whole axis, ``name:(pre)size`` for part of one (Shardy's notation)."""
+    name, length = mesh.names[span.axis], mesh.ids.shape[span.axis]
+    if span.size == length:
+        return name
+    return f"{name}:({length // (span.stride * span.size)}){span.size}"
+
+
+def _permute_axes(pairs: list[list[int]], mesh: _MeshIndex) -> tuple[str, ...]:
+    """The mesh axes along which some source and its target differ."""
+    mesh.check(pairs)
+    moved = {
+        axis
+        for source, target in pairs
+        for axis, (a, b) in enumerate(zip(mesh.coords[source], mesh.coords[target]))
+        if a != b
+    }
+    return tuple(mesh.names[axis] for axis in sorted(moved))
