@@ -23,6 +23,7 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "stages": ("pipeline",),        # the stage dim of pipeline buffers (jaxpar/pipeline.py)
     # parameters
     "embed": ("fsdp",),             # ZeRO-3 / FSDP shards parameters on their model dim
     "q_heads": ("tensor",),
