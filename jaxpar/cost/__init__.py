@@ -1,0 +1,11 @@
+"""The analytic cost model: FLOPs, memory, collectives and step time as pure functions of
+(ModelConfig, Strategy, Hardware, global_batch, seq). No JAX needed. Read in this order:
+hardware -> software -> params -> flops -> memory -> shape -> comm -> time -> estimate -> report.
+"""
+from jaxpar.cost.estimate import Estimate, estimate
+from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware
+from jaxpar.cost.report import format_estimate
+from jaxpar.cost.software import JAXPAR, MEGATRON, Software
+
+__all__ = ["Estimate", "Hardware", "JAXPAR", "MEGATRON", "Software", "estimate", "format_estimate",
+           "known_profiles", "load_hardware"]

@@ -1,0 +1,131 @@
+"""`estimate`: the whole analytic model for one (model, strategy, hardware, batch, seq).
+
+Pure function; every number it returns comes from flops.py, memory.py, comm.py and time.py, whose
+docstrings state each formula and its source. `Estimate.to_json()` is the DESIGN.md `estimate`
+contract (collectives, flops_per_step, step_time_s, mfu, tokens_per_s, memory, fits) plus extras.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost import comm, flops, memory, params, shape, time
+from jaxpar.cost.hardware import Hardware, load_hardware
+from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.errors import ConfigError
+from jaxpar.strategy import Strategy
+from models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Estimate:
+    model: str
+    strategy: str
+    hardware: str
+    software: str
+    devices: int
+    global_batch: int
+    seq: int
+    mesh: tuple[tuple[str, int], ...]
+    predicted: tuple[tuple, ...]        # (kind, axes, phase, count, bytes): see `collectives`
+    flops: flops.StepFlops
+    time: time.StepTime
+    memory: memory.Memory
+    hbm_bytes: float
+    peak_flops: float
+
+    @property
+    def collectives(self) -> list[comm.Collective]:
+        """The predicted collectives as the HLO tally's records (built on demand: planners skip it)."""
+        return comm.to_records(self.predicted, dict(self.mesh))
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_batch * self.seq / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs / (step time * devices * peak) (Chowdhery et al. 2022, appendix B)."""
+        return self.flops.model / (self.time.total * self.devices * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs (recompute included) / (step time * devices * peak)."""
+        return self.flops.hardware / (self.time.total * self.devices * self.peak_flops)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hbm_bytes
+
+    @property
+    def dominant(self) -> str:
+        terms = self.time.terms()
+        return max(terms, key=terms.__getitem__)
+
+    def to_json(self) -> dict:
+        mem, colls = self.memory, self.collectives
+        return {
+            "model": self.model, "strategy": self.strategy, "hardware": self.hardware, "software": self.software,
+            "mesh": dict(self.mesh), "devices": self.devices, "global_batch": self.global_batch, "seq": self.seq,
+            "collectives": [{"kind": c.kind, "axes": list(c.axes), "count": c.count, "bytes": c.bytes,
+                             "wire_bytes": round(c.wire_bytes), "phase": c.phase} for c in colls],
+            "totals": {"count": sum(c.count for c in colls), "bytes": sum(c.bytes for c in colls),
+                       "wire_bytes": round(sum(c.wire_bytes for c in colls))},
+            "flops_per_step": self.flops.model, "hardware_flops_per_step": self.flops.hardware,
+            "flops_by_block": dict(self.flops.by_block),
+            "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
+            "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+                       "activations": mem.activations, "total": mem.total},
+            "fits": self.fits, "hbm_bytes": self.hbm_bytes,
+            "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
+        }
+
+
+def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq: int, passes: float,
+                          dropout: bool) -> float:
+    """HBM bytes of bandwidth-bound work per device per step (useful work; the bubble is added later):
+    passes * (3 * produced + recomputed) bytes per token per layer (forward 1x, backward 2x), plus the
+    float32 logits (3 * passes * T*V/t*4 bytes; the head is not split by the pipeline)."""
+    o, t = st.options, st.sizes["tensor"]
+    act, sp = memory.DTYPE_BYTES[o.dtype], o.sequence_parallel
+    tokens = sh.b_loc * sh.s_loc
+    total = 0.0
+    attn = memory.attention_inventory(m, memory.keys_per_query(st, seq), dropout)
+    na, nm = params.layer_counts(m)
+    for layers, inv in ((na, attn), (nm, memory.mamba_inventory(m))):
+        if layers:
+            produced = memory.inventory_bytes(inv, act, t, sp, "none")
+            redo = memory.recomputed_bytes(inv, act, t, sp, o.remat)
+            total += layers / sh.stages * (3.0 * produced + redo)
+    logits = 3.0 * m.vocab / t * memory.LOGIT_BYTES
+    return passes * tokens * (total + logits)
+
+
+def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
+             software: Software = JAXPAR) -> Estimate:
+    """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
+    Divisibility is not checked here (jaxpar.validate.check does it once, before a run)."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    st, m = strategy, model
+    dropout, causal = software.dropout, software.causal
+    n = st.num_devices
+    if n < 1:
+        raise ConfigError(f"mesh {st.name}: resolve the -1 axis (Strategy.resolved) before estimating")
+    sh = shape.step_shape(m, st, global_batch, seq)
+    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal)
+    # critical path per device: layers split over all devices; embedding+head not over the pipeline
+    matmul = (fl.layers + fl.recompute) / n + fl.head * sh.stages / n
+    compute = time.compute_seconds(matmul, elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout), hw)
+    core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * params.layer_counts(m)[0]
+            * flops.TRAIN_FACTOR / n)
+    colls = comm.predicted(m, st, sh, software.pp_scatter_gather)
+    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b)
+    opt_params = mem.optimizer / memory.ADAM_BYTES
+    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble,
+                       time.comm_seconds(colls, st, hw), opt_params, hw)
+    return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
+                    seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
+                    hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops)

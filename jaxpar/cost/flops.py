@@ -1,0 +1,167 @@
+"""FLOPs per block and per training step.
+
+Conventions (Narayanan et al. 2021, appendix; Kaplan et al. 2020; scaling book "Transformer math"):
+- A matmul of (m x k) by (k x n) costs 2*m*k*n FLOPs. Backward of a matmul costs 2x its forward
+  (one matmul for the input gradient, one for the weight gradient), so training = 3 x forward.
+- `matmul` FLOPs are what MFU counts (model FLOPs utilisation, Chowdhery et al. 2022); `other` holds
+  rough elementwise counts (softmax, norms, activations, conv) reported for completeness only.
+- Attention scores: QK^T and PV each cost 2*b*s*s_kv*hq. Counted in full (the Megatron formula's
+  s/(6h) term, and what dense masked attention computes); `causal=True` halves them, which is what a
+  causal kernel that skips fully masked blocks does.
+- Recompute (HFU, hardware FLOPs): remat `none` and `dots` add nothing (`dots` saves every matmul
+  output; only elementwise work is redone); `dots_no_batch` saves matmuls without batch dims, so the
+  batched dots -- attention QK^T and PV, the Mamba-2 SSD einsums -- run again (Korthikanti et al. 2022's
+  "selective recompute"); `full` reruns every layer's forward. The LM head is outside the layers.
+
+For GPT shapes (hq = hkv = h, f = 4h, GeLU) one layer's forward matmuls are 24*b*s*h^2 + 4*b*s^2*h,
+so a step is 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) model FLOPs, 96*... with full recompute
+(Narayanan et al. 2021, eq. 3; Korthikanti et al. 2022, section 6).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost.params import mamba_dims, per_model
+from models.config import ModelConfig
+
+TRAIN_FACTOR = 3.0  # forward + backward (2x forward) for matmuls
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flops:
+    matmul: float
+    other: float = 0.0
+
+    def __add__(self, o: "Flops") -> "Flops":
+        return Flops(self.matmul + o.matmul, self.other + o.other)
+
+    def __mul__(self, k: float) -> "Flops":
+        return Flops(self.matmul * k, self.other * k)
+
+
+# ---- attention block ---------------------------------------------------------------------------
+
+def rmsnorm_flops(width: int, tokens: float) -> Flops:
+    """RMSNorm: square, mean, rsqrt, scale, weight: ~4 FLOPs per element, no matmul."""
+    return Flops(0.0, 4.0 * tokens * width)
+
+
+def attention_projection_flops(m: ModelConfig, tokens: float) -> Flops:
+    """q,k,v,o projections with GQA: 2*T*d*(hq + 2*hkv) + 2*T*hq*d; RoPE ~3 FLOPs per q/k element."""
+    hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return Flops(2.0 * tokens * m.d_model * (hq + 2 * hkv) + 2.0 * tokens * hq * m.d_model,
+                 3.0 * tokens * (hq + hkv))
+
+
+def attention_core_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False) -> Flops:
+    """Scores QK^T 2*b*s*s*hq, softmax ~5 FLOPs per score, weighted sum PV 2*b*s*s*hq.
+
+    Each query head attends over all s keys (GQA shares k/v across heads, not the score work).
+    `causal=True` halves the score work (only the lower triangle is computed)."""
+    hq = m.heads * m.head_dim
+    frac = 0.5 if causal else 1.0
+    scores = batch * seq * seq * frac
+    return Flops(4.0 * scores * hq, 5.0 * scores * m.heads)
+
+
+def mlp_flops(m: ModelConfig, tokens: float) -> Flops:
+    """SwiGLU: 3 matmuls 3*2*T*d*f, silu*up ~6 FLOPs per hidden element; GeLU: 2*2*T*d*f, ~8 per element."""
+    if m.mlp_type == "swiglu":
+        return Flops(6.0 * tokens * m.d_model * m.mlp_dim, 6.0 * tokens * m.mlp_dim)
+    return Flops(4.0 * tokens * m.d_model * m.mlp_dim, 8.0 * tokens * m.mlp_dim)
+
+
+def attention_block_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False) -> Flops:
+    """Forward of one attention layer: 2 RMSNorms + GQA attention + MLP."""
+    t = batch * seq
+    return (rmsnorm_flops(m.d_model, t) * 2 + attention_projection_flops(m, t)
+            + attention_core_flops(m, batch, seq, causal) + mlp_flops(m, t))
+
+
+# ---- Mamba-2 block (Dao & Gu 2024, "Transformers are SSMs", SSD algorithm, section 6) ------------
+
+def ssd_flops(m: ModelConfig, batch: float, seq: int) -> Flops:
+    """The chunked SSD scan for one layer (every term is a batched einsum).
+
+    With D = d_inner, N = d_state, G = ngroups, Q = chunk (<= seq), c = seq/Q chunks, T = b*seq:
+      intra-chunk C B^T           2*T*Q*N*G
+      its application to x        2*T*Q*D       (masked by the decay matrix L)
+      chunk states B^T x          2*T*N*D
+      inter-chunk state passing   2*b*c^2*D*N   (the (c x c) decay matmul of `ssd_minimal_discrete`)
+      state-to-output C h         2*T*N*D
+    Elementwise: decay segment sums and exp ~3*T*H*Q."""
+    q = min(m.chunk, seq)
+    c = seq / q
+    t = batch * seq
+    di, n = m.d_inner, m.d_state
+    mm = 2 * t * q * n * m.ngroups + 2 * t * q * di + 4 * t * n * di + 2 * batch * c * c * di * n
+    return Flops(mm, 3.0 * t * m.ssm_heads * q)
+
+
+def mamba_block_flops(m: ModelConfig, batch: float, seq: int) -> Flops:
+    """Forward of one Mamba-2 layer: RMSNorm, in_proj (z,x,B,C,dt packed: d_in_proj = 2*d_inner +
+    2*ngroups*d_state + nheads), depthwise causal conv over conv_dim = d_inner + 2*ngroups*d_state
+    channels (2*T*conv_dim*d_conv) + SiLU, SSD, gated RMSNorm y*silu(z) (~9*T*d_inner), out_proj."""
+    t = batch * seq
+    d_in_proj, conv_dim, _ = mamba_dims(m)
+    proj = Flops(2.0 * t * m.d_model * d_in_proj + 2.0 * t * m.d_inner * m.d_model)
+    conv = Flops(0.0, 2.0 * t * conv_dim * m.d_conv + 5.0 * t * conv_dim)
+    gate = Flops(0.0, 9.0 * t * m.d_inner)
+    return rmsnorm_flops(m.d_model, t) + proj + conv + ssd_flops(m, batch, seq) + gate
+
+
+# ---- embedding and head ----------------------------------------------------------------------------
+
+def embedding_flops(m: ModelConfig, tokens: float) -> Flops:
+    """Token embedding is a gather: no FLOPs forward (backward is a scatter-add, T*d adds)."""
+    return Flops(0.0, 0.0)
+
+
+def head_flops(m: ModelConfig, tokens: float) -> Flops:
+    """Final RMSNorm, LM head 2*T*d*V, cross-entropy (max, exp, sum, log, pick) ~5*T*V."""
+    return rmsnorm_flops(m.d_model, tokens) + Flops(2.0 * tokens * m.d_model * m.vocab, 5.0 * tokens * m.vocab)
+
+
+# ---- one training step -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepFlops:
+    model: float        # forward + backward matmul FLOPs of the step: the MFU numerator
+    hardware: float     # model + recomputed matmul FLOPs: the HFU numerator
+    elementwise: float  # non-matmul FLOPs (forward + backward + recompute), not in MFU/HFU
+    layers: float       # model FLOPs of all layers (the part the pipeline splits)
+    head: float         # model FLOPs of embedding + head (not split by the pipeline axis)
+    recompute: float    # recomputed matmul FLOPs
+    by_block: tuple[tuple[str, float], ...]  # model FLOPs per block kind
+
+
+def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False) -> Flops:
+    """Forward work redone in the backward pass under a remat policy (see module docstring)."""
+    if remat == "full":
+        return (attention_block_flops(m, batch, seq, causal) * m.attention_layers
+                + mamba_block_flops(m, batch, seq) * m.mamba_layers)
+    if remat == "dots_no_batch":
+        return (attention_core_flops(m, batch, seq, causal) * m.attention_layers
+                + ssd_flops(m, batch, seq) * m.mamba_layers)
+    other = 0.0 if remat == "none" else (attention_block_flops(m, batch, seq, causal).other * m.attention_layers
+                                          + mamba_block_flops(m, batch, seq).other * m.mamba_layers)
+    return Flops(0.0, other)  # `dots`: elementwise only
+
+
+@per_model  # a planner varies the strategy, not these arguments
+def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False) -> StepFlops:
+    """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together)."""
+    tokens = batch * seq
+    attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
+    mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
+    head = head_flops(m, tokens) + embedding_flops(m, tokens)
+    rec = recompute_flops(m, remat, batch, seq, causal)
+    fwd = attn + mamba + head
+    blocks = (("attention", attn.matmul * TRAIN_FACTOR), ("mamba", mamba.matmul * TRAIN_FACTOR),
+              ("head", head.matmul * TRAIN_FACTOR))
+    return StepFlops(model=fwd.matmul * TRAIN_FACTOR,
+                     hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul,
+                     elementwise=fwd.other * TRAIN_FACTOR + rec.other,
+                     layers=(attn.matmul + mamba.matmul) * TRAIN_FACTOR,
+                     head=head.matmul * TRAIN_FACTOR, recompute=rec.matmul,
+                     by_block=tuple(b for b in blocks if b[1] > 0))

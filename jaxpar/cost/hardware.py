@@ -1,0 +1,105 @@
+"""Hardware profiles: what one accelerator and its links can do, plus the calibration constants.
+
+A profile is a TOML file in `jaxpar/cost/hardware/` (or any path). Datasheet numbers come from the
+`[hardware]` table of shared/reference/published_runs.toml (vendor datasheets as summarised in the
+JAX scaling book, "How to Scale Your Model"). The `[calibration]` table holds the few constants that
+turn peak numbers into achieved ones; they are fitted once per device type, never per run:
+
+    matmul_efficiency   achieved / peak FLOP/s for the model's matmuls (the MXU/tensor-core part)
+    link_efficiency     achieved / nominal bandwidth of a collective (NCCL "bus bandwidth" fraction)
+    elementwise_passes  HBM passes per produced activation byte in one forward pass (norms, softmax,
+                        activations, dropout, residual adds are bandwidth-bound, not FLOP-bound)
+    dp_overlap          fraction of data-parallel / FSDP communication hidden under compute
+
+Link model (scaling book, GPU and TPU chapters): an axis whose devices all sit in one node (GPU
+NVLink domain, TPU ICI slice) uses `intra_bw`; an axis spanning nodes also crosses `inter_bw`
+(InfiniBand / DCN), per device. `alpha_*` is the per-hop latency of a ring step on each tier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import tomllib
+
+from jaxpar.errors import ConfigError
+
+PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "hardware"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    peak_flops: float          # dense bf16 FLOP/s per device
+    hbm_bytes: float           # device memory, bytes
+    hbm_bw: float              # device memory bandwidth, bytes/s
+    intra_bw: float            # per-device bandwidth inside a node / ICI slice, bytes/s one direction
+    inter_bw: float            # per-device bandwidth across nodes (IB / DCN), bytes/s one direction
+    devices_per_node: int      # size of the fast-link domain (GPU node, TPU slice)
+    alpha_intra: float = 5e-6  # seconds per ring hop inside a node
+    alpha_inter: float = 1e-5  # seconds per ring hop across nodes
+    matmul_efficiency: float = 0.6
+    link_efficiency: float = 0.8
+    elementwise_passes: float = 1.5
+    dp_overlap: float = 0.0
+    calibrated: bool = False   # True only where the constants were fitted to published runs
+    notes: str = ""
+
+
+_SECTIONS = {"device": ("peak_flops", "hbm_bytes", "hbm_bw"),
+             "links": ("intra_bw", "inter_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
+             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes",
+                             "dp_overlap", "calibrated")}
+_TOP = ("name", "notes")
+
+
+def known_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def parse_hardware(text: str, where: str, default_name: str) -> Hardware:
+    """Build a Hardware from TOML text with [device], [links] and [calibration] tables."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"hardware file {where} is not valid TOML: {e}") from None
+    fields: dict = {"name": data.get("name", default_name), "notes": data.get("notes", "")}
+    unknown = set(data) - set(_SECTIONS) - set(_TOP)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"expected {', '.join(_TOP)} and tables [{'], ['.join(_SECTIONS)}]")
+    for section, keys in _SECTIONS.items():
+        table = data.get(section, {})
+        extra = set(table) - set(keys)
+        if extra:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(extra))} in [{section}]; "
+                              f"known: {', '.join(keys)}")
+        fields.update(table)
+    missing = [f.name for f in dataclasses.fields(Hardware)
+               if f.default is dataclasses.MISSING and f.name not in fields]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    hw = Hardware(**fields)
+    for key in ("peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "inter_bw", "devices_per_node",
+                "matmul_efficiency", "link_efficiency"):
+        if not getattr(hw, key) > 0:
+            raise ConfigError(f"{where}: {key} must be positive, got {getattr(hw, key)}")
+    if not 0.0 <= hw.dp_overlap <= 1.0:
+        raise ConfigError(f"{where}: dp_overlap must be in [0, 1], got {hw.dp_overlap}")
+    return hw
+
+
+@functools.lru_cache(maxsize=64)
+def load_hardware(name_or_path: str) -> Hardware:
+    """A profile by name (`a100-80gb`, `h100-sxm`, `tpu-v5p`, ...) or a TOML path. Cached: parse once."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".toml":
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            raise ConfigError(f"unknown hardware {name_or_path!r}; known: {', '.join(known_profiles())} "
+                              f"(or give a path to a TOML profile)")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read hardware file {path}: {e.strerror}") from None
+    return parse_hardware(text, str(path), path.stem)

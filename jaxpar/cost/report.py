@@ -1,0 +1,49 @@
+"""`format_estimate`: the human view of an Estimate -- time terms, FLOPs by block, collectives, memory."""
+from __future__ import annotations
+
+from jaxpar.cost.estimate import Estimate
+
+
+def _bytes(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{x:.0f} B"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def format_estimate(est: Estimate) -> str:
+    mesh = " x ".join(f"{a}={s}" for a, s in est.mesh if s != 1) or "1 device"
+    lines = [f"{est.model} on {est.devices} x {est.hardware} [{mesh}], batch {est.global_batch} x seq {est.seq}",
+             f"  step {_secs(est.step_time_s)}   {est.tokens_per_s:,.0f} tokens/s   "
+             f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   dominant: {est.dominant}", "", "time per step:"]
+    total = est.step_time_s
+    for name, t in est.time.terms().items():
+        if t > 0:
+            lines.append(f"  {name:<15} {_secs(t):>12}  {t / total:6.1%}")
+    if est.time.data_total > est.time.data:
+        lines.append(f"  (data comm {_secs(est.time.data_total)} before overlap with compute)")
+    lines += ["", f"FLOPs per step (model {est.flops.model:.3e}, hardware {est.flops.hardware:.3e}):"]
+    for name, f in est.flops.by_block:
+        lines.append(f"  {name:<15} {f:.3e}  {f / est.flops.model:6.1%}")
+    if est.flops.recompute:
+        lines.append(f"  {'recompute':<15} {est.flops.recompute:.3e}")
+    lines += ["", "collectives per device per step:",
+              f"  {'kind':<19} {'axes':<22} {'phase':<10} {'count':>8} {'bytes':>12} {'wire':>12}"]
+    for c in sorted(est.collectives, key=lambda c: -c.wire_bytes):
+        lines.append(f"  {c.kind:<19} {','.join(c.axes):<22} {c.phase:<10} {c.count:>8.0f} "
+                     f"{_bytes(c.bytes):>12} {_bytes(c.wire_bytes):>12}")
+    if not est.collectives:
+        lines.append("  (none)")
+    mem = est.memory
+    lines += ["", "memory per device:"]
+    for name, b in (("params", mem.params), ("grads", mem.grads), ("optimizer", mem.optimizer),
+                    ("activations", mem.activations), ("total", mem.total)):
+        lines.append(f"  {name:<15} {_bytes(b):>12}")
+    verdict = "fits" if est.fits else "does NOT fit"
+    lines.append(f"  {verdict} in {_bytes(est.hbm_bytes)} ({mem.total / est.hbm_bytes:.0%} used)")
+    return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""What the software stack does that neither the model config nor the mesh says.
+
+The same mesh costs differently under different implementations; these switches name the
+differences that matter for the cost model, with one preset for jaxpar itself and one for
+Megatron-LM (the published runs the model is calibrated on).
+
+    dropout            the model trains with dropout: masks and dropped copies join the activation
+                       inventory (Megatron GPT: attention-probability and hidden dropout, Korthikanti 2022)
+    causal             count only the lower triangle of attention scores (a causal kernel that skips
+                       masked blocks); False counts the full s x s, as dense masked attention computes
+    pp_scatter_gather  a stage sends 1/t of its boundary activation and the receiver all-gathers it
+                       over `tensor` (Narayanan et al. 2021, section 4.1); None: only when the
+                       activation is already split over `tensor`, i.e. under sequence parallelism
+    pp_1f1b            the pipeline runs one-forward-one-backward (Megatron; Narayanan 2021), so a
+                       stage holds activations of S micro-batches, not all M (jaxpar's GPipe/circular
+                       schedules are autodiff through a loop: forward for all M, then backward)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Software:
+    name: str = "jaxpar"
+    dropout: bool = False
+    causal: bool = False
+    pp_scatter_gather: bool | None = None
+    pp_1f1b: bool = False
+
+
+JAXPAR = Software()
+MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
+                    pp_1f1b=True)

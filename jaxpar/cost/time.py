@@ -1,0 +1,114 @@
+"""Step time from FLOPs, HBM traffic and collectives: alpha-beta per link tier, overlap, bubble.
+
+compute     = matmul FLOPs / (peak * matmul_efficiency) + elementwise HBM bytes / hbm_bw
+              (roofline, scaling book "All about rooflines"; the elementwise bytes are the activation
+              inventory of memory.py produced once per forward, with `elementwise_passes` HBM passes
+              per byte forward and 2x that backward, plus what the remat policy recomputes)
+collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency), hierarchically:
+              a group with k members per node and m nodes moves (k-1)/k of its buffer over the
+              intra-node links and (m-1)/m of a 1/k slice over each device's inter-node link
+              (2x both for all-reduce; NCCL tree/ring over NVLink+IB, TPU ICI+DCN)
+step        = compute / (1 - bubble) + tensor comm (not overlapped) + context comm not hidden under
+              attention + pipeline permutes + data-parallel comm not hidden (dp_overlap) + optimizer
+Layout: canonical axis order data -> fsdp -> pipeline -> context -> expert -> tensor, innermost
+fastest; `devices_per_node` consecutive devices share a node (unless the strategy names dcn parts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxpar.cost.comm import AR, PERMUTE
+from jaxpar.cost.hardware import Hardware
+from jaxpar.strategy import AXES, Strategy
+
+ADAMW_BYTES_PER_PARAM = 28.0  # read p, g, m, v (16) + write p, m, v (12), float32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTime:
+    compute: float       # matmul + elementwise, per device, without the bubble
+    bubble: float        # idle pipeline time added to compute
+    tensor: float        # tensor / sequence parallel collectives (exposed)
+    context: float       # context-parallel collectives left after overlap with attention
+    pipeline: float      # stage-to-stage permutes (exposed)
+    data: float          # data-parallel / ZeRO / FSDP collectives left after overlap
+    optimizer: float     # AdamW update, HBM-bound
+    data_total: float    # data-parallel collectives before overlap
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.bubble + self.tensor + self.context + self.pipeline + self.data
+                + self.optimizer)
+
+    def terms(self) -> dict[str, float]:
+        return {"compute": self.compute, "bubble": self.bubble, "tensor comm": self.tensor,
+                "context comm": self.context, "pipeline comm": self.pipeline,
+                "data comm": self.data, "optimizer": self.optimizer}
+
+
+def axis_span(axes: tuple[str, ...], st: Strategy, devices_per_node: int) -> tuple[int, int]:
+    """(members per node k, nodes m) of a group over `axes`. Strides follow the canonical order; a
+    strategy's `dcn` entries, when given, fix the across-node part of an axis instead."""
+    return _span(axes, st.mesh, st.dcn, devices_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(axes: tuple[str, ...], mesh: tuple, dcn_parts: tuple, devices_per_node: int) -> tuple[int, int]:
+    sizes, dcn = dict(mesh), dict(dcn_parts)
+    k = n = 1
+    stride = 1
+    for axis in reversed(AXES):  # innermost first
+        size = sizes[axis]
+        if axis in axes:
+            n *= size
+            if dcn:
+                k *= size // dcn.get(axis, 1)
+            elif stride < devices_per_node:
+                k *= min(size, max(1, devices_per_node // stride))
+        stride *= size
+    k = max(1, min(k, devices_per_node, n))
+    return k, n // k
+
+
+def collective_seconds(kind: str, axes: tuple[str, ...], count: float, nbytes: float, st: Strategy,
+                       hw: Hardware) -> float:
+    """Alpha-beta time of `count` instances of `kind` over `axes` moving `nbytes` in all (hierarchical
+    ring, see module doc)."""
+    k, m = axis_span(axes, st, hw.devices_per_node)
+    bw_in, bw_out = hw.intra_bw * hw.link_efficiency, hw.inter_bw * hw.link_efficiency
+    if kind == PERMUTE:
+        cross = m > 1
+        return count * (hw.alpha_inter if cross else hw.alpha_intra) + nbytes / (bw_out if cross else bw_in)
+    f = 2.0 if kind == AR else 1.0
+    beta = (k - 1) / k * nbytes / bw_in + (m - 1) / m * nbytes / k / bw_out
+    alpha = (k - 1) * hw.alpha_intra + (m - 1) * hw.alpha_inter
+    return f * (beta + count * alpha)
+
+
+def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware) -> dict[str, float]:
+    """Collective time per class: tensor, context, pipeline, data (everything over data-like axes).
+    `predicted`: (kind, axes, phase, count, bytes) tuples from comm.predicted."""
+    out = {"tensor": 0.0, "context": 0.0, "pipeline": 0.0, "data": 0.0}
+    for kind, axes, _phase, count, nbytes in predicted:
+        cls = ("tensor" if "tensor" in axes else "context" if axes == ("context",)
+               else "pipeline" if "pipeline" in axes else "data")
+        out[cls] += collective_seconds(kind, axes, count, nbytes, st, hw)
+    return out
+
+
+def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware) -> float:
+    """Roofline sum: matmuls at the calibrated efficiency, elementwise work at HBM bandwidth."""
+    return matmul_flops / (hw.peak_flops * hw.matmul_efficiency) + hbm_bytes / hw.hbm_bw
+
+
+def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
+              optimizer_params: float, hw: Hardware) -> StepTime:
+    """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
+    ring/all-gather context communication can hide under (Liu et al. 2023)."""
+    data = comm["data"]
+    hidden = min(hw.dp_overlap * data, compute)
+    return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
+                    tensor=comm["tensor"], context=max(0.0, comm["context"] - attention_core),
+                    pipeline=comm["pipeline"], data=data - hidden,
+                    optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)

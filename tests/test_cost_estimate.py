@@ -1,0 +1,72 @@
+"""The estimate contract (DESIGN.md), hardware profiles, and the human view."""
+import json
+import pathlib
+
+import pytest
+
+from jaxpar.cost import MEGATRON, estimate, format_estimate, known_profiles, load_hardware
+from jaxpar.errors import ConfigError
+from jaxpar.strategy import parse_inline
+from models.config import from_preset
+
+
+def test_every_profile_loads():
+    names = known_profiles()
+    assert {"a100-80gb", "h100-sxm", "h200-sxm", "b200", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"} <= set(names)
+    for n in names:
+        hw = load_hardware(n)
+        assert hw.name == n and hw.peak_flops > 1e14
+
+
+def test_unknown_hardware_names_the_known_ones():
+    with pytest.raises(ConfigError, match="a100-80gb.*h100-sxm"):
+        load_hardware("a100-40gb")
+
+
+def test_user_profile_path(tmp_path: pathlib.Path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[device]\npeak_flops = 1e15\nhbm_bytes = 1e11\nhbm_bw = 4e12\n"
+                    "[links]\nintra_bw = 4e11\ninter_bw = 5e10\ndevices_per_node = 4\n")
+    hw = load_hardware(str(path))
+    assert hw.name == "mine" and hw.devices_per_node == 4 and not hw.calibrated
+    path.write_text("[device]\npeak_flop = 1\n")
+    load_hardware.cache_clear()
+    with pytest.raises(ConfigError, match="unknown key.*peak_flop"):
+        load_hardware(str(path))
+
+
+def test_json_contract():
+    m = from_preset("llama3-8b")
+    st = parse_inline("data=2,fsdp=4,tensor=8").with_options(remat="full", sequence_parallel=True, dtype="bfloat16")
+    out = estimate(m, st, "h100-sxm", 256, 8192).to_json()
+    json.dumps(out)
+    assert {"collectives", "flops_per_step", "step_time_s", "mfu", "tokens_per_s", "memory", "fits"} <= set(out)
+    assert set(out["memory"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert 0 < out["mfu"] < 1 and isinstance(out["fits"], bool)
+    assert out["tokens_per_s"] == pytest.approx(256 * 8192 / out["step_time_s"])
+    for c in out["collectives"]:
+        assert set(c) == {"kind", "axes", "count", "bytes", "wire_bytes", "phase"}
+        assert c["kind"] in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+        assert c["phase"] in ("forward", "backward", "optimizer", "other")
+    mem = out["memory"]
+    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])
+
+
+def test_fits_and_format():
+    m = from_preset("llama3-70b")
+    st = parse_inline("data=1").with_options(dtype="bfloat16")
+    est = estimate(m, st, "h100-sxm", 8, 4096)
+    assert not est.fits
+    text = format_estimate(est)
+    assert "does NOT fit" in text and "dominant:" in text and "collectives" in text
+    est = estimate(from_preset("gpt3-175b"), parse_inline("data=16,pipeline=8,tensor=8").with_options(
+        microbatches=16, remat="full", dtype="bfloat16"), "a100-80gb", 256, 2048, MEGATRON)
+    assert est.fits and "fits in" in format_estimate(est)
+
+
+def test_mamba_and_hybrid_estimates_run():
+    for preset in ("mamba2-2.7b", "hybrid-tiny"):
+        m = from_preset(preset)
+        st = parse_inline("data=2,context=2,tensor=2").with_options(attention="ring", remat="dots_no_batch")
+        est = estimate(m, st, "tpu-v5p", 16, 256 if preset == "hybrid-tiny" else 2048)
+        assert 0 < est.mfu < 1 and est.memory.total > 0

@@ -1,0 +1,48 @@
+"""Link tiers, alpha-beta times and the step-time composition."""
+import dataclasses
+
+import pytest
+
+from jaxpar.cost import comm, estimate, load_hardware, time
+from jaxpar.strategy import parse_inline
+from models.config import ModelConfig
+
+A100 = load_hardware("a100-80gb")
+
+
+def test_axis_span_follows_canonical_order():
+    assert time.axis_span(("tensor",), parse_inline("data=4,tensor=8"), 8) == (8, 1)
+    assert time.axis_span(("data",), parse_inline("data=4,tensor=8"), 8) == (1, 4)
+    assert time.axis_span(("data",), parse_inline("data=32"), 8) == (8, 4)
+    assert time.axis_span(("data",), parse_inline("data=8,tensor=2"), 8) == (4, 2)
+    assert time.axis_span(("pipeline",), parse_inline("pipeline=4,tensor=2"), 8) == (4, 1)
+
+
+def test_all_reduce_time_by_hand():
+    st = parse_inline("tensor=8")
+    bw = A100.intra_bw * A100.link_efficiency
+    assert time.collective_seconds(comm.AR, ("tensor",), 1, 1e9, st, A100) == pytest.approx(2 * (7 / 8 * 1e9 / bw + 7 * A100.alpha_intra))
+
+
+def test_cross_node_all_reduce_is_hierarchical():
+    st = parse_inline("data=32")
+    eff = A100.link_efficiency
+    beta = 7 / 8 * 8e9 / (A100.intra_bw * eff) + 3 / 4 * 1e9 / (A100.inter_bw * eff)
+    alpha = 7 * A100.alpha_intra + 3 * A100.alpha_inter
+    assert time.collective_seconds(comm.AR, ("data",), 1, 8e9, st, A100) == pytest.approx(2 * (beta + alpha))
+
+
+def test_single_device_step_is_compute_plus_optimizer():
+    m = ModelConfig(layers=2, d_model=256, heads=4, kv_heads=4, head_dim=64, mlp_dim=1024, vocab=1000)
+    est = estimate(m, parse_inline("data=1"), A100, 8, 128)
+    assert est.collectives == []
+    assert est.step_time_s == pytest.approx(est.time.compute + est.time.optimizer)
+    assert est.mfu == pytest.approx(est.flops.model / est.step_time_s / A100.peak_flops)
+
+
+def test_bubble_and_overlap():
+    t = time.step_time(1.0, 0.0, 0.2, {"tensor": 0.1, "context": 0.0, "pipeline": 0.05, "data": 0.4},
+                       0.0, dataclasses.replace(A100, dp_overlap=0.5))
+    assert t.bubble == pytest.approx(0.25)          # compute / (1 - 0.2) - compute
+    assert t.data == pytest.approx(0.2) and t.data_total == 0.4
+    assert t.total == pytest.approx(1.0 + 0.25 + 0.1 + 0.05 + 0.2)
