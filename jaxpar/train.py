@@ -179,7 +179,7 @@ class Trainer:
     def lower_step(self, abstract: bool = False):
         """The step lowered for analysis; `abstract` uses shapes only (no arrays allocated)."""
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             jax.eval_shape(lambda: self._abstract_state()), self.state_shardings)
+                             self.abstract_state(), self.state_shardings)
         batch = {k: jax.ShapeDtypeStruct((self.tc.batch, self.tc.seq), jnp.int32, sharding=self.batch_sharding)
                  for k in ("inputs", "labels", "positions")}
         return self._step.lower(state, batch)
@@ -187,6 +187,10 @@ class Trainer:
     def _abstract_state(self) -> TrainState:
         params = self.abstract_params
         return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes and dtypes of the train state (no arrays)."""
+        return jax.eval_shape(self._abstract_state)
 
 
 def gather(tree) -> Any:
@@ -214,12 +218,15 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6 * n + attn
 
 
-def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0):
-    """Run steps [start, tc.steps); `on_step(step, metrics)` sees host floats each step."""
+def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,
+          stop: int | None = None, checkpointer=None):
+    """Run steps [start, stop or tc.steps); `on_step(step, metrics)` sees host floats each step;
+    `checkpointer.maybe_save(completed_steps, state, trainer)` runs after every step."""
     state = trainer.init_state() if state is None else state
+    stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
     flops = model_flops_per_token(trainer.model_cfg, trainer.tc.seq) * tokens
-    for step in range(start, trainer.tc.steps):
+    for step in range(start, stop):
         batch = trainer.batch(source, step)
         t0 = time.perf_counter()
         state, metrics = trainer.step(state, batch)
@@ -228,4 +235,6 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
         if on_step is not None:
             on_step(step, {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                            "step_time_s": dt, "tokens_per_s": tokens / dt, "model_flops_per_s": flops / dt})
+        if checkpointer is not None:
+            checkpointer.maybe_save(step + 1, state, trainer)
     return state

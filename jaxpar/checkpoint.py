@@ -1,0 +1,133 @@
+"""Checkpoints on orbax's CheckpointManager: asynchronous saves, keep the newest N, restore onto
+any mesh and strategy.
+
+A checkpoint holds the train state (parameters, optimizer state, step) as a flat dict keyed by
+tree path, plus JSON metadata: the model config, the strategy it was written under, the seed and
+the data-stream position (the step: batches are a pure function of (seed, step, row)).
+
+Restoring builds abstract targets (jax.ShapeDtypeStruct) carrying the *new* trainer's shardings,
+so orbax reads each device's slice directly onto the new mesh: that is the resharding.
+
+Odd cases, each with a clear outcome:
+  - resume with no checkpoint          -> fresh start, and `restore` says so
+  - model config differs               -> ConfigError naming the field and both values
+  - a checkpoint that cannot be read   -> ConfigError; an interrupted (half-written) save is never
+                                          listed, because orbax writes to a temporary directory and
+                                          renames it only when complete
+  - a directory written by something else -> ConfigError (no `jaxpar.json` marker)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxpar.errors import ConfigError
+
+MARKER = "jaxpar.json"
+FORMAT = {"format": "jaxpar-checkpoint", "version": 1}
+# Test hook: SIGKILL this process right after the save of this step has started (crash tests).
+KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
+
+
+def flatten(tree) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def unflatten(template, flat: dict[str, Any]):
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
+
+
+class Checkpointer:
+    def __init__(self, directory: str, every: int, keep: int = 3):
+        self.dir = pathlib.Path(directory).resolve()
+        self.every = every
+        self._check_directory()
+        self.manager = ocp.CheckpointManager(
+            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_names=("state", "meta"))
+
+    def _check_directory(self) -> None:
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"--ckpt-dir {self.dir} exists and is not a directory")
+        if self.dir.is_dir() and any(self.dir.iterdir()):
+            marker = self.dir / MARKER
+            try:
+                ok = json.loads(marker.read_text()).get("format") == FORMAT["format"]
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"--ckpt-dir {self.dir} is not empty and was not written by jaxpar "
+                                  f"(no {MARKER}); refusing to write or read checkpoints there")
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                (self.dir / MARKER).write_text(json.dumps(FORMAT))
+
+    # ---- save ----------------------------------------------------------------------------------
+    def maybe_save(self, step: int, state, trainer) -> bool:
+        """Save after `step` completed steps if it is a multiple of `every` (asynchronously)."""
+        if self.every <= 0 or step % self.every:
+            return False
+        meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
+                "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),
+                                                         meta=ocp.args.JsonSave(meta)))
+        if os.environ.get(KILL_DURING_SAVE) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ---- restore -------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, trainer, step: int | None = None):
+        """(state, step, message) from the newest complete checkpoint, on `trainer`'s mesh;
+        (None, 0, message) if there is none."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None, 0, f"no checkpoint in {self.dir}: starting from scratch"
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
+            raise ConfigError(f"checkpoint step {step} in {self.dir} cannot be read: {type(e).__name__}: {e}") from None
+        check_model(meta.get("model", {}), dataclasses.asdict(trainer.model_cfg), step)
+        abstract = trainer.abstract_state()
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
+                  for (k, v), s in zip(flatten(abstract).items(), flatten(trainer.state_shardings).values())}
+        try:
+            flat = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"checkpoint step {step} in {self.dir} is corrupt or incomplete: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
+        state = unflatten(abstract, flat)
+        now = trainer.strategy.describe()
+        if meta.get("strategy") != now or meta.get("devices") != trainer.mesh.size:
+            msg = (f"restored step {step} from {self.dir}, resharded from {meta.get('strategy')} on "
+                   f"{meta.get('devices')} devices to {now} on {trainer.mesh.size} devices")
+        else:
+            msg = f"restored step {step} from {self.dir} ({now})"
+        return state, step, msg
+
+
+def check_model(saved: dict, current: dict, step: int) -> None:
+    for key in sorted(set(saved) | set(current)):
+        if key == "name":
+            continue
+        if saved.get(key) != current.get(key):
+            raise ConfigError(f"checkpoint step {step} was written for a different model: "
+                              f"{key}={saved.get(key)!r} in the checkpoint, {key}={current.get(key)!r} now")
