@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import validate
+from jaxpar.cost.flops import step_flops
 from jaxpar.data import local_batch, process_rows, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
@@ -198,26 +199,6 @@ def gather(tree) -> Any:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
-def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """Training FLOPs per token: 6 x (matmul params) + causal attention scores/values.
-
-    6N (Kaplan et al. 2020) counts forward+backward matmuls; attention adds 6 * 2 * s * h * dh per
-    attention layer and token, halved for causal masking (PaLM, Chowdhery et al. 2022, app. B).
-    """
-    d = cfg.d_model
-    per_attn = 0
-    if "A" in cfg.pattern:
-        mlp_mats = 3 if cfg.mlp_type == "swiglu" else 2
-        per_attn = d * cfg.head_dim * (2 * cfg.heads + 2 * cfg.kv_heads) + mlp_mats * d * cfg.mlp_dim
-    per_mamba = 0
-    if "M" in cfg.pattern:
-        d_in_proj = 2 * cfg.d_inner + 2 * cfg.ngroups * cfg.d_state + cfg.ssm_heads
-        per_mamba = d * d_in_proj + cfg.d_inner * d
-    n = cfg.attention_layers * per_attn + cfg.mamba_layers * per_mamba + d * cfg.vocab
-    attn = cfg.attention_layers * 6 * 2 * seq * cfg.heads * cfg.head_dim / 2
-    return 6 * n + attn
-
-
 def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,
           stop: int | None = None, checkpointer=None):
     """Run steps [start, stop or tc.steps); `on_step(step, metrics)` sees host floats each step;
@@ -225,7 +206,7 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
     state = trainer.init_state() if state is None else state
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
-    flops = model_flops_per_token(trainer.model_cfg, trainer.tc.seq) * tokens
+    flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
     for step in range(start, stop):
         batch = trainer.batch(source, step)
         t0 = time.perf_counter()
