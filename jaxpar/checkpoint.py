@@ -72,9 +72,9 @@ class Checkpointer:
                 (self.dir / MARKER).write_text(json.dumps(FORMAT))
 
     # ---- save ----------------------------------------------------------------------------------
-    def maybe_save(self, step: int, state, trainer) -> bool:
+    def maybe_save(self, step: int, state, trainer, force: bool = False) -> bool:
         """Save after `step` completed steps if it is a multiple of `every` (asynchronously)."""
-        if self.every <= 0 or step % self.every:
+        if not force and (self.every <= 0 or step % self.every):
             return False
         meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
                 "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size}

@@ -56,7 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--metrics", help="write one JSON object per step to this .jsonl file")
     t.add_argument("--profile", help="write a jax.profiler trace of steps 2-4 to this directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--ckpt-dir", help="checkpoint directory (orbax; asynchronous saves)")
+    t.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: only at the end)")
+    t.add_argument("--ckpt-keep", type=int, default=3, help="keep the newest N checkpoints")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir, "
+                   "on this run's mesh and strategy (resharding as needed)")
+    t.add_argument("--stop-after", type=int, help="stop after this many steps (as if preempted); the "
+                   "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
+
+    e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
+    add_model_mesh(e)
+    e.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
+    e.add_argument("--seq", type=int, default=4096)
+    e.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    e.add_argument("--json", help="write the estimate as one JSON object to this file")
+    add_strategy_flags(e)
+
+    pl = sub.add_parser("plan", help="rank strategies for a model on N devices of a hardware type")
+    pl.add_argument("--model", required=True)
+    pl.add_argument("--hardware", required=True)
+    pl.add_argument("--devices", type=int, required=True, help="devices in the cluster (nothing is simulated)")
+    pl.add_argument("--seq", type=int, default=4096)
+    pl.add_argument("--global-batch", type=int, default=256)
+    pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--json")
     return parser
 
 
@@ -72,15 +96,29 @@ def cmd_train(args) -> int:
     trainer = Trainer(model, strategy, tc)
     source = make_source(args.data, model.vocab, args.seed)
     main = jax.process_index() == 0
+    ckpt = state = None
+    start = 0
+    if args.resume and not args.ckpt_dir:
+        raise ConfigError("--resume needs --ckpt-dir")
+    if args.ckpt_dir:
+        from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
+        ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
+        if args.resume:
+            state, start, message = ckpt.restore(trainer)
+            if main:
+                print(message)
     if main:
         print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
         print(f"strategy {trainer.strategy.describe()} zero={trainer.strategy.zero} "
               f"options={trainer.strategy.options}")
+        if trainer.strategy.size("pipeline") > 1:
+            from jaxpar.pipeline import schedule_summary  # noqa: PLC0415
+            print(schedule_summary(trainer.strategy, model.units))
     metrics_file = open(args.metrics, "w") if args.metrics and main else None
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
     last: dict = {}
 
     def on_step(step: int, m: dict) -> None:
@@ -97,7 +135,13 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
 
     try:
-        train(trainer, source, on_step=on_step)
+        state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
+                      checkpointer=ckpt)
+        if ckpt is not None:
+            done = min(args.stop_after or args.steps, args.steps)
+            if done > start and (args.ckpt_every <= 0 or done % args.ckpt_every):
+                ckpt.maybe_save(done, state, trainer, force=True)
+            ckpt.close()
     finally:
         if bar is not None:
             bar.close()
@@ -109,13 +153,46 @@ def cmd_train(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train}
+def cmd_estimate(args) -> int:
+    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.cost import estimate, format_estimate  # noqa: PLC0415
+    from models.config import parse_model  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    if strategy.num_devices < 1:
+        if not args.devices:
+            raise ConfigError(f"mesh {strategy.name} has a -1 axis: give --devices N to resolve it")
+        strategy = strategy.resolved(args.devices)
+    validate.check(model, strategy, batch=args.global_batch, seq=args.seq)
+    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq)
+    print(format_estimate(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=1)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from jaxpar import planner  # noqa: PLC0415
+    from models.config import parse_model  # noqa: PLC0415
+
+    results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
+                                              args.seq, args.global_batch, args.top)
+    print(planner.format_plan(results, considered, valid))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planner.to_json(results, considered, valid), f, indent=1)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "estimate": cmd_estimate, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "devices", None):
+        if getattr(args, "devices", None) and args.command not in ("plan", "estimate"):
             from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
             simulate_cpu_devices(args.devices)
         return COMMANDS[args.command](args)
