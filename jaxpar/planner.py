@@ -1,14 +1,15 @@
 """`jaxpar plan`: which strategy to rent for a model, a cluster and a batch.
 
 Enumerates meshes over the six axes for N devices, with the options a practitioner would try for
-each (ZeRO stage implied by the fsdp axis, sequence parallelism whenever tensor > 1, remat none /
+each (ZeRO-3 on the fsdp axis, ZeRO-0 or ZeRO-1 on `data`, sequence parallelism whenever tensor > 1, remat none /
 selective / full, ring attention when the sequence is split, pipeline micro-batches), drops those
 that violate a constraint (jaxpar.validate.check, the same checks a run makes) or do not fit in
 memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimate).
 
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
 <= 16); the expert axis is not searched (no MoE models yet); pipeline micro-batches M = 4 * stages
-when the batch allows it; circular schedules are not searched.
+when the batch allows it; circular schedules are not searched; gradient accumulation gives
+per-device micro-batches of 1, 2, 4 or the whole local batch.
 """
 from __future__ import annotations
 
@@ -41,12 +42,15 @@ def candidate_meshes(devices: int, max_tensor: int):
 
 
 def candidate_options(sizes: dict[str, int], global_batch: int):
-    for remat in ("none", "dots_no_batch", "full"):
-        kw = dict(remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
-                  attention="ring" if sizes["context"] > 1 else "dense")
-        if sizes["pipeline"] > 1:
-            kw["microbatches"] = 4 * sizes["pipeline"]
-        yield Options(**kw)
+    """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences)."""
+    micro = 4 * sizes["pipeline"] if sizes["pipeline"] > 1 else 1
+    local = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro) or 1
+    accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
+    zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
+    for remat, accum, zero in itertools.product(("none", "dots_no_batch", "full"), accums, zeros):
+        yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
+                      attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
+                      grad_accum=accum)
 
 
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
@@ -77,7 +81,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
 
 def describe(st: Strategy) -> str:
     o = st.options
-    flags = [f"remat={o.remat}"]
+    flags = [f"remat={o.remat}"] + ([f"accum={o.grad_accum}"] if o.grad_accum > 1 else [])
     if o.sequence_parallel:
         flags.append("sp")
     if st.size("context") > 1:
@@ -90,9 +94,9 @@ def describe(st: Strategy) -> str:
 
 def format_plan(results, considered: int, valid: int) -> str:
     lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, fastest first)",
-             f"{'#':>3}  {'strategy':<58} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'dominant':>12}"]
+             f"{'#':>3}  {'strategy':<72} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'dominant':>12}"]
     for i, (est, st) in enumerate(results, 1):
-        lines.append(f"{i:>3}  {describe(st):<58} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
+        lines.append(f"{i:>3}  {describe(st):<72} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
                      f"{est.memory.total / 2**30:>7.1f}Gi {est.dominant:>12}")
     if not results:
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
