@@ -22,8 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) experiments/bench_strategies.py
-	@for f in experiments/bench_*.py; do [ "$$f" = experiments/bench_strategies.py ] || { echo "== $$f"; $(PY) $$f; }; done
+	$(PY) experiments/demo.py --meshes all --steps 20
+	@for f in experiments/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache
