@@ -81,7 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, default=256)
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--json")
+
+    analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
+                     "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/comm.py)")
+    c = sub.add_parser("comm", help="compile one training step and tally its collectives, FLOPs and memory",
+                       description=analysis_note)
+    add_model_mesh(c)
+    add_analysis_flags(c)
+    c.add_argument("--abstract", action="store_true", help="compile from shapes only (no arrays allocated)")
+    c.add_argument("--json", help="write the report as one JSON object to this file")
+    add_strategy_flags(c)
+
+    cp = sub.add_parser("compare", help="the communication of several strategies side by side",
+                        description=analysis_note)
+    add_model_mesh(cp, meshes=True)
+    add_analysis_flags(cp)
+    cp.add_argument("--run-steps", type=int, default=0, metavar="K",
+                    help="also train K steps per strategy from the same initial parameters and report "
+                         "|loss - 1-device loss| and the step time")
+    cp.add_argument("--seed", type=int, default=0)
+    cp.add_argument("--lr", type=float, default=3e-3)
+    cp.add_argument("--json", help="write {model, reports: [...]} as one JSON object to this file")
+    cp.add_argument("--plot", help="write a PNG of bytes per device per step by kind and mesh axes")
+    add_strategy_flags(cp)
     return parser
+
+
+def add_analysis_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, help="global batch in sequences (default: the smallest valid one, "
+                   "one sequence per data-parallel rank and micro-batch)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's max_seq, at most 2048)")
 
 
 def cmd_train(args) -> int:
@@ -186,7 +215,88 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "estimate": cmd_estimate, "plan": cmd_plan}
+def analysis_devices(args, strategies) -> int:
+    """Devices to simulate for compile-only analysis: --devices, or the biggest mesh's device count
+    capped at what XLA:CPU compiles (bigger meshes are analysed at reduced data parallelism). In a
+    process whose JAX backend already started (a notebook, the tests) its devices are used."""
+    from jaxpar.comm import DEVICE_LIMIT  # noqa: PLC0415
+    from jaxpar.devices import backend_started, simulate_cpu_devices  # noqa: PLC0415
+
+    if args.devices:
+        if args.devices > DEVICE_LIMIT:
+            raise ConfigError(f"--devices {args.devices}: XLA:CPU compiles for at most {DEVICE_LIMIT} devices; "
+                              "give the full mesh sizes instead and it is analysed at reduced data parallelism")
+        return args.devices
+    for s in strategies:
+        if s.num_devices < 1:
+            raise ConfigError(f"mesh {s.name} has a -1 axis: give --devices N to resolve it")
+    n = min(max(s.num_devices for s in strategies), DEVICE_LIMIT)
+    if backend_started():
+        import jax  # noqa: PLC0415
+        return min(n, jax.device_count())
+    simulate_cpu_devices(n)
+    return n
+
+
+def analysis_config(args, model, strategies, **extra):
+    """TrainConfig for analysis: --batch/--seq, or defaults valid for every strategy."""
+    import math  # noqa: PLC0415
+
+    from jaxpar.train import TrainConfig  # noqa: PLC0415
+    from jaxpar.validate import data_parallel_size  # noqa: PLC0415
+
+    def per_step(s) -> int:
+        o = s.options
+        return data_parallel_size(s.resolved(args.devices) if s.num_devices < 1 else s) * o.grad_accum * (
+            o.microbatches if s.size("pipeline") > 1 else 1)
+
+    batch = args.batch or math.lcm(*(per_step(s) for s in strategies))
+    return TrainConfig(batch=batch, seq=args.seq or min(model.max_seq, 2048), **extra)
+
+
+def cmd_comm(args) -> int:
+    from models.config import parse_model  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    n = analysis_devices(args, [strategy])
+    tc = analysis_config(args, model, [strategy])
+    import jax  # noqa: PLC0415
+
+    from jaxpar import comm  # noqa: PLC0415
+    report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n], abstract=args.abstract)
+    print(comm.format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from models.config import parse_model  # noqa: PLC0415
+
+    if args.run_steps < 0:
+        raise ConfigError(f"--run-steps must be >= 0, got {args.run_steps}")
+    model = parse_model(args.model)
+    strategies = [strategy_from_args(args, spec) for spec in args.meshes]
+    n = analysis_devices(args, strategies)
+    tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
+    import jax  # noqa: PLC0415
+
+    from jaxpar import comm  # noqa: PLC0415
+    reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
+    print(comm.compare(reports))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model.name, "reports": reports}, f, indent=1)
+    if args.plot:
+        comm.plot(reports, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "estimate": cmd_estimate, "plan": cmd_plan, "comm": cmd_comm,
+            "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

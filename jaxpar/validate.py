@@ -62,7 +62,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
     if "M" in model.pattern:
         from models.mamba import check_mamba  # noqa: PLC0415
-        check_mamba(model, tensor=tp, context=cp, seq=seq)
+        check_mamba(model, tensor=tp, context=cp, seq=seq, cp_layout=o.cp_layout)
     if o.sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")
     if o.sequence_parallel:

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.conftest import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS, EVERY = 12, 4
 BASE = ["--model", "llama-tiny", "--mesh", "data=2,tensor=2", "--devices", "4", "--steps", str(STEPS),
@@ -20,7 +22,7 @@ BASE = ["--model", "llama-tiny", "--mesh", "data=2,tensor=2", "--devices", "4", 
 
 
 def cli(args, env=None, wait=True):
-    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
+    full_env = dict(os.environ, XLA_FLAGS=FAST_COMPILE) | (env or {})
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", *BASE, *args]
     if not wait:
         return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

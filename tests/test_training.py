@@ -13,6 +13,7 @@ from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer, train
 from models.config import parse_model
 from tests import harness
+from tests.conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def test_token_file_windows(tmp_path):
 def test_cli_train_writes_metrics_and_a_profile(tmp_path):
     metrics = tmp_path / "m.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false"  # a user's flag: must be kept
+    env["XLA_FLAGS"] = FAST_COMPILE  # a user's flags: must be kept beside --devices
     out = subprocess.run(
         [sys.executable, "-m", "jaxpar.cli", "train", "--model", "llama-tiny", "--mesh", "dp2-tp4",
          "--devices", "8", "--steps", "6", "--batch", "8", "--seq", "32", "--metrics", str(metrics),
