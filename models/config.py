@@ -90,7 +90,7 @@ class ModelConfig:
                  f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner=expand*d_model={self.d_inner}")
             need(self.ssm_heads % self.ngroups == 0,
                  f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
-            need(self.d_conv >= 1 and self.chunk >= 1, f"d_conv and chunk must be >= 1")
+            need(self.d_conv >= 1 and self.chunk >= 1, f"d_conv={self.d_conv} and chunk={self.chunk} must be >= 1")
 
 
 # Published dimensions. LLaMA 3: Meta's model card / "The Llama 3 Herd of Models" (2024), table 3.

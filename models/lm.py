@@ -10,7 +10,6 @@ The public pieces, so that pipeline parallelism can replace the middle:
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -57,3 +57,15 @@ def trajectory(model: str, mesh: str, devices: int = 8, **options) -> tuple[np.n
 
 def leaves_with_paths(tree):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def assert_matches_one_device(model: str, mesh: str, devices: int = 8, **options) -> None:
+    """Loss (rtol 1e-5) and every gradient leaf (rtol 1e-5 of the leaf's scale) equal the 1-device run."""
+    ref_loss, ref_grads = loss_and_grads(model, "data=1", devices=1)
+    loss, grads = loss_and_grads(model, mesh, devices, **options)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    ref = dict(leaves_with_paths(ref_grads))
+    got = dict(leaves_with_paths(grads))
+    assert got.keys() == ref.keys()
+    for path, g in got.items():
+        np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * np.max(np.abs(ref[path])), err_msg=path)

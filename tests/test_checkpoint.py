@@ -2,8 +2,6 @@
 
 The crash and fresh-process cases run the CLI in subprocesses (tests/test_checkpoint_cli.py).
 """
-import dataclasses
-import json
 
 import jax
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import parse_strategy
-from jaxpar.train import TrainConfig, Trainer
+from jaxpar.train import Trainer
 from models.config import parse_model
 from tests import harness
 

@@ -1,5 +1,4 @@
 """Bad input gives a ConfigError naming the constraint and the values, before anything compiles."""
-import os
 
 import jax
 import pytest

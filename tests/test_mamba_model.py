@@ -1,5 +1,4 @@
 """Mamba-2 and hybrid models under every strategy that applies: loss and gradients equal 1 device."""
-import numpy as np
 import pytest
 
 from tests import harness
@@ -16,11 +15,4 @@ from tests import harness
     ("hybrid-tiny", "fsdp=8", 8, {}),
 ])
 def test_matches_one_device(model, mesh, devices, options):
-    ref_loss, ref_grads = harness.loss_and_grads(model, "data=1", devices=1)
-    loss, grads = harness.loss_and_grads(model, mesh, devices, **options)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    ref = dict(harness.leaves_with_paths(ref_grads))
-    got = dict(harness.leaves_with_paths(grads))
-    assert got.keys() == ref.keys()
-    for path, g in got.items():
-        np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * np.max(np.abs(ref[path])), err_msg=path)
+    harness.assert_matches_one_device(model, mesh, devices, **options)

@@ -3,7 +3,6 @@
 The reference is the same model on one device from the same parameters and the same batch:
 loss and every gradient leaf agree to rtol 1e-5, and a 10-step training trajectory to 1e-4.
 """
-import jax
 import numpy as np
 import pytest
 
@@ -21,15 +20,7 @@ def test_catalogue_has_the_foundation_strategies():
 
 @pytest.mark.parametrize("mesh", EIGHT_DEVICE)
 def test_loss_and_gradients_match_one_device(mesh):
-    ref_loss, ref_grads = harness.loss_and_grads(MODEL, "data=1", devices=1)
-    loss, grads = harness.loss_and_grads(MODEL, mesh)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    ref = dict(harness.leaves_with_paths(ref_grads))
-    got = dict(harness.leaves_with_paths(grads))
-    assert got.keys() == ref.keys()
-    for path, g in got.items():
-        scale = np.max(np.abs(ref[path]))
-        np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * scale, err_msg=path)
+    harness.assert_matches_one_device(MODEL, mesh)
 
 
 @pytest.mark.parametrize("mesh", EIGHT_DEVICE)
