@@ -28,11 +28,12 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-layout", choices=["contiguous", "zigzag"])
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches")
     g.add_argument("--pp-schedule", choices=["gpipe", "circular"])
+    g.add_argument("--pp-repeats", type=int, help="circular schedule: layer chunks per stage (v)")
     g.add_argument("--grad-accum", type=int, help="gradient-accumulation steps per optimizer step")
 
 
 STRATEGY_FLAGS = ("dtype", "remat", "zero", "sequence_parallel", "attention", "cp_layout", "microbatches",
-                  "pp_schedule", "grad_accum")
+                  "pp_schedule", "pp_repeats", "grad_accum")
 
 
 def strategy_from_args(args, spec: str | None = None):

@@ -76,12 +76,5 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
         _divides("context", cp, "seq", seq)
 
     # --- pipeline -----------------------------------------------------------------------------
-    if pp > 1:
-        stages = pp * (o.pp_repeats if o.pp_schedule == "circular" else 1)
-        if model.units % stages:
-            raise ConfigError(f"pipeline={pp} x repeats={stages // pp} = {stages} stages do not divide "
-                              f"the model's {model.units} layer units (layers={model.layers}, "
-                              f"pattern={model.pattern!r})")
-    elif o.microbatches > 1:
-        raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
-                          "for gradient accumulation without a pipeline)")
+    from jaxpar.pipeline import check_pipeline  # noqa: PLC0415
+    check_pipeline(model, strategy, batch)

@@ -33,6 +33,7 @@ def run_steps(trainer, state, start, stop):
     ("zero1-dp8", 8, "fsdp8", 8),
     ("data=1", 1, "dp2-fsdp2-tp2", 8),
     ("dp2-tp4", 8, "tp4-sp", 8),
+    ("fsdp8", 8, "cp8-ring", 8),
 ])
 def test_restore_onto_another_mesh_gives_the_same_next_step(tmp_path, src, src_devices, dst, dst_devices):
     source = harness.trainer(MODEL, src, src_devices)

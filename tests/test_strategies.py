@@ -6,26 +6,34 @@ loss and every gradient leaf agree to rtol 1e-5, and a 10-step training trajecto
 import numpy as np
 import pytest
 
-from jaxpar.strategy import catalogue
+from jaxpar.strategy import catalogue, parse_strategy
 from tests import harness
 
 MODEL = "llama-tiny"
+PIPELINE_MODEL = "llama-tiny:layers=8"  # stages x repeats must divide the layer units
+
+
+def model_for(mesh: str) -> str:
+    return PIPELINE_MODEL if parse_strategy(mesh).size("pipeline") > 1 else MODEL
 EIGHT_DEVICE = [s.name for s in catalogue() if s.num_devices == 8]
 
 
 def test_catalogue_has_the_foundation_strategies():
-    for name in ("dp8", "zero1-dp8", "fsdp8", "tp8", "dp2-tp4", "tp4-sp", "dp2-fsdp2-tp2", "fsdp4-tp2-sp"):
+    for name in ("dp8", "zero1-dp8", "fsdp8", "tp8", "dp2-tp4", "tp4-sp", "dp2-fsdp2-tp2", "fsdp4-tp2-sp",
+                 "cp8-ring", "cp4-tp2-ring", "dp2-cp4-zigzag", "cp8-allgather", "pp4-dp2", "pp2-tp2-dp2",
+                 "pp4-circular"):
         assert name in EIGHT_DEVICE
 
 
 @pytest.mark.parametrize("mesh", EIGHT_DEVICE)
 def test_loss_and_gradients_match_one_device(mesh):
-    harness.assert_matches_one_device(MODEL, mesh)
+    harness.assert_matches_one_device(model_for(mesh), mesh)
 
 
 @pytest.mark.parametrize("mesh", EIGHT_DEVICE)
 def test_training_trajectory_matches_one_device(mesh):
-    ref, _ = harness.trajectory(MODEL, "data=1", devices=1)
-    got, _ = harness.trajectory(MODEL, mesh)
+    model = model_for(mesh)
+    ref, _ = harness.trajectory(model, "data=1", devices=1)
+    got, _ = harness.trajectory(model, mesh)
     assert ref[-1] < ref[0]  # the reference itself learns
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,126 @@
+"""Pipeline parallelism: step time against the number of micro-batches, beside the ideal bubble.
+
+    PYTHONPATH=. python experiments/bench_pipeline.py [--batch 64] [--seq 64] [--repeats 5]
+
+llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe and circular (v=2)
+schedules with M = 4, 8, 16, 32 micro-batches, and the same batch without a pipeline (data=8).
+
+Every stage computes in every one of the T = v*M + S - 1 iterations, bubbles included, and the
+simulated devices share this host's cores, so a step's time tracks the total work: T iterations of
+S stage chunks on B/M rows each, i.e. 1 / (1 - bubble) times the work of the batch itself, where
+bubble = (S-1) / (v*M + S-1). On real accelerators the bubble is idle time instead of extra work;
+the ratio is the same. The `predicted` column is that ratio; `measured` is the step time over the
+data=8 step time, each the fastest of --repeats steps taken round robin over the cases (so all see
+the same contention on a shared host). Writes experiments/results/bench_pipeline.md (+ .png when
+matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+from jaxpar.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # before JAX starts its backend
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpar.pipeline import schedule_of  # noqa: E402
+from jaxpar.strategy import parse_strategy  # noqa: E402
+from jaxpar.train import TrainConfig, Trainer  # noqa: E402
+from jaxpar.data import Synthetic  # noqa: E402
+from models.config import parse_model  # noqa: E402
+
+MODEL = "llama-tiny:layers=8"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def host_params(trainer: Trainer):
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda a: (0.02 * rng.normal(size=a.shape)).astype(a.dtype), trainer.abstract_params)
+
+
+class Case:
+    """One strategy, compiled, with its state and batch ready to step."""
+
+    def __init__(self, mesh: str, options: dict, tc: TrainConfig):
+        tr = Trainer(parse_model(MODEL), parse_strategy(mesh).with_options(**options), tc, devices=jax.devices()[:8])
+        t0 = time.perf_counter()
+        self.compiled = tr.lower_step().compile()
+        self.compile_s = time.perf_counter() - t0
+        self.state = tr.state_from_params(host_params(tr))
+        self.batch = tr.batch(Synthetic(tr.model_cfg.vocab), 0)
+        self.times: list[float] = []
+        self.step()  # warm up
+        self.times.clear()
+        sched = schedule_of(tr.strategy, tr.model_cfg.units)
+        piped = sched.stages > 1
+        self.row = {"mesh": mesh, "schedule": sched.kind if piped else "-", "M": sched.microbatches,
+                    "T": sched.iterations if piped else 1, "bubble": sched.bubble if piped else 0.0,
+                    "temp_mib": self.compiled.memory_analysis().temp_size_in_bytes / 2**20}
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        self.state, metrics = self.compiled(self.state, self.batch)
+        jax.block_until_ready(metrics)
+        self.times.append(time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    args = parser.parse_args()
+    tc = TrainConfig(batch=args.batch, seq=args.seq)
+
+    cases = [Case("data=8", {}, tc)]
+    for schedule, extra in (("gpipe", {}), ("circular", {"pp_repeats": 2})):
+        for m in args.microbatches:
+            cases.append(Case("pipeline=4,data=2", dict(microbatches=m, pp_schedule=schedule, **extra), tc))
+            print(f"  compiled {schedule} M={m} in {cases[-1].compile_s:.1f} s", flush=True)
+    for _ in range(args.repeats):  # round robin: every case sees the same contention on a shared host
+        for case in cases:
+            case.step()
+    rows = [case.row | {"step_s": min(case.times), "compile_s": case.compile_s} for case in cases]
+    base = rows[0]["step_s"]
+    header = ("| mesh | schedule | M | T | ideal bubble | predicted time / no-pipeline | measured | step ms "
+              "| temp MiB/device | compile s |")
+    lines = [f"{MODEL}, batch={args.batch}, seq={args.seq}, float32, 8 simulated CPU devices "
+             f"(fastest of {args.repeats} steps)", "", header, "|" + "---|" * 10]
+    for r in rows:
+        predicted = 1 / (1 - r["bubble"])
+        lines.append(f"| {r['mesh']} | {r['schedule']} | {r['M']} | {r['T']} | {r['bubble']:.1%} | {predicted:.2f} "
+                     f"| {r['step_s'] / base:.2f} | {r['step_s'] * 1e3:.0f} | {r['temp_mib']:.1f} "
+                     f"| {r['compile_s']:.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_pipeline.md").write_text("# Pipeline: step time vs micro-batches\n\n" + text + "\n")
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for schedule in ("gpipe", "circular"):
+        sel = [r for r in rows if r["schedule"] == schedule]
+        ms = [r["M"] for r in sel]
+        ax.plot(ms, [r["step_s"] / base for r in sel], "o-", label=f"{schedule}: measured")
+        ax.plot(ms, [1 / (1 - r["bubble"]) for r in sel], "x--", label=f"{schedule}: 1/(1-bubble)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("step time / data=8 step time")
+    ax.set_title("pipeline=4 x data=2, llama-tiny:layers=8")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "bench_pipeline.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
