@@ -72,6 +72,10 @@ class LM(nnx.Module):
     # ---- the three stages ----------------------------------------------------------------------
     def embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.run))
+        # vocab-parallel lookup first (each tensor rank holds part of the vocab: partial rows summed
+        # by an all-reduce), then the residual layout; constraining straight to a sequence-sharded
+        # residual (SP) would make XLA gather the whole table instead.
+        x = constrain(x, ("batch", "seq", "act_embed"))
         return constrain(x, RESIDUAL)
 
     def apply_stack(self, x: jax.Array, positions: jax.Array) -> jax.Array:
