@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=analysis_note)
     add_model_mesh(c)
     add_analysis_flags(c)
-    c.add_argument("--abstract", action="store_true", help="compile from shapes only (no arrays allocated)")
+    c.add_argument("--abstract", action="store_true", help="compile from shapes only, no arrays allocated (analysis always does; kept for scripts)")
     c.add_argument("--json", help="write the report as one JSON object to this file")
     add_strategy_flags(c)
 
@@ -264,9 +264,9 @@ def cmd_comm(args) -> int:
     tc = analysis_config(args, model, [strategy])
     import jax  # noqa: PLC0415
 
-    from jaxpar import comm  # noqa: PLC0415
-    report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n], abstract=args.abstract)
-    print(comm.format_table(report))
+    from jaxpar import comm, comm_report  # noqa: PLC0415
+    report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
+    print(comm_report.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -284,14 +284,14 @@ def cmd_compare(args) -> int:
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
     import jax  # noqa: PLC0415
 
-    from jaxpar import comm  # noqa: PLC0415
+    from jaxpar import comm, comm_report  # noqa: PLC0415
     reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
-    print(comm.compare(reports))
+    print(comm_report.compare(reports))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model.name, "reports": reports}, f, indent=1)
     if args.plot:
-        comm.plot(reports, args.plot)
+        comm_report.plot(reports, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 

@@ -147,7 +147,7 @@ def tally(
         totals_ = merged.setdefault(key, [0, 0, 0.0])
         totals_[0] += times
         totals_[1] += times * size
-        totals_[2] += times * size * _wire_factor(kind, n)
+        totals_[2] += times * size * wire_factor(kind, n)
     collectives = [Collective(k, axes, c, b, w, phase) for (k, axes, phase), (c, b, w) in merged.items()]
     collectives.sort(key=lambda c: (KINDS.index(c.kind), PHASES.index(c.phase), c.axes))
     return Tally(collectives, dict.fromkeys(warnings))
@@ -379,7 +379,7 @@ def _element_bits(dtype: str) -> int:
     return _ELEMENT_BITS[dtype]
 
 
-def _wire_factor(kind: str, n: int) -> float:
+def wire_factor(kind: str, n: int) -> float:
     """Bytes one device sends per byte of buffer, ring algorithm, group size n."""
     if kind == "collective-permute":
         return 1.0

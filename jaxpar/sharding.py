@@ -82,12 +82,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 # ---- parameters and optimizer state ------------------------------------------------------------
 
-def logical_specs(state: Any) -> Any:
-    """Tree of logical-name tuples, one per parameter leaf (from the `out_sharding` metadata)."""
-    return jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * v.value.ndim,
-                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def param_shardings(abstract_state: Any, layout: Layout, purpose: str = "params") -> Any:
     """NamedSharding per parameter leaf, in the same nnx.State structure as the parameters."""
     rules = layout.rules(purpose)

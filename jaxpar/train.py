@@ -177,8 +177,8 @@ class Trainer:
         """Loss and gradients of one batch (no update) — what the equivalence tests compare."""
         return self._grads(params, batch)
 
-    def lower_step(self, abstract: bool = False):
-        """The step lowered for analysis; `abstract` uses shapes only (no arrays allocated)."""
+    def lower_step(self):
+        """The step lowered for analysis, from shapes and shardings only (no arrays allocated)."""
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              self.abstract_state(), self.state_shardings)
         batch = {k: jax.ShapeDtypeStruct((self.tc.batch, self.tc.seq), jnp.int32, sharding=self.batch_sharding)

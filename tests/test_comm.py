@@ -3,7 +3,7 @@
 Every expected number is computed here from the llama-tiny config (never copied from a tally).
 What XLA:CPU emits differs from the textbook picture in three ways, stated where they matter:
   * no reduce-scatters: the SPMD partitioner's reduce-scatter stays an all-reduce whose result is
-    dynamic-sliced to 1/n (XLA:CPU runs no ReduceScatterCreator pass). `comm.scatter_like_all_reduces`
+    dynamic-sliced to 1/n (XLA:CPU runs no ReduceScatterCreator pass). `hlo_patterns.scatter_like_all_reduces`
     finds them; the tests check that the reduce-scatters of the textbook are exactly those;
   * no all-reduce reassociation: AR(x) + AR(y) stays two all-reduces (XLA:CPU runs no
     AllReduceReassociate), so under TP the input gradients of q, k, v (and of gate, up) are
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, comm, hlo
+from jaxpar import cli, comm, hlo, hlo_patterns
 from jaxpar.strategy import parse_strategy
 from models.config import parse_model
 from tests import harness
@@ -85,9 +85,9 @@ def kinds_and_axes(rep: dict) -> set[tuple[str, tuple[str, ...]]]:
 
 def scatter_like(mesh: str, model: str = MODEL, **options) -> list[hlo.Collective]:
     tr = harness.trainer(model, mesh, **options)
-    compiled = tr.lower_step(abstract=True).compile(comm.ANALYSIS_COMPILER_OPTIONS)  # cached: report() compiled it
+    compiled = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)  # cached: report() compiled it
     ids = np.arange(tr.mesh.size).reshape(tuple(tr.mesh.shape.values()))
-    return comm.scatter_like_all_reduces(compiled.as_text(), tr.mesh.axis_names, ids)
+    return hlo_patterns.scatter_like_all_reduces(compiled.as_text(), tr.mesh.axis_names, ids)
 
 
 # ---- data parallelism ------------------------------------------------------------------------
@@ -193,7 +193,6 @@ def test_full_remat_recomputes_the_attention_all_reduce():
 def test_sequence_parallel_gathers_and_scatters_instead():
     rep = report("tp4-sp")
     act, token, grads = tp_sizes(4, 2)
-    embedding = V * D
     # forward: gather the sequence-sharded norm output before attention and MLP, and before the head
     assert total(rep, "all-gather", ("tensor",), ("forward",)) == 2 * L * act + act
     # the reduce-scatters after attention and MLP: all-reduce + dynamic-slice on XLA:CPU; the
@@ -231,7 +230,7 @@ def test_layers_enter_only_through_the_trip_count():
         == extra * 5 * act
     assert total(four, "all-reduce", ("data",)) - total(two, "all-reduce", ("data",)) \
         == extra * F32 * (per_layer(CFG) - 2 * D) // 4 + extra * F32 * 2 * D
-    texts = [harness.trainer(m, "dp2-tp4").lower_step(abstract=True).compile(comm.ANALYSIS_COMPILER_OPTIONS).as_text()
+    texts = [harness.trainer(m, "dp2-tp4").lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS).as_text()
              for m in (MODEL, deep)]
     assert collective_lines(texts[0]) == collective_lines(texts[1])
     # dot FLOPs per device, trip counts included: forward matmuls 2 x tokens x weights / tp, causal
@@ -240,7 +239,7 @@ def test_layers_enter_only_through_the_trip_count():
     for layers, text in zip((2, 4), texts):
         weights = layers * (per_layer(CFG) - 2 * D) + D * V  # matmul weights (no norms, no lookup)
         attention = layers * 2 * 2 * (B // 2) * S * S * CFG.heads * CFG.head_dim
-        assert comm.dot_flops(text)[0] == 3 * (2 * tokens * weights + attention) // 4
+        assert hlo_patterns.dot_flops(text)[0] == 3 * (2 * tokens * weights + attention) // 4
     assert four["flops_per_device"] > 1.7 * two["flops_per_device"]
 
 
@@ -250,7 +249,7 @@ def test_tally_agrees_with_the_hlo_module_api():
     """Collective result bytes summed with XLA's own HloModule objects (shapes from the Shape API,
     trip counts from the while ops), per kind, equal the tally's."""
     tr = harness.trainer(MODEL, "tp4-sp")
-    compiled = tr.lower_step(abstract=True).compile(comm.ANALYSIS_COMPILER_OPTIONS)
+    compiled = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)
     module = compiled.runtime_executable().hlo_modules()[0]
     computations = module.computations()
     trips = {}

@@ -11,6 +11,13 @@ from jaxpar.train import TrainConfig, Trainer
 from models.config import parse_model
 
 
+def raises_naming(message, fn, *args):
+    """fn(*args) raises ConfigError whose text contains `message`."""
+    with pytest.raises(ConfigError) as e:
+        fn(*args)
+    assert message in str(e.value)
+
+
 def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
     return Trainer(parse_model(model), parse_strategy(mesh), TrainConfig(batch=batch, seq=seq),
                    devices=jax.devices()[:devices])
@@ -19,7 +26,7 @@ def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
 @pytest.mark.parametrize("model, mesh, batch, seq, message", [
     ("llama-tiny", "data=2,tensor=2", 16, 32, "axis product 4 (data=2 x tensor=2) != device count 8"),
     ("llama-tiny:kv_heads=4,heads=8", "tensor=8", 16, 32, "tensor=8 does not divide kv_heads=4"),
-    ("llama-tiny:heads=4,kv_heads=4", "data=2,tensor=8", 16, 32, None),  # product error first
+    ("llama-tiny:heads=4,kv_heads=4", "data=2,tensor=8", 16, 32, "axis product 16"),  # product error first
     ("llama-tiny:heads=6,kv_heads=2", "data=2,tensor=4", 16, 32, "tensor=4 does not divide heads=6"),
     ("llama-tiny:mlp_dim=102", "data=2,tensor=4", 16, 32, "tensor=4 does not divide mlp_dim=102"),
     ("llama-tiny:vocab=254", "data=2,tensor=4", 16, 32, "tensor=4 does not divide vocab=254"),
@@ -27,19 +34,13 @@ def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
     ("llama-tiny", "data=2,fsdp=4", 4, 32, "batch=4 is not divisible by the data-parallel size data=2xfsdp=4 (8)"),
     ("llama-tiny", "data=8", 16, 512, "seq=512 must be between 1 and the model's max_seq=256"),
     ("llama-tiny:d_model=60", "fsdp=8", 16, 32, "fsdp=8 does not divide d_model=60"),
-    ("llama-tiny", "data=4,tensor=-1", 16, 32, None),  # -1 fills: valid
 ])
 def test_strategy_constraints(model, mesh, batch, seq, message):
-    if message is None:
-        if "-1" in mesh:
-            assert build(model, mesh, batch, seq).strategy.size("tensor") == 2
-        else:
-            with pytest.raises(ConfigError):
-                build(model, mesh, batch, seq)
-        return
-    with pytest.raises(ConfigError) as e:
-        build(model, mesh, batch, seq)
-    assert message in str(e.value)
+    raises_naming(message, build, model, mesh, batch, seq)
+
+
+def test_minus_one_fills_the_remaining_devices():
+    assert build("llama-tiny", "data=4,tensor=-1").strategy.size("tensor") == 2
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -49,9 +50,7 @@ def test_strategy_constraints(model, mesh, batch, seq, message):
     ("data=-1,tensor=-1", "only one axis may be -1"),
 ])
 def test_mesh_spec_errors(spec, message):
-    with pytest.raises(ConfigError) as e:
-        parse_strategy(spec).resolved(8)
-    assert message in str(e.value)
+    raises_naming(message, lambda: parse_strategy(spec).resolved(8))
 
 
 def test_mesh_file_errors(tmp_path):
@@ -80,9 +79,7 @@ def test_mesh_file_errors(tmp_path):
     ("llama-tiny:heads=16,kv_heads=6", "kv_heads=6 does not divide heads=16"),
 ])
 def test_model_spec_errors(spec, message):
-    with pytest.raises(ConfigError) as e:
-        parse_model(spec)
-    assert message in str(e.value)
+    raises_naming(message, parse_model, spec)
 
 
 def test_zero_contradicting_the_mesh():

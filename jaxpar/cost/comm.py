@@ -17,19 +17,12 @@ from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import (attention_block_params, embedding_params, layer_counts, mamba_block_params,
                                 mamba_dims)
 from jaxpar.cost.shape import StepShape
-from jaxpar.hlo import Collective  # the HLO tally's record: predictions and measurements share one type
+from jaxpar.hlo import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.strategy import Strategy
 from models.config import ModelConfig
 
 AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
 DATA_LIKE = ("data", "fsdp", "context", "expert")  # axes over which (non-expert) weights are replicated
-
-
-def wire_factor(kind: str, n: int) -> float:
-    """Bytes one device sends per byte of buffer under the ring algorithm."""
-    if kind == PERMUTE:
-        return 1.0
-    return (2.0 if kind == AR else 1.0) * (n - 1) / n
 
 
 def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase: str,

@@ -1,15 +1,12 @@
 """`format_estimate`: the human view of an Estimate -- time terms, FLOPs by block, collectives, memory."""
 from __future__ import annotations
 
+from jaxpar.comm_report import human_bytes
 from jaxpar.cost.estimate import Estimate
 
 
 def _bytes(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{x:.0f} B"
-        x /= 1024
-    return f"{x:.1f} TiB"
+    return human_bytes(x, digits=1)
 
 
 def _secs(x: float) -> str:
