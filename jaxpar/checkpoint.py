@@ -8,6 +8,10 @@ the data-stream position (the step: batches are a pure function of (seed, step, 
 Restoring builds abstract targets (jax.ShapeDtypeStruct) carrying the *new* trainer's shardings,
 so orbax reads each device's slice directly onto the new mesh: that is the resharding.
 
+In a multi-process run every process calls save and restore with its own shards of the global
+arrays; orbax writes them collectively into one directory (which all hosts must see: a shared file
+system or a bucket) and process 0 writes the metadata.
+
 Odd cases, each with a clear outcome:
   - resume with no checkpoint          -> fresh start, and `restore` says so
   - model config differs               -> ConfigError naming the field and both values
@@ -57,9 +61,12 @@ class Checkpointer:
             item_names=("state", "meta"))
 
     def _check_directory(self) -> None:
+        """Refuse a directory jaxpar did not write. Every process checks (read-only, so all agree);
+        process 0 alone creates the directory and the marker, and the others wait for it."""
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--ckpt-dir {self.dir} exists and is not a directory")
-        if self.dir.is_dir() and any(self.dir.iterdir()):
+        fresh = not (self.dir.is_dir() and any(self.dir.iterdir()))
+        if not fresh:
             marker = self.dir / MARKER
             try:
                 ok = json.loads(marker.read_text()).get("format") == FORMAT["format"]
@@ -68,10 +75,14 @@ class Checkpointer:
             if not ok:
                 raise ConfigError(f"--ckpt-dir {self.dir} is not empty and was not written by jaxpar "
                                   f"(no {MARKER}); refusing to write or read checkpoints there")
-        else:
+        if fresh and jax.process_index() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            if jax.process_index() == 0:
-                (self.dir / MARKER).write_text(json.dumps(FORMAT))
+            tmp = self.dir / f".{MARKER}.tmp"
+            tmp.write_text(json.dumps(FORMAT))
+            tmp.rename(self.dir / MARKER)  # atomic: another process never reads half a marker
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+            multihost_utils.sync_global_devices("jaxpar checkpoint directory ready")
 
     # ---- save ----------------------------------------------------------------------------------
     def maybe_save(self, step: int, state, trainer, force: bool = False) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from jaxpar.errors import ConfigError
@@ -30,6 +31,18 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-schedule", choices=["gpipe", "circular"])
     g.add_argument("--pp-repeats", type=int, help="circular schedule: layer chunks per stage (v)")
     g.add_argument("--grad-accum", type=int, help="gradient-accumulation steps per optimizer step")
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-process runs (see jaxpar/distributed.py; SLURM, Open MPI and TPU pods "
+                             "are detected without flags, `jaxpar launch` sets them for local runs)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0 <= I < N")
+    g.add_argument("--init-timeout", type=int, default=60, metavar="S",
+                   help="seconds to wait for the coordinator and the other processes (default 60)")
+    g.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                   help="a process silent this long is declared dead and the others stop (default 30)")
 
 
 STRATEGY_FLAGS = ("dtype", "remat", "zero", "sequence_parallel", "attention", "cp_layout", "microbatches",
@@ -65,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-after", type=int, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
+    add_distributed_flags(t)
 
     e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
     add_model_mesh(e)
@@ -92,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--abstract", action="store_true", help="compile from shapes only, no arrays allocated (analysis always does; kept for scripts)")
     c.add_argument("--json", help="write the report as one JSON object to this file")
     add_strategy_flags(c)
+    add_distributed_flags(c)
 
     cp = sub.add_parser("compare", help="the communication of several strategies side by side",
                         description=analysis_note)
@@ -105,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", help="write {model, reports: [...]} as one JSON object to this file")
     cp.add_argument("--plot", help="write a PNG of bytes per device per step by kind and mesh axes")
     add_strategy_flags(cp)
+
+    la = sub.add_parser("launch", help="run a command as N local processes on CPU (multi-process development)",
+                        description="Start N processes of `jaxpar COMMAND ...`, each with D simulated CPU "
+                                    "devices, joined by jax.distributed (gloo collectives). Signals are "
+                                    "forwarded; if one process fails the others are stopped.",
+                        usage="jaxpar launch --processes N [--devices-per-process D] -- COMMAND [ARGS ...]")
+    la.add_argument("--processes", type=int, required=True, metavar="N")
+    la.add_argument("--devices-per-process", type=int, default=1, metavar="D")
+    la.add_argument("--grace", type=float, default=2.0, metavar="S",
+                    help="seconds a process gets to stop (after a forwarded signal, or when another "
+                         "process failed) before it is killed")
+    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     return parser
 
 
@@ -115,6 +142,7 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
+    from jaxpar import distributed  # noqa: PLC0415
     from jaxpar.data import make_source  # noqa: PLC0415
     from jaxpar.train import TrainConfig, Trainer, train  # noqa: PLC0415
     from models.config import parse_model  # noqa: PLC0415
@@ -125,7 +153,7 @@ def cmd_train(args) -> int:
     tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr)
     trainer = Trainer(model, strategy, tc)
     source = make_source(args.data, model.vocab, args.seed)
-    main = jax.process_index() == 0
+    main = distributed.is_main()
     ckpt = state = None
     start = 0
     if args.resume and not args.ckpt_dir:
@@ -223,6 +251,9 @@ def analysis_devices(args, strategies) -> int:
     from jaxpar.comm import DEVICE_LIMIT  # noqa: PLC0415
     from jaxpar.devices import backend_started, simulate_cpu_devices  # noqa: PLC0415
 
+    if getattr(args, "multi_process", False):  # every process's devices, compiled in each process
+        import jax  # noqa: PLC0415
+        return jax.device_count()
     if args.devices:
         if args.devices > DEVICE_LIMIT:
             raise ConfigError(f"--devices {args.devices}: XLA:CPU compiles for at most {DEVICE_LIMIT} devices; "
@@ -266,6 +297,8 @@ def cmd_comm(args) -> int:
 
     from jaxpar import comm, comm_report  # noqa: PLC0415
     report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
+    if jax.process_index():
+        return 0
     print(comm_report.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -296,20 +329,57 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from jaxpar.launch import launch  # noqa: PLC0415
+    return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)
+
+
 COMMANDS = {"train": cmd_train, "estimate": cmd_estimate, "plan": cmd_plan, "comm": cmd_comm,
-            "compare": cmd_compare}
+            "compare": cmd_compare, "launch": cmd_launch}
+
+
+def join_cluster(args) -> bool:
+    """Join a multi-process run if the flags or the environment describe one (jaxpar/distributed.py)."""
+    from jaxpar import distributed  # noqa: PLC0415
+
+    cluster = distributed.cluster_from(args.coordinator, args.num_processes, args.process_id)
+    if cluster is None:
+        return False
+    if args.devices:
+        raise ConfigError("--devices simulates devices in one process; in a multi-process run each process "
+                          "brings its own devices (jaxpar launch --devices-per-process D)")
+    distributed.initialize(cluster, timeout_s=args.init_timeout, heartbeat_s=args.heartbeat_timeout)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxpar import distributed  # noqa: PLC0415
+
     args = build_parser().parse_args(argv)
+    args.multi_process = False
     try:
+        if hasattr(args, "coordinator"):
+            args.multi_process = join_cluster(args)
         if getattr(args, "devices", None) and args.command not in ("plan", "estimate"):
             from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
             simulate_cpu_devices(args.devices)
         return COMMANDS[args.command](args)
     except ConfigError as e:
-        print(f"jaxpar: error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"jaxpar: error: {e}", 2, distributed.joining())
+    except Exception as e:
+        if distributed.joining() and (message := distributed.peer_failure(e)) is not None:
+            return fail(f"jaxpar: error: {message}", 3, True)
+        raise
+
+
+def fail(message: str, code: int, multi_process: bool) -> int:
+    """Print `message`; in a multi-process run leave at once: a normal interpreter exit would wait
+    in jax.distributed's shutdown barrier for processes that will never reach it."""
+    print(message, file=sys.stderr, flush=True)
+    if multi_process:
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

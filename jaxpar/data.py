@@ -2,7 +2,8 @@
 
 Both are deterministic functions of (seed, step, row): a process asks only for the rows it feeds
 (`rows`), so no process reads another's slice, and a resumed run sees exactly the batches it would
-have seen. `to_global` turns the local rows into one global jax.Array with the batch sharding.
+have seen. `process_indices` says which rows (and sequence span) a process feeds; `to_global` turns
+them into global jax.Arrays with the batch sharding.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ class Synthetic:
     seed: int = 0
     noise: float = 0.1
 
-    def rows(self, step: int, rows: range, seq: int) -> np.ndarray:
+    def rows(self, step: int, rows, seq: int) -> np.ndarray:
         out = np.empty((len(rows), seq + 1), np.int32)
         a, c = 5, 3
         for i, row in enumerate(rows):
-            rng = np.random.default_rng((self.seed, step, row))
+            rng = np.random.default_rng((self.seed, step, int(row)))
             toks = np.empty(seq + 1, np.int64)
             toks[0] = rng.integers(self.vocab)
             noise = rng.random(seq) < self.noise
@@ -64,13 +65,13 @@ class TokenFile:
             raise ConfigError(f"--data {self.path}: {size} bytes is not a whole number of {np.dtype(dtype).name} ids")
         return np.memmap(self.path, dtype=dtype, mode="r")
 
-    def rows(self, step: int, rows: range, seq: int) -> np.ndarray:
+    def rows(self, step: int, rows, seq: int) -> np.ndarray:
         toks = self.tokens
         if len(toks) < seq + 1:
             raise ConfigError(f"--data {self.path}: {len(toks)} tokens, fewer than seq+1={seq + 1}")
         out = np.empty((len(rows), seq + 1), np.int32)
         for i, row in enumerate(rows):
-            start = np.random.default_rng((self.seed, step, row)).integers(len(toks) - seq)
+            start = np.random.default_rng((self.seed, step, int(row))).integers(len(toks) - seq)
             out[i] = toks[start:start + seq + 1]
         if out.max(initial=0) >= self.vocab:
             raise ConfigError(f"--data {self.path}: token id {out.max()} >= vocab={self.vocab}")
@@ -81,8 +82,8 @@ def make_source(spec: str, vocab: int, seed: int):
     return Synthetic(vocab, seed) if spec == "synthetic" else TokenFile(spec, vocab, seed)
 
 
-def local_batch(source, step: int, rows: range, seq: int, order: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """inputs, labels, positions for `rows` of the global batch, tokens laid out in `order`
+def local_batch(source, step: int, rows, seq: int, order: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """inputs, labels, positions for `rows` (a sequence of row numbers) of the global batch, tokens laid out in `order`
     (a permutation of range(seq), e.g. zigzag for context parallelism; positions travel along)."""
     toks = source.rows(step, rows, seq)
     batch = {
@@ -95,13 +96,24 @@ def local_batch(source, step: int, rows: range, seq: int, order: np.ndarray | No
     return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
 
-def process_rows(global_batch: int) -> range:
-    """The rows of the global batch this process feeds (contiguous; jax's process-local layout)."""
-    n, i = jax.process_count(), jax.process_index()
-    per = global_batch // n
-    return range(i * per, (i + 1) * per)
+def process_indices(sharding, shape: tuple[int, ...], process: int | None = None,
+                    process_of=lambda device: device.process_index) -> tuple[np.ndarray, ...]:
+    """Per dimension, the sorted global indices that `process`'s devices hold under `sharding`.
+
+    Each process feeds exactly these rows (and, under context parallelism across hosts, these
+    sequence positions), no more: rows held by no device of the process are never read by it; rows
+    replicated over processes (tensor parallelism across hosts) are read by each of them. The spans
+    need not be contiguous (fsdp across hosts with data inside: rows 0-3 and 8-11 on host 0);
+    `jax.make_array_from_process_local_data` maps them, in order, onto the local array.
+    `process_of(device)` names a device's process (tests pass a stand-in to play several processes).
+    """
+    process = jax.process_index() if process is None else process
+    blocks = [idx for d, idx in sharding.devices_indices_map(shape).items() if process_of(d) == process]
+    if not blocks:
+        raise ConfigError(f"process {process} holds no device of the batch sharding")
+    return tuple(np.unique(np.concatenate([np.arange(n)[b[dim]] for b in blocks])) for dim, n in enumerate(shape))
 
 
-def to_global(local: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
-    seq = next(iter(local.values())).shape[1]
-    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, seq)) for k, v in local.items()}
+def to_global(local: dict[str, np.ndarray], sharding, shape: tuple[int, int]) -> dict[str, jax.Array]:
+    """Global arrays from this process's part (`process_indices`) of each batch field."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

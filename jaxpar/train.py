@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import validate
 from jaxpar.cost.flops import step_flops
-from jaxpar.data import local_batch, process_rows, to_global
+from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
@@ -167,8 +167,14 @@ class Trainer:
 
     # ---- public API ---------------------------------------------------------------------------
     def batch(self, source, step: int) -> dict[str, jax.Array]:
-        rows = process_rows(self.tc.batch)
-        return to_global(local_batch(source, step, rows, self.tc.seq, self.order), self.batch_sharding, self.tc.batch)
+        """This process's block of the global batch of `step` (only the rows its devices hold), as
+        global arrays."""
+        shape = (self.tc.batch, self.tc.seq)
+        rows, positions = process_indices(self.batch_sharding, shape)
+        local = local_batch(source, step, rows, self.tc.seq, self.order)
+        if len(positions) < self.tc.seq:  # context parallelism across processes
+            local = {k: np.ascontiguousarray(v[:, positions]) for k, v in local.items()}
+        return to_global(local, self.batch_sharding, shape)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         return self._step(state, batch)

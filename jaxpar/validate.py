@@ -5,6 +5,10 @@ Each failure raises ConfigError with a message naming the constraint and the val
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from jaxpar.errors import ConfigError
 from jaxpar.rules import DATA_AXES
 from jaxpar.strategy import Strategy
@@ -78,3 +82,21 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
     # --- pipeline -----------------------------------------------------------------------------
     from jaxpar.pipeline import check_pipeline  # noqa: PLC0415
     check_pipeline(model, strategy, batch)
+
+
+def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
+    """Tensor-parallel groups stay inside one host unless `[mesh.dcn] tensor` asks otherwise.
+
+    Tensor parallelism all-reduces activations several times per layer: across hosts (InfiniBand,
+    DCN) that is far slower than inside one (NVLink, ICI). `hosts` holds each mesh position's host.
+    """
+    tp = strategy.size("tensor")
+    if tp == 1 or dict(strategy.dcn).get("tensor", 1) > 1:
+        return
+    groups = np.moveaxis(np.asarray(hosts), axes.index("tensor"), -1).reshape(-1, tp)
+    crossing = groups[np.any(groups != groups[:, :1], axis=1)]
+    if len(crossing):
+        per_host = groups.size // len(np.unique(groups))
+        raise ConfigError(f"tensor={tp} groups span hosts {sorted(set(crossing[0].tolist()))} (each host "
+                          f"has {per_host} devices): keep tensor <= {per_host}, or ask for cross-host "
+                          f"tensor parallelism with [mesh.dcn] tensor = {math.ceil(tp / per_host)}")

@@ -1,0 +1,195 @@
+"""Multi-process runs: one JAX process per host (or per GPU), joined by `jax.distributed`.
+
+JAX's multi-controller model: every process runs the same program on its own devices; the
+coordinator (process 0) lets them find each other, exchange device lists and watch each other's
+heartbeats. After `initialize`, `jax.devices()` lists the devices of *all* processes and a jitted
+step over a mesh of them runs its collectives across processes (NCCL on GPUs, ICI/DCN on TPUs,
+gloo on CPU).
+
+Where the three facts (coordinator address, process count, this process's id) come from, first
+match wins:
+  1. flags: `--coordinator HOST:PORT --num-processes N --process-id I`;
+  2. `jaxpar launch`, which sets JAXPAR_COORDINATOR / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID;
+  3. a cluster JAX recognises by itself: a SLURM job step with several tasks, an Open MPI job
+     (`mpirun -n N`), a multi-host Cloud TPU slice; `jax.distributed.initialize()` reads them.
+Otherwise the run is a single process and nothing is initialised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+import socket
+import sys
+import threading
+
+import numpy as np
+
+from jaxpar.errors import ConfigError
+
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """How this process joins a multi-process run. None fields are left to JAX's cluster detection."""
+    source: str                       # "flags", "jaxpar launch", "SLURM", "Open MPI", "Cloud TPU"
+    coordinator: str | None = None    # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def check(self) -> None:
+        if self.coordinator is not None and not re.fullmatch(r"[^:\s]+:\d{1,5}", self.coordinator):
+            raise ConfigError(f"coordinator {self.coordinator!r} ({self.source}) is not HOST:PORT")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError(f"num_processes={self.num_processes} ({self.source}) must be >= 1")
+        if self.process_id is not None and self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
+            raise ConfigError(f"process_id={self.process_id} ({self.source}) is not in [0, "
+                              f"num_processes={self.num_processes})")
+
+
+def _detected_cluster(env) -> str | None:
+    """The name of a cluster environment jax.distributed.initialize() can read, if this is one."""
+    if int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")) or 1) > 1 and "SLURM_PROCID" in env:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", "") or "MEGASCALE_COORDINATOR_ADDRESS" in env:
+        return "Cloud TPU"
+    return None
+
+
+def cluster_from(coordinator: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, env=None) -> Cluster | None:
+    """The Cluster this process belongs to, or None for a single-process run."""
+    env = os.environ if env is None else env
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+        if missing:
+            raise ConfigError(f"a multi-process run needs --coordinator, --num-processes and --process-id; "
+                              f"missing {', '.join(missing)}")
+        cluster = Cluster("flags", coordinator, num_processes, process_id)
+    elif ENV_COORDINATOR in env:
+        try:
+            cluster = Cluster("jaxpar launch", env[ENV_COORDINATOR], int(env[ENV_NUM_PROCESSES]),
+                              int(env[ENV_PROCESS_ID]))
+        except (KeyError, ValueError):
+            raise ConfigError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are "
+                              "missing or not integers") from None
+    elif (name := _detected_cluster(env)) is not None:
+        cluster = Cluster(name)
+    else:
+        return None
+    cluster.check()
+    if cluster.num_processes == 1:
+        return None
+    return cluster
+
+
+def initialize(cluster: Cluster, timeout_s: int = 60, heartbeat_s: int = 30) -> None:
+    """Join the run: `jax.distributed.initialize`, then check that what joined is what was asked.
+
+    Bounded wait: if the coordinator cannot be reached, or not every process joins, within
+    `timeout_s`, this process prints a clear error and exits with status 2 (JAX's own timeout ends
+    the process from C++ with an abort, so a watchdog thread acts first). A process that stops
+    sending heartbeats for `heartbeat_s` is declared dead, and JAX's coordination service then
+    terminates the others instead of leaving them hanging in a collective.
+    """
+    import jax  # noqa: PLC0415
+
+    where = f"coordinator {cluster.coordinator}" if cluster.coordinator else f"the {cluster.source} coordinator"
+    who = "process" if cluster.process_id is None else f"process {cluster.process_id}"
+    n = "" if cluster.num_processes is None else f" of {cluster.num_processes} processes"
+
+    def give_up() -> None:
+        waited = ("the other processes to join" if cluster.process_id == 0 else f"{where} to answer")
+        print(f"jaxpar: error: {who} waited {timeout_s} s for {waited} (a run{n} through {where}); is every "
+              "process started, with the same --num-processes, and the address reachable from this host?",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+
+    global _joining
+    _joining = True
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
+                                   initialization_timeout=timeout_s + 30, heartbeat_timeout_seconds=heartbeat_s,
+                                   shutdown_timeout_seconds=heartbeat_s)
+        check_processes(cluster.num_processes)
+    except Exception as e:  # noqa: BLE001 - XLA raises bare runtime errors
+        if isinstance(e, ConfigError):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{who} could not join the run{n} through {where}: {first}") from None
+    finally:
+        watchdog.cancel()
+
+
+def check_processes(expected: int | None = None) -> None:
+    """Every process has the same number of devices, and there are as many processes as asked."""
+    import jax  # noqa: PLC0415
+
+    if expected is not None and jax.process_count() != expected:
+        raise ConfigError(f"num_processes={expected} but {jax.process_count()} processes joined the run")
+    per_process: dict[int, int] = {}
+    for d in jax.devices():
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    if len(set(per_process.values())) > 1:
+        counts = ", ".join(f"process {p}: {n}" for p, n in sorted(per_process.items()))
+        raise ConfigError(f"processes have different device counts ({counts}); every process must "
+                          "bring the same number of devices")
+
+
+_joining = False
+ENV_HOST = "JAXPAR_HOST"  # overrides the host name: `jaxpar launch` makes each process a host of its own
+
+
+@functools.cache
+def process_hosts() -> tuple[int, ...]:
+    """Host number of each process (processes on one machine share one), from their host names.
+
+    One process per GPU is SLURM's default with JAX, so hosts and processes differ: a host is a
+    machine (NVLink / ICI inside, InfiniBand / DCN between). Exchanged once with a tiny all-gather.
+    """
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() == 1:
+        return (0,)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    name = os.environ.get(ENV_HOST) or socket.gethostname()
+    digest = np.frombuffer(hashlib.sha256(name.encode()).digest()[:8], np.int64)
+    names = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1).tolist()
+    first = {h: i for i, h in reversed(list(enumerate(names)))}
+    numbers = {h: k for k, h in enumerate(sorted(first, key=first.get))}
+    return tuple(numbers[h] for h in names)
+
+
+def joining() -> bool:
+    """Whether this process tried to join a multi-process run (then it must leave with os._exit:
+    a normal interpreter exit waits in jax.distributed's shutdown barrier for the others)."""
+    return _joining
+
+
+def is_main() -> bool:
+    """Process 0 prints logs, metrics and progress; the others stay quiet."""
+    import jax  # noqa: PLC0415
+    return jax.process_index() == 0
+
+
+PEER_FAILURE = re.compile(r"gloo|connection (closed|reset)|heartbeat|unavailable|coordination service", re.I)
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """If `e` is a collective failing because another process died, a one-line explanation."""
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() == 1 or not PEER_FAILURE.search(str(e)):
+        return None
+    first = str(e).strip().splitlines()[0][:200]
+    return (f"process {jax.process_index()}: a collective with the other processes failed ({first}); "
+            "another process probably died: see its output")

@@ -1,0 +1,128 @@
+"""`jaxpar launch`: N local processes on CPU, for development and tests of multi-process runs.
+
+    jaxpar launch --processes 2 --devices-per-process 4 -- train --model llama-tiny --mesh fsdp8
+
+Each child runs `python -m jaxpar.cli <command>` with D simulated CPU devices and the coordinates of
+the run in its environment (jaxpar.distributed reads them): process 0 hosts the coordinator on a free
+local port, and the collectives between processes go over gloo (TCP). The launcher
+
+  * forwards SIGINT / SIGTERM to every child (each child is its own session, so a terminal's Ctrl-C
+    reaches them once, through here), and kills those still running `--grace` seconds later;
+  * fails fast: when one child exits with an error or is killed, the others (whose next collective
+    cannot complete) are stopped: SIGTERM, then SIGKILL after the grace period; the launcher exits
+    non-zero, naming the process;
+  * takes its children with it if it dies itself (Linux: PR_SET_PDEATHSIG), leaving no orphans;
+  * returns 0 only when every child returned 0.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from jaxpar import distributed
+from jaxpar.devices import with_device_count
+from jaxpar.errors import ConfigError
+
+MULTI_PROCESS_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--devices")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(base: dict, coordinator: str, processes: int, process_id: int, devices: int) -> dict:
+    env = dict(base)
+    env.update({distributed.ENV_COORDINATOR: coordinator, distributed.ENV_NUM_PROCESSES: str(processes),
+                distributed.ENV_PROCESS_ID: str(process_id), "JAX_PLATFORMS": "cpu",
+                distributed.ENV_HOST: f"launch-host-{process_id}",  # each process plays a host
+                "XLA_FLAGS": with_device_count(base.get("XLA_FLAGS", ""), devices)})
+    return env
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(processes: int, devices_per_process: int, command: list[str], grace_s: float = 2.0) -> int:
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("launch needs a command after --, e.g. `jaxpar launch --processes 2 -- train ...`")
+    if command[0] == "launch":
+        raise ConfigError("launch cannot launch itself")
+    if processes < 1 or devices_per_process < 1:
+        raise ConfigError(f"--processes={processes} and --devices-per-process={devices_per_process} must be >= 1")
+    for flag in MULTI_PROCESS_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in command):
+            raise ConfigError(f"{flag} is set by launch (--processes, --devices-per-process); remove it from the command")
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    children = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *command], start_new_session=True,
+                                 env=child_env(os.environ, coordinator, processes, i, devices_per_process),
+                                 preexec_fn=die_with_parent)
+                for i in range(processes)]
+    received: list[int] = []     # signals forwarded to the children
+    kill_after: list[float] = []  # JAX turns SIGTERM into a preemption notice and keeps running
+
+    def forward(signum, _frame):
+        received.append(signum)
+        kill_after.append(time.monotonic() + grace_s)
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [c.poll() for c in children]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed and not received:
+                i, code = failed[0]
+                running = [c for c in children if c.poll() is None]
+                print(f"jaxpar launch: process {i} {describe_exit(code)}; stopping the other "
+                      f"{len(running)} process(es)", file=sys.stderr, flush=True)
+                stop(running, grace_s)
+                return code if code > 0 else 128 - code
+            if all(c is not None for c in codes):
+                return 128 + received[0] if received else 0
+            if kill_after and time.monotonic() > kill_after[0]:
+                stop([c for c in children if c.poll() is None], 0)
+            time.sleep(0.05)
+    finally:
+        stop([c for c in children if c.poll() is None], grace_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: on Linux, be SIGKILLed if the launcher itself dies (even by SIGKILL),
+    so no orphan keeps computing; elsewhere nothing."""
+    try:
+        import ctypes  # noqa: PLC0415
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def stop(children: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL whatever is still running after `grace_s`."""
+    for c in children:
+        c.terminate()
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
