@@ -1,10 +1,13 @@
-"""How fast is the analytic cost model? Prints time per `estimate` and configurations per second.
+"""How fast is the analytic cost model? Prints the latency of one estimate and configurations per second.
 
     python experiments/bench_estimate.py [--n 20000]
 
 The planner calls `estimate` once per candidate strategy, so it must stay arithmetic (goal: >= 10,000
-configurations/s on one core). On a shared machine read the best block, as timeit does. Candidates: every factorisation of 512 devices over
-data x fsdp x pipeline x tensor with a few option variants, for a transformer and a Mamba-2 model.
+configurations/s on one core). On a shared machine read the best block, as timeit does. Candidates: every
+factorisation of 512 devices over data x fsdp x pipeline x tensor with a few option variants, for a
+transformer and a Mamba-2 model. "Single configuration, cold" is the first estimate of a model the cost
+model has not seen (its per-model memos empty): what `jaxpar estimate` pays once; a planner pays it once
+per model and then the warm per-estimate figure for every candidate.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpar.cost import estimate, load_hardware  # noqa: E402
 from jaxpar.strategy import parse_inline  # noqa: E402
-from models.config import from_preset  # noqa: E402
+from models.config import from_preset, parse_model  # noqa: E402
 
 
 def candidates(devices: int = 512):
@@ -52,8 +55,14 @@ def main() -> None:
     models = [from_preset("llama3-70b"), from_preset("mamba2-2.7b")]
     cands = list(candidates())
     work = [(m, s) for m in models for s in cands]
-    estimate(*work[0], hw, 1024, 4096)  # warm the hardware cache
     ref = python_speed()
+    colds = []
+    for layers in range(40, 60):  # a config object never seen before: every memo misses
+        fresh = parse_model(f"llama3-70b:layers={layers}")
+        t0 = time.perf_counter()
+        estimate(fresh, cands[0], hw, 1024, 4096)
+        colds.append(time.perf_counter() - t0)
+    estimate(*work[0], hw, 1024, 4096)  # warm
     blocks, size = 10, max(1, args.n // 10)
     times = []
     for b in range(blocks):  # like timeit: the best block is the least disturbed by other processes
@@ -63,6 +72,7 @@ def main() -> None:
             estimate(m, s, hw, 1024, 4096)
         times.append((time.perf_counter() - t0) / size)
     best, median = min(times), sorted(times)[blocks // 2]
+    print(f"single configuration, cold: {min(colds) * 1e6:.0f} us (best of {len(colds)} fresh models)")
     print(f"{len(work)} distinct configurations, {blocks} blocks of {size} estimates")
     print(f"best block:   {best * 1e6:.1f} us per estimate, {1 / best:,.0f} configurations/s")
     print(f"median block: {median * 1e6:.1f} us per estimate, {1 / median:,.0f} configurations/s")

@@ -19,10 +19,27 @@ TC = TrainConfig(batch=16, seq=32, steps=10, lr=3e-3, warmup=3)
 STEPS = 10
 
 
-@functools.cache
 def trainer(model: str, mesh: str, devices: int = 8, **options) -> Trainer:
-    strategy = parse_strategy(mesh).with_options(**options)
+    return _trainer(model, mesh, devices, tuple(sorted(options.items())))
+
+
+@functools.cache
+def _trainer(model: str, mesh: str, devices: int, options: tuple) -> Trainer:
+    strategy = parse_strategy(mesh).with_options(**dict(options))
     return Trainer(parse_model(model), strategy, TC, devices=jax.devices()[:devices])
+
+
+def compiled_step(model: str, mesh: str, devices: int = 8, **options):
+    """The trainer's step compiled once per session, from shapes, as `jaxpar comm` compiles it (its
+    options equal the tests' XLA_FLAGS): the trajectories run this executable and the communication
+    tests read its HLO, so each strategy's step is compiled once for both."""
+    return _compiled_step(trainer(model, mesh, devices, **options))
+
+
+@functools.cache
+def _compiled_step(tr: Trainer):
+    from jaxpar import comm  # noqa: PLC0415
+    return tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)
 
 
 @functools.cache
@@ -47,10 +64,11 @@ def loss_and_grads(model: str, mesh: str, devices: int = 8, **options):
 def trajectory(model: str, mesh: str, devices: int = 8, **options) -> tuple[np.ndarray, object]:
     """Losses of STEPS steps from the reference parameters, and the final state."""
     tr = trainer(model, mesh, devices, **options)
+    step_fn = compiled_step(model, mesh, devices, **options)
     state = tr.state_from_params(reference_params(model))
     losses = []
     for step in range(STEPS):
-        state, metrics = tr.step(state, tr.batch(source(model), step))
+        state, metrics = step_fn(state, tr.batch(source(model), step))
         losses.append(float(metrics["loss"]))
     return np.array(losses), state
 
@@ -69,3 +87,8 @@ def assert_matches_one_device(model: str, mesh: str, devices: int = 8, **options
     assert got.keys() == ref.keys()
     for path, g in got.items():
         np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * np.max(np.abs(ref[path])), err_msg=path)
+
+
+def compiled_text(model: str, mesh: str, devices: int = 8, **options) -> str:
+    """Optimized HLO of the trainer's step (the executable `trajectory` runs)."""
+    return compiled_step(model, mesh, devices, **options).as_text()

@@ -38,6 +38,13 @@ def test_step_flops_is_6NT_plus_attention():
     assert flops.step_flops(TINY, "full", B, S).hardware == expected + 2 * layer_fwd
     assert flops.step_flops(TINY, "dots", B, S).hardware == expected
     assert flops.step_flops(TINY, "dots_no_batch", B, S).hardware == expected + 2 * 2 * (2 * B * S * S * 64)
+    # XLA drops the rerun of the MLP down projection (its output is dead in the backward)
+    down = 2 * T * 128 * 64
+    assert flops.step_flops(TINY, "full", B, S, rerun_outputs=False).hardware == expected + 2 * (layer_fwd - down)
+    # ring attention reruns QK^T (not PV) of every block in the backward
+    qk = 2 * B * S * S * 64
+    assert flops.step_flops(TINY, "none", B, S, ring=True).hardware == expected + 2 * qk
+    assert flops.step_flops(TINY, "full", B, S, ring=True).hardware == expected + 2 * layer_fwd + 2 * qk
 
 
 def test_gelu_mlp_has_two_matmuls():
@@ -53,7 +60,7 @@ def test_mamba2_by_hand():
     ssd = (2 * b * s * q * 16 * 2          # C B^T within chunks, per group
            + 2 * b * s * q * 128           # applied to x, per head
            + 2 * b * s * 16 * 128          # chunk states
-           + 2 * b * c * c * 128 * 16      # inter-chunk
+           + 2 * b * (c + 1) ** 2 * 128 * 16  # inter-chunk: c chunk states and the initial one
            + 2 * b * s * 16 * 128)         # state to output
     assert flops.ssd_flops(m, b, s).matmul == ssd
     block = flops.mamba_block_flops(m, b, s).matmul

@@ -58,12 +58,13 @@ def test_activations_full_remat_by_hand():
     kept = 2 * 64 * 4 * tokens
     one_layer = (64 + 64 + 64 + 32 + 32 + 4 * 32 + 64 + 64 + 64 + 4 * 128) * 4 * tokens
     logits = tokens * 256 * 4
-    assert memory.activation_bytes(TINY, st, 2, 32) == kept + one_layer + logits
+    batch = 3 * 4 * tokens   # int32 ids, labels, positions
+    assert memory.activation_bytes(TINY, st, 2, 32) == kept + one_layer + logits + batch
 
 
 def test_pipeline_inflight_microbatches():
     st = parse_inline("pipeline=4").with_options(microbatches=8)
     gpipe = memory.activation_bytes(TINY, st, 16, 32)
     one_f = memory.activation_bytes(TINY, st, 16, 32, one_f_one_b=True)
-    logits = 16 * 32 * 256 * 4
+    logits = 16 * 32 * 256 * 4 + 3 * 4 * 16 * 32   # float32 logits and the int32 batch
     assert (gpipe - logits) == pytest.approx(2 * (one_f - logits))   # 8 vs min(8, 4) micro-batches

@@ -107,7 +107,8 @@ def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
              software: Software = JAXPAR) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
-    Divisibility is not checked here (jaxpar.validate.check does it once, before a run)."""
+    Memory uses jaxpar's own activation inventory (what JAX's autodiff keeps) for jaxpar, Korthikanti's
+    for other software. Divisibility is not checked here (jaxpar.validate.check does it once)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     st, m = strategy, model
     dropout, causal = software.dropout, software.causal
@@ -115,14 +116,15 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     if n < 1:
         raise ConfigError(f"mesh {st.name}: resolve the -1 axis (Strategy.resolved) before estimating")
     sh = shape.step_shape(m, st, global_batch, seq)
-    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal)
+    ring = st.options.attention == "ring" and st.sizes["context"] > 1
+    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring, software.rerun_outputs)
     # critical path per device: layers split over all devices; embedding+head not over the pipeline
     matmul = (fl.layers + fl.recompute) / n + fl.head * sh.stages / n
     compute = time.compute_seconds(matmul, elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout), hw)
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * params.layer_counts(m)[0]
             * flops.TRAIN_FACTOR / n)
     colls = comm.predicted(m, st, sh, software.pp_scatter_gather)
-    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b)
+    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations)
     opt_params = mem.optimizer / memory.ADAM_BYTES
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble,
                        time.comm_seconds(colls, st, hw), opt_params, hw)

@@ -12,6 +12,13 @@ Conventions (Narayanan et al. 2021, appendix; Kaplan et al. 2020; scaling book "
   output; only elementwise work is redone); `dots_no_batch` saves matmuls without batch dims, so the
   batched dots -- attention QK^T and PV, the Mamba-2 SSD einsums -- run again (Korthikanti et al. 2022's
   "selective recompute"); `full` reruns every layer's forward. The LM head is outside the layers.
+  Under `full`, PyTorch's checkpoint (Megatron) reruns the whole forward, the unit's last projection
+  included; XLA drops that one matmul (MLP down / Mamba out_proj of the scanned unit's last block),
+  because the backward needs its input and weight, never its output, so the rerun is dead code
+  (`rerun_outputs=False`; checked against the compiled HLO in tests/test_cost_vs_xla.py).
+- Ring attention (jaxpar.ops.context_parallel) rematerialises each K/V-block fold, so the backward
+  reruns the score matmul QK^T of every block (not PV: its output is not needed to differentiate),
+  +2*b*s*s*hq per attention layer whatever the remat policy.
 
 For GPT shapes (hq = hkv = h, f = 4h, GeLU) one layer's forward matmuls are 24*b*s*h^2 + 4*b*s^2*h,
 so a step is 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) model FLOPs, 96*... with full recompute
@@ -87,14 +94,15 @@ def ssd_flops(m: ModelConfig, batch: float, seq: int) -> Flops:
       intra-chunk C B^T           2*T*Q*N*G
       its application to x        2*T*Q*D       (masked by the decay matrix L)
       chunk states B^T x          2*T*N*D
-      inter-chunk state passing   2*b*c^2*D*N   (the (c x c) decay matmul of `ssd_minimal_discrete`)
+      inter-chunk state passing   2*b*(c+1)^2*D*N  (the decay matmul of `ssd_minimal_discrete` over the
+                                  c chunk states and the initial state, models/ssd.py)
       state-to-output C h         2*T*N*D
     Elementwise: decay segment sums and exp ~3*T*H*Q."""
     q = min(m.chunk, seq)
     c = seq / q
     t = batch * seq
     di, n = m.d_inner, m.d_state
-    mm = 2 * t * q * n * m.ngroups + 2 * t * q * di + 4 * t * n * di + 2 * batch * c * c * di * n
+    mm = 2 * t * q * n * m.ngroups + 2 * t * q * di + 4 * t * n * di + 2 * batch * (c + 1) ** 2 * di * n
     return Flops(mm, 3.0 * t * m.ssm_heads * q)
 
 
@@ -135,27 +143,44 @@ class StepFlops:
     by_block: tuple[tuple[str, float], ...]  # model FLOPs per block kind
 
 
-def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False) -> Flops:
+def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
+    """The last matmul of a scanned unit (its last block's output projection): MLP down 2*T*f*d for
+    an attention block, out_proj 2*T*d_inner*d for a Mamba-2 block."""
+    width = m.mlp_dim if m.pattern[-1] == "A" else m.d_inner
+    return Flops(2.0 * tokens * width * m.d_model)
+
+
+def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False,
+                    ring: bool = False, rerun_outputs: bool = True) -> Flops:
     """Forward work redone in the backward pass under a remat policy (see module docstring)."""
     if remat == "full":
-        return (attention_block_flops(m, batch, seq, causal) * m.attention_layers
-                + mamba_block_flops(m, batch, seq) * m.mamba_layers)
-    if remat == "dots_no_batch":
-        return (attention_core_flops(m, batch, seq, causal) * m.attention_layers
-                + ssd_flops(m, batch, seq) * m.mamba_layers)
-    other = 0.0 if remat == "none" else (attention_block_flops(m, batch, seq, causal).other * m.attention_layers
-                                          + mamba_block_flops(m, batch, seq).other * m.mamba_layers)
-    return Flops(0.0, other)  # `dots`: elementwise only
+        rec = (attention_block_flops(m, batch, seq, causal) * m.attention_layers
+               + mamba_block_flops(m, batch, seq) * m.mamba_layers)
+        if not rerun_outputs:
+            rec = rec + output_projection_flops(m, batch * seq) * (-m.units)
+    elif remat == "dots_no_batch":
+        rec = (attention_core_flops(m, batch, seq, causal) * m.attention_layers
+               + ssd_flops(m, batch, seq) * m.mamba_layers)
+    else:
+        other = 0.0 if remat == "none" else (attention_block_flops(m, batch, seq, causal).other * m.attention_layers
+                                              + mamba_block_flops(m, batch, seq).other * m.mamba_layers)
+        rec = Flops(0.0, other)  # `dots`: elementwise only
+    if ring:
+        rec = rec + attention_core_flops(m, batch, seq, causal) * (0.5 * m.attention_layers)  # QK^T of PV+QK
+    return rec
 
 
 @per_model  # a planner varies the strategy, not these arguments
-def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False) -> StepFlops:
-    """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together)."""
+def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False, ring: bool = False,
+               rerun_outputs: bool = True) -> StepFlops:
+    """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together).
+    `ring`: ring attention's rematerialised folds; `rerun_outputs`: whether `full` remat reruns the
+    unit's last projection (module docstring)."""
     tokens = batch * seq
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
-    rec = recompute_flops(m, remat, batch, seq, causal)
+    rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs)
     fwd = attn + mamba + head
     blocks = (("attention", attn.matmul * TRAIN_FACTOR), ("mamba", mamba.matmul * TRAIN_FACTOR),
               ("head", head.matmul * TRAIN_FACTOR))

@@ -15,12 +15,16 @@ compute dtype (dropout masks 1 byte), each marked as split by the tensor axis or
 For GPT shapes with dropout in fp16 the inventory is exactly Korthikanti et al. 2022, section 4
 (see `korthikanti_layer_bytes`). Pipelines keep activations of in-flight micro-batches: GPipe (and the
 circular schedule, which is GPipe over v*S virtual stages) holds all M; 1F1B holds S.
+
+jaxpar's own program (`jax_program=True`, what `estimate` uses for the jaxpar software preset) keeps
+what JAX's autodiff saves for models/ instead (`jax_attention_inventory`, `jax_mamba_inventory`), plus
+one layer's backward working set; checked against XLA's memory analysis in tests/test_cost_vs_xla.py.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost.params import embedding_params, layer_counts, layer_params, mamba_dims, per_model
+from jaxpar.cost.params import layer_counts, mamba_dims, per_model, zero_axes, zero_split
 from jaxpar.strategy import Strategy
 from models.config import ModelConfig
 
@@ -51,18 +55,28 @@ class Memory:
 
 # ---- model and optimizer state ---------------------------------------------------------------------
 
-def local_params(m: ModelConfig, st: Strategy) -> float:
-    """Parameters held by one device: layers / pipeline, sharded part / tensor, all / fsdp under ZeRO-3."""
+def local_params(m: ModelConfig, st: Strategy, purpose: str = "params") -> float:
+    """Elements one device holds of the parameters (`purpose` "params"; the gradients match them) or of
+    one optimizer moment ("optimizer"): layers / pipeline, the tensor-sharded part / tensor, and the
+    weights the strategy's ZeRO rules shard (params.zero_split: those with an `embed` dim) / the data
+    axes they shard them over (ZeRO-3: fsdp; ZeRO-1 moments: data x fsdp)."""
     sz = st.sizes
-    n = layer_params(m).per_device(sz["tensor"]) / sz["pipeline"] + embedding_params(m).per_device(sz["tensor"])
-    return n / sz["fsdp"] if st.zero == 3 else n
+    t, shards = sz["tensor"], 1
+    for a in zero_axes(m, st.zero, purpose):
+        shards *= sz[a]
+    na, nm = layer_counts(m)
+    n = 0.0
+    for block, copies in (("attention", na / sz["pipeline"]), ("mamba", nm / sz["pipeline"]), ("embedding", 1)):
+        if copies:
+            sharded, kept = zero_split(m, block, st.zero, purpose)
+            n += copies * (sharded.per_device(t) / shards + kept.per_device(t))
+    return n
 
 
 def state_bytes(m: ModelConfig, st: Strategy) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage."""
     n = local_params(m, st)
-    opt_shard = st.sizes["data"] * st.sizes["fsdp"] if st.zero == 1 else 1
-    return n * PARAM_BYTES, n * GRAD_BYTES, n * ADAM_BYTES / opt_shard
+    return n * PARAM_BYTES, n * GRAD_BYTES, local_params(m, st, "optimizer") * ADAM_BYTES
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
@@ -103,12 +117,99 @@ def mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
             ("gated norm in/out", 2 * di, None, True, NONE), ("out_proj out", d, None, False, DOT_ONLY))
 
 
+# ---- jaxpar's own program: what JAX's reverse-mode autodiff keeps -----------------------------------
+#
+# The inventories above describe Megatron-LM's PyTorch layer. A jaxpar step keeps what JAX's partial
+# evaluation of the scanned layer saves as residuals, read off `jax.ad_checkpoint.print_saved_residuals`
+# on one block of models/ (float32 and bfloat16): RMSNorm works in float32 and keeps its float32 input,
+# x*rsqrt(mean) and the scaled output; softmax keeps exp(s - max) in float32 and the probabilities in
+# the compute dtype (XLA fuses the masked scores away; the boolean causal mask and the RoPE tables are
+# the same in every layer and hoisted out of the layer loop, so they are counted once, not per layer);
+# SwiGLU keeps gate and up and silu's pieces; Mamba-2's depthwise conv keeps each of its d_conv shifted
+# inputs, SSD computes in float32 and keeps its decay matrices. Under a remat policy the scan carries the
+# layer input (compute dtype) and the policy's saveable dot outputs (jax.checkpoint_policies).
+
+F32, BOOL = 4, 1
+REMAT = frozenset({"full", "dots", "dots_no_batch"})   # jax.checkpoint saves the layer input
+NONE_ONLY = frozenset({"none"})
+JAX_DOT = frozenset({"none", "dots", "dots_no_batch"})   # dots without batch dims (kept without remat too)
+JAX_DOT_ONLY = frozenset({"dots", "dots_no_batch"})      # outputs "none" needs no copy of
+JAX_BDOT = frozenset({"dots"})                            # outputs of batched dots (attention, SSD)
+
+
+def _jax_norm(prefix: str, width: int, split: bool = False) -> list[tuple]:
+    return [(f"{prefix} input (float32)", width, F32, split, NONE_ONLY),
+            (f"{prefix} rsqrt, mean", 2, F32, split, NONE_ONLY),
+            (f"{prefix} x*rsqrt (float32)", width, F32, split, NONE_ONLY)]
+
+
+@per_model
+def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0) -> tuple[tuple, ...]:
+    """One attention block as jaxpar's JAX program keeps it (see above). Dense attention keeps the
+    scores of all `s_kv` keys; ring attention (`ring_blocks` = context > 1) rematerialises each
+    block's scores and keeps, per K/V block, the running float32 output and softmax statistics
+    (hq + 2*heads) and the block's K/V (jaxpar.ops.context_parallel)."""
+    d, h, hq, hkv, f = m.d_model, m.heads, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
+    sc = h * s_kv
+    inv = [("layer input x", d, None, False, REMAT), *_jax_norm("norm1", d), ("norm1 out", d, None, False, NONE_ONLY),
+           ("q, k, v", hq + 2 * hkv, None, True, JAX_DOT)]
+    if ring_blocks:
+        inv += [("ring running out, max, sum", ring_blocks * (hq + 2 * h), F32, True, NONE_ONLY),
+                ("ring K/V blocks", ring_blocks * 2 * hkv, None, True, NONE_ONLY)]
+    else:
+        inv += [("scores QK^T (float32)", sc, F32, True, JAX_BDOT), ("exp(scores - max)", sc, F32, True, NONE_ONLY),
+                ("probabilities", sc, None, True, NONE_ONLY), ("softmax max, sum", 2 * h, F32, True, NONE_ONLY)]
+    inv += [("attention out PV", hq, None, True, frozenset({"none", "dots"})),
+            ("o-proj out", d, None, False, JAX_DOT_ONLY), *_jax_norm("norm2", d),
+            ("norm2 out", d, None, False, NONE_ONLY), ("mlp down out", d, None, False, JAX_DOT_ONLY)]
+    if m.mlp_type == "swiglu":
+        inv += [("gate, up", 2 * f, None, True, JAX_DOT), ("silu pieces, silu*up", 4 * f, None, True, NONE_ONLY)]
+    else:
+        inv += [("gelu in", f, None, True, JAX_DOT), ("gelu (tanh form) pieces", 3 * f, None, True, NONE_ONLY)]
+    return tuple(inv)
+
+
+@per_model
+def jax_mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
+    """One Mamba-2 block as jaxpar's JAX program keeps it (models/mamba.py, models/ssd.py), with
+    D = d_inner, H heads, G*N = ngroups*d_state, Q = chunk, K = d_conv, per token."""
+    d, di, h, gn, q = m.d_model, m.d_inner, m.ssm_heads, m.ngroups * m.d_state, m.chunk
+    d_in_proj, conv_dim, _ = mamba_dims(m)
+    states = di * m.d_state / q
+    return (("layer input x", d, None, False, REMAT), *_jax_norm("norm", d), ("norm out", d, None, False, NONE_ONLY),
+            ("in_proj out zxBCdt", d_in_proj, None, True, JAX_DOT_ONLY), ("z", di, None, True, NONE_ONLY),
+            ("conv shifted inputs, sum", (m.d_conv + 1) * conv_dim, None, True, NONE_ONLY),
+            ("silu(conv) pieces", 2 * conv_dim + di, None, True, NONE_ONLY),
+            ("softplus(dt) pieces", 3 * h, F32, True, NONE_ONLY),
+            ("SSD x*dt, B, C, x*decay (float32)", 2 * di + 2 * gn, F32, True, NONE_ONLY),
+            ("SSD decay segsums, exp, C B^T o L (float32)", 4 * h * q + 4 * h, F32, True, NONE_ONLY),
+            ("SSD segsum masks", 2 * h * q, BOOL, True, NONE_ONLY),
+            ("SSD chunk states, carried states, transposed (float32)", 2 * states + di, F32, True, NONE_ONLY),
+            ("SSD einsum outputs (float32)", m.ngroups * q + 2 * di + 2 * states, F32, True, JAX_BDOT),
+            ("y + D x", di, None, True, NONE_ONLY),
+            ("gated norm silu(z) pieces", 3 * di, None, True, NONE_ONLY),
+            ("gated norm u, u*rsqrt, out (float32)", 3 * di, F32, True, NONE_ONLY),
+            ("gated norm rsqrt, mean", 2 * m.ngroups, F32, True, NONE_ONLY),
+            ("out_proj out", d, None, False, JAX_DOT_ONLY))
+
+
+_KEPT: dict = {}  # (id(inventory), act, tensor, sp, policy) -> (inventory, bytes): a planner asks often
+
+
 def inventory_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:
-    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP)."""
+    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP).
+    Memoised on the inventory's identity (inventories are memoised per model, so they repeat)."""
+    key = (id(inv), act_bytes, tensor, sp, policy)
+    hit = _KEPT.get(key)
+    if hit is not None and hit[0] is inv:
+        return hit[1]
     total = 0.0
     for _name, elems, nbytes, split, kept in inv:
         if policy in kept:
             total += elems * (nbytes or act_bytes) / (tensor if (split or sp) else 1)
+    if len(_KEPT) > 4096:
+        _KEPT.clear()
+    _KEPT[key] = (inv, total)
     return total
 
 
@@ -136,37 +237,56 @@ def keys_per_query(st: Strategy, seq: int) -> float:
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False) -> float:
+                     one_f_one_b: bool = False, jax_program: bool = False) -> float:
     """Activation bytes per device at the peak of the backward pass.
 
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
-           + one layer's full inventory while it is recomputed (remat `full`)
-           + float32 logits of one accumulation step, b*s*V/t*4 bytes (head outside the pipeline)."""
+           + one layer's full inventory at work in the backward pass: recomputed (remat `full`) or, in
+             jaxpar's program (`jax_program`), whatever the policy, because XLA copies a layer's slice of
+             the stacked scan residuals out before differentiating it
+           + in jaxpar's program, the float32 gradient of one layer's attention scores (d softmax and
+             d scores are the largest buffers of a layer's backward), h/t*s_kv*4 bytes per token, and the
+             boolean causal mask, once (dense attention; hoisted out of the layer loop)
+           + float32 logits of one accumulation step, b*s*V/t*4 bytes (head outside the pipeline)
+           + the int32 batch (`batch_bytes`)."""
     sz, o = st.sizes, st.options
     act = DTYPE_BYTES[o.dtype]
     t, stages = sz["tensor"], sz["pipeline"]
     b_loc = global_batch / (sz["data"] * sz["fsdp"] * sz["expert"]) / o.grad_accum
     micro = o.microbatches if stages > 1 else 1
     tokens = b_loc / micro * seq / sz["context"]
-    remat = o.remat
+    remat, sp = o.remat, o.sequence_parallel
     na, nm = layer_counts(m)
-    attn = attention_inventory(m, keys_per_query(st, seq), dropout) if na else ()
-    mamba = mamba_inventory(m) if nm else ()
-    per_layer = (na * inventory_bytes(attn, act, t, o.sequence_parallel, remat)
-                 + nm * inventory_bytes(mamba, act, t, o.sequence_parallel, remat)) / stages
+    ring = o.attention == "ring" and sz["context"] > 1
+    if jax_program:
+        attn = jax_attention_inventory(m, seq, sz["context"] if ring else 0) if na else ()
+        mamba = jax_mamba_inventory(m) if nm else ()
+    else:
+        attn = attention_inventory(m, keys_per_query(st, seq), dropout) if na else ()
+        mamba = mamba_inventory(m) if nm else ()
+    per_layer = (na * inventory_bytes(attn, act, t, sp, remat) + nm * inventory_bytes(mamba, act, t, sp, remat)) / stages
     stored = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, stages) * per_layer * tokens
     transient = 0.0
-    if remat == "full":
-        transient = tokens * max(inventory_bytes(attn, act, t, o.sequence_parallel, "none"),
-                                 inventory_bytes(mamba, act, t, o.sequence_parallel, "none"))
+    if remat == "full" or jax_program:
+        transient = tokens * max(inventory_bytes(attn, act, t, sp, "none"), inventory_bytes(mamba, act, t, sp, "none"))
+    scores = 0.0
+    if jax_program and na and not ring:  # per token: h/t queries heads x s keys
+        scores = tokens * m.heads / t * seq * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
-    return stored + transient + logits
+    return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
+
+
+def batch_bytes(st: Strategy, global_batch: int, seq: int) -> float:
+    """The step's input: token ids, labels and positions, int32, for this device's rows
+    (batch over data x fsdp x expert, sequence over context; replicated over tensor and pipeline)."""
+    sz = st.sizes
+    return 3 * 4 * global_batch / (sz["data"] * sz["fsdp"] * sz["expert"]) * seq / sz["context"]
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False) -> Memory:
+           one_f_one_b: bool = False, jax_program: bool = False) -> Memory:
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b))
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, jax_program))
 
 
 def recomputed_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:

@@ -1,4 +1,15 @@
-"""Parameter counts per block, split into what the `tensor` axis shards and what it replicates.
+"""Parameter counts per block, from the weights as models/ declares them and the rules table.
+
+Each block's weights are listed with their shapes and logical names, as models/ declares them
+(`attention_weights`, `mamba_weights`, `embedding_weights`; tests/test_cost_params.py checks the lists
+against the models' own parameters, so a new weight cannot be left out). Which mesh axes split a weight
+is then read off jaxpar/rules.py, the table the runtime shards with, never restated here:
+    over `tensor`   weights with a name the base rules map to `tensor` (heads, mlp, vocab, ssm heads
+                    and groups); the rest (norm weights over `embed`) are replicated (`BlockParams`);
+    ZeRO            weights with a name that the params (ZeRO-3) or optimizer (ZeRO-1) rules of a ZeRO
+                    stage map to `data` or `fsdp`: every weight with an `embed` dim. The others (Mamba-2's
+                    conv weights and biases, A_log, dt_bias, D, gate norm) stay replicated over the data
+                    axes whatever the stage (`zero_split`).
 
 Attention block (LLaMA-style, no biases): q,k,v,o projections d*(hq + 2*hkv) + hq*d with
 hq = heads*head_dim, hkv = kv_heads*head_dim; MLP 3*d*f (SwiGLU: gate, up, down) or 2*d*f (GeLU);
@@ -6,14 +17,12 @@ two RMSNorm weights 2*d. For GPT shapes (hq = hkv = d, f = 4d, GeLU) this is Meg
 layer (Narayanan et al. 2021, section 5.1, biases dropped).
 
 Mamba-2 block (Dao & Gu 2024, the reference `Mamba2` module): in_proj d*d_in_proj with
-d_in_proj = 2*d_inner + 2*ngroups*d_state + nheads (z, x, B, C, dt packed); depthwise conv
-(conv_dim*d_conv weights + conv_dim bias) over conv_dim = d_inner + 2*ngroups*d_state channels;
-dt_bias, A_log, D (nheads each); gated-RMSNorm weight d_inner; out_proj d_inner*d; pre-norm d.
+d_in_proj = 2*d_inner + 2*ngroups*d_state + nheads (z, x, B, C, dt: five weights here, packed into one
+matmul at run time, so XLA gathers them as one array); depthwise conv (conv_dim*d_conv weights +
+conv_dim bias) over conv_dim = d_inner + 2*ngroups*d_state channels; dt_bias, A_log, D (nheads each);
+gated-RMSNorm weight d_inner; out_proj d_inner*d; pre-norm d.
 
-Rules table (DESIGN.md): heads, mlp, vocab and ssm heads/groups go to `tensor`; norm weights over
-`embed` are replicated over `tensor`; every weight has an `embed` dim, so ZeRO-3 shards all of it
-over `fsdp`; only the stacked `layers` dim goes to `pipeline`, so embedding and head are replicated
-over the pipeline axis.
+Only the stacked `layers` dim goes to `pipeline`, so embedding and head are replicated over it.
 
 The functions are pure and memoised on the ModelConfig *object* (`per_model`): a planner asks about
 the same model thousands of times, and hashing a 22-field dataclass costs more than the arithmetic.
@@ -22,18 +31,35 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
+from jaxpar.rules import BASE_RULES, Rules, rules_for
+from jaxpar.strategy import Options, Strategy
 from models.config import ModelConfig
+
+ZERO_AXES = ("data", "fsdp")  # the mesh axes ZeRO shards model state over (rules_for: `embed`)
+BLOCKS = ("attention", "mamba", "embedding")
 
 
 def per_model(fn: Callable) -> Callable:
     """Memoise a pure function of (ModelConfig, *hashable args) on the config's identity. The memo keeps
-    the config alive, so its id cannot be reused while the entry exists; the memo is bounded."""
+    the config alive, so its id cannot be reused while the entry exists; the memo is bounded. Calls
+    with the config alone (most of them) take a shorter path."""
     memo: dict = {}
+    by_model: dict = {}
 
     @functools.wraps(fn)
     def wrapper(m, *args, **kwargs):
+        if not args and not kwargs:
+            hit = by_model.get(id(m))
+            if hit is not None and hit[0] is m:
+                return hit[1]
+            if len(by_model) > 1024:
+                by_model.clear()
+            value = fn(m)
+            by_model[id(m)] = (m, value)
+            return value
         key = (id(m), *args, *sorted(kwargs.items())) if kwargs else (id(m), *args)
         hit = memo.get(key)
         if hit is not None and hit[0] is m:
@@ -43,15 +69,96 @@ def per_model(fn: Callable) -> Callable:
         value = fn(m, *args, **kwargs)
         memo[key] = (m, value)
         return value
-    wrapper.cache_clear = memo.clear
+
+    def cache_clear() -> None:
+        memo.clear()
+        by_model.clear()
+    wrapper.cache_clear = cache_clear
     return wrapper
 
+
+# ---- the weights ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Weight:
+    """One parameter array of a block: shape and logical names as models/ declares them (one layer's,
+    without the stacked `layers` dim). Weights concatenated into one matmul operand at run time share
+    a `packed` tag; XLA moves such a group as one array."""
+    name: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    packed: str = ""
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def mesh_axes(self, rules: Rules) -> set[str]:
+        """The mesh axes `rules` shard this weight over (before size-1 axes drop out)."""
+        return {axis for name in self.names for axis in rules[name]}
+
+
+@per_model
+def attention_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/transformer.py (Attention, pre-norms) and models/layers.py (MLP)."""
+    d, f, h, kv, hd = m.d_model, m.mlp_dim, m.heads, m.kv_heads, m.head_dim
+    mlp = (Weight("w_gate", (d, f), ("embed", "mlp")),) if m.mlp_type == "swiglu" else ()
+    return (Weight("norm1", (d,), ("embed",)),
+            Weight("wq", (d, h, hd), ("embed", "q_heads", "head_dim")),
+            Weight("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
+            Weight("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
+            Weight("wo", (h, hd, d), ("q_heads", "head_dim", "embed")),
+            Weight("norm2", (d,), ("embed",)),
+            *mlp,
+            Weight("w_up", (d, f), ("embed", "mlp")),
+            Weight("w_down", (f, d), ("mlp", "embed")))
+
+
+@per_model
+def mamba_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/mamba.py (MambaBlock)."""
+    d, h, p, g, n, k = m.d_model, m.ssm_heads, m.ssm_head_dim, m.ngroups, m.d_state, m.d_conv
+    heads, groups = ("ssm_heads", "head_dim"), ("ssm_groups", "ssm_state")
+    return (Weight("norm", (d,), ("embed",)),
+            Weight("w_z", (d, h, p), ("embed", *heads), packed="in_proj"),
+            Weight("w_x", (d, h, p), ("embed", *heads), packed="in_proj"),
+            Weight("w_B", (d, g, n), ("embed", *groups), packed="in_proj"),
+            Weight("w_C", (d, g, n), ("embed", *groups), packed="in_proj"),
+            Weight("w_dt", (d, h), ("embed", "ssm_heads"), packed="in_proj"),
+            Weight("conv_x", (k, h, p), ("conv", *heads)),
+            Weight("conv_x_bias", (h, p), heads),
+            Weight("conv_B", (k, g, n), ("conv", *groups)),
+            Weight("conv_B_bias", (g, n), groups),
+            Weight("conv_C", (k, g, n), ("conv", *groups)),
+            Weight("conv_C_bias", (g, n), groups),
+            Weight("A_log", (h,), ("ssm_heads",)),
+            Weight("dt_bias", (h,), ("ssm_heads",)),
+            Weight("D", (h,), ("ssm_heads",)),
+            Weight("gate_norm", (h, p), heads),
+            Weight("w_out", (h, p, d), (*heads, "embed")))
+
+
+@per_model
+def embedding_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/lm.py: the input embedding, the final norm and, unless tied, the LM head."""
+    head = () if m.tie_embeddings else (Weight("head", (m.d_model, m.vocab), ("embed", "vocab")),)
+    return (Weight("embedding", (m.vocab, m.d_model), ("vocab", "embed")),
+            Weight("final_norm", (m.d_model,), ("embed",)), *head)
+
+
+def block_weights(m: ModelConfig, block: str) -> tuple[Weight, ...]:
+    """The weights of one `block` in BLOCKS."""
+    return {"attention": attention_weights, "mamba": mamba_weights, "embedding": embedding_weights}[block](m)
+
+
+# ---- counts and splits ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockParams:
     sharded: int      # elements split over the tensor axis
     replicated: int   # elements replicated over the tensor axis
     tensors: int      # parameter arrays (one per weight; stacked over layers under scan)
+    moved: int = 0    # arrays as XLA moves them (gathers them): a packed group counts once
 
     @property
     def total(self) -> int:
@@ -61,13 +168,49 @@ class BlockParams:
         return self.sharded / tensor + self.replicated
 
 
+def count(weights: tuple[Weight, ...]) -> BlockParams:
+    """Elements split over `tensor` and replicated over it (BASE_RULES), arrays, arrays moved."""
+    sharded = sum(w.size for w in weights if "tensor" in w.mesh_axes(BASE_RULES))
+    packs = {w.packed for w in weights if w.packed}
+    return BlockParams(sharded=sharded, replicated=sum(w.size for w in weights) - sharded, tensors=len(weights),
+                       moved=sum(1 for w in weights if not w.packed) + len(packs))
+
+
+@functools.cache
+def zero_rules(zero: int, purpose: str) -> Rules:
+    """The rules table jaxpar/rules.py gives a strategy of ZeRO stage `zero` for `purpose` ("params" or
+    "optimizer"; those two tables depend on the stage alone)."""
+    return rules_for(Strategy(name=f"zero{zero}", mesh=(), options=Options(zero=zero)), purpose)
+
+
+@per_model
+def zero_split(m: ModelConfig, block: str, zero: int, purpose: str = "params") -> tuple[BlockParams, BlockParams]:
+    """(the weights of `block` that ZeRO stage `zero` shards over the data axes under the `purpose`
+    rules, the weights it leaves replicated over them)."""
+    rules = zero_rules(zero, purpose)
+    weights = block_weights(m, block)
+    sharded = tuple(w for w in weights if w.mesh_axes(rules) & set(ZERO_AXES))
+    return count(sharded), count(tuple(w for w in weights if w not in sharded))
+
+
+@per_model
+def block_params(m: ModelConfig, block: str) -> BlockParams:
+    """The weights of one `block` in BLOCKS, counted."""
+    return count(block_weights(m, block))
+
+
+@per_model
+def zero_axes(m: ModelConfig, zero: int, purpose: str = "params") -> tuple[str, ...]:
+    """The data axes ZeRO stage `zero` shards the model's weights over under the `purpose` rules
+    (ZeRO-3 params: fsdp; ZeRO-1 optimizer state: data x fsdp; otherwise none)."""
+    rules = zero_rules(zero, purpose)
+    used = {a for block in BLOCKS for w in block_weights(m, block) for a in w.mesh_axes(rules)}
+    return tuple(a for a in ZERO_AXES if a in used)
+
+
 @per_model
 def attention_block_params(m: ModelConfig) -> BlockParams:
-    d, f = m.d_model, m.mlp_dim
-    hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    n_mlp = 3 if m.mlp_type == "swiglu" else 2
-    return BlockParams(sharded=d * (hq + 2 * hkv) + hq * d + n_mlp * d * f,
-                       replicated=2 * d, tensors=4 + n_mlp + 2)
+    return block_params(m, "attention")
 
 
 @per_model
@@ -79,17 +222,13 @@ def mamba_dims(m: ModelConfig) -> tuple[int, int, int]:
 
 @per_model
 def mamba_block_params(m: ModelConfig) -> BlockParams:
-    d, di = m.d_model, m.d_inner
-    d_in_proj, conv_dim, nh = mamba_dims(m)
-    sharded = d * d_in_proj + conv_dim * (m.d_conv + 1) + 3 * nh + di + di * d
-    return BlockParams(sharded=sharded, replicated=d, tensors=9)
+    return block_params(m, "mamba")
 
 
 @per_model
 def embedding_params(m: ModelConfig) -> BlockParams:
     """Input embedding (vocab-sharded) and, unless tied, the LM head; final norm replicated."""
-    tables = 1 if m.tie_embeddings else 2
-    return BlockParams(sharded=tables * m.vocab * m.d_model, replicated=m.d_model, tensors=tables + 1)
+    return block_params(m, "embedding")
 
 
 @per_model
@@ -99,7 +238,8 @@ def layer_params(m: ModelConfig) -> BlockParams:
     na, nm = m.attention_layers, m.mamba_layers
     return BlockParams(sharded=na * a.sharded + nm * mb.sharded,
                        replicated=na * a.replicated + nm * mb.replicated,
-                       tensors=(a.tensors if na else 0) + (mb.tensors if nm else 0))
+                       tensors=(a.tensors if na else 0) + (mb.tensors if nm else 0),
+                       moved=(a.moved if na else 0) + (mb.moved if nm else 0))
 
 
 @per_model

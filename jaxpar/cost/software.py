@@ -14,6 +14,11 @@ Megatron-LM (the published runs the model is calibrated on).
     pp_1f1b            the pipeline runs one-forward-one-backward (Megatron; Narayanan 2021), so a
                        stage holds activations of S micro-batches, not all M (jaxpar's GPipe/circular
                        schedules are autodiff through a loop: forward for all M, then backward)
+    jax_activations    the activation inventory of jaxpar's JAX program (what autodiff keeps: float32
+                       norm copies, softmax exp and probabilities, ...; jaxpar/cost/memory.py), not
+                       Korthikanti's inventory of Megatron's kernels
+    rerun_outputs      full recompute reruns a layer's last projection too (Megatron); XLA drops it,
+                       because nothing in the backward pass reads its output (jaxpar/cost/flops.py)
 """
 from __future__ import annotations
 
@@ -27,8 +32,10 @@ class Software:
     causal: bool = False
     pp_scatter_gather: bool | None = None
     pp_1f1b: bool = False
+    jax_activations: bool = True
+    rerun_outputs: bool = False
 
 
 JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
-                    pp_1f1b=True)
+                    pp_1f1b=True, jax_activations=False, rerun_outputs=True)

@@ -74,16 +74,33 @@ def _span(axes: tuple[str, ...], mesh: tuple, dcn_parts: tuple, devices_per_node
 def collective_seconds(kind: str, axes: tuple[str, ...], count: float, nbytes: float, st: Strategy,
                        hw: Hardware) -> float:
     """Alpha-beta time of `count` instances of `kind` over `axes` moving `nbytes` in all (hierarchical
-    ring, see module doc)."""
-    k, m = axis_span(axes, st, hw.devices_per_node)
+    ring, see module doc): linear in both, count * alpha + nbytes * beta."""
+    alpha, beta = _alpha_beta(kind, axes, st.mesh, st.dcn, hw)
+    return count * alpha + nbytes * beta
+
+
+_ALPHA_BETA: dict = {}  # (kind, axes, mesh, dcn, id(hw)) -> (hw, alpha, beta): meshes repeat in a search
+
+
+def _alpha_beta(kind: str, axes: tuple[str, ...], mesh: tuple, dcn: tuple, hw: Hardware) -> tuple[float, float]:
+    """Seconds per instance (latency) and per byte of a collective over `axes` of this mesh."""
+    key = (kind, axes, mesh, dcn, id(hw))
+    hit = _ALPHA_BETA.get(key)
+    if hit is not None and hit[0] is hw:
+        return hit[1], hit[2]
+    k, m = _span(axes, mesh, dcn, hw.devices_per_node)
     bw_in, bw_out = hw.intra_bw * hw.link_efficiency, hw.inter_bw * hw.link_efficiency
     if kind == PERMUTE:
         cross = m > 1
-        return count * (hw.alpha_inter if cross else hw.alpha_intra) + nbytes / (bw_out if cross else bw_in)
-    f = 2.0 if kind == AR else 1.0
-    beta = (k - 1) / k * nbytes / bw_in + (m - 1) / m * nbytes / k / bw_out
-    alpha = (k - 1) * hw.alpha_intra + (m - 1) * hw.alpha_inter
-    return f * (beta + count * alpha)
+        alpha, beta = (hw.alpha_inter if cross else hw.alpha_intra), 1.0 / (bw_out if cross else bw_in)
+    else:
+        f = 2.0 if kind == AR else 1.0
+        alpha = f * ((k - 1) * hw.alpha_intra + (m - 1) * hw.alpha_inter)
+        beta = f * ((k - 1) / k / bw_in + (m - 1) / m / k / bw_out)
+    if len(_ALPHA_BETA) > 8192:
+        _ALPHA_BETA.clear()
+    _ALPHA_BETA[key] = (hw, alpha, beta)
+    return alpha, beta
 
 
 def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware) -> dict[str, float]:
