@@ -144,7 +144,7 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from jaxpar import distributed  # noqa: PLC0415
     from jaxpar.data import make_source  # noqa: PLC0415
-    from jaxpar.train import TrainConfig, Trainer, train  # noqa: PLC0415
+    from jaxpar.train import Preempted, TrainConfig, Trainer, train  # noqa: PLC0415
     from models.config import parse_model  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
@@ -200,6 +200,11 @@ def cmd_train(args) -> int:
             if done > start and (args.ckpt_every <= 0 or done % args.ckpt_every):
                 ckpt.maybe_save(done, state, trainer, force=True)
             ckpt.close()
+    except Preempted as stopped:
+        ckpt.close()
+        if main:
+            print(f"\n{stopped}")
+        return 128 + 15  # as if terminated by SIGTERM: the scheduler sees an unfinished run
     finally:
         if bar is not None:
             bar.close()

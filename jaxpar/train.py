@@ -224,4 +224,26 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
                            "step_time_s": dt, "tokens_per_s": tokens / dt, "model_flops_per_s": flops / dt})
         if checkpointer is not None:
             checkpointer.maybe_save(step + 1, state, trainer)
+            if preempted(step + 1):
+                checkpointer.maybe_save(step + 1, state, trainer, force=True)
+                checkpointer.wait()
+                raise Preempted(step + 1)
     return state
+
+
+class Preempted(Exception):
+    """Training stopped at a preemption notice, after saving a checkpoint of `step` completed steps."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: checkpoint of step {step} saved; rerun with --resume to continue")
+        self.step = step
+
+
+def preempted(step: int) -> bool:
+    """Whether a preemption notice (SIGTERM to any process: SLURM, a TPU maintenance event, `jaxpar
+    launch` forwarding a signal) has reached every process by this step. JAX's preemption sync
+    manager agrees on the step across processes, so all of them save the same checkpoint and stop."""
+    if jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    return multihost_utils.reached_preemption_sync_point(step)
