@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
     t.add_argument("--seq", type=int, default=64)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
+    t.add_argument("--warmup", type=int, default=10, help="learning-rate warmup steps")
     t.add_argument("--data", default="synthetic", help="'synthetic' or a .bin file of uint16/uint32 token ids")
     t.add_argument("--metrics", help="write one JSON object per step to this .jsonl file")
     t.add_argument("--profile", help="write a jax.profiler trace of steps 2-4 to this directory")
@@ -126,12 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "devices, joined by jax.distributed (gloo collectives). Signals are "
                                     "forwarded; if one process fails the others are stopped.",
                         usage="jaxpar launch --processes N [--devices-per-process D] -- COMMAND [ARGS ...]")
-    la.add_argument("--processes", type=int, required=True, metavar="N")
-    la.add_argument("--devices-per-process", type=int, default=1, metavar="D")
+    la.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
+    la.add_argument("--devices-per-process", type=int, default=1, metavar="D",
+                    help="simulated CPU devices in each process (default 1)")
     la.add_argument("--grace", type=float, default=2.0, metavar="S",
                     help="seconds a process gets to stop (after a forwarded signal, or when another "
                          "process failed) before it is killed")
-    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                    help="a jaxpar command and its flags (train, comm)")
     return parser
 
 
@@ -150,7 +153,8 @@ def cmd_train(args) -> int:
 
     model = parse_model(args.model)
     strategy = strategy_from_args(args)
-    tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr)
+    tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
+                     warmup=args.warmup)
     trainer = Trainer(model, strategy, tc)
     source = make_source(args.data, model.vocab, args.seed)
     main = distributed.is_main()
