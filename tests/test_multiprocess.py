@@ -270,6 +270,10 @@ def test_dcn_axis_is_outermost_within_its_axis():
     ids = np.vectorize(lambda d: d.id)(make_mesh(strategy).devices).reshape(2, 4)
     want = np.array([[host * 4 + d * 2 + f for host in range(2) for f in range(2)] for d in range(2)])
     np.testing.assert_array_equal(ids, want)
+    # [mesh.dcn] data = 2 on the outermost axis: hosts hold data=0 and data=1, the plain device order.
+    hsdp = dataclasses.replace(parse_strategy("dp2-fsdp2-tp2"), dcn=(("data", 2),))
+    ids = np.vectorize(lambda d: d.id)(make_mesh(hsdp).devices).reshape(-1)
+    np.testing.assert_array_equal(ids, np.arange(8))
 
 
 def test_tensor_groups_must_stay_inside_a_host():
