@@ -165,7 +165,7 @@ def reduce_strategy(strategy: Strategy, limit: int = DEVICE_LIMIT) -> tuple[Stra
 
     Returns the reduced strategy and ``{axis: (full size, reduced size)}`` for each shrunk axis.
     """
-    sizes = strategy.sizes
+    sizes = dict(strategy.sizes)
     shrunk: dict[str, tuple[int, int]] = {}
     for axis in SHRINKABLE:
         total = math.prod(sizes.values())

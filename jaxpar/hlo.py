@@ -64,6 +64,13 @@ Bytes (per device, summed over instances and loop trips)
     (n-1)/n x bytes, AR 2(n-1)/n x bytes, permute = bytes. Note that XLA:CPU promotes a bf16
     all-reduce to f32, so the CPU tally shows 4 bytes per element there.
 
+API
+    ``tally`` (and ``tally_compiled``): the merged collectives. ``collective_ops``: the same per
+    instruction (kind, axes, group size, executions, bytes, the bytes of its scalar parts, phase),
+    which ``tally`` sums. For other readings (jaxpar.hlo_patterns): ``parse_module``,
+    ``executed_instructions`` (each reachable instruction with its runs per step), ``Instruction``
+    and ``shape_bytes``.
+
 Phases (from ``metadata={op_name="..."}``; the first rule that applies wins)
     1. no op_name -> ``other``;
     2. the optimizer scope name (default ``"optimizer"``, i.e. code under
@@ -102,7 +109,8 @@ class Collective:
 
 
 class Tally(list):
-    """The merged ``Collective`` list, plus ``warnings``: why some counts may be inexact."""
+    """A list of records (``tally``: merged ``Collective``s; ``collective_ops``: ``CollectiveOp``s),
+    plus ``warnings``: why some counts may be inexact."""
 
     def __init__(self, collectives: Iterable[Collective] = (), warnings: Iterable[str] = ()):
         super().__init__(collectives)
@@ -114,23 +122,40 @@ class Tally(list):
 # ----------------------------------------------------------------------------------------------
 
 
-def tally(
-    hlo_text: str,
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of the module, as the tally reads it (the per-op view of ``tally``)."""
+
+    name: str  # the HLO instruction's name
+    kind: str
+    axes: tuple[str, ...]  # UNMATCHED_AXES if its device groups span no mesh axes
+    group_size: int
+    times: int  # executions per step (loop trip counts applied)
+    bytes: int  # per execution: the full buffer ("Bytes" in the module docstring)
+    scalar_bytes: int  # per execution, the part of ``bytes`` in rank-0 arrays (f32[]: a loss, a norm partial)
+    phase: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution (ring algorithm)."""
+        return self.bytes * wire_factor(self.kind, self.group_size)
+
+
+def collective_ops(
+    hlo: str | Module,
     axis_names: Sequence[str],
     device_ids: np.ndarray,
     *,
     optimizer_scope: str = OPTIMIZER_SCOPE,
 ) -> Tally:
-    """Tally the collectives of an HLO module on a mesh.
-
-    ``device_ids`` has the mesh shape (axes in ``axis_names`` order) and holds the id the HLO
-    uses for the device at each mesh position (see "Device ids" in the module docstring).
-    """
+    """Every collective instruction that runs (``times > 0``) over more than one device, in module
+    order, as a ``CollectiveOp``; ``warnings`` says why some may be inexact (``tally`` sums these).
+    ``hlo``: the module text or ``parse_module``'s result; ``device_ids`` as for ``tally``."""
     mesh = _MeshIndex.build(axis_names, device_ids)
-    computations, entry = _parse_module(hlo_text)
-    merged: dict[tuple[str, tuple[str, ...], str], list] = {}
+    module = parse_module(hlo) if isinstance(hlo, str) else hlo
+    ops: list[CollectiveOp] = []
     warnings: list[str] = []
-    for instr, times, notes in _executed_instructions(computations, entry):
+    for instr, times, notes in executed_instructions(module):
         if instr.opcode in _UNTALLIED_OPCODES:
             warnings.append(f"{instr.opcode} %{instr.name} is not tallied")
         kind = _KIND_OF_OPCODE.get(instr.opcode)
@@ -142,15 +167,36 @@ def tally(
         if axes == UNMATCHED_AXES:
             warnings.append(f"{instr.opcode} %{instr.name}: device groups match no mesh axes")
         warnings.extend(notes)
-        size = _buffer_bytes(instr, kind, n)
-        key = (kind, axes, phase_of(_op_name(instr), optimizer_scope))
-        totals_ = merged.setdefault(key, [0, 0, 0.0])
-        totals_[0] += times
-        totals_[1] += times * size
-        totals_[2] += times * size * wire_factor(kind, n)
+        result = _result_shape(instr)
+        scalars = sum(shape_bytes(e) for e in _tuple_elements(result) if _is_scalar(e))
+        ops.append(CollectiveOp(instr.name, kind, axes, n, times, _buffer_bytes(instr, kind, n), scalars,
+                                phase_of(instr.op_name, optimizer_scope)))
+    return Tally(ops, dict.fromkeys(warnings))
+
+
+def tally(
+    hlo_text: str,
+    axis_names: Sequence[str],
+    device_ids: np.ndarray,
+    *,
+    optimizer_scope: str = OPTIMIZER_SCOPE,
+) -> Tally:
+    """Tally the collectives of an HLO module on a mesh: ``collective_ops`` merged by kind, axes
+    and phase (counts and bytes summed over instructions and executions).
+
+    ``device_ids`` has the mesh shape (axes in ``axis_names`` order) and holds the id the HLO
+    uses for the device at each mesh position (see "Device ids" in the module docstring).
+    """
+    ops = collective_ops(hlo_text, axis_names, device_ids, optimizer_scope=optimizer_scope)
+    merged: dict[tuple[str, tuple[str, ...], str], list] = {}
+    for op in ops:
+        totals_ = merged.setdefault((op.kind, op.axes, op.phase), [0, 0, 0.0])
+        totals_[0] += op.times
+        totals_[1] += op.times * op.bytes
+        totals_[2] += op.times * op.wire_bytes
     collectives = [Collective(k, axes, c, b, w, phase) for (k, axes, phase), (c, b, w) in merged.items()]
     collectives.sort(key=lambda c: (KINDS.index(c.kind), PHASES.index(c.phase), c.axes))
-    return Tally(collectives, dict.fromkeys(warnings))
+    return Tally(collectives, ops.warnings)
 
 
 def tally_compiled(compiled, mesh, *, optimizer_scope: str = OPTIMIZER_SCOPE) -> Tally:
@@ -191,16 +237,39 @@ _OPCODE = re.compile(r"([\w\-]+)\(")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Instruction:
+class Instruction:
+    """One HLO instruction: ``name = shape text``."""
+
     name: str
     shape: str  # the result shape, e.g. "f32[4,8]{1,0}" or "(f32[4], s32[])"
     opcode: str
     text: str  # everything after the shape: opcode, operands, attributes
 
+    @property
+    def operands(self) -> list[str]:
+        """Names of the operands (what ``opcode(...)`` lists)."""
+        if "(" not in self.text:
+            return []
+        start = self.text.index("(")
+        return re.findall(r"%([\w.\-]+)", self.text[start:_closing(self.text, start)])
 
-def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    @property
+    def op_name(self) -> str | None:
+        """The ``metadata={op_name="..."}`` jax gave the op, if any."""
+        match = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', self.text)
+        return match[1] if match else None
+
+
+class Module(NamedTuple):
+    """A parsed HLO module."""
+
+    computations: dict[str, list[Instruction]]  # each computation's instructions, by name
+    entry: str  # the name of the ENTRY computation
+
+
+def parse_module(hlo_text: str) -> Module:
     """The instructions of each computation, by name, and the name of the ENTRY computation."""
-    computations: dict[str, list[_Instruction]] = {}
+    computations: dict[str, list[Instruction]] = {}
     entry = current = None
     for line in hlo_text.splitlines():
         if current is None:
@@ -215,17 +284,17 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
             computations[current].append(_parse_instruction(match["name"], match["rest"]))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    return computations, entry
+    return Module(computations, entry)
 
 
-def _parse_instruction(name: str, rest: str) -> _Instruction:
+def _parse_instruction(name: str, rest: str) -> Instruction:
     if rest.startswith("("):
         end = _closing(rest, 0) + 1
         shape, text = rest[:end], rest[end:].lstrip()
     else:
         shape, _, text = rest.partition(" ")
     opcode = _OPCODE.match(text)
-    return _Instruction(name, shape, opcode[1] if opcode else "", text)
+    return Instruction(name, shape, opcode[1] if opcode else "", text)
 
 
 def _closing(text: str, start: int) -> int:
@@ -239,11 +308,6 @@ def _closing(text: str, start: int) -> int:
             if depth == 0:
                 return i
     raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
-
-
-def _op_name(instr: _Instruction) -> str | None:
-    match = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', instr.text)
-    return match[1] if match else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +327,7 @@ class _Call(NamedTuple):
     note: str | None  # why ``times`` may be inexact
 
 
-def _calls(instr: _Instruction) -> list[_Call]:
+def _calls(instr: Instruction) -> list[_Call]:
     """The computations an instruction runs, with how often."""
     if instr.opcode in ("async-update", "async-done"):
         return []  # the matching async-start already ran the wrapped computation
@@ -283,15 +347,15 @@ def _calls(instr: _Instruction) -> list[_Call]:
     return calls
 
 
-def _trip_count(instr: _Instruction) -> int | None:
+def _trip_count(instr: Instruction) -> int | None:
     match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.text)
     return int(match[1]) if match else None
 
 
-def _executed_instructions(
-    computations: dict[str, list[_Instruction]], entry: str
-) -> Iterator[tuple[_Instruction, int, set[str]]]:
-    """Each instruction reachable from ENTRY, with its runs per step and notes on inexact counts."""
+def executed_instructions(module: Module) -> Iterator[tuple[Instruction, int, set[str]]]:
+    """Each instruction reachable from ENTRY, with its runs per step (loop trip counts applied) and
+    notes on why that count may be inexact."""
+    computations, entry = module
     calls = {name: [c for instr in instrs for c in _calls(instr)] for name, instrs in computations.items()}
     callers: dict[str, set[str]] = {entry: set()}
     pending = [entry]
@@ -330,13 +394,13 @@ _ELEMENT_BITS = {
 }  # fmt: skip
 
 
-def _buffer_bytes(instr: _Instruction, kind: str, n: int) -> int:
+def _buffer_bytes(instr: Instruction, kind: str, n: int) -> int:
     """Bytes of the full buffer one instance moves: reduced, gathered or pre-scatter."""
-    result = _shape_bytes(_result_shape(instr))
+    result = shape_bytes(_result_shape(instr))
     return result * n if kind == "reduce-scatter" else result
 
 
-def _result_shape(instr: _Instruction) -> str:
+def _result_shape(instr: Instruction) -> str:
     """The shape of the buffers a collective produces, for sync and async-start forms."""
     if not instr.opcode.endswith("-start"):
         return instr.shape
@@ -362,13 +426,19 @@ def _tuple_elements(shape: str) -> list[str]:
     return [e for e in elements if e]
 
 
-def _shape_bytes(shape: str) -> int:
-    """Bytes of all arrays in a (possibly tuple) shape."""
+def shape_bytes(shape: str) -> int:
+    """Bytes of all arrays in a (possibly tuple) shape (sub-byte arrays round up to whole bytes)."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
         elements = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
         total += -(-_element_bits(dtype) * elements // 8)
     return total
+
+
+def _is_scalar(shape: str) -> bool:
+    """Whether a shape is one rank-0 array, such as ``f32[]``."""
+    match = _ARRAY.match(shape.strip())
+    return bool(match) and not match[2].strip()
 
 
 def _element_bits(dtype: str) -> int:
@@ -421,7 +491,7 @@ class _MeshIndex:
             raise ValueError(f"device id {device} in the HLO is not in the mesh ({self.ids.size} devices)")
 
 
-def _communicator(instr: _Instruction, mesh: _MeshIndex) -> tuple[tuple[str, ...], int]:
+def _communicator(instr: Instruction, mesh: _MeshIndex) -> tuple[tuple[str, ...], int]:
     """The mesh axes an instance spans and its group size."""
     if instr.opcode.startswith("collective-permute"):
         return _permute_axes(_source_target_pairs(instr.text), mesh), 2

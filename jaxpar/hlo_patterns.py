@@ -7,7 +7,8 @@
     All-reduces whose every result is only dynamic-sliced to this device's 1/n afterwards: the
     reduce-scatters that XLA:CPU does not form (it has no ReduceScatterCreator pass).
 
-Both walk the module with jaxpar.hlo's parser and call graph.
+Both walk the module with jaxpar.hlo's public reader: ``parse_module`` and ``executed_instructions``
+(the call graph, trip counts applied), and the second reads the all-reduces off ``collective_ops``.
 """
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from jaxpar import hlo
 def dot_flops(hlo_text: str) -> tuple[float, float]:
     """FLOPs of every ``dot`` per step (trip counts included) and as counted with each loop body
     run once (XLA's cost analysis view): 2 x result elements x contracted elements."""
-    computations, entry = hlo._parse_module(hlo_text)  # noqa: SLF001 (shared HLO reader)
-    shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
-    once = {name: [_without_trip_count(i) for i in instrs] for name, instrs in computations.items()}
-    per_step = _sum_dot_flops(computations, entry, shapes)
-    return per_step, _sum_dot_flops(once, entry, shapes)
+    module = hlo.parse_module(hlo_text)
+    shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
+    once = {name: [_without_trip_count(i) for i in instrs] for name, instrs in module.computations.items()}
+    return _sum_dot_flops(module, shapes), _sum_dot_flops(hlo.Module(once, module.entry), shapes)
 
 
 def _without_trip_count(instr):
@@ -36,16 +36,16 @@ def _without_trip_count(instr):
                                                   '"known_trip_count":{"n":"1"}', instr.text))
 
 
-def _sum_dot_flops(computations, entry: str, shapes: dict[str, str]) -> float:
+def _sum_dot_flops(module: hlo.Module, shapes: dict[str, str]) -> float:
     total = 0.0
-    for instr, times, _ in hlo._executed_instructions(computations, entry):  # noqa: SLF001
+    for instr, times, _ in hlo.executed_instructions(module):
         if instr.opcode == "dot" and times:
             total += times * _one_dot_flops(instr, shapes)
     return total
 
 
 def _one_dot_flops(instr, shapes: dict[str, str]) -> float:
-    lhs = _operands(instr.text)[0]
+    lhs = instr.operands[0]
     lhs_dims = _dims(shapes[lhs])
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.text)
     contracted = math.prod(lhs_dims[int(d)] for d in contracting[1].split(",") if d) if contracting else 1
@@ -55,12 +55,6 @@ def _one_dot_flops(instr, shapes: dict[str, str]) -> float:
 def _dims(shape: str) -> list[int]:
     match = re.match(r"\s*[a-z][a-z0-9]*\[([^\]]*)\]", shape)
     return [int(d.strip().removeprefix("<=")) for d in match[1].split(",") if d.strip()] if match else []
-
-
-def _operands(text: str) -> list[str]:
-    """Names of an instruction's operands (``text`` starts with ``opcode(``)."""
-    start = text.index("(")
-    return re.findall(r"%([\w.\-]+)", text[start:hlo._closing(text, start)])  # noqa: SLF001
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,23 +67,23 @@ _PASS_THROUGH = frozenset({"bitcast", "copy", "reshape", "convert"})  # keep eve
 def scatter_like_all_reduces(hlo_text: str, axis_names: Sequence[str], device_ids) -> list[hlo.Collective]:
     """The all-reduces whose every result is only ever dynamic-sliced to 1/n (n = group size):
     what GPU/TPU XLA turns into reduce-scatters. ``bytes`` counts those results, per step."""
-    computations, entry = hlo._parse_module(hlo_text)  # noqa: SLF001
+    module = hlo.parse_module(hlo_text)
+    computations = module.computations
     users = _users(computations)
-    mesh = hlo._MeshIndex.build(axis_names, device_ids)  # noqa: SLF001
+    by_name = {i.name: i for instrs in computations.values() for i in instrs}
     merged: dict[tuple, list] = {}
-    for instr, times, _ in hlo._executed_instructions(computations, entry):  # noqa: SLF001
-        if instr.opcode != "all-reduce" or not times:
+    for op in hlo.collective_ops(module, axis_names, device_ids):
+        instr = by_name[op.name]
+        if instr.opcode != "all-reduce" or op.axes == hlo.UNMATCHED_AXES:
             continue
-        axes, n = hlo._communicator(instr, mesh)  # noqa: SLF001
-        if not axes or axes == hlo.UNMATCHED_AXES:
-            continue
-        sliced = sum(hlo._shape_bytes(shape) for name, shape in _results(instr, users)  # noqa: SLF001
+        n = op.group_size
+        sliced = sum(hlo.shape_bytes(shape) for name, shape in _results(instr, users)
                      if _only_sliced(name, _elements(shape), n, users, computations))
         if sliced:
-            entry_ = merged.setdefault((axes, hlo.phase_of(hlo._op_name(instr))), [0, 0, 0.0])  # noqa: SLF001
-            entry_[0] += times
-            entry_[1] += times * sliced
-            entry_[2] += times * sliced * 2 * (n - 1) / n
+            entry_ = merged.setdefault((op.axes, op.phase), [0, 0, 0.0])
+            entry_[0] += op.times
+            entry_[1] += op.times * sliced
+            entry_[2] += op.times * sliced * hlo.wire_factor("all-reduce", n)
     return [hlo.Collective("all-reduce", axes, c, b, w, phase) for (axes, phase), (c, b, w) in merged.items()]
 
 
@@ -100,7 +94,7 @@ def _users(computations) -> dict[str, list[tuple]]:
         for instr in instrs:
             if "(" not in instr.text:
                 continue
-            for pos, name in enumerate(_operands(instr.text)):
+            for pos, name in enumerate(instr.operands):
                 out.setdefault(name, []).append((instr, pos))
     return out
 

@@ -10,8 +10,11 @@ never which code path a model takes. Command-line STRATEGY FLAGS override a file
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import tomllib
+import types
+from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
@@ -54,20 +57,23 @@ class Strategy:
     description: str = ""
     dcn: tuple[tuple[str, int], ...] = ()  # across-host part of each axis (multi-host layouts)
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
+    # Derived once per instance (the cost model reads them a few dozen times per estimate); a frozen
+    # dataclass's fields never change, and dataclasses.replace makes a new instance.
+    @functools.cached_property
+    def sizes(self) -> Mapping[str, int]:
+        """{axis: size}, read-only (copy it with dict() to edit)."""
+        return types.MappingProxyType(dict(self.mesh))
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]
 
-    @property
+    @functools.cached_property
     def zero(self) -> int:
         if self.options.zero is not None:
             return self.options.zero
         return 3 if self.size("fsdp") > 1 else 0
 
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
         n = 1
         for _, s in self.mesh:
@@ -76,7 +82,7 @@ class Strategy:
 
     def resolved(self, num_devices: int) -> "Strategy":
         """Replace a -1 axis by what fills `num_devices`; check the product."""
-        sizes = self.sizes
+        sizes = dict(self.mesh)
         free = [a for a, s in sizes.items() if s == -1]
         known = 1
         for a, s in sizes.items():

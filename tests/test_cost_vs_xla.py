@@ -50,7 +50,7 @@ from models.config import parse_model
 BATCH, SEQ = 16, 128  # global; seq 128 so that activations, not fixed buffers, dominate memory
 
 # (model, mesh, devices, options): one device, data / fully sharded / tensor parallel, a remat policy,
-# context parallelism (ring attention), and a Mamba-2 model
+# context parallelism (ring attention), and a Mamba-2 model (data parallel and fully sharded)
 CASES = [
     ("llama-tiny", "data=1", 1, {}),
     ("llama-tiny", "dp8", 8, {}),
@@ -59,6 +59,7 @@ CASES = [
     ("llama-tiny", "dp8", 8, {"remat": "full"}),
     ("llama-tiny", "cp8-ring", 8, {}),
     ("mamba2-tiny", "dp8", 8, {}),
+    ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
 ]
 IDS = [f"{m}-{mesh}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, mesh, _, o in CASES]
 

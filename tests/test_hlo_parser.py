@@ -268,6 +268,27 @@ def test_identical_collectives_merge_and_totals():
     assert hlo.totals([collective, collective]) == {"count": 4, "bytes": 48, "wire_bytes": 48.0}
 
 
+def test_collective_ops_are_the_tally_per_instruction():
+    """One record per instruction that moves data (the one-device group is left out), with its
+    executions, buffer bytes, the bytes of its rank-0 parts and phase; `tally` is their sum."""
+    text = module(
+        all_reduce("[4,2]<=[8]", "(f32[4]{0}, f32[], f32[])", op_name="jit(f)/optimizer/psum"),
+        all_reduce("{{0,1},{2,3},{4,5},{6,7}}", "f32[2]{0}", "ar2"),
+        all_reduce("{{0},{1},{2},{3},{4},{5},{6},{7}}", "f32[2]{0}", "solo"),
+        "%rs = f32[2]{0} reduce-scatter(%p), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), "
+        "dimensions={0}, to_apply=%add",
+    )
+    ops = hlo.collective_ops(text, AXES, IDS)
+    assert [(o.name, o.kind, o.axes, o.group_size, o.times, o.bytes, o.scalar_bytes, o.phase) for o in ops] == [
+        ("ar", "all-reduce", ("tensor",), 2, 1, 24, 8, "optimizer"),
+        ("ar2", "all-reduce", ("tensor",), 2, 1, 8, 0, "forward"),
+        ("rs", "reduce-scatter", ("data",), 4, 1, 32, 0, "other"),
+    ]
+    assert ops[2].wire_bytes == 24.0
+    assert sorted((c.kind, c.count, c.bytes) for c in hlo.tally(text, AXES, IDS)) == [
+        ("all-reduce", 1, 8), ("all-reduce", 1, 24), ("reduce-scatter", 1, 32)]
+
+
 def test_untallied_communication_is_reported():
     result = hlo.tally(module("%s = (f32[8]{0}, u32[], token[]) send(%p, %t), channel_id=1"), AXES, IDS)
     assert list(result) == [] and result.warnings == ["send %s is not tallied"]

@@ -85,17 +85,18 @@ def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase:
 
 def site(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, buffers: list[float], phase: str,
          partitioner: bool = True) -> list[tuple]:
-    """One collective per buffer, issued together `execs` times over `axes`, as (kind, axes, count,
-    bytes per op, phase). A partitioner's reduce-scatter stays an all-reduce without ReduceScatterCreator
-    (`partitioner=False`: a hand-written psum_scatter, always a reduce-scatter); the combiner makes the
-    all-reduces of one site one op."""
+    """One collective per buffer, issued together `execs` times over `axes`, as [(kind, axes, count,
+    mean bytes per op, phase)]: count = execs x buffers (`predicted` keeps only count and total bytes
+    per kind, axes and phase, so one tuple per site suffices). A partitioner's reduce-scatter stays an
+    all-reduce without ReduceScatterCreator (`partitioner=False`: a hand-written psum_scatter, always
+    a reduce-scatter); the combiner makes the all-reduces of one site one op."""
     if kind == RS and partitioner and not cc.reduce_scatter:
         kind = AR
     if not execs or not buffers:
         return []
     if kind == AR and cc.combine:
         return [(AR, axes, execs, sum(buffers), phase)]
-    return [(kind, axes, execs, b, phase) for b in buffers]
+    return [(kind, axes, execs * len(buffers), sum(buffers) / len(buffers), phase)]
 
 
 def _passes(st: Strategy) -> tuple[str, ...]:
@@ -460,9 +461,13 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
         raw += pipeline_parallel(m, st, shape, act, pp_scatter_gather, cc)
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in raw:
-        acc = merged.setdefault((kind, axes, phase), [0.0, 0.0])
-        acc[0] += count
-        acc[1] += count * nbytes
+        key = (kind, axes, phase)
+        acc = merged.get(key)
+        if acc is None:
+            merged[key] = [count, count * nbytes]
+        else:
+            acc[0] += count
+            acc[1] += count * nbytes
     return tuple((kind, axes, phase, count, total) for (kind, axes, phase), (count, total) in merged.items())
 
 

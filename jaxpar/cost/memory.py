@@ -7,7 +7,8 @@ stored parameters are the float32 master weights, the compute dtype is a cast):
     optimizer   8 bytes/param  (AdamW first and second moments, float32)
 Sharding: `tensor` splits the sharded part of each block (params.py), `pipeline` splits the layers;
 ZeRO-0 replicates everything over the data axes; ZeRO-1 shards the optimizer state over data x fsdp;
-ZeRO-3 shards params, grads and optimizer state over fsdp.
+ZeRO-3 shards params, grads and optimizer state over fsdp -- each only for the weights the rules table
+shards (those with an `embed` dim: not Mamba-2's conv, A_log, dt_bias, D and gate norm; params.py).
 
 Activations: an inventory of the tensors one layer keeps for its backward pass, per token, in the
 compute dtype (dropout masks 1 byte), each marked as split by the tensor axis or replicated over it
@@ -61,15 +62,20 @@ def local_params(m: ModelConfig, st: Strategy, purpose: str = "params") -> float
     weights the strategy's ZeRO rules shard (params.zero_split: those with an `embed` dim) / the data
     axes they shard them over (ZeRO-3: fsdp; ZeRO-1 moments: data x fsdp)."""
     sz = st.sizes
-    t, shards = sz["tensor"], 1
+    shards = 1
     for a in zero_axes(m, st.zero, purpose):
         shards *= sz[a]
+    return _local_params(m, st.zero, purpose, sz["tensor"], sz["pipeline"], shards)
+
+
+@per_model
+def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: int, shards: int) -> float:
     na, nm = layer_counts(m)
     n = 0.0
-    for block, copies in (("attention", na / sz["pipeline"]), ("mamba", nm / sz["pipeline"]), ("embedding", 1)):
+    for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("embedding", 1)):
         if copies:
-            sharded, kept = zero_split(m, block, st.zero, purpose)
-            n += copies * (sharded.per_device(t) / shards + kept.per_device(t))
+            sharded, kept = zero_split(m, block, zero, purpose)
+            n += copies * (sharded.per_device(tensor) / shards + kept.per_device(tensor))
     return n
 
 
@@ -193,23 +199,13 @@ def jax_mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
             ("out_proj out", d, None, False, JAX_DOT_ONLY))
 
 
-_KEPT: dict = {}  # (id(inventory), act, tensor, sp, policy) -> (inventory, bytes): a planner asks often
-
-
+@per_model  # memoised on the inventory's identity (inventories are memoised per model, so they repeat)
 def inventory_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:
-    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP).
-    Memoised on the inventory's identity (inventories are memoised per model, so they repeat)."""
-    key = (id(inv), act_bytes, tensor, sp, policy)
-    hit = _KEPT.get(key)
-    if hit is not None and hit[0] is inv:
-        return hit[1]
+    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP)."""
     total = 0.0
     for _name, elems, nbytes, split, kept in inv:
         if policy in kept:
             total += elems * (nbytes or act_bytes) / (tensor if (split or sp) else 1)
-    if len(_KEPT) > 4096:
-        _KEPT.clear()
-    _KEPT[key] = (inv, total)
     return total
 
 
@@ -289,6 +285,7 @@ def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: b
     return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, jax_program))
 
 
+@per_model  # as inventory_bytes
 def recomputed_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:
     """Bytes per token a layer produces again in its backward pass: what `none` keeps and `policy` drops."""
     total = 0.0

@@ -43,9 +43,10 @@ BLOCKS = ("attention", "mamba", "embedding")
 
 
 def per_model(fn: Callable) -> Callable:
-    """Memoise a pure function of (ModelConfig, *hashable args) on the config's identity. The memo keeps
-    the config alive, so its id cannot be reused while the entry exists; the memo is bounded. Calls
-    with the config alone (most of them) take a shorter path."""
+    """Memoise a pure function of (ModelConfig, *hashable args) on the config's identity (or of any
+    first argument that is itself memoised, such as memory.py's inventories). The memo keeps the object
+    alive, so its id cannot be reused while the entry exists; the memo is bounded. Calls with the
+    object alone (most of them) take a shorter path."""
     memo: dict = {}
     by_model: dict = {}
 

@@ -75,20 +75,33 @@ def collective_seconds(kind: str, axes: tuple[str, ...], count: float, nbytes: f
                        hw: Hardware) -> float:
     """Alpha-beta time of `count` instances of `kind` over `axes` moving `nbytes` in all (hierarchical
     ring, see module doc): linear in both, count * alpha + nbytes * beta."""
-    alpha, beta = _alpha_beta(kind, axes, st.mesh, st.dcn, hw)
+    alpha, beta = _alpha_beta(kind, axes, st, hw)
     return count * alpha + nbytes * beta
 
 
-_ALPHA_BETA: dict = {}  # (kind, axes, mesh, dcn, id(hw)) -> (hw, alpha, beta): meshes repeat in a search
+_LINKS: dict = {}  # (mesh, dcn, id(hw)) -> (hw, {(kind, axes): (alpha, beta)}): meshes repeat in a search
 
 
-def _alpha_beta(kind: str, axes: tuple[str, ...], mesh: tuple, dcn: tuple, hw: Hardware) -> tuple[float, float]:
-    """Seconds per instance (latency) and per byte of a collective over `axes` of this mesh."""
-    key = (kind, axes, mesh, dcn, id(hw))
-    hit = _ALPHA_BETA.get(key)
-    if hit is not None and hit[0] is hw:
-        return hit[1], hit[2]
-    k, m = _span(axes, mesh, dcn, hw.devices_per_node)
+def _links(st: Strategy, hw: Hardware) -> dict:
+    """The (alpha, beta) memo of one mesh on one hardware, keyed by (kind, axes)."""
+    key = (st.mesh, st.dcn, id(hw))
+    hit = _LINKS.get(key)
+    if hit is None or hit[0] is not hw:
+        if len(_LINKS) > 4096:
+            _LINKS.clear()
+        hit = _LINKS[key] = (hw, {})
+    return hit[1]
+
+
+def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
+                links: dict | None = None) -> tuple[float, float]:
+    """Seconds per instance (latency) and per byte of a collective over `axes` of this mesh
+    (memoised in `links`, `_links(st, hw)` unless given)."""
+    links = _links(st, hw) if links is None else links
+    hit = links.get((kind, axes))
+    if hit is not None:
+        return hit
+    k, m = _span(axes, st.mesh, st.dcn, hw.devices_per_node)
     bw_in, bw_out = hw.intra_bw * hw.link_efficiency, hw.inter_bw * hw.link_efficiency
     if kind == PERMUTE:
         cross = m > 1
@@ -97,9 +110,7 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], mesh: tuple, dcn: tuple, hw: H
         f = 2.0 if kind == AR else 1.0
         alpha = f * ((k - 1) * hw.alpha_intra + (m - 1) * hw.alpha_inter)
         beta = f * ((k - 1) / k / bw_in + (m - 1) / m / k / bw_out)
-    if len(_ALPHA_BETA) > 8192:
-        _ALPHA_BETA.clear()
-    _ALPHA_BETA[key] = (hw, alpha, beta)
+    links[(kind, axes)] = (alpha, beta)
     return alpha, beta
 
 
@@ -107,10 +118,12 @@ def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware) -> di
     """Collective time per class: tensor, context, pipeline, data (everything over data-like axes).
     `predicted`: (kind, axes, phase, count, bytes) tuples from comm.predicted."""
     out = {"tensor": 0.0, "context": 0.0, "pipeline": 0.0, "data": 0.0}
+    links = _links(st, hw)
     for kind, axes, _phase, count, nbytes in predicted:
         cls = ("tensor" if "tensor" in axes else "context" if axes == ("context",)
                else "pipeline" if "pipeline" in axes else "data")
-        out[cls] += collective_seconds(kind, axes, count, nbytes, st, hw)
+        alpha, beta = _alpha_beta(kind, axes, st, hw, links)
+        out[cls] += count * alpha + nbytes * beta
     return out
 
 
