@@ -87,7 +87,7 @@ def param_shardings(abstract_state: Any, layout: Layout, purpose: str = "params"
     rules = layout.rules(purpose)
 
     def one(v: nnx.Variable) -> nnx.Variable:
-        names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.value.shape)
+        names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.shape)
         return v.replace(NamedSharding(layout.mesh, spec_for(names, rules, layout.mesh)))
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -24,7 +24,7 @@ def model_arrays(cfg) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(shape, logical names) of every parameter array models/ creates."""
     state = nnx.state(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [(tuple(v.value.shape), tuple(v.get_metadata()["out_sharding"])) for v in leaves]
+    return [(tuple(v.shape), tuple(v.get_metadata()["out_sharding"])) for v in leaves]
 
 
 @pytest.mark.parametrize("name", MODELS)
