@@ -88,11 +88,12 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
             codes = [c.poll() for c in children]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed and not received:
-                i, code = failed[0]
                 running = [c for c in children if c.poll() is None]
-                print(f"jaxpar launch: process {i} {describe_exit(code)}; stopping the other "
-                      f"{len(running)} process(es)", file=sys.stderr, flush=True)
+                what = "; ".join(f"process {i} {describe_exit(code)}" for i, code in failed)
+                print(f"jaxpar launch: {what}; stopping the other {len(running)} process(es)",
+                      file=sys.stderr, flush=True)
                 stop(running, grace_s)
+                code = failed[0][1]
                 return code if code > 0 else 128 - code
             if all(c is not None for c in codes):
                 return 128 + received[0] if received else 0
