@@ -39,8 +39,9 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0 <= I < N")
-    g.add_argument("--init-timeout", type=int, default=60, metavar="S",
-                   help="seconds to wait for the coordinator and the other processes (default 60)")
+    g.add_argument("--init-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for the coordinator and the other processes (default 300, as JAX; "
+                        "large jobs start their processes over minutes)")
     g.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
                    help="a process silent this long is declared dead and the others stop (default 30)")
 

@@ -89,7 +89,7 @@ def cluster_from(coordinator: str | None = None, num_processes: int | None = Non
     return cluster
 
 
-def initialize(cluster: Cluster, timeout_s: int = 60, heartbeat_s: int = 30) -> None:
+def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) -> None:
     """Join the run: `jax.distributed.initialize`, then check that what joined is what was asked.
 
     Bounded wait: if the coordinator cannot be reached, or not every process joins, within
