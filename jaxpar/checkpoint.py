@@ -26,20 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-import signal
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpar import faults
 from jaxpar.errors import ConfigError
 
 MARKER = "jaxpar.json"
 FORMAT = {"format": "jaxpar-checkpoint", "version": 1}
-# Test hook: SIGKILL this process right after the save of this step has started (crash tests).
-KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
 
 
 def flatten(tree) -> dict[str, Any]:
@@ -97,8 +94,7 @@ class Checkpointer:
                 "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),
                                                          meta=ocp.args.JsonSave(meta)))
-        if os.environ.get(KILL_DURING_SAVE) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.after_save_started(step)
         return True
 
     def wait(self) -> None:

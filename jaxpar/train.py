@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import validate
+from jaxpar import faults, validate
 from jaxpar.cost.flops import step_flops
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
@@ -228,6 +228,7 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
                 checkpointer.maybe_save(step + 1, state, trainer, force=True)
                 checkpointer.wait()
                 raise Preempted(step + 1)
+        faults.after_step(step + 1)
     return state
 
 

@@ -9,10 +9,10 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from jaxpar import faults
 from tests.conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -61,23 +61,33 @@ def test_stop_and_resume_in_a_fresh_process_is_bitwise_identical(tmp_path, refer
 
 def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path, reference):
     ckpt = tmp_path / "ck"
-    out = cli(["--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY)], env={"JAXPAR_KILL_DURING_SAVE": "8"})
+    out = cli(["--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY)], env={faults.KILL_DURING_SAVE: "8"})
     assert out.returncode == -signal.SIGKILL
     resume_and_compare(ckpt, tmp_path, reference, expect_from=4)
 
 
 def test_killed_mid_training_loses_at_most_k_plus_one_steps(tmp_path, reference):
+    """SIGKILL after step 10 of 12 (checkpoints every 4): the run holds itself there until killed
+    (faults.HOLD_AFTER_STEP), so it can never finish first, however fast or loaded the machine is."""
     ckpt, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    proc = cli(["--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY), "--metrics", str(m)], wait=False)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if m.exists() and len(m.read_text().splitlines()) >= 10:
+    held_at = 10
+    proc = cli(["--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY), "--metrics", str(m)],
+               env={faults.HOLD_AFTER_STEP: str(held_at)}, wait=False)
+    hold = faults.HOLD_LINE.format(step=held_at)
+    seen = []
+    for line in proc.stderr:  # blocks until the process reaches the hold (or ends: then it failed)
+        seen.append(line)
+        if line.strip() == hold:
             break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    else:
+        proc.wait()
+        pytest.fail(f"the run never reached step {held_at} (exit {proc.returncode}): {''.join(seen)[-2000:]}")
+    proc.kill()
     proc.wait()
+    assert proc.returncode == -signal.SIGKILL
     done = len(m.read_text().splitlines())
-    assert done < STEPS, "the run finished before it could be killed"
+    assert done == held_at
     last_complete = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert last_complete == 8  # the save of step 8 was complete: step 9 waited for it
     assert done - last_complete <= EVERY + 1  # K, plus the one step a save overlaps
     resume_and_compare(ckpt, tmp_path, reference, expect_from=last_complete)

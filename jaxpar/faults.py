@@ -1,0 +1,37 @@
+"""Test-only fault injection, switched on by environment variables that no normal run sets.
+
+Crash tests must stop a training process at a *known* point, whatever the machine's speed: a test
+that races a timer against a subprocess fails at random on a fast (or a loaded) machine. So the
+process stops itself where the test asks, and the test then does to it what it wants:
+
+  JAXPAR_KILL_DURING_SAVE=N  SIGKILL this process right after the save of step N has started
+                             (the write is still in flight: a half-written checkpoint is left behind)
+  JAXPAR_HOLD_AFTER_STEP=N   after step N completed (metrics written, any save of it started),
+                             print HOLD_LINE to stderr and block until killed
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
+HOLD_AFTER_STEP = "JAXPAR_HOLD_AFTER_STEP"
+HOLD_LINE = "jaxpar: test hook: holding after step {step} until killed"
+
+
+def _asked(variable: str, step: int) -> bool:
+    return os.environ.get(variable) == str(step)
+
+
+def after_save_started(step: int) -> None:
+    if _asked(KILL_DURING_SAVE, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_step(step: int) -> None:
+    """`step` completed steps are done; block here for ever if a test asked to."""
+    if _asked(HOLD_AFTER_STEP, step):
+        print(HOLD_LINE.format(step=step), file=sys.stderr, flush=True)
+        threading.Event().wait()
