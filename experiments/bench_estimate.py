@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpar.cost import estimate, load_hardware  # noqa: E402
 from jaxpar.strategy import parse_inline  # noqa: E402
-from models.config import from_preset, parse_model  # noqa: E402
+from jaxpar.models.config import from_preset, parse_model  # noqa: E402
 
 
 def candidates(devices: int = 512):

@@ -24,7 +24,7 @@ from jaxpar.cost.params import total_params  # noqa: E402
 from jaxpar.data import Synthetic  # noqa: E402
 from jaxpar.strategy import parse_strategy  # noqa: E402
 from jaxpar.train import TrainConfig, Trainer  # noqa: E402
-from models.config import parse_model  # noqa: E402
+from jaxpar.models.config import parse_model  # noqa: E402
 
 MAMBA = "mamba2-tiny:max_seq=16384"
 LLAMA = "llama-tiny:max_seq=16384,mlp_dim=64"    # about mamba2-tiny's parameter count

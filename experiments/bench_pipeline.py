@@ -31,7 +31,7 @@ from jaxpar.pipeline import schedule_of  # noqa: E402
 from jaxpar.strategy import parse_strategy  # noqa: E402
 from jaxpar.train import TrainConfig, Trainer  # noqa: E402
 from jaxpar.data import Synthetic  # noqa: E402
-from models.config import parse_model  # noqa: E402
+from jaxpar.models.config import parse_model  # noqa: E402
 
 MODEL = "llama-tiny:layers=8"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 from jaxpar.data import Synthetic  # noqa: E402
 from jaxpar.strategy import catalogue, parse_strategy  # noqa: E402
 from jaxpar.train import TrainConfig, Trainer, gather, train  # noqa: E402
-from models.config import parse_model  # noqa: E402
+from jaxpar.models.config import parse_model  # noqa: E402
 
 DEMO = ["dp8", "zero1-dp8", "fsdp8", "tp8", "dp2-fsdp2-tp2", "tp4-sp"]
 

@@ -149,7 +149,7 @@ def cmd_train(args) -> int:
     from jaxpar import distributed  # noqa: PLC0415
     from jaxpar.data import make_source  # noqa: PLC0415
     from jaxpar.train import Preempted, TrainConfig, Trainer, train  # noqa: PLC0415
-    from models.config import parse_model  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     model = parse_model(args.model)
@@ -224,7 +224,7 @@ def cmd_train(args) -> int:
 def cmd_estimate(args) -> int:
     from jaxpar import validate  # noqa: PLC0415
     from jaxpar.cost import estimate, format_estimate  # noqa: PLC0415
-    from models.config import parse_model  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     model = parse_model(args.model)
     strategy = strategy_from_args(args)
@@ -243,7 +243,7 @@ def cmd_estimate(args) -> int:
 
 def cmd_plan(args) -> int:
     from jaxpar import planner  # noqa: PLC0415
-    from models.config import parse_model  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
                                               args.seq, args.global_batch, args.top)
@@ -297,7 +297,7 @@ def analysis_config(args, model, strategies, **extra):
 
 
 def cmd_comm(args) -> int:
-    from models.config import parse_model  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     model = parse_model(args.model)
     strategy = strategy_from_args(args)
@@ -317,7 +317,7 @@ def cmd_comm(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from models.config import parse_model  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     if args.run_steps < 0:
         raise ConfigError(f"--run-steps must be >= 0, got {args.run_steps}")

@@ -144,7 +144,7 @@ def _iteration_policy(policy: str):
     named = jax.checkpoint_policies
     if policy == "none":
         return named.save_anything_except_these_names(WEIGHTS_NAME)
-    from models.lm import REMAT_POLICIES  # noqa: PLC0415
+    from jaxpar.models.lm import REMAT_POLICIES  # noqa: PLC0415
     return REMAT_POLICIES[policy]
 
 
@@ -176,8 +176,8 @@ def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strateg
 
     Computes exactly `model.apply_stack(x, positions)`; called by Trainer under `use_layout`.
     """
-    from models.lm import unit_step  # noqa: PLC0415
-    from models.transformer import RESIDUAL  # noqa: PLC0415
+    from jaxpar.models.lm import unit_step  # noqa: PLC0415
+    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
 
     sched = schedule_of(strategy, model.cfg.units)
     S, v, M, k, T = sched.stages, sched.repeats, sched.microbatches, sched.per_chunk, sched.iterations

@@ -21,7 +21,7 @@ from jaxpar.cost import estimate
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import AXES, Options, Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 
 def powers_of_two_up_to(n: int) -> list[int]:

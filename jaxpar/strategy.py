@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import pathlib
 import tomllib
 import types
@@ -22,7 +23,17 @@ from jaxpar.errors import ConfigError
 # Canonical order, outermost (slowest links) to innermost (fastest links).
 AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "expert", "tensor")
 
-MESH_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "mesh_configs"
+
+
+def _mesh_config_dir() -> pathlib.Path:
+    """The strategy catalogue: the top-level mesh_configs/ folder, installed as jaxpar.mesh_configs."""
+    spec = importlib.util.find_spec("jaxpar.mesh_configs")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("jaxpar.mesh_configs is not installed: reinstall jaxpar (pip install -e . in a checkout)")
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+MESH_CONFIG_DIR = _mesh_config_dir()
 
 
 @dataclasses.dataclass(frozen=True)

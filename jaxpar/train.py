@@ -25,8 +25,8 @@ from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig, RunConfig
-from models.lm import LM
+from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.lm import LM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 from jaxpar.errors import ConfigError
 from jaxpar.rules import DATA_AXES
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 
 def _divides(axis_desc: str, n: int, what: str, value: int) -> None:
@@ -65,7 +65,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
         _divides("tensor", tp, "kv_heads", model.kv_heads)
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
     if "M" in model.pattern:
-        from models.mamba import check_mamba  # noqa: PLC0415
+        from jaxpar.models.mamba import check_mamba  # noqa: PLC0415
         check_mamba(model, tensor=tp, context=cp, seq=seq, cp_layout=o.cp_layout)
     if o.sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.sharding import constrain
-from models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig, RunConfig
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None = None,

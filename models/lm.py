@@ -16,15 +16,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.sharding import constrain
-from models.config import ModelConfig, RunConfig
-from models.layers import RMSNorm, dtype_of, param
-from models.transformer import RESIDUAL, AttentionBlock
+from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.layers import RMSNorm, dtype_of, param
+from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 
 
 def block_class(kind: str):
     if kind == "A":
         return AttentionBlock
-    from models.mamba import MambaBlock  # noqa: PLC0415
+    from jaxpar.models.mamba import MambaBlock  # noqa: PLC0415
     return MambaBlock
 
 

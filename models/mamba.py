@@ -28,10 +28,10 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.ops import mamba_cp
 from jaxpar.sharding import constrain, current_layout
-from models.config import ModelConfig, RunConfig
-from models.layers import RMSNorm, dtype_of, param
-from models.ssd import causal_conv, ssd
-from models.transformer import RESIDUAL
+from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.layers import RMSNorm, dtype_of, param
+from jaxpar.ops.ssd import causal_conv, ssd
+from jaxpar.models.transformer import RESIDUAL
 
 HEADS = ("batch", "seq", "ssm_heads", None)
 GROUPS = ("batch", "seq", "ssm_groups", None)
@@ -61,7 +61,7 @@ def check_mamba(cfg: ModelConfig, tensor: int, context: int, seq: int, cp_layout
 
 
 def _param(x: jax.Array, names: tuple[str, ...]) -> nnx.Param:
-    """A parameter with a given initial value (as models.layers.param, for non-normal inits)."""
+    """A parameter with a given initial value (as jaxpar.models.layers.param, for non-normal inits)."""
     return nnx.Param(x.astype(jnp.float32), out_sharding=names, eager_sharding=False)
 
 

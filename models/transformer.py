@@ -13,8 +13,8 @@ from flax import nnx
 
 from jaxpar.ops.attention import attention
 from jaxpar.sharding import constrain
-from models.config import ModelConfig, RunConfig
-from models.layers import MLP, RMSNorm, dtype_of, param, rope
+from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.layers import MLP, RMSNorm, dtype_of, param, rope
 
 RESIDUAL = ("batch", "res_seq", "act_embed")
 

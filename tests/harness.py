@@ -13,7 +13,7 @@ import numpy as np
 from jaxpar.data import Synthetic
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer, gather
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 
 TC = TrainConfig(batch=16, seq=32, steps=10, lr=3e-3, warmup=3)
 STEPS = 10

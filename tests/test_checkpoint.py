@@ -11,7 +11,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import Trainer
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 from tests import harness
 
 MODEL = "llama-tiny"

@@ -26,7 +26,7 @@ import pytest
 
 from jaxpar import cli, comm, hlo, hlo_patterns
 from jaxpar.strategy import parse_strategy
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 from tests import harness
 
 MODEL = "llama-tiny"

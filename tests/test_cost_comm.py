@@ -3,7 +3,7 @@ import pytest
 
 from jaxpar.cost import comm, shape
 from jaxpar.strategy import parse_inline
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 TINY = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)
 LAYER = 36864 + 128                 # one attention block's params

@@ -7,7 +7,7 @@ import pytest
 from jaxpar.cost import MEGATRON, estimate, format_estimate, known_profiles, load_hardware
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import parse_inline
-from models.config import from_preset
+from jaxpar.models.config import from_preset
 
 
 def test_every_profile_loads():

@@ -2,7 +2,7 @@
 import pytest
 
 from jaxpar.cost import flops, params
-from models.config import ModelConfig, from_preset
+from jaxpar.models.config import ModelConfig, from_preset
 
 # d=64, 4 query heads and 2 kv heads of 16, SwiGLU 128, vocab 256, untied
 TINY = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)

@@ -5,7 +5,7 @@ import pytest
 
 from jaxpar.cost import memory
 from jaxpar.strategy import parse_inline
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 TINY = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)
 LOCAL = 2 * (36864 / 2 + 128) + (2 * 256 * 64) / 2 + 64   # tensor=2: split weights halve, norms stay

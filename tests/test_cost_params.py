@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.cost import params
-from models.config import parse_model
-from models.lm import LM
+from jaxpar.models.config import parse_model
+from jaxpar.models.lm import LM
 
 MODELS = ["llama-tiny", "llama-tiny:mlp_type=gelu,tie_embeddings=true", "mamba2-tiny", "hybrid-tiny:layers=8"]
 

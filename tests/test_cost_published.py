@@ -20,7 +20,7 @@ import pytest
 
 from jaxpar.cost import MEGATRON, estimate, load_hardware
 from jaxpar.strategy import parse_inline
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 TOLERANCE = 0.15
 REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared/reference/published_runs.toml"

@@ -5,7 +5,7 @@ import pytest
 
 from jaxpar.cost import comm, estimate, load_hardware, time
 from jaxpar.strategy import parse_inline
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 A100 = load_hardware("a100-80gb")
 

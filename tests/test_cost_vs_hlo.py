@@ -31,7 +31,7 @@ from jaxpar import hlo
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost.shape import step_shape
 from jaxpar.strategy import catalogue, parse_strategy
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 from tests import harness
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

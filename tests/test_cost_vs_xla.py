@@ -45,7 +45,7 @@ from jaxpar.cost import flops, memory
 from jaxpar.hlo_patterns import dot_flops
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 
 BATCH, SEQ = 16, 128  # global; seq 128 so that activations, not fixed buffers, dominate memory
 

@@ -8,7 +8,7 @@ from jaxpar.devices import simulate_cpu_devices, with_device_count
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 
 
 def raises_naming(message, fn, *args):

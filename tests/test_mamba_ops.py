@@ -18,9 +18,9 @@ from jaxpar.mesh import make_mesh
 from jaxpar.ops.context_parallel import token_permutation
 from jaxpar.sharding import Layout, param_shardings, use_layout
 from jaxpar.strategy import parse_inline
-from models.config import RunConfig, parse_model
-from models.lm import LM
-from models.mamba import MambaBlock, check_mamba
+from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.lm import LM
+from jaxpar.models.mamba import MambaBlock, check_mamba
 
 # 8 heads of 8 channels in 2 groups; 4 chunks of 4 tokens per sequence, 8 tokens per context shard
 CFG = parse_model("mamba2-tiny:d_model=32,ssm_head_dim=8,d_state=8,chunk=4")

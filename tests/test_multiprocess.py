@@ -24,7 +24,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
 from jaxpar.strategy import AXES, parse_strategy
 from jaxpar.train import TrainConfig, Trainer, gather, train
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 from tests.harness import leaves_with_paths
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

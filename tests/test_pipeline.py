@@ -21,8 +21,8 @@ from jaxpar.pipeline import check_pipeline, pipelined_stack, schedule_of, schedu
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import gather
-from models.config import RunConfig, parse_model
-from models.lm import LM
+from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.lm import LM
 from tests import harness
 
 LLAMA = "llama-tiny:layers=8"

@@ -3,7 +3,7 @@ from jaxpar.cost import estimate
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.planner import plan
 from jaxpar.strategy import parse_inline
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 
 
 def test_nothing_fits_when_adam_state_alone_exceeds_the_cluster():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.ssd import causal_conv, initial_state_output, ssd, ssd_reference
+from jaxpar.ops.ssd import causal_conv, initial_state_output, ssd, ssd_reference
 
 B, L, H, P, G, N = 2, 100, 4, 8, 2, 8
 

@@ -11,7 +11,7 @@ import numpy as np
 from jaxpar.data import Synthetic, TokenFile, local_batch
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer, train
-from models.config import parse_model
+from jaxpar.models.config import parse_model
 from tests import harness
 from tests.conftest import FAST_COMPILE
 

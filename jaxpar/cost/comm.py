@@ -46,7 +46,7 @@ from jaxpar.cost.params import (BLOCKS, attention_block_params, block_params, la
 from jaxpar.cost.shape import StepShape
 from jaxpar.hlo import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
 DATA_LIKE = ("data", "fsdp", "context", "expert")  # axes over which (non-expert) weights are replicated

@@ -13,7 +13,7 @@ from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost.params import mamba_dims, per_model
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 TRAIN_FACTOR = 3.0  # forward + backward (2x forward) for matmuls
 
@@ -95,7 +95,7 @@ def ssd_flops(m: ModelConfig, batch: float, seq: int) -> Flops:
       its application to x        2*T*Q*D       (masked by the decay matrix L)
       chunk states B^T x          2*T*N*D
       inter-chunk state passing   2*b*(c+1)^2*D*N  (the decay matmul of `ssd_minimal_discrete` over the
-                                  c chunk states and the initial state, models/ssd.py)
+                                  c chunk states and the initial state, jaxpar/ops/ssd.py)
       state-to-output C h         2*T*N*D
     Elementwise: decay segment sums and exp ~3*T*H*Q."""
     q = min(m.chunk, seq)

@@ -27,7 +27,7 @@ import dataclasses
 
 from jaxpar.cost.params import layer_counts, mamba_dims, per_model, zero_axes, zero_split
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
@@ -177,7 +177,7 @@ def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0) -
 
 @per_model
 def jax_mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
-    """One Mamba-2 block as jaxpar's JAX program keeps it (models/mamba.py, models/ssd.py), with
+    """One Mamba-2 block as jaxpar's JAX program keeps it (models/mamba.py, jaxpar/ops/ssd.py), with
     D = d_inner, H heads, G*N = ngroups*d_state, Q = chunk, K = d_conv, per token."""
     d, di, h, gn, q = m.d_model, m.d_inner, m.ssm_heads, m.ngroups * m.d_state, m.chunk
     d_in_proj, conv_dim, _ = mamba_dims(m)

@@ -36,7 +36,7 @@ from typing import Callable
 
 from jaxpar.rules import BASE_RULES, Rules, rules_for
 from jaxpar.strategy import Options, Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 ZERO_AXES = ("data", "fsdp")  # the mesh axes ZeRO shards model state over (rules_for: `embed`)
 BLOCKS = ("attention", "mamba", "embedding")

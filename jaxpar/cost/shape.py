@@ -14,7 +14,7 @@ import dataclasses
 
 from jaxpar.cost.params import layer_counts
 from jaxpar.strategy import Strategy
-from models.config import ModelConfig
+from jaxpar.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Two things cross shard boundaries, both of a size independent of the sequence le
 
   (a segment-sum with the mask inside the exponent, so unused terms are exp(-inf) = 0 and carry no
   inf/NaN gradients). SSD being linear in its initial state, the shard's output is then corrected
-  by C_t exp(sum_{k<=t} dt_k A) h0_i (`models.ssd.initial_state_output`).
+  by C_t exp(sum_{k<=t} dt_k A) h0_i (`jaxpar.ops.ssd.initial_state_output`).
 
 Token layouts (the strategy's `cp_layout`): contiguous gives shard i the i-th of n pieces; zigzag
 cuts the sequence into 2n pieces and gives shard i pieces i and 2n-1-i (first and second half of its
@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding import Layout, spec_for
-from models.ssd import causal_conv, initial_state_output, segsum, ssd
+from jaxpar.ops.ssd import causal_conv, initial_state_output, segsum, ssd
 
 HEADS = ("batch", "seq", "ssm_heads", None)
 GROUPS = ("batch", "seq", "ssm_groups", None)
@@ -117,7 +117,7 @@ def causal_conv_cp(inputs, layout: Layout):
 
 def ssd_cp(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, chunk: int,
            layout: Layout) -> jax.Array:
-    """`models.ssd.ssd` (outputs only) with the sequence sharded over the layout's `seq` axes."""
+    """`jaxpar.ops.ssd.ssd` (outputs only) with the sequence sharded over the layout's `seq` axes."""
     seq_axes = layout.axes("seq")
     n, m = layout.size("seq"), _segments(layout)
     order = _segment_order(n, m)
