@@ -12,17 +12,18 @@ $(STAMP): pyproject.toml
 	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
 	  [ -x $(PY) ] || $$PYTHON -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,plot]'
+	$(PY) -m pip install --quiet -e '.[test,plot,tensorboard]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) experiments/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	@start=$$(date +%s); $(PY) -m pytest -q; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s wall (goal: under 600 s on 2 cores)"; exit $$rc
 
 bench: $(STAMP)
-	$(PY) experiments/demo.py --meshes all --steps 20
+	$(PY) experiments/demo.py --model llama-tiny:layers=8 --meshes all --steps 20
 	@for f in experiments/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:

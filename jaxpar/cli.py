@@ -20,17 +20,17 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
 
 
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per field of jaxpar.strategy.Options (the one options schema), with its help and choices."""
+    from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415 (no JAX import)
     g = p.add_argument_group("strategy flags (override the mesh file's [options])")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (master weights stay float32)")
-    g.add_argument("--remat", help="none | full | dots | dots_no_batch")
-    g.add_argument("--zero", type=int, choices=[0, 1, 3], help="0 replicated DP, 1 sharded optimizer state, 3 FSDP")
-    g.add_argument("--sequence-parallel", action="store_true", default=None, help="shard norms/residuals' sequence over tensor")
-    g.add_argument("--attention", choices=["dense", "ring", "allgather"])
-    g.add_argument("--cp-layout", choices=["contiguous", "zigzag"])
-    g.add_argument("--microbatches", type=int, help="pipeline micro-batches")
-    g.add_argument("--pp-schedule", choices=["gpipe", "circular"])
-    g.add_argument("--pp-repeats", type=int, help="circular schedule: layer chunks per stage (v)")
-    g.add_argument("--grad-accum", type=int, help="gradient-accumulation steps per optimizer step")
+    for f in OPTION_FIELDS:
+        flag, choices, help_ = "--" + f.name.replace("_", "-"), f.metadata["choices"], f.metadata["help"]
+        if isinstance(f.default, bool):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif f.name == "zero" or isinstance(f.default, int):
+            g.add_argument(flag, type=int, choices=choices, metavar=None if choices else "N", help=help_)
+        else:
+            g.add_argument(flag, choices=choices, help=help_)
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
@@ -46,14 +46,10 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                    help="a process silent this long is declared dead and the others stop (default 30)")
 
 
-STRATEGY_FLAGS = ("dtype", "remat", "zero", "sequence_parallel", "attention", "cp_layout", "microbatches",
-                  "pp_schedule", "pp_repeats", "grad_accum")
-
-
 def strategy_from_args(args, spec: str | None = None):
-    from jaxpar.strategy import parse_strategy  # noqa: PLC0415
+    from jaxpar.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
     strategy = parse_strategy(spec or args.mesh)
-    return strategy.with_options(**{k: getattr(args, k, None) for k in STRATEGY_FLAGS})
+    return strategy.with_options(**{f.name: getattr(args, f.name, None) for f in OPTION_FIELDS})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=10, help="learning-rate warmup steps")
     t.add_argument("--data", default="synthetic", help="'synthetic' or a .bin file of uint16/uint32 token ids")
     t.add_argument("--metrics", help="write one JSON object per step to this .jsonl file")
+    t.add_argument("--tensorboard", metavar="DIR", help="write the per-step scalars (loss, grad norm, step time, "
+                   "tokens/s, model FLOP/s, MFU) as TensorBoard event files to DIR")
+    t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU metric")
     t.add_argument("--profile", help="write a jax.profiler trace of steps 2-4 to this directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--ckpt-dir", help="checkpoint directory (orbax; asynchronous saves)")
@@ -100,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json")
 
     analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
-                     "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/comm.py)")
+                     "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/analysis/comm.py)")
     c = sub.add_parser("comm", help="compile one training step and tally its collectives, FLOPs and memory",
                        description=analysis_note)
     add_model_mesh(c)
@@ -148,6 +147,7 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from jaxpar import distributed  # noqa: PLC0415
     from jaxpar.data import make_source  # noqa: PLC0415
+    from jaxpar.metrics import Sinks  # noqa: PLC0415
     from jaxpar.train import Preempted, TrainConfig, Trainer, train  # noqa: PLC0415
     from jaxpar.models.config import parse_model  # noqa: PLC0415
     import jax  # noqa: PLC0415
@@ -159,6 +159,11 @@ def cmd_train(args) -> int:
     trainer = Trainer(model, strategy, tc)
     source = make_source(args.data, model.vocab, args.seed)
     main = distributed.is_main()
+    sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
+    peak_flops = None
+    if args.hardware:
+        from jaxpar.cost.hardware import load_hardware  # noqa: PLC0415
+        peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size
     ckpt = state = None
     start = 0
     if args.resume and not args.ckpt_dir:
@@ -172,12 +177,10 @@ def cmd_train(args) -> int:
                 print(message)
     if main:
         print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
-        print(f"strategy {trainer.strategy.describe()} zero={trainer.strategy.zero} "
-              f"options={trainer.strategy.options}")
+        print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
         if trainer.strategy.size("pipeline") > 1:
-            from jaxpar.pipeline import schedule_summary  # noqa: PLC0415
+            from jaxpar.schedule import schedule_summary  # noqa: PLC0415
             print(schedule_summary(trainer.strategy, model.units))
-    metrics_file = open(args.metrics, "w") if args.metrics and main else None
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm  # noqa: PLC0415
@@ -190,9 +193,9 @@ def cmd_train(args) -> int:
             jax.profiler.start_trace(args.profile)
         if args.profile and step == 4:
             jax.profiler.stop_trace()
-        if metrics_file:
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
+        if peak_flops:
+            m["mfu"] = m["model_flops_per_s"] / peak_flops
+        sinks.write(m)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
@@ -213,8 +216,7 @@ def cmd_train(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-        if metrics_file:
-            metrics_file.close()
+        sinks.close()
     if main and last:
         print(f"final loss {last['loss']:.4f}  step {last['step_time_s'] * 1e3:.1f} ms  "
               f"{last['tokens_per_s']:.0f} tokens/s")
@@ -258,7 +260,7 @@ def analysis_devices(args, strategies) -> int:
     """Devices to simulate for compile-only analysis: --devices, or the biggest mesh's device count
     capped at what XLA:CPU compiles (bigger meshes are analysed at reduced data parallelism). In a
     process whose JAX backend already started (a notebook, the tests) its devices are used."""
-    from jaxpar.comm import DEVICE_LIMIT  # noqa: PLC0415
+    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
     from jaxpar.devices import backend_started, simulate_cpu_devices  # noqa: PLC0415
 
     if getattr(args, "multi_process", False):  # every process's devices, compiled in each process
@@ -305,11 +307,12 @@ def cmd_comm(args) -> int:
     tc = analysis_config(args, model, [strategy])
     import jax  # noqa: PLC0415
 
-    from jaxpar import comm, comm_report  # noqa: PLC0415
+    from jaxpar.analysis import comm  # noqa: PLC0415
+    from jaxpar.analysis.report import format_table  # noqa: PLC0415
     report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
     if jax.process_index():
         return 0
-    print(comm_report.format_table(report))
+    print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -327,14 +330,15 @@ def cmd_compare(args) -> int:
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
     import jax  # noqa: PLC0415
 
-    from jaxpar import comm, comm_report  # noqa: PLC0415
+    from jaxpar.analysis import comm  # noqa: PLC0415
+    from jaxpar.analysis.report import compare, plot  # noqa: PLC0415
     reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
-    print(comm_report.compare(reports))
+    print(compare(reports))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model.name, "reports": reports}, f, indent=1)
     if args.plot:
-        comm_report.plot(reports, args.plot)
+        plot(reports, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 

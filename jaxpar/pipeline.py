@@ -44,97 +44,17 @@ Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019; circular/interleaved:
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.errors import ConfigError
+from jaxpar.schedule import schedule_of
 from jaxpar.sharding import Layout, constrain, spec_for
 from jaxpar.strategy import Strategy
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight gather
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The shape of a pipeline schedule."""
-    kind: str            # gpipe | circular
-    stages: int          # S, the pipeline axis size
-    repeats: int         # v, chunks per stage (1 for GPipe)
-    microbatches: int    # M
-    units: int           # U, stacked layer units of the model
-
-    @property
-    def per_chunk(self) -> int:
-        """k: units each stage applies per visit."""
-        return self.units // (self.stages * self.repeats)
-
-    @property
-    def iterations(self) -> int:
-        """T = v*M + S - 1."""
-        return self.repeats * self.microbatches + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        """Idle fraction of every stage: (S-1) / (v*M + S-1)."""
-        return (self.stages - 1) / self.iterations
-
-
-def schedule_of(strategy: Strategy, units: int) -> Schedule:
-    o = strategy.options
-    repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
-    return Schedule(o.pp_schedule, strategy.size("pipeline"), repeats, o.microbatches, units)
-
-
-def schedule_summary(strategy: Strategy, units: int) -> str:
-    """One line for `jaxpar train`: schedule, iteration count and bubble fraction."""
-    s = schedule_of(strategy, units)
-    if s.stages == 1:
-        return "pipeline: none (pipeline=1)"
-    chunks = f"{s.stages} stages x {s.repeats} repeats" if s.kind == "circular" else f"{s.stages} stages"
-    return (f"pipeline: {s.kind}, {chunks} x {s.per_chunk} unit(s) per chunk, {s.microbatches} micro-batches: "
-            f"{s.iterations} iterations, bubble (S-1)/(v*M+S-1) = {s.stages - 1}/{s.iterations} = {s.bubble:.1%}")
-
-
-def check_pipeline(model, strategy: Strategy, batch: int) -> None:
-    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved).
-
-    The batch's divisibility by data-parallel size x micro-batches is checked with the other batch
-    constraints in jaxpar.validate. The circular schedule needs M >= S: stage 0 wants micro-batch m
-    for its next repeat M iterations after it took it for this one, and the micro-batch needs S
-    iterations to come back through the S stages. M % S == 0 is not needed here (MaxText needs it
-    because it spreads the inputs over the stages; here they stay with the embedding output).
-    """
-    del batch
-    o = strategy.options
-    pp = strategy.size("pipeline")
-    if pp == 1:
-        if o.microbatches > 1:
-            raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
-                              "for gradient accumulation without a pipeline)")
-        return
-    if o.pp_repeats > 1 and o.pp_schedule != "circular":
-        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular (gpipe runs one chunk per stage)")
-    if strategy.size("context") > 1:
-        raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet: the "
-                          "context-parallel shard_map kernels fail check_vma inside the pipeline's vmap over stages")
-    units = model.units
-    if units < pp:
-        raise ConfigError(f"pipeline={pp} needs at least {pp} stacked layer units, the model has {units} "
-                          f"(layers={model.layers}, pattern={model.pattern!r})")
-    sched = schedule_of(strategy, units)
-    stages = sched.stages * sched.repeats
-    if units % stages:
-        raise ConfigError(f"pipeline={pp} x repeats={sched.repeats} = {stages} stages do not divide "
-                          f"the model's {units} layer units (layers={model.layers}, pattern={model.pattern!r})")
-    if sched.kind == "circular" and sched.repeats > 1 and o.microbatches < pp:
-        raise ConfigError(f"the circular schedule needs microbatches >= pipeline: microbatches={o.microbatches} "
-                          f"< pipeline={pp} (a micro-batch must leave the last stage before stage 0 "
-                          "needs it for the next repeat)")
 
 
 # ---- the schedule ------------------------------------------------------------------------------

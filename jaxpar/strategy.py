@@ -4,7 +4,7 @@
     mesh_configs/dp2-fsdp2-tp2.toml             a file with [mesh] sizes and [options]
     dp2-fsdp2-tp2                               the same, by name (looked up in mesh_configs/)
 
-The options are the variants of a strategy (DESIGN.md): they change *how* the same mesh is used,
+The options are the variants of a strategy (docs/design.md, "Options: one schema"): they change *how* the same mesh is used,
 never which code path a model takes. Command-line STRATEGY FLAGS override a file's [options].
 """
 from __future__ import annotations
@@ -36,28 +36,40 @@ def _mesh_config_dir() -> pathlib.Path:
 MESH_CONFIG_DIR = _mesh_config_dir()
 
 
+def _option(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    zero: int | None = None           # 0 | 1 | 3; None = 3 if the fsdp axis is > 1, else 0
-    sequence_parallel: bool = False   # shard the residual stream's sequence dim over `tensor`
-    remat: str = "none"               # none | full | dots | dots_no_batch
-    dtype: str = "float32"            # compute dtype; master weights stay float32
-    attention: str = "dense"          # dense | ring | allgather
-    cp_layout: str = "contiguous"     # contiguous | zigzag
-    microbatches: int = 1             # pipeline micro-batches (pipeline > 1)
-    pp_schedule: str = "gpipe"        # gpipe | circular
-    pp_repeats: int = 1               # circular schedule: layer chunks per stage (v)
-    grad_accum: int = 1               # gradient-accumulation steps per optimizer step
+    """The one schema of strategy options: a mesh file's [options] table, the command line's strategy
+    flags (generated from these fields: jaxpar/cli.py), and what the run reads. To add an option, add a
+    field here and use it."""
+    zero: int | None = _option(None, "0 replicated data parallelism, 1 sharded optimizer state, 3 FSDP "
+                                     "(default: 3 if the mesh has fsdp > 1, else 0)", (0, 1, 3))
+    sequence_parallel: bool = _option(False, "shard the residual stream's sequence (norms, residuals) over tensor")
+    remat: str = _option("none", "rematerialise activations in the backward pass",
+                         ("none", "full", "dots", "dots_no_batch"))
+    dtype: str = _option("float32", "compute dtype (master weights stay float32)", ("float32", "bfloat16"))
+    attention: str = _option("dense", "attention kernel: ring and allgather shard the sequence over context",
+                             ("dense", "ring", "allgather"))
+    cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
+                             ("contiguous", "zigzag"))
+    microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")
+    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular"))
+    pp_repeats: int = _option(1, "circular schedule: layer chunks per stage (v)")
+    grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step")
 
 
-CHOICES: dict[str, tuple] = {
-    "zero": (None, 0, 1, 3),
-    "remat": ("none", "full", "dots", "dots_no_batch"),
-    "dtype": ("float32", "bfloat16"),
-    "attention": ("dense", "ring", "allgather"),
-    "cp_layout": ("contiguous", "zigzag"),
-    "pp_schedule": ("gpipe", "circular"),
-}
+OPTION_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(Options)
+CHOICES: dict[str, tuple] = {f.name: f.metadata["choices"] for f in OPTION_FIELDS if f.metadata["choices"]}
+
+
+def toml_value(value: Any) -> str:
+    """A value as a TOML file writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +135,19 @@ class Strategy:
         axes = " x ".join(f"{a}={s}" for a, s in self.mesh if s != 1) or "1 device"
         return f"{self.name} [{axes}]"
 
+    def describe_options(self) -> str:
+        """The options in force, in a mesh file's words: every option set to other than its default
+        (by the file or a flag), and the ZeRO stage as resolved from the mesh."""
+        items = [f"zero = {self.zero}"]
+        for f in OPTION_FIELDS:
+            value = getattr(self.options, f.name)
+            if f.name != "zero" and value != f.default:
+                items.append(f"{f.name} = {toml_value(value)}")
+        return ", ".join(items)
+
 
 def make_options(raw: dict[str, Any], where: str) -> Options:
-    known = {f.name: f for f in dataclasses.fields(Options)}
+    known = {f.name: f for f in OPTION_FIELDS}
     out: dict[str, Any] = {}
     for key, value in raw.items():
         key = key.replace("-", "_")
@@ -141,8 +163,8 @@ def make_options(raw: dict[str, Any], where: str) -> Options:
             value = _as_int(key, value, where)
             if value < 1:
                 raise ConfigError(f"{where}: option {key}={value} must be >= 1")
-        if key in CHOICES and value not in CHOICES[key]:
-            allowed = " | ".join(str(c) for c in CHOICES[key] if c is not None)
+        if key in CHOICES and value is not None and value not in CHOICES[key]:
+            allowed = " | ".join(str(c) for c in CHOICES[key])
             raise ConfigError(f"{where}: option {key}={value!r} is not one of {allowed}")
         out[key] = value
     return Options(**out)

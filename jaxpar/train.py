@@ -58,15 +58,17 @@ class TrainState(NamedTuple):
 
 
 def run_config(strategy: Strategy) -> RunConfig:
+    """How the model executes under `strategy`: the one place strategy options reach the model."""
     o = strategy.options
-    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention)
+    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention,
+                     ssm="context" if strategy.size("context") > 1 else "chunked")
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
     """The token layout along the sequence (zigzag for load-balanced causal context parallelism)."""
     if strategy.size("context") == 1 or strategy.options.cp_layout == "contiguous":
         return None
-    from jaxpar.ops.context_parallel import token_permutation  # noqa: PLC0415
+    from jaxpar.ops.attention import token_permutation  # noqa: PLC0415
     return token_permutation(seq, strategy.size("context"), strategy.options.cp_layout)
 
 

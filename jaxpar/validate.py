@@ -1,18 +1,25 @@
 """Every constraint between a model, a strategy and a batch, checked in one place before compiling.
 
 Each failure raises ConfigError with a message naming the constraint and the values, e.g.
-"tensor=4 does not divide kv_heads=2".
+"tensor=4 does not divide kv_heads=2". `check` runs them all; the kernels call the pieces they rely
+on (`check_token_layout`), never the reverse. Constraints internal to one config live with it:
+`ModelConfig.validate` (model fields) and `jaxpar.strategy.make_options` (option types and choices).
+This module imports no model or kernel code (see docs/design.md, "Layers").
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.rules import DATA_AXES
-from jaxpar.strategy import Strategy
-from jaxpar.models.config import ModelConfig
+from jaxpar.schedule import schedule_of
+from jaxpar.strategy import CHOICES, Strategy
+
+if TYPE_CHECKING:
+    from jaxpar.models.config import ModelConfig
 
 
 def _divides(axis_desc: str, n: int, what: str, value: int) -> None:
@@ -65,7 +72,6 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
         _divides("tensor", tp, "kv_heads", model.kv_heads)
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
     if "M" in model.pattern:
-        from jaxpar.models.mamba import check_mamba  # noqa: PLC0415
         check_mamba(model, tensor=tp, context=cp, seq=seq, cp_layout=o.cp_layout)
     if o.sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")
@@ -74,15 +80,110 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
 
     # --- context parallelism ------------------------------------------------------------------
     if "A" in model.pattern and (cp > 1 or o.attention != "dense"):
-        from jaxpar.ops.context_parallel import check_context_parallel  # noqa: PLC0415
         check_context_parallel(seq, cp, o.cp_layout, o.attention, model.heads, model.kv_heads, tp)
     elif cp > 1:
         _divides("context", cp, "seq", seq)
 
     # --- pipeline -----------------------------------------------------------------------------
-    from jaxpar.pipeline import check_pipeline  # noqa: PLC0415
-    check_pipeline(model, strategy, batch)
+    check_pipeline(model, strategy)
 
+
+# ---- context parallelism -------------------------------------------------------------------------
+
+def check_token_layout(seq_len: int, context: int, layout: str) -> None:
+    """A token layout along a sequence split over `context` shards (jaxpar.ops.attention)."""
+    if layout not in CHOICES["cp_layout"]:
+        raise ConfigError(f"cp_layout={layout!r} is not one of {' | '.join(CHOICES['cp_layout'])}")
+    if context < 1:
+        raise ConfigError(f"context={context} must be >= 1")
+    if layout == "zigzag" and seq_len % (2 * context):
+        raise ConfigError(f"cp_layout=zigzag needs seq divisible by 2 x context: "
+                          f"seq={seq_len}, context={context} (2 x context = {2 * context})")
+    if layout == "contiguous" and seq_len % context:
+        raise ConfigError(f"context={context} does not divide seq={seq_len} (cp_layout=contiguous)")
+
+
+def check_context_parallel(seq_len: int, context: int, layout: str, attention: str,
+                           heads: int, kv_heads: int, tensor: int) -> None:
+    """Attention over a sequence sharded on `context` (jaxpar.ops.attention)."""
+    if attention not in CHOICES["attention"]:
+        raise ConfigError(f"attention={attention!r} is not one of {' | '.join(CHOICES['attention'])}")
+    if attention == "dense" and context > 1:
+        raise ConfigError(f"attention=dense cannot shard the sequence: context={context}; "
+                          "use --attention ring or allgather")
+    check_token_layout(seq_len, context, layout)
+    if heads % kv_heads:
+        raise ConfigError(f"kv_heads={kv_heads} does not divide heads={heads} (GQA groups)")
+    if heads % tensor:
+        raise ConfigError(f"tensor={tensor} does not divide heads={heads}")
+    if kv_heads % tensor:
+        raise ConfigError(f"tensor={tensor} does not divide kv_heads={kv_heads}")
+
+
+# ---- Mamba-2 ---------------------------------------------------------------------------------------
+
+def check_mamba(cfg: ModelConfig, tensor: int, context: int, seq: int, cp_layout: str = "contiguous") -> None:
+    """Constraints between a Mamba-2 model and a strategy (jaxpar/models/mamba.py, jaxpar/ops/mamba_cp.py).
+
+    Heads and groups are sharded together over `tensor`; under context parallelism each shard
+    holds 1 (contiguous) or 2 (zigzag) pieces of the sequence, and a piece must be at least as
+    long as the conv halo (d_conv - 1 tokens), which comes from one neighbouring piece.
+    """
+    if tensor > 1 and cfg.ssm_heads % tensor:
+        raise ConfigError(f"tensor={tensor} does not divide ssm heads={cfg.ssm_heads} "
+                          f"(expand*d_model/ssm_head_dim = {cfg.d_inner}/{cfg.ssm_head_dim})")
+    if tensor > 1 and cfg.ngroups % tensor:
+        raise ConfigError(f"tensor={tensor} does not divide ngroups={cfg.ngroups} "
+                          "(B/C groups are sharded with their heads)")
+    if context > 1:
+        pieces = context * (2 if cp_layout == "zigzag" else 1)
+        desc = f"context={context}" if pieces == context else f"2 x context={pieces} (zigzag)"
+        if seq % pieces:
+            raise ConfigError(f"{desc} does not divide seq={seq}")
+        if seq // pieces < cfg.d_conv - 1:
+            raise ConfigError(f"seq={seq} split into {pieces} pieces ({desc}) gives {seq // pieces} tokens "
+                              f"per piece, fewer than the conv halo d_conv-1 = {cfg.d_conv - 1}")
+
+
+# ---- pipeline ------------------------------------------------------------------------------------
+
+def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
+    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved).
+
+    The batch's divisibility by data-parallel size x micro-batches is checked with the other batch
+    constraints in `check`. The circular schedule needs M >= S: stage 0 wants micro-batch m
+    for its next repeat M iterations after it took it for this one, and the micro-batch needs S
+    iterations to come back through the S stages. M % S == 0 is not needed here (MaxText needs it
+    because it spreads the inputs over the stages; here they stay with the embedding output).
+    """
+    o = strategy.options
+    pp = strategy.size("pipeline")
+    if pp == 1:
+        if o.microbatches > 1:
+            raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
+                              "for gradient accumulation without a pipeline)")
+        return
+    if o.pp_repeats > 1 and o.pp_schedule != "circular":
+        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular (gpipe runs one chunk per stage)")
+    if strategy.size("context") > 1:
+        raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet: the "
+                          "context-parallel shard_map kernels fail check_vma inside the pipeline's vmap over stages")
+    units = model.units
+    if units < pp:
+        raise ConfigError(f"pipeline={pp} needs at least {pp} stacked layer units, the model has {units} "
+                          f"(layers={model.layers}, pattern={model.pattern!r})")
+    sched = schedule_of(strategy, units)
+    stages = sched.stages * sched.repeats
+    if units % stages:
+        raise ConfigError(f"pipeline={pp} x repeats={sched.repeats} = {stages} stages do not divide "
+                          f"the model's {units} layer units (layers={model.layers}, pattern={model.pattern!r})")
+    if sched.kind == "circular" and sched.repeats > 1 and o.microbatches < pp:
+        raise ConfigError(f"the circular schedule needs microbatches >= pipeline: microbatches={o.microbatches} "
+                          f"< pipeline={pp} (a micro-batch must leave the last stage before stage 0 "
+                          "needs it for the next repeat)")
+
+
+# ---- hosts ---------------------------------------------------------------------------------------
 
 def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
     """Tensor-parallel groups stay inside one host unless `[mesh.dcn] tensor` asks otherwise.

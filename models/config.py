@@ -197,4 +197,6 @@ class RunConfig:
     """How a model executes (set by the strategy's options; never changes the maths)."""
     dtype: str = "float32"        # compute dtype; parameters stay float32
     remat: str = "none"           # none | full | dots | dots_no_batch
-    attention: str = "dense"      # dense | ring | allgather
+    attention: str = "dense"      # dense | ring | allgather (jaxpar/ops/attention.py)
+    ssm: str = "chunked"          # Mamba-2 SSD and conv: chunked | context (sequence split over the
+                                  # context axis: jaxpar/ops/mamba_cp.py)

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.errors import ConfigError
 from jaxpar.ops import mamba_cp
 from jaxpar.sharding import constrain, current_layout
 from jaxpar.models.config import ModelConfig, RunConfig
@@ -35,29 +34,6 @@ from jaxpar.models.transformer import RESIDUAL
 
 HEADS = ("batch", "seq", "ssm_heads", None)
 GROUPS = ("batch", "seq", "ssm_groups", None)
-
-
-def check_mamba(cfg: ModelConfig, tensor: int, context: int, seq: int, cp_layout: str = "contiguous") -> None:
-    """Constraints between a Mamba-2 model and a strategy (called from jaxpar.validate.check).
-
-    Heads and groups are sharded together over `tensor`; under context parallelism each shard
-    holds 1 (contiguous) or 2 (zigzag) pieces of the sequence, and a piece must be at least as
-    long as the conv halo (d_conv - 1 tokens), which comes from one neighbouring piece.
-    """
-    if tensor > 1 and cfg.ssm_heads % tensor:
-        raise ConfigError(f"tensor={tensor} does not divide ssm heads={cfg.ssm_heads} "
-                          f"(expand*d_model/ssm_head_dim = {cfg.d_inner}/{cfg.ssm_head_dim})")
-    if tensor > 1 and cfg.ngroups % tensor:
-        raise ConfigError(f"tensor={tensor} does not divide ngroups={cfg.ngroups} "
-                          "(B/C groups are sharded with their heads)")
-    if context > 1:
-        pieces = context * (2 if cp_layout == "zigzag" else 1)
-        desc = f"context={context}" if pieces == context else f"2 x context={pieces} (zigzag)"
-        if seq % pieces:
-            raise ConfigError(f"{desc} does not divide seq={seq}")
-        if seq // pieces < cfg.d_conv - 1:
-            raise ConfigError(f"seq={seq} split into {pieces} pieces ({desc}) gives {seq // pieces} tokens "
-                              f"per piece, fewer than the conv halo d_conv-1 = {cfg.d_conv - 1}")
 
 
 def _param(x: jax.Array, names: tuple[str, ...]) -> nnx.Param:
@@ -100,7 +76,7 @@ class MambaBlock(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         del positions  # the recurrence follows the token layout (see jaxpar.ops.mamba_cp)
         cfg, dt_ = self.cfg, dtype_of(self.run)
-        layout = current_layout()
+        layout = current_layout() if self.run.ssm == "context" else None
         cp = mamba_cp.context_size(layout) > 1
 
         h = constrain(self.norm(x), ("batch", "seq", "act_embed"))

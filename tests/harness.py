@@ -38,7 +38,7 @@ def compiled_step(model: str, mesh: str, devices: int = 8, **options):
 
 @functools.cache
 def _compiled_step(tr: Trainer):
-    from jaxpar import comm  # noqa: PLC0415
+    from jaxpar.analysis import comm  # noqa: PLC0415
     return tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)
 
 

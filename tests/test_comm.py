@@ -3,7 +3,7 @@
 Every expected number is computed here from the llama-tiny config (never copied from a tally).
 What XLA:CPU emits differs from the textbook picture in three ways, stated where they matter:
   * no reduce-scatters: the SPMD partitioner's reduce-scatter stays an all-reduce whose result is
-    dynamic-sliced to 1/n (XLA:CPU runs no ReduceScatterCreator pass). `hlo_patterns.scatter_like_all_reduces`
+    dynamic-sliced to 1/n (XLA:CPU runs no ReduceScatterCreator pass). `patterns.scatter_like_all_reduces`
     finds them; the tests check that the reduce-scatters of the textbook are exactly those;
   * no all-reduce reassociation: AR(x) + AR(y) stays two all-reduces (XLA:CPU runs no
     AllReduceReassociate), so under TP the input gradients of q, k, v (and of gate, up) are
@@ -24,7 +24,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, comm, hlo, hlo_patterns
+from jaxpar import cli, collectives
+from jaxpar.analysis import comm, patterns
 from jaxpar.strategy import parse_strategy
 from jaxpar.models.config import parse_model
 from tests import harness
@@ -70,12 +71,12 @@ def report(mesh: str, model: str = MODEL, **options) -> dict:
     return comm.analyze(harness.trainer(model, mesh, **options))
 
 
-def total(rep: dict, kind: str, axes: tuple[str, ...], phases=hlo.PHASES, field="bytes") -> float:
+def total(rep: dict, kind: str, axes: tuple[str, ...], phases=collectives.PHASES, field="bytes") -> float:
     return sum(c[field] for c in rep["collectives"]
                if c["kind"] == kind and tuple(c["axes"]) == axes and c["phase"] in phases)
 
 
-def count(rep: dict, kind: str, axes: tuple[str, ...], phases=hlo.PHASES) -> int:
+def count(rep: dict, kind: str, axes: tuple[str, ...], phases=collectives.PHASES) -> int:
     return total(rep, kind, axes, phases, "count")
 
 
@@ -83,11 +84,11 @@ def kinds_and_axes(rep: dict) -> set[tuple[str, tuple[str, ...]]]:
     return {(c["kind"], tuple(c["axes"])) for c in rep["collectives"]}
 
 
-def scatter_like(mesh: str, model: str = MODEL, **options) -> list[hlo.Collective]:
+def scatter_like(mesh: str, model: str = MODEL, **options) -> list[collectives.Collective]:
     tr = harness.trainer(model, mesh, **options)
     compiled = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)  # cached: report() compiled it
     ids = np.arange(tr.mesh.size).reshape(tuple(tr.mesh.shape.values()))
-    return hlo_patterns.scatter_like_all_reduces(compiled.as_text(), tr.mesh.axis_names, ids)
+    return patterns.scatter_like_all_reduces(compiled.as_text(), tr.mesh.axis_names, ids)
 
 
 # ---- data parallelism ------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def test_layers_enter_only_through_the_trip_count():
     for layers, text in zip((2, 4), texts):
         weights = layers * (per_layer(CFG) - 2 * D) + D * V  # matmul weights (no norms, no lookup)
         attention = layers * 2 * 2 * (B // 2) * S * S * CFG.heads * CFG.head_dim
-        assert hlo_patterns.dot_flops(text)[0] == 3 * (2 * tokens * weights + attention) // 4
+        assert patterns.dot_flops(text)[0] == 3 * (2 * tokens * weights + attention) // 4
     assert four["flops_per_device"] > 1.7 * two["flops_per_device"]
 
 
@@ -296,7 +297,7 @@ def test_reduce_strategy_shrinks_data_then_fsdp():
 
 
 def test_rescale_keeps_buffers_and_recomputes_wire_bytes():
-    C = hlo.Collective
+    C = collectives.Collective
     compiled = [C("all-reduce", ("data",), 3, 300, 0.0, "backward"),
                 C("all-gather", ("fsdp",), 2, 800, 0.0, "forward"),
                 C("all-reduce", ("tensor",), 1, 64, 96.0, "forward"),

@@ -15,7 +15,8 @@ import pytest
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
 from jaxpar.ops.attention import dense_attention
-from jaxpar.ops.context_parallel import check_context_parallel, context_attention, token_permutation
+from jaxpar.ops.attention import context_attention, token_permutation
+from jaxpar.validate import check_context_parallel
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.strategy import parse_inline
 

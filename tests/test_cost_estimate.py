@@ -1,4 +1,4 @@
-"""The estimate contract (DESIGN.md), hardware profiles, and the human view."""
+"""The estimate contract (docs/design.md), hardware profiles, and the human view."""
 import json
 import pathlib
 

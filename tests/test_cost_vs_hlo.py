@@ -3,7 +3,7 @@
 For every strategy of the catalogue that resolves on 8 devices (the h100x16-*, h100x64-* and tpu-*
 layouts need 128 or more and are analysed with `jaxpar comm --abstract` instead), on llama-tiny
 (pipelines: llama-tiny:layers=8, as tests/test_strategies.py), and for the Mamba-2 and hybrid models
-under the strategies of tests/test_mamba_model.py, the prediction for `comm.CPU` is compared with
+under the strategies of tests/test_mamba_model.py, the prediction for `jaxpar.cost.compiler.CPU` is compared with
 the collectives of the compiled step (the same executable tests/test_comm.py tallies: compiled once
 per session, tests/harness.py) per (kind, mesh axes): counts exactly, bytes within 1%.
 
@@ -17,7 +17,7 @@ Normalisation, the whole of it:
   * a sub-axis ('pipeline:(1)2': which factor of an axis an all-to-all decomposition uses) is
     compared as its axis.
 Everything else, every tensor-sized collective, must match. The per-op walk is checked against
-`jaxpar.hlo.tally` first, so the comparison is with the tally, not with a second reading of the HLO.
+`jaxpar.analysis.tally.tally` first, so the comparison is with the tally, not with a second reading of the HLO.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import hlo
+from jaxpar.analysis import tally
 from jaxpar.cost import comm as cost_comm
+from jaxpar.cost.compiler import CPU, GPU
 from jaxpar.cost.shape import step_shape
 from jaxpar.strategy import catalogue, parse_strategy
 from jaxpar.models.config import parse_model
@@ -100,11 +101,11 @@ def _base(axes: tuple[str, ...]) -> tuple[str, ...]:
 
 def compiled_collectives(text: str, mesh) -> dict[tuple[str, tuple[str, ...]], list[int]]:
     """(kind, axes) -> [count, bytes] of the compiled module, normalised as the module docstring says.
-    Checks on the way that the raw per-op sums are `hlo.tally`'s."""
+    Checks on the way that the raw per-op sums are `tally.tally`'s."""
     ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
     raw: dict[tuple, list[int]] = {}
     out: dict[tuple, list[int]] = {}
-    for op in hlo.collective_ops(text, mesh.axis_names, ids):
+    for op in tally.collective_ops(text, mesh.axis_names, ids):
         acc = raw.setdefault((op.kind, op.axes), [0, 0])
         acc[0], acc[1] = acc[0] + op.times, acc[1] + op.times * op.bytes
         if op.bytes - op.scalar_bytes <= 0:
@@ -112,7 +113,7 @@ def compiled_collectives(text: str, mesh) -> dict[tuple[str, tuple[str, ...]], l
         acc = out.setdefault((op.kind, _base(op.axes)), [0, 0])
         acc[0], acc[1] = acc[0] + op.times, acc[1] + op.times * (op.bytes - op.scalar_bytes)
     tallied: dict[tuple, list[int]] = {}
-    for c in hlo.tally(text, mesh.axis_names, ids):
+    for c in tally.tally(text, mesh.axis_names, ids):
         acc = tallied.setdefault((c.kind, c.axes), [0, 0])
         acc[0], acc[1] = acc[0] + c.count, acc[1] + c.bytes
     assert raw == tallied
@@ -123,7 +124,7 @@ def predicted_collectives(model: str, strategy) -> dict[tuple[str, tuple[str, ..
     """(kind, axes) -> [count, bytes] of jaxpar.cost.comm's prediction for XLA:CPU, phases summed."""
     m, tc = parse_model(model), harness.TC
     out: dict[tuple, list[float]] = {}
-    for c in cost_comm.collectives(m, strategy, step_shape(m, strategy, tc.batch, tc.seq), compiler=cost_comm.CPU):
+    for c in cost_comm.collectives(m, strategy, step_shape(m, strategy, tc.batch, tc.seq), compiler=CPU):
         acc = out.setdefault((c.kind, c.axes), [0, 0])
         acc[0], acc[1] = acc[0] + c.count, acc[1] + c.bytes
     return out
@@ -175,5 +176,5 @@ def test_compilers_differ_only_where_stated():
     cpu = {(c.kind, c.axes, c.phase): c for c in cost_comm.collectives(m, st, sh, compiler="cpu")}
     assert ("reduce-scatter", ("tensor",), "forward") in gpu
     assert not any(k[0] == "reduce-scatter" for k in cpu)
-    assert dataclasses.replace(cost_comm.CPU, name="gpu", reduce_scatter=True, reassociate=True, combine=False,
-                               hoist=True, fold=True, promote_bf16=False) == cost_comm.GPU
+    assert dataclasses.replace(CPU, name="gpu", reduce_scatter=True, reassociate=True, combine=False,
+                               hoist=True, fold=True, promote_bf16=False) == GPU

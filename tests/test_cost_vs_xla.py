@@ -5,7 +5,7 @@ Each case compiles one training step from shapes (`Trainer.lower_step`, nothing 
 FLOPs per device (within 5%, asserted at 1%). The compared quantity is matmul FLOPs: every `dot` of the
 optimized HLO, costed as XLA's HloCostAnalysis costs a dot (2 x result elements x contracted elements),
 times the runs of its computation per step (`while` trip counts applied, nested loops multiplied:
-jaxpar.hlo_patterns.dot_flops). Why not `compiled.cost_analysis()["flops"]` itself: it counts each loop
+jaxpar.analysis.patterns.dot_flops). Why not `compiled.cost_analysis()["flops"]` itself: it counts each loop
 body once (the layers are a scan, so it misses (layers - 1)/layers of the model), and besides the dots it
 adds a FLOP per element of every elementwise op, convert and optimizer update, which is not a matmul
 quantity the model predicts (its `elementwise` term is a rough roofline input). The link to XLA's own
@@ -40,9 +40,9 @@ from typing import NamedTuple
 import jax
 import pytest
 
-from jaxpar import comm
+from jaxpar.analysis import comm
 from jaxpar.cost import flops, memory
-from jaxpar.hlo_patterns import dot_flops
+from jaxpar.analysis.patterns import dot_flops
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import TrainConfig, Trainer
 from jaxpar.models.config import parse_model

@@ -13,14 +13,16 @@ import pytest
 from flax import nnx
 
 from jaxpar.errors import ConfigError
-from jaxpar.hlo import tally_compiled
+from jaxpar.analysis.tally import tally_compiled
 from jaxpar.mesh import make_mesh
-from jaxpar.ops.context_parallel import token_permutation
-from jaxpar.sharding import Layout, param_shardings, use_layout
+from jaxpar.ops.attention import token_permutation
+from jaxpar.sharding import Layout, current_layout, param_shardings, use_layout
+from jaxpar.train import run_config
 from jaxpar.strategy import parse_inline
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
-from jaxpar.models.mamba import MambaBlock, check_mamba
+from jaxpar.models.mamba import MambaBlock
+from jaxpar.validate import check_mamba
 
 # 8 heads of 8 channels in 2 groups; 4 chunks of 4 tokens per sequence, 8 tokens per context shard
 CFG = parse_model("mamba2-tiny:d_model=32,ssm_head_dim=8,d_state=8,chunk=4")
@@ -28,7 +30,18 @@ BATCH, SEQ = 2, 32
 # Cheaper CPU code generation (LLVM only): tests compile many small programs and run each once.
 # The HLO passes, so the collectives, are the same as with the default options.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: MambaBlock(CFG, RunConfig(), rngs=nnx.Rngs(0))))
+
+
+@functools.cache
+def _graphdef(run: RunConfig):
+    return nnx.graphdef(nnx.eval_shape(lambda: MambaBlock(CFG, run, rngs=nnx.Rngs(0))))
+
+
+def graphdef():
+    """The block as the strategy in force runs it: its run config picks the kernels (context-parallel
+    SSD and conv under a context axis), as in training."""
+    layout = current_layout()
+    return _graphdef(RunConfig() if layout is None else run_config(layout.strategy))
 
 
 @functools.cache
@@ -63,7 +76,7 @@ def forward_and_grads(state, x, cot):
     """The block's output and the gradients of sum(sin(y) * cot) (nonlinear in y, so XLA cannot
     merge forward collectives with backward ones) w.r.t. parameters and input."""
     def loss(state, x):
-        y = nnx.merge(GRAPHDEF, state)(x, None)
+        y = nnx.merge(graphdef(), state)(x, None)
         return jnp.sum(jnp.sin(y) * cot), y
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
     return y, grads
@@ -135,7 +148,7 @@ def test_block_matches_single_device(spec, options):
 # ---- compiled communication ------------------------------------------------------------------
 
 def forward(state, x, cot):
-    return nnx.merge(GRAPHDEF, state)(x, None)
+    return nnx.merge(graphdef(), state)(x, None)
 
 
 def test_tensor_parallel_forward_has_one_all_reduce():

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import hlo
+from jaxpar.analysis.tally import tally_compiled
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
-from jaxpar.pipeline import check_pipeline, pipelined_stack, schedule_of, schedule_summary
+from jaxpar.pipeline import pipelined_stack
+from jaxpar.schedule import schedule_of, schedule_summary
+from jaxpar.validate import check_pipeline
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.strategy import parse_strategy
 from jaxpar.train import gather
@@ -62,7 +64,7 @@ def run(model: str, mesh: str, devices: int = 8, **options):
     batch = tr.batch(harness.source(model), 0)
     compiled = jax.jit(tr.loss_and_grads).lower(params, batch).compile(FAST_COMPILE)
     loss, grads = compiled(params, batch)
-    return tr, float(loss), gather(grads), hlo.tally_compiled(compiled, tr.mesh)
+    return tr, float(loss), gather(grads), tally_compiled(compiled, tr.mesh)
 
 
 def compiled_case(name: str):
@@ -128,7 +130,7 @@ def test_uneven_circular_schedule_forward():
     cfg = parse_model("llama-tiny:layers=6")
     strategy = parse_strategy("pipeline=2").with_options(microbatches=3, pp_schedule="circular",
                                                          pp_repeats=3).resolved(2)
-    check_pipeline(cfg, strategy, batch=6)
+    check_pipeline(cfg, strategy)
     layout = Layout(make_mesh(strategy, jax.devices()[:2]), strategy)
     graphdef, state = nnx.split(LM(cfg, RunConfig(), rngs=nnx.Rngs(0)))
     x = jax.random.normal(jax.random.key(1), (6, 16, cfg.d_model))
@@ -170,9 +172,9 @@ def test_schedule_summary():
 def test_bad_pipeline_configs(model, mesh, options, message):
     strategy = parse_strategy(mesh).with_options(**options).resolved(8)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_pipeline(parse_model(model), strategy, batch=16)
+        check_pipeline(parse_model(model), strategy)
 
 
 def test_good_pipeline_configs_pass():
     for model, mesh, options in CASES.values():
-        check_pipeline(parse_model(model), parse_strategy(mesh).with_options(**options).resolved(8), batch=16)
+        check_pipeline(parse_model(model), parse_strategy(mesh).with_options(**options).resolved(8))

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from jaxpar.data import Synthetic, TokenFile, local_batch
 from jaxpar.strategy import parse_strategy
@@ -56,20 +57,46 @@ def test_token_file_windows(tmp_path):
     np.testing.assert_array_equal(again["inputs"][0], batch["inputs"][2])
 
 
-def test_cli_train_writes_metrics_and_a_profile(tmp_path):
-    metrics = tmp_path / "m.jsonl"
+def test_cli_train_writes_metrics_tensorboard_and_a_profile(tmp_path):
+    """One run, three records: JSONL, TensorBoard event files (read back with TensorBoard's own reader:
+    the same losses, as float32) and a profiler trace; MFU from the hardware profile's peak."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxpar.cost.hardware import load_hardware
+    metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = FAST_COMPILE  # a user's flags: must be kept beside --devices
     out = subprocess.run(
         [sys.executable, "-m", "jaxpar.cli", "train", "--model", "llama-tiny", "--mesh", "dp2-tp4",
          "--devices", "8", "--steps", "6", "--batch", "8", "--seq", "32", "--metrics", str(metrics),
+         "--tensorboard", str(tb), "--hardware", "h100-sxm", "--remat", "full",
          "--profile", str(tmp_path / "trace"), "--no-progress"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert 'strategy dp2-tp4 [data=2 x tensor=4]; options: zero = 0, remat = "full"' in out.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))
+    peak = 8 * load_hardware("h100-sxm").peak_flops
     for r in rows:
-        assert {"step", "loss", "step_time_s", "tokens_per_s", "model_flops_per_s"} <= r.keys()
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu"} <= r.keys()
         assert r["tokens_per_s"] > 0 and np.isfinite(r["loss"])
+        assert r["mfu"] == pytest.approx(r["model_flops_per_s"] / peak, rel=1e-12)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {"train/loss", "train/grad_norm", "train/step_time_s", "train/tokens_per_s", "train/mfu"} <= set(
+        events.Tags()["scalars"])
+    for key in ("loss", "grad_norm", "mfu"):
+        got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        assert got == [(r["step"], np.float32(r[key])) for r in rows], key
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
     assert "final loss" in out.stdout
+
+
+def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path, capsys):
+    from jaxpar import cli
+    (tmp_path / "file").write_text("")
+    args = ["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "1", "--no-progress"]
+    assert cli.main([*args, "--tensorboard", str(tmp_path / "file")]) == 2
+    assert f"--tensorboard {tmp_path / 'file'} exists and is not a directory" in capsys.readouterr().err
+    assert cli.main([*args, "--metrics", str(tmp_path)]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The analytic cost model: FLOPs, memory, collectives and step time as pure functions of
 (ModelConfig, Strategy, Hardware, global_batch, seq). No JAX needed. Read in this order:
-hardware -> software -> params -> flops -> memory -> shape -> comm -> time -> estimate -> report.
+hardware -> software -> params -> flops -> memory -> shape -> compiler -> comm -> time -> estimate -> report.
 """
 from jaxpar.cost.estimate import Estimate, estimate
 from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware

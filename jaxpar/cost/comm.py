@@ -1,76 +1,34 @@
 """Predicted collectives of one training step: kind x mesh axes x phase, per device.
 
-Records are the HLO tally's own `jaxpar.hlo.Collective` (kind, axes, count, bytes, wire_bytes, phase),
+Records are the HLO tally's own `jaxpar.collectives.Collective` (kind, axes, count, bytes, wire_bytes, phase),
 so a prediction and the compiled program's tally compare field by field. `bytes` is the full
 (gathered / pre-scatter / reduced) buffer of each instance, summed over instances; `wire_bytes` is
-what one device sends under the ring algorithm (scaling book, "All about sharding"; Thakur et al. 2005):
-    all-gather, reduce-scatter, all-to-all   (n-1)/n * bytes
-    all-reduce                              2(n-1)/n * bytes
-    collective-permute                      bytes
-Each parallelism has one small function below, so a formula is easy to adjust once it is checked
+what one device sends under the ring algorithm (`jaxpar.collectives.wire_factor`). Each parallelism has one small function below, so a formula is easy to adjust once it is checked
 against the compiled HLO (tests/test_cost_vs_hlo.py does, for every 8-device strategy on XLA:CPU).
 Counts multiply layer executions (scan and pipeline trip counts included). Recomputed forward
 collectives (remat `full`) are tallied under `backward`.
 
-The compiler is data
---------------------
-What a program asks for (the SPMD partitioner's collectives and jaxpar's hand-written ones) is the
-same on every backend; what XLA's later passes make of it is not. `Compiler` states those passes:
-    reduce_scatter        ReduceScatterCreator: an all-reduce whose result is only sliced to 1/n
-                          becomes a reduce-scatter. Without it the all-reduce stays (same bytes).
-    reassociate           AllReduceReassociate: AR(x) + AR(y) -> AR(x + y). Without it, under
-                          tensor parallelism the input gradients of q, k, v (and gate, up) are
-                          all-reduced one by one: 5 per attention layer backward, not Megatron's 2.
-    combine               AllReduceCombiner: the independent all-reduces over one group that a
-                          program issues at one point (one layer's weight gradients, q/k/v's input
-                          gradients) become one tuple-shaped op: one count, the bytes summed.
-    hoist                 gradient all-reduces leave the layer loop (one per stacked weight array
-                          per step, the textbook); without it they run in the loop body, once per
-                          layer execution (pipeline bubbles included) on one layer's gradients.
-    fold                  AllReduceFolder: AR over g1 of AR over g2 -> one AR over g1 x g2. Without
-                          it a gradient partial over the batch axes and over `context` is reduced
-                          twice, once per group.
-    promote_bf16          bf16 all-reduces run in float32 (4 bytes per element).
-`GPU` and `TPU` are the textbook (Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (it runs
-none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
-A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
-sums of the gradient norms) are not predicted, because XLA folds them into whichever op is near.
+What XLA's passes make of the collectives a program asks for differs by backend: jaxpar/cost/compiler.py
+states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes one.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
+from jaxpar.cost.compiler import (A2A, AG, AR, BATCH_AXES, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes,
+                                   reductions, site, together)
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import (BLOCKS, attention_block_params, block_params, layer_counts, mamba_block_params,
-                                mamba_dims, per_model, zero_split)
+                                mamba_dims, per_model, zero_rules, zero_split)
 from jaxpar.cost.shape import StepShape
-from jaxpar.hlo import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.strategy import Strategy
+from jaxpar.rules import BASE_RULES
+from jaxpar.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
 
-AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
-DATA_LIKE = ("data", "fsdp", "context", "expert")  # axes over which (non-expert) weights are replicated
-BATCH_AXES = ("data", "fsdp", "expert")           # the `batch` rule
-TOKEN_BYTES = 4                                   # int32 token ids and positions; f32 per-token statistics
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Compiler:
-    """XLA's collective passes on one backend (module docstring)."""
-    name: str
-    reduce_scatter: bool = True
-    reassociate: bool = True
-    combine: bool = False
-    hoist: bool = True
-    fold: bool = True
-    promote_bf16: bool = False
-
-
-GPU = Compiler("gpu")
-TPU = Compiler("tpu")
-CPU = Compiler("cpu", reduce_scatter=False, reassociate=False, combine=True, hoist=False, fold=False,
-               promote_bf16=True)
-COMPILERS = {c.name: c for c in (GPU, TPU, CPU)}
+# axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
+DATA_LIKE = tuple(a for a in AXES if a in BATCH_AXES + BASE_RULES["seq"])
+TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
 
 def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase: str,
@@ -83,29 +41,9 @@ def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase:
     return Collective(kind, axes, round(count), round(total), total * wire_factor(kind, n), phase)
 
 
-def site(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, buffers: list[float], phase: str,
-         partitioner: bool = True) -> list[tuple]:
-    """One collective per buffer, issued together `execs` times over `axes`, as [(kind, axes, count,
-    mean bytes per op, phase)]: count = execs x buffers (`predicted` keeps only count and total bytes
-    per kind, axes and phase, so one tuple per site suffices). A partitioner's reduce-scatter stays an
-    all-reduce without ReduceScatterCreator (`partitioner=False`: a hand-written psum_scatter, always
-    a reduce-scatter); the combiner makes the all-reduces of one site one op."""
-    if kind == RS and partitioner and not cc.reduce_scatter:
-        kind = AR
-    if not execs or not buffers:
-        return []
-    if kind == AR and cc.combine:
-        return [(AR, axes, execs, sum(buffers), phase)]
-    return [(kind, axes, execs * len(buffers), sum(buffers) / len(buffers), phase)]
-
-
 def _passes(st: Strategy) -> tuple[str, ...]:
     """Phases in which a layer's forward collectives run: forward, plus backward if recomputed."""
     return ("forward", "backward") if st.options.remat == "full" else ("forward",)
-
-
-def _ar_bytes(cc: Compiler, act: int) -> int:
-    return 4 if cc.promote_bf16 else act
 
 
 # ---- tensor (+ sequence) parallelism: Megatron f/g operators (Shoeybi et al. 2019; Korthikanti 2022) ---
@@ -162,7 +100,7 @@ def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: 
     all-reduce over `tensor`); backward the head input gradient is all-reduced (SP:
     reduce-scattered) and, under SP, the embedding output gradient gathered."""
     tokens = shape.b_loc / shape.accum * shape.s_loc
-    x, xr, n = tokens * m.d_model * act, tokens * m.d_model * _ar_bytes(cc, act), shape.accum
+    x, xr, n = tokens * m.d_model * act, tokens * m.d_model * ar_bytes(cc, act), shape.accum
     sp, ax = st.options.sequence_parallel, ("tensor",)
     rs = x if cc.reduce_scatter else xr
     out = site(cc, RS if sp else AR, ax, n, [rs if sp else xr], "forward")
@@ -194,7 +132,7 @@ def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:
 def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
     """Attention layer: 2 per pass (after o-proj, after MLP down); Mamba-2 layer: 1 (after out_proj)."""
     x = shape.mb * shape.s_loc * m.d_model * act
-    xr = shape.mb * shape.s_loc * m.d_model * _ar_bytes(cc, act)
+    xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)
     out = tp_attention(cc, st, shape, x, xr) if shape.exec_attention else []
     out += tp_mamba(cc, st, shape, x, xr) if shape.exec_mamba else []
     out += tp_vocab(cc, st, shape, m, act)
@@ -266,7 +204,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     if split and not sp and sizes["tensor"] > 1:
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
     if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
-        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * _ar_bytes(cc, act)
+        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act)
         y = y / sizes["tensor"] if sp else y
         out += site(cc, AR, ax, shape.accum, [y], "forward") + site(cc, AR, ax, shape.accum, [y], "backward")
         if shape.repeats > 1:
@@ -329,29 +267,6 @@ def _arrays(total: float, n: int) -> list[float]:
     return [total / n] * n if n else []
 
 
-def _together(cc: Compiler, ops: list[tuple]) -> list[tuple]:
-    """Collectives issued at one point of the program: with the combiner, the all-reduces over one group
-    (with equal executions and phase) become one op, their bytes summed."""
-    if not cc.combine:
-        return ops
-    merged: dict[tuple, float] = {}
-    others = []
-    for kind, axes, execs, nbytes, phase in ops:
-        if kind == AR:
-            merged[(axes, execs, phase)] = merged.get((axes, execs, phase), 0.0) + nbytes
-        else:
-            others.append((kind, axes, execs, nbytes, phase))
-    return others + [(AR, axes, execs, nbytes, phase) for (axes, execs, phase), nbytes in merged.items()]
-
-
-def _reductions(cc: Compiler, st: Strategy, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The groups a replicated weight's gradient is all-reduced over: one, or (without AllReduceFolder)
-    the batch axes and `context` separately (the partial sums over batch and over sequence)."""
-    if cc.fold or not axes:
-        return [axes] if axes else []
-    return [g for g in (tuple(a for a in axes if a in BATCH_AXES), tuple(a for a in axes if a not in BATCH_AXES)) if g]
-
-
 def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
                       cc: Compiler) -> list[tuple]:
     """Embedding table sharded on its model dim over `shard` (ZeRO-3 parameters, ZeRO-1 moments):
@@ -399,7 +314,8 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     norm's gradients are reduce-scattered one by one (not combined)."""
     sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
     axes = tuple(a for a in DATA_LIKE if sz[a] > 1)
-    shard = tuple(a for a in ({3: ("fsdp",), 1: ("data", "fsdp")}.get(zero, ())) if sz[a] > 1)
+    # the axes ZeRO shards weights with an `embed` dim over: ZeRO-3 by its params rules, ZeRO-1 by its optimizer's
+    shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if sz[a] > 1)
     execs = (shape.exec_attention + shape.exec_mamba) / len(m.pattern)
 
     def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
@@ -410,7 +326,7 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
                 + site(cc, AR, group, 1, _arrays(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
 
     if not shard:
-        return [op for group in _reductions(cc, st, axes) for op in grads(group, held(m, st), 1)]
+        return [op for group in reductions(cc, st, axes) for op in grads(group, held(m, st), 1)]
     sharded, kept = held(m, st, "zero"), held(m, st, "kept")
     rest = tuple(a for a in axes if a not in shard)
     head, norm = _head_and_norm(m, t)
@@ -423,18 +339,18 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     else:
         in_loop = site(cc, RS, shard, execs, _arrays(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
         if not cc.hoist:
-            for group in _reductions(cc, st, axes):
+            for group in reductions(cc, st, axes):
                 in_loop += site(cc, AR, group, execs, _arrays(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
-        out += _together(cc, in_loop)
+        out += together(cc, in_loop)
         for nbytes in (head, norm):
             out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes else []
     if zero == 1:
         out += _embedding_lookup(m, st, shape, act, shard, cc)
         out += site(cc, AG, shard, 1, _arrays(sharded.full * PARAM_BYTES, sharded.arrays), "optimizer")
-    for group in _reductions(cc, st, axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
+    for group in reductions(cc, st, axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist
                 else site(cc, AR, group, 1, _arrays(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
-    for group in _reductions(cc, st, rest):
+    for group in reductions(cc, st, rest):
         out += grads(group, sharded, sz["fsdp"] if zero == 3 else 1)
     return out
 

@@ -1,7 +1,7 @@
 """`estimate`: the whole analytic model for one (model, strategy, hardware, batch, seq).
 
 Pure function; every number it returns comes from flops.py, memory.py, comm.py and time.py, whose
-docstrings state each formula and its source. `Estimate.to_json()` is the DESIGN.md `estimate`
+docstrings state each formula and its source. `Estimate.to_json()` is the docs/design.md `estimate`
 contract (collectives, flops_per_step, step_time_s, mfu, tokens_per_s, memory, fits) plus extras.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ Conventions (Narayanan et al. 2021, appendix; Kaplan et al. 2020; scaling book "
   included; XLA drops that one matmul (MLP down / Mamba out_proj of the scanned unit's last block),
   because the backward needs its input and weight, never its output, so the rerun is dead code
   (`rerun_outputs=False`; checked against the compiled HLO in tests/test_cost_vs_xla.py).
-- Ring attention (jaxpar.ops.context_parallel) rematerialises each K/V-block fold, so the backward
+- Ring attention (jaxpar.ops.attention) rematerialises each K/V-block fold, so the backward
   reruns the score matmul QK^T of every block (not PV: its output is not needed to differentiate),
   +2*b*s*s*hq per attention layer whatever the remat policy.
 

@@ -1,6 +1,6 @@
 """Bytes per device: parameters, gradients, optimizer state, activations.
 
-Model and optimizer state (ZeRO: Rajbhandari et al. 2020; mixed precision as in DESIGN.md -- the
+Model and optimizer state (ZeRO: Rajbhandari et al. 2020; mixed precision as in docs/design.md -- the
 stored parameters are the float32 master weights, the compute dtype is a cast):
     params      4 bytes/param  (float32 master; the master copy *is* the parameter, not counted twice)
     grads       4 bytes/param  (gradients w.r.t. the float32 parameters)
@@ -154,7 +154,7 @@ def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0) -
     """One attention block as jaxpar's JAX program keeps it (see above). Dense attention keeps the
     scores of all `s_kv` keys; ring attention (`ring_blocks` = context > 1) rematerialises each
     block's scores and keeps, per K/V block, the running float32 output and softmax statistics
-    (hq + 2*heads) and the block's K/V (jaxpar.ops.context_parallel)."""
+    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention)."""
     d, h, hq, hkv, f = m.d_model, m.heads, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
     sc = h * s_kv
     inv = [("layer input x", d, None, False, REMAT), *_jax_norm("norm1", d), ("norm1 out", d, None, False, NONE_ONLY),

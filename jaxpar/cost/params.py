@@ -35,10 +35,9 @@ import math
 from typing import Callable
 
 from jaxpar.rules import BASE_RULES, Rules, rules_for
-from jaxpar.strategy import Options, Strategy
+from jaxpar.strategy import AXES, Options, Strategy
 from jaxpar.models.config import ModelConfig
 
-ZERO_AXES = ("data", "fsdp")  # the mesh axes ZeRO shards model state over (rules_for: `embed`)
 BLOCKS = ("attention", "mamba", "embedding")
 
 
@@ -182,6 +181,10 @@ def zero_rules(zero: int, purpose: str) -> Rules:
     """The rules table jaxpar/rules.py gives a strategy of ZeRO stage `zero` for `purpose` ("params" or
     "optimizer"; those two tables depend on the stage alone)."""
     return rules_for(Strategy(name=f"zero{zero}", mesh=(), options=Options(zero=zero)), purpose)
+
+
+# the mesh axes ZeRO shards model state over: `embed`'s under ZeRO-3's params and ZeRO-1's optimizer rules
+ZERO_AXES = tuple(a for a in AXES if a in zero_rules(3, "params")["embed"] + zero_rules(1, "optimizer")["embed"])
 
 
 @per_model

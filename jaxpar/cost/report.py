@@ -1,7 +1,7 @@
 """`format_estimate`: the human view of an Estimate -- time terms, FLOPs by block, collectives, memory."""
 from __future__ import annotations
 
-from jaxpar.comm_report import human_bytes
+from jaxpar.collectives import human_bytes
 from jaxpar.cost.estimate import Estimate
 
 

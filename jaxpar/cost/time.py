@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxpar.cost.comm import AR, PERMUTE
+from jaxpar.cost.compiler import AR, PERMUTE
 from jaxpar.cost.hardware import Hardware
 from jaxpar.strategy import AXES, Strategy
 

@@ -1,12 +1,53 @@
-"""Attention: the dense reference, and the dispatch to context-parallel kernels.
+"""Attention kernels: the dense reference, and context parallelism (ring, all-gather).
 
 Shapes: q [b, s, hq, d]; k, v [b, s, hkv, d] with hq a multiple of hkv (GQA); positions [b, s]
 are the tokens' global positions, so causal masking is right for any token order (zigzag layouts).
+`attention` dispatches on the run config's `attention` (dense | ring | allgather); the constraints
+on sequence length, context size and heads are checked before compiling, in jaxpar/validate.py.
+
+Context parallelism
+-------------------
+Every other layer of a transformer is position-wise, so a sequence split over devices needs no
+communication there. Attention is the one place where a query must see keys held by other devices.
+Two ways to let it, both written with `jax.shard_map` so the collectives are spelled out:
+
+  ring       K/V blocks travel around the context ring (`ppermute`), one hop per step, while each
+             device folds every arriving block into a running (flash-style) softmax. Memory per
+             device is one block of scores; traffic is (context-1) K/V blocks per device, which
+             overlap with the block computations.
+  allgather  K/V of the whole sequence are all-gathered, queries stay local (Llama 3). Simple, and
+             with GQA the K/V are small; memory holds scores for the local queries x all keys.
+             Autodiff turns the all-gather into a reduce-scatter of dK/dV in the backward pass.
+
+Positions travel with K/V, and masking compares global position ids, never array indices. So the
+kernels are right for *any* token layout, and the layout is a data-pipeline choice:
+
+  contiguous device i holds tokens [i*s/c, (i+1)*s/c). Under a causal mask the last device does
+             ~2c-1 times the work of the first.
+  zigzag     the sequence is cut into 2c chunks and device i holds chunks i and 2c-1-i (an early
+             and a late one), which balances causal work across devices.
+
+`token_permutation` gives that order; the training step applies it once to tokens, labels and
+positions, and from then on the model works on a permuted sequence without knowing it.
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import validate
+from jaxpar.sharding import current_layout
+from jaxpar.strategy import CHOICES
+
+LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequence
+
+
+# ---- dense attention and the dispatch -----------------------------------------------------------
 
 MASKED = -1e30  # a large finite negative: fully masked rows stay finite (no NaN from -inf - -inf)
 
@@ -29,9 +70,172 @@ def attention(q, k, v, positions, *, impl: str = "dense", causal: bool = True):
     """Dispatch on the strategy's `attention` option.
 
     dense: plain attention; XLA partitions it on batch and heads (the context axis must be 1).
-    ring / allgather: context parallelism over the `seq` mesh axes (jaxpar.ops.context_parallel).
+    ring / allgather: context parallelism over the `seq` mesh axes (`context_attention` below).
     """
     if impl == "dense":
         return dense_attention(q, k, v, positions, positions, causal=causal)
-    from jaxpar.ops import context_parallel  # noqa: PLC0415 (optional kernel)
-    return context_parallel.context_attention(q, k, v, positions, impl=impl, causal=causal)
+    return context_attention(q, k, v, positions, impl=impl, causal=causal)
+
+
+# ---- token layouts ------------------------------------------------------------------------------
+
+def token_permutation(seq_len: int, context: int, layout: str) -> np.ndarray:
+    """Order of tokens along the sequence dim so that contiguous sharding over `context` gives
+    device i the tokens the layout assigns to it: `x_laid_out = x[:, perm]`.
+
+    contiguous: the identity.
+    zigzag:     2*context chunks; device i holds chunks i and 2*context-1-i, e.g. context=2, 8
+                tokens -> [0 1 | 6 7 | 2 3 | 4 5]. Undo with `np.argsort(perm)`.
+    """
+    validate.check_token_layout(seq_len, context, layout)
+    if layout == "contiguous":
+        return np.arange(seq_len)
+    chunk = seq_len // (2 * context)
+    chunks = np.arange(seq_len).reshape(2 * context, chunk)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]])
+                           for i in range(context)])
+
+
+# ---- the entry point ---------------------------------------------------------------------------
+
+def context_attention(q, k, v, positions, *, impl: str, causal: bool = True):
+    """Attention over a sequence sharded on the layout's `seq` axes (the `context` mesh axis).
+
+    Batch stays sharded on its data axes and heads on `tensor`, exactly as the model constrained
+    q/k/v, so shard_map introduces no resharding. Without a layout, or with context=1, this is
+    `dense_attention` -- the same function, computed without splitting the sequence.
+    """
+    layout = current_layout()
+    if layout is None or layout.size("seq") == 1:
+        return dense_attention(q, k, v, positions, positions, causal=causal)
+
+    ring_axes, batch_axes = layout.axes("seq"), layout.axes("batch")
+    head_axes, kv_head_axes = layout.axes("act_heads"), layout.axes("act_kv_heads")
+    q_spec = P(_dim(batch_axes), _dim(ring_axes), _dim(head_axes), None)
+    kv_spec = P(_dim(batch_axes), _dim(ring_axes), _dim(kv_head_axes), None)
+    pos_spec = P(_dim(batch_axes), _dim(ring_axes))
+    # The mesh axes q differs along (check_vma tracks them); constants joining q must be cast up.
+    varying = tuple(dict.fromkeys(batch_axes + ring_axes + head_axes + kv_head_axes))
+    kernel = ring_attention if impl == "ring" else allgather_attention
+
+    def local(q, k, v, pos):
+        return kernel(q, k, v, pos, axis=ring_axes, size=layout.size("seq"), causal=causal,
+                      varying=varying)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, pos_spec),
+                         out_specs=q_spec, check_vma=True)(q, k, v, positions)
+
+
+def _dim(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+# ---- all-gather context parallelism ------------------------------------------------------------
+
+def allgather_attention(q, k, v, pos, *, axis, size, causal, varying=()):
+    """Per device: local queries against the all-gathered K/V (and their positions).
+
+    Forward: one all-gather each of K, V, positions over `axis`. Backward (by autodiff): the
+    transpose of an all-gather is a reduce-scatter, so dK/dV are summed over the ring and each
+    device keeps its own slice.
+    """
+    del size, varying
+    k_all, v_all, pos_all = jax.lax.all_gather((k, v, pos), axis, axis=1, tiled=True)
+    return dense_attention(q, k_all, v_all, pos, pos_all, causal=causal)
+
+
+# ---- ring attention ----------------------------------------------------------------------------
+#
+# Online softmax. For one query row, with scores s_j arriving in blocks, keep
+#     m = max_j s_j,   l = sum_j exp(s_j - m),   acc = sum_j exp(s_j - m) v_j
+# and on a new block B:  m' = max(m, max_B s);  alpha = exp(m - m')
+#     l' = alpha l + sum_B exp(s - m'),   acc' = alpha acc + sum_B exp(s - m') v.
+# After all blocks, out = acc / l = softmax(s) v exactly. Masked scores are MASKED (finite), so a
+# block that is fully masked for a row contributes exp(MASKED - m) = 0 once the row has seen any
+# visible key, and any earlier masked contribution is wiped by alpha = exp(MASKED - m') = 0.
+# The result does not depend on m, so m is held out of autodiff (stop_gradient): exact, cheaper.
+
+
+def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
+    """Per device: fold the local K/V block, then size-1 blocks received from the ring neighbour.
+
+    Step 0 uses the device's own block; each of the size-1 scan steps first receives the K/V
+    (and positions) its left neighbour held, then folds them in -- so nothing is sent after the
+    last block, and only the hkv K/V heads travel, never the hq query heads (GQA).
+
+    Each fold is rematerialised (`jax.checkpoint`): the backward pass keeps only the per-step
+    carries (running m, l, acc and the K/V block, O(s_local x d)), never a block of scores.
+
+    Under a causal mask the local sequence is split into two halves and each (q half, kv half)
+    sub-block is computed only if some query in it may see some key (`lax.cond`). With the
+    zigzag layout every off-diagonal step then costs half a block on every device; with the
+    contiguous layout whole blocks are skipped on early devices while late ones do full work.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = (q.reshape(b, s, hkv, hq // hkv, d) / math.sqrt(d))        # [b, s, hkv, g, d]
+    halves = 2 if causal and s % 2 == 0 and s >= 2 else 1
+    piece = s // halves
+    qs = [(qg[:, i * piece:(i + 1) * piece], pos[:, i * piece:(i + 1) * piece]) for i in range(halves)]
+
+    # Running statistics per q piece: m, l [b, hkv, g, piece]; acc [b, hkv, g, piece, d] (float32).
+    # They start device-invariant (constants) and become varying like q (over `varying`, the
+    # manual axes q is sharded on), so cast them up front: a scan carry keeps one type (check_vma).
+    stats_shape = (b, hkv, hq // hkv, piece)
+
+    def init():
+        m = jnp.full(stats_shape, MASKED, jnp.float32)
+        l = jnp.zeros(stats_shape, jnp.float32)
+        acc = jnp.zeros(stats_shape + (d,), jnp.float32)
+        return jax.lax.pcast((m, l, acc), varying, to="varying")
+
+    def fold_block(stats, kv):
+        """Fold one K/V block into every q piece's statistics (rematerialised in backward)."""
+        k, v, kv_pos = kv
+        ks = [(k[:, j * piece:(j + 1) * piece], v[:, j * piece:(j + 1) * piece],
+               kv_pos[:, j * piece:(j + 1) * piece]) for j in range(halves)]
+        out = []
+        for (qi, qpos), st in zip(qs, stats):
+            for kj, vj, kpos in ks:
+                if causal:
+                    visible = jnp.any(qpos[:, :, None] >= kpos[:, None, :])
+                    st = jax.lax.cond(visible, functools.partial(_online_update, causal=True),
+                                      lambda st, *_: st, st, qi, kj, vj, qpos, kpos)
+                else:
+                    st = _online_update(st, qi, kj, vj, qpos, kpos, causal=False)
+            out.append(st)
+        return out
+
+    fold_block = jax.checkpoint(fold_block, prevent_cse=False)
+    stats = fold_block([init() for _ in range(halves)], (k, v, pos))
+
+    perm = [(i, (i + 1) % size) for i in range(size)]  # send to the right, receive from the left
+
+    def step(carry, _):
+        stats, kv = carry
+        kv = jax.lax.ppermute(kv, axis, perm)
+        return (fold_block(stats, kv), kv), None
+
+    (stats, _), _ = jax.lax.scan(step, (stats, (k, v, pos)), length=size - 1)
+
+    outs = []
+    for m, l, acc in stats:
+        # Rows with no visible key anywhere (impossible when each query is also a key) give 0.
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]                   # [b, hkv, g, piece, d]
+        outs.append(jnp.moveaxis(o, 3, 1))                              # [b, piece, hkv, g, d]
+    return jnp.concatenate(outs, axis=1).reshape(b, s, hq, d).astype(q.dtype)
+
+
+def _online_update(stats, qg, k, v, q_pos, kv_pos, *, causal):
+    """One online-softmax step: fold scores of qg [b,sq,hkv,g,d] x k [b,sk,hkv,d] into stats."""
+    m, l, acc = stats
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    if causal:
+        allowed = q_pos[:, None, None, :, None] >= kv_pos[:, None, None, None, :]
+        scores = jnp.where(allowed, scores, MASKED)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m, scores.max(axis=-1)))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv

@@ -3,15 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from jaxpar import hlo
-
-
-def human_bytes(n: float, digits: int = 2) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    raise AssertionError
+from jaxpar.collectives import KINDS, PHASES, human_bytes
 
 
 def human_flops(n: float) -> str:
@@ -30,7 +22,7 @@ def _rows(report: dict) -> dict[tuple[str, str, str], dict]:
 
 
 def _row_order(keys: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    return sorted(set(keys), key=lambda k: (hlo.KINDS.index(k[0]), k[1], hlo.PHASES.index(k[2])))
+    return sorted(set(keys), key=lambda k: (KINDS.index(k[0]), k[1], PHASES.index(k[2])))
 
 
 def format_table(report: dict) -> str:
@@ -103,7 +95,7 @@ def plot(reports: Sequence[dict], path: str) -> None:
 
     names = [report_name(r) for r in reports]
     groups = sorted({(c["kind"], ",".join(c["axes"])) for r in reports for c in r["collectives"]},
-                    key=lambda g: (hlo.KINDS.index(g[0]), g[1]))
+                    key=lambda g: (KINDS.index(g[0]), g[1]))
     colors = plt.get_cmap("tab20")
     biggest = max(max(r["totals"]["bytes"], r["totals"]["wire_bytes"]) for r in reports)
     unit, scale = ("GiB", 2**30) if biggest > 10 * 2**30 else ("MiB", 2**20) if biggest > 10 * 2**20 else ("KiB", 2**10)

@@ -1,18 +1,18 @@
 """See the communication: compile one training step and report its collectives, FLOPs and memory.
 
 ``analyze(trainer)`` compiles the trainer's step from shapes alone (no arrays) and returns
-the ``comm`` JSON object of DESIGN.md::
+the ``comm`` JSON object of docs/design.md::
 
     {"model", "mesh": {axis: size}, "devices",
      "collectives": [{"kind", "axes", "count", "bytes", "wire_bytes", "phase"}],
      "totals": {"count", "bytes", "wire_bytes"}, "flops_per_device",
      "memory": {"argument", "output", "temp", "peak"}, "compile_seconds", "warnings": [...]}
 
-plus ``"reduced_from"`` when the mesh was too big to compile (below). jaxpar.comm_report
-presents one or several reports; jaxpar.hlo_patterns holds the FLOP and reduce-scatter readings.
+plus ``"reduced_from"`` when the mesh was too big to compile (below). jaxpar.analysis.report
+presents one or several reports; jaxpar.analysis.patterns holds the FLOP and reduce-scatter readings.
 
 Collectives
-    ``jaxpar.hlo.tally_compiled``: kind x mesh axes x phase, per device per step, loop trip counts
+    ``jaxpar.analysis.tally.tally_compiled``: kind x mesh axes x phase, per device per step, loop trip counts
     included. Three facts about XLA:CPU (the backend these analyses run on) shape what is seen:
     * it has no ReduceScatterCreator pass, so a reduce-scatter that the SPMD partitioner would
       form on GPU/TPU (gradients under FSDP and ZeRO-1, the row-parallel output under sequence
@@ -73,9 +73,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxpar import hlo
-from jaxpar.comm_report import human_bytes
-from jaxpar.hlo_patterns import dot_flops, scatter_like_all_reduces
+from jaxpar.analysis.patterns import dot_flops, scatter_like_all_reduces
+from jaxpar.analysis.tally import tally_compiled
+from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import AXES, Strategy
 
@@ -103,7 +103,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     compile_seconds = time.perf_counter() - t0
     text = compiled.as_text()
     mesh = trainer.mesh
-    tally = hlo.tally_compiled(compiled, mesh)
+    tally = tally_compiled(compiled, mesh)
     flops, flops_note = flops_per_device(compiled, text)
     warnings = list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh)
     return {
@@ -111,7 +111,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
         "devices": int(mesh.size),
         "collectives": [_as_dict(c) for c in tally],
-        "totals": hlo.totals(tally),
+        "totals": totals(tally),
         "flops_per_device": flops,
         "memory": memory_per_device(compiled),
         "compile_seconds": round(compile_seconds, 3),
@@ -119,7 +119,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     }
 
 
-def _as_dict(c: hlo.Collective) -> dict:
+def _as_dict(c: Collective) -> dict:
     return {"kind": c.kind, "axes": list(c.axes), "count": c.count, "bytes": c.bytes,
             "wire_bytes": c.wire_bytes, "phase": c.phase}
 
@@ -189,8 +189,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def rescale(collectives: Iterable[hlo.Collective], full_sizes: dict[str, int],
-            shrunk: dict[str, tuple[int, int]]) -> tuple[list[hlo.Collective], list[str]]:
+def rescale(collectives: Iterable[Collective], full_sizes: dict[str, int],
+            shrunk: dict[str, tuple[int, int]]) -> tuple[list[Collective], list[str]]:
     """Collectives of the reduced compile, as the full mesh would run them (module docstring)."""
     out, notes = [], []
     for c in collectives:
@@ -202,7 +202,7 @@ def rescale(collectives: Iterable[hlo.Collective], full_sizes: dict[str, int],
             out.append(c)
             continue
         n = math.prod(full_sizes[a] for a in c.axes)
-        out.append(dataclasses.replace(c, wire_bytes=c.bytes * hlo.wire_factor(c.kind, n)))
+        out.append(dataclasses.replace(c, wire_bytes=c.bytes * wire_factor(c.kind, n)))
     return out, notes
 
 
@@ -234,7 +234,7 @@ def analyze_strategy(model, strategy: Strategy, tc, devices: list | None = None,
 
 
 def _rescaled_report(report: dict, trainer, full: Strategy, shrunk: dict, batch: int) -> dict:
-    collectives = [hlo.Collective(c["kind"], tuple(c["axes"]), c["count"], c["bytes"], c["wire_bytes"], c["phase"])
+    collectives = [Collective(c["kind"], tuple(c["axes"]), c["count"], c["bytes"], c["wire_bytes"], c["phase"])
                    for c in report["collectives"]]
     scaled, notes = rescale(collectives, full.sizes, shrunk)
     delta = state_bytes_per_device(trainer, full) - state_bytes_per_device(trainer, trainer.strategy)
@@ -246,7 +246,7 @@ def _rescaled_report(report: dict, trainer, full: Strategy, shrunk: dict, batch:
         mesh={a: full.size(a) for a in AXES},
         devices=full.num_devices,
         collectives=[_as_dict(c) for c in scaled],
-        totals=hlo.totals(scaled),
+        totals=totals(scaled),
         memory=memory,
         warnings=report["warnings"] + notes,
         reduced_from={

@@ -1,4 +1,4 @@
-"""Two readings of compiled HLO besides the collective tally (jaxpar.hlo), used by `jaxpar comm`.
+"""Two readings of compiled HLO besides the collective tally (jaxpar.analysis.tally), used by `jaxpar comm`.
 
 ``dot_flops``
     FLOPs of every ``dot`` per step, loop trip counts included, and as XLA's cost analysis counts
@@ -7,8 +7,8 @@
     All-reduces whose every result is only dynamic-sliced to this device's 1/n afterwards: the
     reduce-scatters that XLA:CPU does not form (it has no ReduceScatterCreator pass).
 
-Both walk the module with jaxpar.hlo's public reader: ``parse_module`` and ``executed_instructions``
-(the call graph, trip counts applied), and the second reads the all-reduces off ``collective_ops``.
+Both walk the module with jaxpar.analysis.hlo_text's reader: ``parse_module`` and ``executed_instructions``
+(the call graph, trip counts applied), and the second reads the all-reduces off the tally's ``collective_ops``.
 """
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ import math
 import re
 from collections.abc import Sequence
 
-from jaxpar import hlo
+from jaxpar.analysis.hlo_text import Module, executed_instructions, parse_module, shape_bytes
+from jaxpar.analysis.tally import collective_ops
+from jaxpar.collectives import UNMATCHED_AXES, Collective, wire_factor
 
 
 def dot_flops(hlo_text: str) -> tuple[float, float]:
     """FLOPs of every ``dot`` per step (trip counts included) and as counted with each loop body
     run once (XLA's cost analysis view): 2 x result elements x contracted elements."""
-    module = hlo.parse_module(hlo_text)
+    module = parse_module(hlo_text)
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
     once = {name: [_without_trip_count(i) for i in instrs] for name, instrs in module.computations.items()}
-    return _sum_dot_flops(module, shapes), _sum_dot_flops(hlo.Module(once, module.entry), shapes)
+    return _sum_dot_flops(module, shapes), _sum_dot_flops(Module(once, module.entry), shapes)
 
 
 def _without_trip_count(instr):
@@ -36,9 +38,9 @@ def _without_trip_count(instr):
                                                   '"known_trip_count":{"n":"1"}', instr.text))
 
 
-def _sum_dot_flops(module: hlo.Module, shapes: dict[str, str]) -> float:
+def _sum_dot_flops(module: Module, shapes: dict[str, str]) -> float:
     total = 0.0
-    for instr, times, _ in hlo.executed_instructions(module):
+    for instr, times, _ in executed_instructions(module):
         if instr.opcode == "dot" and times:
             total += times * _one_dot_flops(instr, shapes)
     return total
@@ -64,27 +66,27 @@ def _dims(shape: str) -> list[int]:
 _PASS_THROUGH = frozenset({"bitcast", "copy", "reshape", "convert"})  # keep every element, in order
 
 
-def scatter_like_all_reduces(hlo_text: str, axis_names: Sequence[str], device_ids) -> list[hlo.Collective]:
+def scatter_like_all_reduces(hlo_text: str, axis_names: Sequence[str], device_ids) -> list[Collective]:
     """The all-reduces whose every result is only ever dynamic-sliced to 1/n (n = group size):
     what GPU/TPU XLA turns into reduce-scatters. ``bytes`` counts those results, per step."""
-    module = hlo.parse_module(hlo_text)
+    module = parse_module(hlo_text)
     computations = module.computations
     users = _users(computations)
     by_name = {i.name: i for instrs in computations.values() for i in instrs}
     merged: dict[tuple, list] = {}
-    for op in hlo.collective_ops(module, axis_names, device_ids):
+    for op in collective_ops(module, axis_names, device_ids):
         instr = by_name[op.name]
-        if instr.opcode != "all-reduce" or op.axes == hlo.UNMATCHED_AXES:
+        if instr.opcode != "all-reduce" or op.axes == UNMATCHED_AXES:
             continue
         n = op.group_size
-        sliced = sum(hlo.shape_bytes(shape) for name, shape in _results(instr, users)
+        sliced = sum(shape_bytes(shape) for name, shape in _results(instr, users)
                      if _only_sliced(name, _elements(shape), n, users, computations))
         if sliced:
             entry_ = merged.setdefault((op.axes, op.phase), [0, 0, 0.0])
             entry_[0] += op.times
             entry_[1] += op.times * sliced
-            entry_[2] += op.times * sliced * hlo.wire_factor("all-reduce", n)
-    return [hlo.Collective("all-reduce", axes, c, b, w, phase) for (axes, phase), (c, b, w) in merged.items()]
+            entry_[2] += op.times * sliced * wire_factor("all-reduce", n)
+    return [Collective("all-reduce", axes, c, b, w, phase) for (axes, phase), (c, b, w) in merged.items()]
 
 
 def _users(computations) -> dict[str, list[tuple]]:

@@ -1,22 +1,12 @@
 """Tally the collectives in compiled HLO: kind x mesh axes x bytes x phase, loop trip counts included.
 
-The input is the optimized, SPMD-partitioned, per-device HLO module that
-``jax.jit(f).lower(...).compile().as_text()`` prints. Every collective instance is sized from its
-shape, mapped back to the mesh axes its device groups span, multiplied by how often its computation
-runs, labelled with a training phase, and merged with its equals.
+The module is read with jaxpar.analysis.hlo_text (instructions, call graph with loop trip counts,
+shape sizes). Every collective instance is sized from its shape, mapped back to the mesh axes its
+device groups span, multiplied by how often its computation runs, labelled with a training phase,
+and merged with its equals into jaxpar.collectives' ``Collective`` records.
 
-HLO text handled ([seen]: in jax 0.12 CPU output; [XLA]: only in XLA's source and tests)
-------------------------------------------------------------------------------------------
-Module
-    ``HloModule ...`` header, then computations ``[ENTRY] %name (params) -> shape {`` ... ``}``
-    [seen]; ``%`` and the signature may be left out, as in hand-written HLO. One instruction
-    per line: ``[ROOT] %name = SHAPE opcode(operands), attr=value, ...``. Other top-level
-    sections (``FileNames``, ``StackFrames``, ...) are skipped [seen].
-Shapes
-    ``f32[4,8]{1,0}`` (layout ignored), scalars ``f32[]``, tuples ``(f32[4], f32[4])`` with
-    XLA's ``/*index=5*/`` comments [seen]; nested tuples and dynamic dims ``f32[<=8]`` [XLA].
-    Element sizes for pred, s/u 1..64, f16, bf16, f32, f64, c64, c128, f8* and f4e2m1fn;
-    sub-byte arrays round up to whole bytes.
+HLO collectives handled ([seen]: in jax 0.12 CPU output; [XLA]: only in XLA's source and tests)
+---------------------------------------------------------------------------------------------
 Collectives
     ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``,
     plain or combined (tuple-shaped) [seen]. Async pairs count once, at the start [XLA]:
@@ -34,13 +24,9 @@ Replica groups
     non-iota ``mesh[...], device_ids=(...)`` [XLA]. ``collective-permute`` uses
     ``source_target_pairs={{0,1},{1,2}}`` [seen].
 Loops and calls
-    The call graph is walked from ENTRY through ``calls=``, ``to_apply=``, ``body=``,
-    ``condition=``, ``branch_computations={...}``, ``true_computation=``,
-    ``false_computation=`` and ``called_computations={...}``. A ``while`` with
-    ``backend_config={..."known_trip_count":{"n":"80"}...}`` [seen] runs its body n times and its
-    condition n+1 times; nested loops multiply and a computation reached along several paths
-    sums them. Two cases are counted with a warning in ``Tally.warnings``: a ``while`` without
-    a known trip count (body counted once) and a ``conditional`` (every branch counted once).
+    Runs per step come from hlo_text's ``executed_instructions``. Its notes on inexact counts (a
+    ``while`` without a known trip count: body counted once; a ``conditional``: every branch
+    counted once) go to ``Tally.warnings`` for each collective they affect.
 
 Device ids
     Replica-group ids in a jit-compiled SPMD module are *partition ids*: positions in the
@@ -61,15 +47,14 @@ Bytes (per device, summed over instances and loop trips)
     all-reduce, all-gather, all-to-all, collective-permute: the result buffer (all tuple
     elements); reduce-scatter: the result times the group size n (the pre-scatter buffer).
     ``wire_bytes`` is what one device sends under the ring algorithm: AG, RS, A2A
-    (n-1)/n x bytes, AR 2(n-1)/n x bytes, permute = bytes. Note that XLA:CPU promotes a bf16
-    all-reduce to f32, so the CPU tally shows 4 bytes per element there.
+    (n-1)/n x bytes, AR 2(n-1)/n x bytes, permute = bytes (jaxpar.collectives.wire_factor). Note
+    that XLA:CPU promotes a bf16 all-reduce to f32, so the CPU tally shows 4 bytes per element there.
 
 API
     ``tally`` (and ``tally_compiled``): the merged collectives. ``collective_ops``: the same per
     instruction (kind, axes, group size, executions, bytes, the bytes of its scalar parts, phase),
-    which ``tally`` sums. For other readings (jaxpar.hlo_patterns): ``parse_module``,
-    ``executed_instructions`` (each reachable instruction with its runs per step), ``Instruction``
-    and ``shape_bytes``.
+    which ``tally`` sums. ``phase_of``: the phase of an op name. Other readings of the module
+    (jaxpar.analysis.patterns) use hlo_text's reader directly.
 
 Phases (from ``metadata={op_name="..."}``; the first rule that applies wins)
     1. no op_name -> ``other``;
@@ -82,30 +67,16 @@ Phases (from ``metadata={op_name="..."}``; the first rule that applies wins)
 from __future__ import annotations
 
 import dataclasses
-import graphlib
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-PHASES = ("forward", "backward", "optimizer", "other")
-OPTIMIZER_SCOPE = "optimizer"
-UNMATCHED_AXES = ("?",)
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """Collectives of one kind over one set of mesh axes in one phase, merged."""
-
-    kind: str
-    axes: tuple[str, ...]
-    count: int
-    bytes: int
-    wire_bytes: float
-    phase: str
+from jaxpar.analysis.hlo_text import (Instruction, Module, closing_bracket, executed_instructions, is_scalar,
+                                      parse_module, result_shape, shape_bytes, tuple_elements)
+from jaxpar.collectives import KINDS, OPTIMIZER_SCOPE, PHASES, UNMATCHED_AXES, Collective, wire_factor
 
 
 class Tally(list):
@@ -167,8 +138,8 @@ def collective_ops(
         if axes == UNMATCHED_AXES:
             warnings.append(f"{instr.opcode} %{instr.name}: device groups match no mesh axes")
         warnings.extend(notes)
-        result = _result_shape(instr)
-        scalars = sum(shape_bytes(e) for e in _tuple_elements(result) if _is_scalar(e))
+        result = result_shape(instr)
+        scalars = sum(shape_bytes(e) for e in tuple_elements(result) if is_scalar(e))
         ops.append(CollectiveOp(instr.name, kind, axes, n, times, _buffer_bytes(instr, kind, n), scalars,
                                 phase_of(instr.op_name, optimizer_scope)))
     return Tally(ops, dict.fromkeys(warnings))
@@ -206,16 +177,6 @@ def tally_compiled(compiled, mesh, *, optimizer_scope: str = OPTIMIZER_SCOPE) ->
     return tally(compiled.as_text(), mesh.axis_names, positions, optimizer_scope=optimizer_scope)
 
 
-def totals(collectives: Iterable[Collective]) -> dict:
-    """Sum of ``count``, ``bytes`` and ``wire_bytes`` over collectives."""
-    collectives = list(collectives)
-    return {
-        "count": sum(c.count for c in collectives),
-        "bytes": sum(c.bytes for c in collectives),
-        "wire_bytes": sum(c.wire_bytes for c in collectives),
-    }
-
-
 def phase_of(op_name: str | None, optimizer_scope: str = OPTIMIZER_SCOPE) -> str:
     """Training phase of an op from its metadata op_name (rules in the module docstring)."""
     if not op_name:
@@ -228,233 +189,17 @@ def phase_of(op_name: str | None, optimizer_scope: str = OPTIMIZER_SCOPE) -> str
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading the module text
-# ----------------------------------------------------------------------------------------------
-
-_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.+)$")
-_OPCODE = re.compile(r"([\w\-]+)\(")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction: ``name = shape text``."""
-
-    name: str
-    shape: str  # the result shape, e.g. "f32[4,8]{1,0}" or "(f32[4], s32[])"
-    opcode: str
-    text: str  # everything after the shape: opcode, operands, attributes
-
-    @property
-    def operands(self) -> list[str]:
-        """Names of the operands (what ``opcode(...)`` lists)."""
-        if "(" not in self.text:
-            return []
-        start = self.text.index("(")
-        return re.findall(r"%([\w.\-]+)", self.text[start:_closing(self.text, start)])
-
-    @property
-    def op_name(self) -> str | None:
-        """The ``metadata={op_name="..."}`` jax gave the op, if any."""
-        match = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', self.text)
-        return match[1] if match else None
-
-
-class Module(NamedTuple):
-    """A parsed HLO module."""
-
-    computations: dict[str, list[Instruction]]  # each computation's instructions, by name
-    entry: str  # the name of the ENTRY computation
-
-
-def parse_module(hlo_text: str) -> Module:
-    """The instructions of each computation, by name, and the name of the ENTRY computation."""
-    computations: dict[str, list[Instruction]] = {}
-    entry = current = None
-    for line in hlo_text.splitlines():
-        if current is None:
-            header = _COMPUTATION.match(line)
-            if header:
-                current = header["name"]
-                computations[current] = []
-                entry = current if header["entry"] else entry
-        elif line.lstrip().startswith("}"):
-            current = None
-        elif match := _INSTRUCTION.match(line):
-            computations[current].append(_parse_instruction(match["name"], match["rest"]))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return Module(computations, entry)
-
-
-def _parse_instruction(name: str, rest: str) -> Instruction:
-    if rest.startswith("("):
-        end = _closing(rest, 0) + 1
-        shape, text = rest[:end], rest[end:].lstrip()
-    else:
-        shape, _, text = rest.partition(" ")
-    opcode = _OPCODE.match(text)
-    return Instruction(name, shape, opcode[1] if opcode else "", text)
-
-
-def _closing(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``text[start]`` (any of ``([{``, nested)."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Call graph: how many times each computation runs per execution of ENTRY
-# ----------------------------------------------------------------------------------------------
-
-_CALLED = re.compile(
-    r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
-    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
-)
-_BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
-
-
-class _Call(NamedTuple):
-    callee: str
-    times: int  # runs of the callee per run of the calling instruction
-    note: str | None  # why ``times`` may be inexact
-
-
-def _calls(instr: Instruction) -> list[_Call]:
-    """The computations an instruction runs, with how often."""
-    if instr.opcode in ("async-update", "async-done"):
-        return []  # the matching async-start already ran the wrapped computation
-    trip = _trip_count(instr) if instr.opcode == "while" else None
-    calls = []
-    for attr, value in _CALLED.findall(instr.text):
-        times, note = 1, None
-        if attr in ("body", "condition") and trip is None:
-            note = f"while %{instr.name} has no known_trip_count: its body is counted once"
-        elif attr == "body":
-            times = trip
-        elif attr == "condition":
-            times = trip + 1
-        elif attr in _BRANCH_ATTRS:
-            note = f"conditional %{instr.name}: each branch is counted as taken"
-        calls.extend(_Call(callee, times, note) for callee in re.findall(r"%?([\w.\-]+)", value))
-    return calls
-
-
-def _trip_count(instr: Instruction) -> int | None:
-    match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.text)
-    return int(match[1]) if match else None
-
-
-def executed_instructions(module: Module) -> Iterator[tuple[Instruction, int, set[str]]]:
-    """Each instruction reachable from ENTRY, with its runs per step (loop trip counts applied) and
-    notes on why that count may be inexact."""
-    computations, entry = module
-    calls = {name: [c for instr in instrs for c in _calls(instr)] for name, instrs in computations.items()}
-    callers: dict[str, set[str]] = {entry: set()}
-    pending = [entry]
-    while pending:
-        caller = pending.pop()
-        for call in calls[caller]:
-            if call.callee not in computations:
-                raise ValueError(f"%{caller} calls undefined computation %{call.callee}")
-            if call.callee not in callers:
-                callers[call.callee] = set()
-                pending.append(call.callee)
-            callers[call.callee].add(caller)
-    times = dict.fromkeys(callers, 0) | {entry: 1}
-    notes: dict[str, set[str]] = {name: set() for name in callers}
-    for name in graphlib.TopologicalSorter(callers).static_order():  # callers before callees
-        for call in calls[name]:
-            times[call.callee] += times[name] * call.times
-            notes[call.callee] |= notes[name] | ({call.note} if call.note else set())
-        for instr in computations[name]:
-            yield instr, times[name], notes[name]
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes
+# Which instructions are collectives, and their buffers
 # ----------------------------------------------------------------------------------------------
 
 _KIND_OF_OPCODE = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS}
 _UNTALLIED_OPCODES = frozenset({"send", "recv", "ragged-all-to-all", "collective-broadcast"})
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
-_ELEMENT_BITS = {
-    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
-    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
-    "f4e2m1fn": 4, "token": 0,
-}  # fmt: skip
 
 
 def _buffer_bytes(instr: Instruction, kind: str, n: int) -> int:
     """Bytes of the full buffer one instance moves: reduced, gathered or pre-scatter."""
-    result = shape_bytes(_result_shape(instr))
+    result = shape_bytes(result_shape(instr))
     return result * n if kind == "reduce-scatter" else result
-
-
-def _result_shape(instr: Instruction) -> str:
-    """The shape of the buffers a collective produces, for sync and async-start forms."""
-    if not instr.opcode.endswith("-start"):
-        return instr.shape
-    elements = _tuple_elements(instr.shape)
-    if instr.opcode == "all-reduce-start" and not elements[0].startswith("("):
-        return instr.shape  # native all-reduce-start: its shape is the result
-    return elements[1]  # (operands, results, [contexts...])
-
-
-def _tuple_elements(shape: str) -> list[str]:
-    """Top-level elements of a tuple shape; a non-tuple shape is its own only element."""
-    shape = _INDEX_COMMENT.sub("", shape)
-    if not shape.startswith("("):
-        return [shape]
-    elements, depth, start = [], 0, 1
-    for i, char in enumerate(shape):
-        depth += (char in "([{") - (char in ")]}")
-        if (char == "," and depth == 1) or depth == 0:
-            elements.append(shape[start:i].strip())
-            start = i + 1
-        if depth == 0:
-            break
-    return [e for e in elements if e]
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of all arrays in a (possibly tuple) shape (sub-byte arrays round up to whole bytes)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        elements = math.prod(int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
-        total += -(-_element_bits(dtype) * elements // 8)
-    return total
-
-
-def _is_scalar(shape: str) -> bool:
-    """Whether a shape is one rank-0 array, such as ``f32[]``."""
-    match = _ARRAY.match(shape.strip())
-    return bool(match) and not match[2].strip()
-
-
-def _element_bits(dtype: str) -> int:
-    if dtype.startswith("f8"):
-        return 8
-    if dtype not in _ELEMENT_BITS:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return _ELEMENT_BITS[dtype]
-
-
-def wire_factor(kind: str, n: int) -> float:
-    """Bytes one device sends per byte of buffer, ring algorithm, group size n."""
-    if kind == "collective-permute":
-        return 1.0
-    share = (n - 1) / n
-    return 2 * share if kind == "all-reduce" else share
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,13 +254,13 @@ def _replica_groups(text: str, mesh: _MeshIndex) -> list[list[int]]:
         return _mesh_axes_groups(spec)
     if spec.startswith("["):
         return _iota_ids(spec).tolist()
-    groups = [_ints(g) for g in re.findall(r"\{([^{}]*)\}", spec[1:_closing(spec, 0)])]
+    groups = [_ints(g) for g in re.findall(r"\{([^{}]*)\}", spec[1:closing_bracket(spec, 0)])]
     return groups or [mesh.ids.ravel().tolist()]
 
 
 def _source_target_pairs(text: str) -> list[list[int]]:
     spec = text[re.search(r"\bsource_target_pairs=", text).end():]
-    return [_ints(p) for p in re.findall(r"\{([^{}]*)\}", spec[1:_closing(spec, 0)])]
+    return [_ints(p) for p in re.findall(r"\{([^{}]*)\}", spec[1:closing_bracket(spec, 0)])]
 
 
 def _ints(text: str) -> list[int]:

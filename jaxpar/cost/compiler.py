@@ -1,0 +1,100 @@
+"""The compiler is data: XLA's collective passes on each backend, for the analytic cost model (cost/comm.py).
+
+What a program asks for (the SPMD partitioner's collectives and jaxpar's hand-written ones) is the
+same on every backend; what XLA's later passes make of it is not. `Compiler` states those passes:
+    reduce_scatter        ReduceScatterCreator: an all-reduce whose result is only sliced to 1/n
+                          becomes a reduce-scatter. Without it the all-reduce stays (same bytes).
+    reassociate           AllReduceReassociate: AR(x) + AR(y) -> AR(x + y). Without it, under
+                          tensor parallelism the input gradients of q, k, v (and gate, up) are
+                          all-reduced one by one: 5 per attention layer backward, not Megatron's 2.
+    combine               AllReduceCombiner: the independent all-reduces over one group that a
+                          program issues at one point (one layer's weight gradients, q/k/v's input
+                          gradients) become one tuple-shaped op: one count, the bytes summed.
+    hoist                 gradient all-reduces leave the layer loop (one per stacked weight array
+                          per step, the textbook); without it they run in the loop body, once per
+                          layer execution (pipeline bubbles included) on one layer's gradients.
+    fold                  AllReduceFolder: AR over g1 of AR over g2 -> one AR over g1 x g2. Without
+                          it a gradient partial over the batch axes and over `context` is reduced
+                          twice, once per group.
+    promote_bf16          bf16 all-reduces run in float32 (4 bytes per element).
+`GPU` and `TPU` are the textbook (Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (it runs
+none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
+A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
+sums of the gradient norms) are not predicted, because XLA folds them into whichever op is near.
+`site`, `together`, `reductions` and `ar_bytes` apply a `Compiler` to the collectives that cost/comm.py's
+model of the program issues.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.rules import BASE_RULES
+from jaxpar.strategy import Strategy
+
+AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
+BATCH_AXES = BASE_RULES["batch"]  # the axes a batch is split over
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compiler:
+    """XLA's collective passes on one backend (module docstring)."""
+    name: str
+    reduce_scatter: bool = True
+    reassociate: bool = True
+    combine: bool = False
+    hoist: bool = True
+    fold: bool = True
+    promote_bf16: bool = False
+
+
+GPU = Compiler("gpu")
+TPU = Compiler("tpu")
+CPU = Compiler("cpu", reduce_scatter=False, reassociate=False, combine=True, hoist=False, fold=False,
+               promote_bf16=True)
+COMPILERS = {c.name: c for c in (GPU, TPU, CPU)}
+
+
+# ---- what the passes make of the collectives a program issues ------------------------------------
+
+def site(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, buffers: list[float], phase: str,
+         partitioner: bool = True) -> list[tuple]:
+    """One collective per buffer, issued together `execs` times over `axes`, as [(kind, axes, count,
+    mean bytes per op, phase)]: count = execs x buffers (`predicted` keeps only count and total bytes
+    per kind, axes and phase, so one tuple per site suffices). A partitioner's reduce-scatter stays an
+    all-reduce without ReduceScatterCreator (`partitioner=False`: a hand-written psum_scatter, always
+    a reduce-scatter); the combiner makes the all-reduces of one site one op."""
+    if kind == RS and partitioner and not cc.reduce_scatter:
+        kind = AR
+    if not execs or not buffers:
+        return []
+    if kind == AR and cc.combine:
+        return [(AR, axes, execs, sum(buffers), phase)]
+    return [(kind, axes, execs * len(buffers), sum(buffers) / len(buffers), phase)]
+
+
+def ar_bytes(cc: Compiler, act: int) -> int:
+    """Bytes per element of an all-reduced activation of `act` bytes per element."""
+    return 4 if cc.promote_bf16 else act
+
+
+def together(cc: Compiler, ops: list[tuple]) -> list[tuple]:
+    """Collectives issued at one point of the program: with the combiner, the all-reduces over one group
+    (with equal executions and phase) become one op, their bytes summed."""
+    if not cc.combine:
+        return ops
+    merged: dict[tuple, float] = {}
+    others = []
+    for kind, axes, execs, nbytes, phase in ops:
+        if kind == AR:
+            merged[(axes, execs, phase)] = merged.get((axes, execs, phase), 0.0) + nbytes
+        else:
+            others.append((kind, axes, execs, nbytes, phase))
+    return others + [(AR, axes, execs, nbytes, phase) for (axes, execs, phase), nbytes in merged.items()]
+
+
+def reductions(cc: Compiler, st: Strategy, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The groups a replicated weight's gradient is all-reduced over: one, or (without AllReduceFolder)
+    the batch axes and `context` separately (the partial sums over batch and over sequence)."""
+    if cc.fold or not axes:
+        return [axes] if axes else []
+    return [g for g in (tuple(a for a in axes if a in BATCH_AXES), tuple(a for a in axes if a not in BATCH_AXES)) if g]

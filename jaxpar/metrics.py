@@ -1,0 +1,70 @@
+"""Where `jaxpar train` writes its per-step metrics: a JSONL file, TensorBoard event files, or both.
+
+Each step's record is {step, loss, grad_norm, step_time_s, tokens_per_s, model_flops_per_s} and, when
+`--hardware` names a device, `mfu` (model FLOP/s over the devices' peak). JSONL keeps every field at
+full precision; TensorBoard gets the same scalars under `train/` through tensorboardX (TensorBoard's
+event format without TensorFlow), so a run is watched as a MaxText, Levanter or torchtitan run is:
+`tensorboard --logdir DIR`. Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from jaxpar.errors import ConfigError
+
+SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu")
+
+
+def check_writable(path: str, what: str, *, directory: bool = False) -> None:
+    """Fail before the run, not after it: `path` (a file, or a directory to create) can be written."""
+    p = pathlib.Path(path)
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{what} {path} exists and is not a directory")
+        parent = p if p.exists() else p.parent
+    else:
+        if p.is_dir():
+            raise ConfigError(f"{what} {path} is a directory, not a file")
+        parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    import os  # noqa: PLC0415
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{what} {path} cannot be written: {parent} is not writable")
+
+
+class Sinks:
+    """The metric writers of one run; `write(record)` each step, `close()` at the end."""
+
+    def __init__(self, jsonl: str | None = None, tensorboard: str | None = None):
+        self._jsonl = self._tb = None
+        if jsonl:
+            check_writable(jsonl, "--metrics")
+        if tensorboard:
+            check_writable(tensorboard, "--tensorboard", directory=True)
+            try:
+                from tensorboardX import SummaryWriter  # noqa: PLC0415
+            except ImportError:
+                raise ConfigError("--tensorboard needs the tensorboardX package: "
+                                  "pip install 'jaxpar[tensorboard]'") from None
+            self._tb = SummaryWriter(logdir=tensorboard)
+        if jsonl:
+            pathlib.Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(jsonl, "w")
+
+    def write(self, record: dict) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key in SCALARS:
+                if key in record:
+                    self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
