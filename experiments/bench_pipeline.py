@@ -1,6 +1,7 @@
 """Pipeline parallelism: step time against the number of micro-batches, beside the ideal bubble.
 
-    PYTHONPATH=. python experiments/bench_pipeline.py [--batch 64] [--seq 64] [--repeats 5]
+    python experiments/bench_pipeline.py [--batch 64] [--seq 64] [--repeats 5] [--out DIR]
+    python experiments/bench_pipeline.py --quick       # smoke test: a few seconds
 
 llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe and circular (v=2)
 schedules with M = 4, 8, 16, 32 micro-batches, and the same batch without a pipeline (data=8).
@@ -12,29 +13,42 @@ bubble = (S-1) / (v*M + S-1). On real accelerators the bubble is idle time inste
 the ratio is the same. The `predicted` column is that ratio; `measured` is the step time over the
 data=8 step time, each the fastest of --repeats steps taken round robin over the cases (so all see
 the same contention on a shared host). Writes experiments/results/bench_pipeline.md (+ .png when
-matplotlib is installed).
+matplotlib is installed), or into --out DIR.
+
+--quick: the same path with M = 4 only (GPipe and circular), batch 8 x seq 16, 1 repeat, and
+XLA's backend optimisations off (compiles faster, runs slower: quick timings mean nothing).
+Options given explicitly still win.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import pathlib
+import sys
 import time
 
-from jaxpar.devices import simulate_cpu_devices
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from jaxpar.devices import simulate_cpu_devices  # noqa: E402
 
+if "--quick" in sys.argv[1:]:  # before JAX starts: XLA reads its flags once
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 simulate_cpu_devices(8)  # before JAX starts its backend
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-from jaxpar.pipeline import schedule_of  # noqa: E402
+from jaxpar.schedule import schedule_of  # noqa: E402
 from jaxpar.strategy import parse_strategy  # noqa: E402
 from jaxpar.train import TrainConfig, Trainer  # noqa: E402
 from jaxpar.data import Synthetic  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
 
 MODEL = "llama-tiny:layers=8"
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = ROOT / "experiments" / "results"
+QUICK = dict(batch=8, seq=16, repeats=1, microbatches=[4])
 
 
 def host_params(trainer: Trainer):
@@ -69,21 +83,32 @@ class Case:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # --quick: see top
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--quick", action="store_true", help="smoke test: M=4 only, small batch, a few seconds")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="where bench_pipeline.md and .png go")
     args = parser.parse_args()
+    if args.quick:  # quick values become the defaults; options given explicitly still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
     tc = TrainConfig(batch=args.batch, seq=args.seq)
 
-    cases = [Case("data=8", {}, tc)]
+    specs = [("data=8", {}, "data=8")]
     for schedule, extra in (("gpipe", {}), ("circular", {"pp_repeats": 2})):
         for m in args.microbatches:
-            cases.append(Case("pipeline=4,data=2", dict(microbatches=m, pp_schedule=schedule, **extra), tc))
-            print(f"  compiled {schedule} M={m} in {cases[-1].compile_s:.1f} s", flush=True)
-    for _ in range(args.repeats):  # round robin: every case sees the same contention on a shared host
-        for case in cases:
+            options = dict(microbatches=m, pp_schedule=schedule, **extra)
+            specs.append(("pipeline=4,data=2", options, f"{schedule} M={m}"))
+    cases = []
+    bar = tqdm(specs, unit="case", disable=not sys.stdout.isatty(), dynamic_ncols=True, leave=False)
+    for mesh, options, label in bar:
+        bar.set_description(f"compile {label}")
+        cases.append(Case(mesh, options, tc))
+        bar.write(f"  compiled {label} in {cases[-1].compile_s:.1f} s", file=sys.stdout)
+    for _ in tqdm(range(args.repeats), desc="steps", unit="round", disable=not sys.stdout.isatty(), leave=False):
+        for case in cases:  # round robin: every case sees the same contention on a shared host
             case.step()
     rows = [case.row | {"step_s": min(case.times), "compile_s": case.compile_s} for case in cases]
     base = rows[0]["step_s"]
@@ -98,14 +123,23 @@ def main() -> None:
                      f"| {r['compile_s']:.1f} |")
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_pipeline.md").write_text("# Pipeline: step time vs micro-batches\n\n" + text + "\n")
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_pipeline.md").write_text("# Pipeline: step time vs micro-batches\n\n" + text + "\n")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"\nwritten to {args.out / 'bench_pipeline.md'}; no figure: matplotlib is not installed")
+    else:
+        plot(rows, args.out / "bench_pipeline.png")
+        print(f"\nwritten to {args.out / 'bench_pipeline.md'} and bench_pipeline.png")
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """PNG: measured step time over the data=8 step time against M, beside 1 / (1 - bubble)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    base = rows[0]["step_s"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for schedule in ("gpipe", "circular"):
         sel = [r for r in rows if r["schedule"] == schedule]
@@ -116,10 +150,11 @@ def main() -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("step time / data=8 step time")
-    ax.set_title("pipeline=4 x data=2, llama-tiny:layers=8")
+    ax.set_title(f"pipeline=4 x data=2, {MODEL}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "bench_pipeline.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
