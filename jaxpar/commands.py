@@ -1,0 +1,219 @@
+"""What each `jaxpar` command does, once jaxpar/cli.py has parsed its flags (and applied `--devices`,
+so JAX may be imported here). Every input is checked before anything compiles or trains: flag values
+by the parser's types (jaxpar/inputs.py), configs by their loaders, combinations by jaxpar/validate.py.
+"""
+from __future__ import annotations
+
+import json
+
+from jaxpar.errors import ConfigError
+
+
+def strategy_from_args(args, spec: str | None = None):
+    from jaxpar.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
+    strategy = parse_strategy(spec or args.mesh)
+    return strategy.with_options(**{f.name: getattr(args, f.name, None) for f in OPTION_FIELDS})
+
+
+def cmd_train(args) -> int:
+    from jaxpar import distributed  # noqa: PLC0415
+    from jaxpar.data import make_source  # noqa: PLC0415
+    from jaxpar.metrics import Sinks  # noqa: PLC0415
+    from jaxpar.train import Preempted, TrainConfig, Trainer, train  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
+                     warmup=args.warmup)
+    trainer = Trainer(model, strategy, tc)
+    source = make_source(args.data, model.vocab, args.seed)
+    main = distributed.is_main()
+    sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
+    peak_flops = None
+    if args.hardware:
+        from jaxpar.cost.hardware import load_hardware  # noqa: PLC0415
+        peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size
+    ckpt = state = None
+    start = 0
+    if args.resume and not args.ckpt_dir:
+        raise ConfigError("--resume needs --ckpt-dir")
+    if args.ckpt_dir:
+        from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
+        ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
+        if args.resume:
+            state, start, message = ckpt.restore(trainer)
+            if main:
+                print(message)
+    if main:
+        print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
+        print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
+        if trainer.strategy.size("pipeline") > 1:
+            from jaxpar.schedule import schedule_summary  # noqa: PLC0415
+            print(schedule_summary(trainer.strategy, model.units))
+    bar = None
+    if main and not args.no_progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    last: dict = {}
+
+    def on_step(step: int, m: dict) -> None:
+        last.update(m)
+        if args.profile and step == 1:
+            jax.profiler.start_trace(args.profile)
+        if args.profile and step == 4:
+            jax.profiler.stop_trace()
+        if peak_flops:
+            m["mfu"] = m["model_flops_per_s"] / peak_flops
+        sinks.write(m)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+
+    try:
+        state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
+                      checkpointer=ckpt)
+        if ckpt is not None:
+            done = min(args.stop_after or args.steps, args.steps)
+            if done > start and (args.ckpt_every <= 0 or done % args.ckpt_every):
+                ckpt.maybe_save(done, state, trainer, force=True)
+            ckpt.close()
+    except Preempted as stopped:
+        ckpt.close()
+        if main:
+            print(f"\n{stopped}")
+        return 128 + 15  # as if terminated by SIGTERM: the scheduler sees an unfinished run
+    finally:
+        if bar is not None:
+            bar.close()
+        sinks.close()
+    if main and last:
+        print(f"final loss {last['loss']:.4f}  step {last['step_time_s'] * 1e3:.1f} ms  "
+              f"{last['tokens_per_s']:.0f} tokens/s")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.cost import estimate, format_estimate  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    if strategy.num_devices < 1:
+        if not args.devices:
+            raise ConfigError(f"mesh {strategy.name} has a -1 axis: give --devices N to resolve it")
+        strategy = strategy.resolved(args.devices)
+    validate.check(model, strategy, batch=args.global_batch, seq=args.seq)
+    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq)
+    print(format_estimate(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=1)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from jaxpar import planner  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
+                                              args.seq, args.global_batch, args.top)
+    print(planner.format_plan(results, considered, valid))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planner.to_json(results, considered, valid), f, indent=1)
+    return 0
+
+
+def analysis_devices(args, strategies) -> int:
+    """Devices to simulate for compile-only analysis: --devices, or the biggest mesh's device count
+    capped at what XLA:CPU compiles (bigger meshes are analysed at reduced data parallelism). In a
+    process whose JAX backend already started (a notebook, the tests) its devices are used."""
+    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
+    from jaxpar.devices import backend_started, simulate_cpu_devices  # noqa: PLC0415
+
+    if getattr(args, "multi_process", False):  # every process's devices, compiled in each process
+        import jax  # noqa: PLC0415
+        return jax.device_count()
+    if args.devices:
+        if args.devices > DEVICE_LIMIT:
+            raise ConfigError(f"--devices {args.devices}: XLA:CPU compiles for at most {DEVICE_LIMIT} devices; "
+                              "give the full mesh sizes instead and it is analysed at reduced data parallelism")
+        return args.devices
+    for s in strategies:
+        if s.num_devices < 1:
+            raise ConfigError(f"mesh {s.name} has a -1 axis: give --devices N to resolve it")
+    n = min(max(s.num_devices for s in strategies), DEVICE_LIMIT)
+    if backend_started():
+        import jax  # noqa: PLC0415
+        return min(n, jax.device_count())
+    simulate_cpu_devices(n)
+    return n
+
+
+def analysis_config(args, model, strategies, **extra):
+    """TrainConfig for analysis: --batch/--seq, or defaults valid for every strategy."""
+    import math  # noqa: PLC0415
+
+    from jaxpar.train import TrainConfig  # noqa: PLC0415
+    from jaxpar.validate import data_parallel_size  # noqa: PLC0415
+
+    def per_step(s) -> int:
+        o = s.options
+        return data_parallel_size(s.resolved(args.devices) if s.num_devices < 1 else s) * o.grad_accum * (
+            o.microbatches if s.size("pipeline") > 1 else 1)
+
+    batch = args.batch or math.lcm(*(per_step(s) for s in strategies))
+    return TrainConfig(batch=batch, seq=args.seq or min(model.max_seq, 2048), **extra)
+
+
+def cmd_comm(args) -> int:
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    n = analysis_devices(args, [strategy])
+    tc = analysis_config(args, model, [strategy])
+    import jax  # noqa: PLC0415
+
+    from jaxpar.analysis import comm  # noqa: PLC0415
+    from jaxpar.analysis.report import format_table  # noqa: PLC0415
+    report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
+    if jax.process_index():
+        return 0
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    if args.run_steps < 0:
+        raise ConfigError(f"--run-steps must be >= 0, got {args.run_steps}")
+    model = parse_model(args.model)
+    strategies = [strategy_from_args(args, spec) for spec in args.meshes]
+    n = analysis_devices(args, strategies)
+    tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
+    import jax  # noqa: PLC0415
+
+    from jaxpar.analysis import comm  # noqa: PLC0415
+    from jaxpar.analysis.report import compare, plot  # noqa: PLC0415
+    reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
+    print(compare(reports))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model.name, "reports": reports}, f, indent=1)
+    if args.plot:
+        plot(reports, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from jaxpar.launch import launch  # noqa: PLC0415
+    return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)
