@@ -6,8 +6,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
+                           nonempty, png_path, real)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`jaxpar train: error: argument --steps: must be >= 1, got -5`)
+    raised as ConfigError, so `main` reports them as it reports every other bad input."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("jaxpar").strip()
+        raise ConfigError(f"{command}: {message}" if command else message)
 
 
 def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
@@ -16,7 +28,7 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:
         p.add_argument("--mesh", required=True, help="mesh_configs name or TOML path, or inline data=2,tensor=4")
-    p.add_argument("--devices", type=int, help="simulate N CPU devices (default: all devices JAX sees)")
+    p.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
 
 
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
@@ -28,7 +40,8 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name == "zero" or isinstance(f.default, int):
-            g.add_argument(flag, type=int, choices=choices, metavar=None if choices else "N", help=help_)
+            g.add_argument(flag, type=int if choices else POSITIVE, choices=choices, metavar=None if choices else "N",
+                           help=help_)
         else:
             g.add_argument(flag, choices=choices, help=help_)
 
@@ -37,40 +50,40 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-process runs (see jaxpar/distributed.py; SLURM, Open MPI and TPU pods "
                              "are detected without flags, `jaxpar launch` sets them for local runs)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
-    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-    g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0 <= I < N")
-    g.add_argument("--init-timeout", type=int, default=300, metavar="S",
+    g.add_argument("--num-processes", type=POSITIVE, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=NON_NEGATIVE, metavar="I", help="this process's id, 0 <= I < N")
+    g.add_argument("--init-timeout", type=POSITIVE, default=300, metavar="S",
                    help="seconds to wait for the coordinator and the other processes (default 300, as JAX; "
                         "large jobs start their processes over minutes)")
-    g.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+    g.add_argument("--heartbeat-timeout", type=POSITIVE, default=30, metavar="S",
                    help="a process silent this long is declared dead and the others stop (default 30)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
+    parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model under a strategy")
     add_model_mesh(t)
-    t.add_argument("--steps", type=int, default=50)
-    t.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
-    t.add_argument("--seq", type=int, default=64)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
-    t.add_argument("--warmup", type=int, default=10, help="learning-rate warmup steps")
-    t.add_argument("--data", default="synthetic", help="'synthetic' or a .bin file of uint16/uint32 token ids")
-    t.add_argument("--metrics", help="write one JSON object per step to this .jsonl file")
-    t.add_argument("--tensorboard", metavar="DIR", help="write the per-step scalars (loss, grad norm, step time, "
+    t.add_argument("--steps", type=POSITIVE, default=50)
+    t.add_argument("--batch", type=POSITIVE, default=16, help="global batch, in sequences")
+    t.add_argument("--seq", type=POSITIVE, default=64)
+    t.add_argument("--seed", type=SEED, default=0, help=f"random seed, 0 <= seed <= {MAX_SEED}")
+    t.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3, help="peak learning rate (warmup, then cosine decay)")
+    t.add_argument("--warmup", type=NON_NEGATIVE, default=10, help="learning-rate warmup steps")
+    t.add_argument("--data", type=nonempty, default="synthetic", help="'synthetic' or a .bin file of uint16/uint32 token ids")
+    t.add_argument("--metrics", type=nonempty, help="write one JSON object per step to this .jsonl file")
+    t.add_argument("--tensorboard", type=nonempty, metavar="DIR", help="write the per-step scalars (loss, grad norm, step time, "
                    "tokens/s, model FLOP/s, MFU) as TensorBoard event files to DIR")
     t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU metric")
-    t.add_argument("--profile", help="write a jax.profiler trace of steps 2-4 to this directory")
+    t.add_argument("--profile", type=nonempty, help="write a jax.profiler trace of steps 2-4 to this directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--ckpt-dir", help="checkpoint directory (orbax; asynchronous saves)")
-    t.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: only at the end)")
-    t.add_argument("--ckpt-keep", type=int, default=3, help="keep the newest N checkpoints")
+    t.add_argument("--ckpt-dir", type=nonempty, help="checkpoint directory (orbax; asynchronous saves)")
+    t.add_argument("--ckpt-every", type=NON_NEGATIVE, default=0, help="save every K steps (0: only at the end)")
+    t.add_argument("--ckpt-keep", type=POSITIVE, default=3, help="keep the newest N checkpoints")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir, "
                    "on this run's mesh and strategy (resharding as needed)")
-    t.add_argument("--stop-after", type=int, help="stop after this many steps (as if preempted); the "
+    t.add_argument("--stop-after", type=POSITIVE, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
     add_distributed_flags(t)
@@ -78,19 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
     add_model_mesh(e)
     e.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
-    e.add_argument("--seq", type=int, default=4096)
-    e.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    e.add_argument("--json", help="write the estimate as one JSON object to this file")
+    e.add_argument("--seq", type=POSITIVE, default=4096)
+    e.add_argument("--global-batch", type=POSITIVE, default=256, help="sequences per optimizer step")
+    e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
     add_strategy_flags(e)
 
     pl = sub.add_parser("plan", help="rank strategies for a model on N devices of a hardware type")
     pl.add_argument("--model", required=True)
     pl.add_argument("--hardware", required=True)
-    pl.add_argument("--devices", type=int, required=True, help="devices in the cluster (nothing is simulated)")
-    pl.add_argument("--seq", type=int, default=4096)
-    pl.add_argument("--global-batch", type=int, default=256)
-    pl.add_argument("--top", type=int, default=10)
-    pl.add_argument("--json")
+    pl.add_argument("--devices", type=integer(1, MAX_CLUSTER_DEVICES), required=True, metavar="N",
+                    help="devices in the cluster (nothing is simulated)")
+    pl.add_argument("--seq", type=POSITIVE, default=4096)
+    pl.add_argument("--global-batch", type=POSITIVE, default=256)
+    pl.add_argument("--top", type=POSITIVE, default=10)
+    pl.add_argument("--json", type=nonempty, help="write the plans as one JSON object to this file")
 
     analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
                      "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/analysis/comm.py)")
@@ -99,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_mesh(c)
     add_analysis_flags(c)
     c.add_argument("--abstract", action="store_true", help="compile from shapes only, no arrays allocated (analysis always does; kept for scripts)")
-    c.add_argument("--json", help="write the report as one JSON object to this file")
+    c.add_argument("--json", type=nonempty, help="write the report as one JSON object to this file")
     add_strategy_flags(c)
     add_distributed_flags(c)
 
@@ -107,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description=analysis_note)
     add_model_mesh(cp, meshes=True)
     add_analysis_flags(cp)
-    cp.add_argument("--run-steps", type=int, default=0, metavar="K",
+    cp.add_argument("--run-steps", type=NON_NEGATIVE, default=0, metavar="K",
                     help="also train K steps per strategy from the same initial parameters and report "
                          "|loss - 1-device loss| and the step time")
-    cp.add_argument("--seed", type=int, default=0)
-    cp.add_argument("--lr", type=float, default=3e-3)
-    cp.add_argument("--json", help="write {model, reports: [...]} as one JSON object to this file")
-    cp.add_argument("--plot", help="write a PNG of bytes per device per step by kind and mesh axes")
+    cp.add_argument("--seed", type=SEED, default=0)
+    cp.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3)
+    cp.add_argument("--json", type=nonempty, help="write {model, reports: [...]} as one JSON object to this file")
+    cp.add_argument("--plot", type=png_path, help="write a PNG of bytes per device per step by kind and mesh axes")
     add_strategy_flags(cp)
 
     la = sub.add_parser("launch", help="run a command as N local processes on CPU (multi-process development)",
@@ -121,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "devices, joined by jax.distributed (gloo collectives). Signals are "
                                     "forwarded; if one process fails the others are stopped.",
                         usage="jaxpar launch --processes N [--devices-per-process D] -- COMMAND [ARGS ...]")
-    la.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
-    la.add_argument("--devices-per-process", type=int, default=1, metavar="D",
+    la.add_argument("--processes", type=POSITIVE, required=True, metavar="N", help="processes to start")
+    la.add_argument("--devices-per-process", type=POSITIVE, default=1, metavar="D",
                     help="simulated CPU devices in each process (default 1)")
-    la.add_argument("--grace", type=float, default=2.0, metavar="S",
+    la.add_argument("--grace", type=real(0.0), default=2.0, metavar="S",
                     help="seconds a process gets to stop (after a forwarded signal, or when another "
                          "process failed) before it is killed")
     la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -133,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_analysis_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=int, help="global batch in sequences (default: the smallest valid one, "
+    p.add_argument("--batch", type=POSITIVE, help="global batch in sequences (default: the smallest valid one, "
                    "one sequence per data-parallel rank and micro-batch)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the model's max_seq, at most 2048)")
+    p.add_argument("--seq", type=POSITIVE, help="sequence length (default: the model's max_seq, at most 2048)")
 
 
 
@@ -157,9 +171,10 @@ def join_cluster(args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from jaxpar import distributed  # noqa: PLC0415
 
-    args = build_parser().parse_args(argv)
-    args.multi_process = False
     try:
+        args = build_parser().parse_args(argv)
+        args.multi_process = False
+        check_outputs(args)  # every file a command will write, before it runs
         if hasattr(args, "coordinator"):
             args.multi_process = join_cluster(args)
         if getattr(args, "devices", None) and args.command not in ("plan", "estimate"):
@@ -170,9 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(f"jaxpar: error: {e}", 2, distributed.joining())
     except Exception as e:
-        if distributed.joining() and (message := distributed.peer_failure(e)) is not None:
+        if not distributed.joining():
+            raise
+        if (message := distributed.peer_failure(e)) is not None:
             return fail(f"jaxpar: error: {message}", 3, True)
-        raise
+        # A bug, not bad input: show where, and leave now (a normal exit would wait in the shutdown
+        # barrier for the others, then abort); the launcher or the scheduler stops the others.
+        traceback.print_exc()
+        import jax  # noqa: PLC0415 (joined: JAX is running)
+        return fail(f"jaxpar: error: process {jax.process_index()} failed: {type(e).__name__}: {e}", 1, True)
 
 
 def fail(message: str, code: int, multi_process: bool) -> int:

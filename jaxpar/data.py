@@ -8,12 +8,12 @@ them into global jax.Arrays with the batch sharding.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import jax
 import numpy as np
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import check_readable_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +53,20 @@ class TokenFile:
     seed: int = 0
 
     def __post_init__(self):
-        p = pathlib.Path(self.path)
-        if not p.is_file():
-            raise ConfigError(f"--data {self.path}: no such file")
+        size = check_readable_file(self.path, "--data").stat().st_size
+        if size == 0:
+            raise ConfigError(f"--data {self.path} is empty: it holds no token ids")
+        if size % np.dtype(self.dtype).itemsize:
+            raise ConfigError(f"--data {self.path}: {size} bytes is not a whole number of "
+                              f"{np.dtype(self.dtype).name} ids")
+
+    @property
+    def dtype(self):
+        return np.uint32 if self.vocab > 65536 else np.uint16
 
     @property
     def tokens(self) -> np.memmap:
-        size = pathlib.Path(self.path).stat().st_size
-        dtype = np.uint32 if self.vocab > 65536 else np.uint16
-        if size % np.dtype(dtype).itemsize:
-            raise ConfigError(f"--data {self.path}: {size} bytes is not a whole number of {np.dtype(dtype).name} ids")
-        return np.memmap(self.path, dtype=dtype, mode="r")
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
 
     def rows(self, step: int, rows, seq: int) -> np.ndarray:
         toks = self.tokens

@@ -8,6 +8,7 @@ import sys
 from jaxpar.errors import ConfigError
 
 FLAG = "--xla_force_host_platform_device_count"
+MAX_DEVICES = 2048  # XLA:CPU compiles SPMD programs for at most this many devices (more abort inside XLA)
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -18,6 +19,9 @@ def simulate_cpu_devices(n: int) -> None:
     """
     if n < 1:
         raise ConfigError(f"--devices must be >= 1, got {n}")
+    if n > MAX_DEVICES:
+        raise ConfigError(f"--devices {n}: XLA:CPU simulates and compiles for at most {MAX_DEVICES} devices "
+                          "(`jaxpar comm` analyses bigger meshes at reduced data parallelism from their full sizes)")
     if backend_started():
         import jax  # noqa: PLC0415
         have = jax.device_count()

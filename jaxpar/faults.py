@@ -8,6 +8,8 @@ process stops itself where the test asks, and the test then does to it what it w
                              (the write is still in flight: a half-written checkpoint is left behind)
   JAXPAR_HOLD_AFTER_STEP=N   after step N completed (metrics written, any save of it started),
                              print HOLD_LINE to stderr and block until killed
+  JAXPAR_RAISE_AFTER_STEP=N  after step N completed, raise RuntimeError (an unexpected error); with
+                             JAXPAR_FAULT_PROCESS=I only in process I of a multi-process run
 """
 from __future__ import annotations
 
@@ -18,11 +20,18 @@ import threading
 
 KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
 HOLD_AFTER_STEP = "JAXPAR_HOLD_AFTER_STEP"
+RAISE_AFTER_STEP = "JAXPAR_RAISE_AFTER_STEP"
+FAULT_PROCESS = "JAXPAR_FAULT_PROCESS"
 HOLD_LINE = "jaxpar: test hook: holding after step {step} until killed"
 
 
 def _asked(variable: str, step: int) -> bool:
-    return os.environ.get(variable) == str(step)
+    if os.environ.get(variable) != str(step):
+        return False
+    if FAULT_PROCESS in os.environ:
+        import jax  # noqa: PLC0415
+        return str(jax.process_index()) == os.environ[FAULT_PROCESS]
+    return True
 
 
 def after_save_started(step: int) -> None:
@@ -31,7 +40,9 @@ def after_save_started(step: int) -> None:
 
 
 def after_step(step: int) -> None:
-    """`step` completed steps are done; block here for ever if a test asked to."""
+    """`step` completed steps are done; block here for ever, or raise, if a test asked to."""
     if _asked(HOLD_AFTER_STEP, step):
         print(HOLD_LINE.format(step=step), file=sys.stderr, flush=True)
         threading.Event().wait()
+    if _asked(RAISE_AFTER_STEP, step):
+        raise RuntimeError(f"test hook: an unexpected error after step {step}")

@@ -12,26 +12,9 @@ import json
 import pathlib
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import check_writable
 
 SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu")
-
-
-def check_writable(path: str, what: str, *, directory: bool = False) -> None:
-    """Fail before the run, not after it: `path` (a file, or a directory to create) can be written."""
-    p = pathlib.Path(path)
-    if directory:
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"{what} {path} exists and is not a directory")
-        parent = p if p.exists() else p.parent
-    else:
-        if p.is_dir():
-            raise ConfigError(f"{what} {path} is a directory, not a file")
-        parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    import os  # noqa: PLC0415
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{what} {path} cannot be written: {parent} is not writable")
 
 
 class Sinks:

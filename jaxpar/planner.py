@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from jaxpar import validate
 from jaxpar.cost import estimate
@@ -28,9 +29,15 @@ def powers_of_two_up_to(n: int) -> list[int]:
     return [2 ** i for i in range(n.bit_length()) if n % 2 ** i == 0]
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (trial division up to sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def candidate_meshes(devices: int, max_tensor: int):
     """(data, fsdp, pipeline, context, tensor) with product == devices, power-of-two factors."""
-    divs = [d for d in range(1, devices + 1) if devices % d == 0]
+    divs = divisors(devices)
     for tensor, pipeline, context, fsdp in itertools.product(divs, divs, divs, divs):
         if tensor > max_tensor:
             continue

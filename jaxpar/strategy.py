@@ -13,12 +13,12 @@ import dataclasses
 import functools
 import importlib.util
 import pathlib
-import tomllib
 import types
 from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import read_toml, table
 
 # Canonical order, outermost (slowest links) to innermost (fastest links).
 AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "expert", "tensor")
@@ -171,12 +171,9 @@ def make_options(raw: dict[str, Any], where: str) -> Options:
 
 
 def _as_int(key: str, value: Any, where: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: option {key}={value!r} must be an integer") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: option {key}={value!r} must be an integer")
+    return value
 
 
 def _mesh_sizes(raw: dict[str, Any], where: str) -> tuple[tuple[str, int], ...]:
@@ -195,6 +192,8 @@ def parse_inline(spec: str) -> Strategy:
         axis = axis.strip()
         if not eq:
             raise ConfigError(f"malformed mesh spec {spec!r}: expected axis=size items like data=2,tensor=4")
+        if axis in raw:
+            raise ConfigError(f"mesh spec {spec!r} gives axis {axis} twice ({raw[axis]} and {value.strip()})")
         try:
             raw[axis] = int(value)
         except ValueError:
@@ -203,22 +202,20 @@ def parse_inline(spec: str) -> Strategy:
 
 
 def load_toml(path: pathlib.Path) -> Strategy:
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read mesh file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"mesh file {path} is not valid TOML: {e}") from None
+    data = read_toml(path, "mesh")
     where = str(path)
     unknown = set(data) - {"description", "mesh", "options"}
     if unknown:
         raise ConfigError(f"{where}: unknown table(s) {', '.join(sorted(unknown))}; expected description, [mesh], [options]")
-    mesh = dict(data.get("mesh", {}))
-    if not isinstance(data.get("mesh", {}), dict) or not mesh:
+    mesh = dict(table(data, "mesh", where))
+    if not mesh:
         raise ConfigError(f"{where}: needs a [mesh] table with axis sizes")
-    dcn = mesh.pop("dcn", {})
+    dcn = table(mesh, "dcn", where) if "dcn" in mesh else {}
+    mesh.pop("dcn", None)
+    if not isinstance(data.get("description", ""), str):
+        raise ConfigError(f"{where}: description must be a string, got {data['description']!r}")
     return Strategy(name=path.stem, mesh=_mesh_sizes(mesh, where),
-                    options=make_options(dict(data.get("options", {})), where),
+                    options=make_options(dict(table(data, "options", where)), where),
                     description=str(data.get("description", "")),
                     dcn=tuple((a, s) for a, s in _mesh_sizes(dcn, where + " [mesh.dcn]") if s != 1) if dcn else ())
 

@@ -21,6 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import faults, validate
 from jaxpar.cost.flops import step_flops
+from jaxpar.cost.params import total_params
+from jaxpar.inputs import check_host_memory
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
@@ -51,6 +53,9 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
 
 
+STATE_BYTES_PER_PARAM = 16  # float32 parameter, gradient and two Adam moments
+
+
 class TrainState(NamedTuple):
     params: Any      # nnx.State of float32 master weights
     opt_state: Any
@@ -79,6 +84,11 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         self.strategy = strategy.resolved(len(devices))
         validate.check(model, self.strategy, batch=tc.batch, seq=tc.seq)
+        if all(d.platform == "cpu" for d in devices):  # simulated devices share this host's memory
+            check_host_memory(STATE_BYTES_PER_PARAM * total_params(model) + 3 * 4 * tc.batch * tc.seq
+                              + 4 * tc.batch * tc.seq * model.d_model * model.layers,
+                              f"training {model.name} (parameters, gradients, Adam moments, the batch and one "
+                              f"residual activation per layer) on batch={tc.batch} x seq={tc.seq}")
         self.model_cfg, self.tc = model, tc
         self.mesh = make_mesh(self.strategy, devices)
         self.layout = Layout(self.mesh, self.strategy)

@@ -12,11 +12,12 @@ Spec strings (the CLI's `--model`):
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
-import tomllib
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import read_toml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,23 +75,28 @@ class ModelConfig:
                 raise ConfigError(f"model {self.name}: {msg}")
         for f in ("layers", "d_model", "vocab", "max_seq"):
             need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
+        for f in ("rope_theta", "norm_eps"):
+            value = getattr(self, f)
+            need(math.isfinite(value) and value > 0, f"{f} must be a positive finite number, got {value}")
+        need(self.vocab <= 2**31 - 1, f"vocab must fit an int32 token id, got {self.vocab}")
         need(self.pattern != "" and set(self.pattern) <= {"A", "M"},
              f"pattern must be a non-empty string of 'A' (attention) and 'M' (Mamba), got {self.pattern!r}")
         need(self.layers % len(self.pattern) == 0,
              f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
         if "A" in self.pattern:
-            need(self.heads > 0 and self.kv_heads > 0 and self.head_dim > 0,
-                 f"heads, kv_heads, head_dim must be positive, got {self.heads}, {self.kv_heads}, {self.head_dim}")
+            for f in ("heads", "kv_heads", "head_dim", "mlp_dim"):
+                need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
             need(self.heads % self.kv_heads == 0,
                  f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
             need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
             need(self.mlp_type in ("swiglu", "gelu"), f"mlp_type must be swiglu or gelu, got {self.mlp_type!r}")
         if "M" in self.pattern:
+            for f in ("d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"):
+                need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
             need(self.d_inner % self.ssm_head_dim == 0,
                  f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner=expand*d_model={self.d_inner}")
             need(self.ssm_heads % self.ngroups == 0,
                  f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
-            need(self.d_conv >= 1 and self.chunk >= 1, f"d_conv={self.d_conv} and chunk={self.chunk} must be >= 1")
 
 
 # Published dimensions. LLaMA 3: Meta's model card / "The Llama 3 Herd of Models" (2024), table 3.
@@ -149,7 +155,8 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
     if isinstance(default, float) and isinstance(raw, int):
         return float(raw)
     if type(raw) is not type(default):
-        raise ConfigError(f"{where}: {key}={raw!r} must be a {type(default).__name__}")
+        kind = {int: "an integer", float: "a number", str: "a string"}[type(default)]
+        raise ConfigError(f"{where}: {key}={raw!r} must be {kind}")
     return raw
 
 
@@ -166,13 +173,10 @@ def parse_model(spec: str) -> ModelConfig:
     """`preset`, `preset:key=value,...` or a TOML path (see module docstring)."""
     if spec.endswith(".toml"):
         path = pathlib.Path(spec)
-        try:
-            data = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read model file {spec}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"model file {spec} is not valid TOML: {e}") from None
+        data = read_toml(path, "model")
         preset = data.pop("preset", None)
+        if preset is not None and not isinstance(preset, str):
+            raise ConfigError(f"{spec}: preset must be a preset name (a string), got {preset!r}")
         base = dict(PRESETS[preset]) if preset in PRESETS else {}
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"{spec}: unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -187,6 +191,8 @@ def parse_model(spec: str) -> ModelConfig:
             key, eq, value = item.partition("=")
             if not eq or not key.strip() or not value.strip():
                 raise ConfigError(f"malformed model override {item!r} in {spec!r}: expected key=value")
+            if key.strip() in overrides:
+                raise ConfigError(f"model spec {spec!r} sets {key.strip()} twice")
             overrides[key.strip()] = value
     cfg = from_preset(name, **overrides)
     return dataclasses.replace(cfg, name=spec)

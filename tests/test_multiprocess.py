@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, data
+from jaxpar import cli, data, faults
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.data import Synthetic, local_batch
 from jaxpar.errors import ConfigError
@@ -146,6 +146,18 @@ def test_launch_stops_the_others_when_one_process_dies():
         assert "jaxpar launch: " in err and "process 1 was killed by SIGKILL" in err and "stopping the other" in err
     finally:
         kill_all(launcher, children)
+
+
+def test_an_unexpected_error_in_one_process_stops_the_run_at_once(tmp_path):
+    """Process 1 raises after step 2 (faults.RAISE_AFTER_STEP): it prints its traceback and leaves with
+    status 1 (it used to wait 30 s in the shutdown barrier and abort with 134), and the launcher stops
+    process 0 and exits with that status."""
+    env = {**os.environ, faults.RAISE_AFTER_STEP: "2", faults.FAULT_PROCESS: "1"}
+    out = jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", *TRAIN, "--steps", "100000",
+                 "--mesh", "fsdp8", env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "jaxpar: error: process 1 failed: RuntimeError: test hook: an unexpected error after step 2" in out.stderr
+    assert "process 1 exited with code 1; stopping the other 1 process(es)" in out.stderr
 
 
 def wait_for_steps(launcher: subprocess.Popen, metrics, steps: int) -> None:

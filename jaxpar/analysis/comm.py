@@ -76,10 +76,11 @@ import numpy as np
 from jaxpar.analysis.patterns import dot_flops, scatter_like_all_reduces
 from jaxpar.analysis.tally import tally_compiled
 from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
+from jaxpar.devices import MAX_DEVICES
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import AXES, Strategy
 
-DEVICE_LIMIT = 2048  # XLA:CPU compiles SPMD programs for at most this many devices
+DEVICE_LIMIT = MAX_DEVICES  # XLA:CPU compiles SPMD programs for at most this many devices
 SHRINKABLE = ("data", "fsdp")  # outermost data-parallel axes, shrunk in this order
 
 

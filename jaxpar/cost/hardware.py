@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import tomllib
 
 from jaxpar.errors import ConfigError
+from jaxpar.inputs import number, parse_toml, read_toml, table
 
 PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "hardware"
 
@@ -59,22 +59,32 @@ def known_profiles() -> list[str]:
 
 def parse_hardware(text: str, where: str, default_name: str) -> Hardware:
     """Build a Hardware from TOML text with [device], [links] and [calibration] tables."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"hardware file {where} is not valid TOML: {e}") from None
+    return hardware_from_table(parse_toml(text, f"hardware file {where}"), where, default_name)
+
+
+def hardware_from_table(data: dict, where: str, default_name: str) -> Hardware:
     fields: dict = {"name": data.get("name", default_name), "notes": data.get("notes", "")}
+    for key in _TOP:
+        if not isinstance(fields[key], str):
+            raise ConfigError(f"{where}: {key} must be a string, got {fields[key]!r}")
     unknown = set(data) - set(_SECTIONS) - set(_TOP)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
                           f"expected {', '.join(_TOP)} and tables [{'], ['.join(_SECTIONS)}]")
+    types = {f.name: f.type for f in dataclasses.fields(Hardware)}
     for section, keys in _SECTIONS.items():
-        table = data.get(section, {})
-        extra = set(table) - set(keys)
+        values = table(data, section, where)
+        extra = set(values) - set(keys)
         if extra:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(extra))} in [{section}]; "
                               f"known: {', '.join(keys)}")
-        fields.update(table)
+        for key, value in values.items():
+            if types[key] == "bool":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{where}: [{section}] {key}={value!r} must be true or false")
+            else:
+                number(value, f"[{section}] {key}", where, integer_only=types[key] == "int", lo=0)
+        fields.update(values)
     missing = [f.name for f in dataclasses.fields(Hardware)
                if f.default is dataclasses.MISSING and f.name not in fields]
     if missing:
@@ -98,8 +108,4 @@ def load_hardware(name_or_path: str) -> Hardware:
         if not path.exists():
             raise ConfigError(f"unknown hardware {name_or_path!r}; known: {', '.join(known_profiles())} "
                               f"(or give a path to a TOML profile)")
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read hardware file {path}: {e.strerror}") from None
-    return parse_hardware(text, str(path), path.stem)
+    return hardware_from_table(read_toml(path, "hardware"), str(path), path.stem)

@@ -1,0 +1,190 @@
+"""The one validation layer for what comes in from outside: command-line values, config files, paths.
+
+Every failure is a ConfigError with one line naming the field, the value and the constraint, raised
+before anything compiles or trains. What is checked where:
+  - command-line numbers and paths: the parser's argument types below (jaxpar/cli.py), and
+    `check_outputs` for the files a command will write, before it runs;
+  - TOML files (mesh, model, hardware): `read_toml` (unreadable, not UTF-8, not TOML, not a table)
+    and `table` / `number` for the shape and type of each value;
+  - model fields: `ModelConfig.validate`; strategy options: `jaxpar.strategy.make_options`;
+    combinations of model, strategy and batch: jaxpar/validate.py;
+  - what this host can hold: `check_host_memory`, and jaxpar/devices.py for simulated devices.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import tomllib
+from typing import Any
+
+from jaxpar.errors import ConfigError
+
+MAX_SEED = 2**31 - 1
+MAX_CLUSTER_DEVICES = 2**20  # no cluster has more; the planner's search is sized for this
+
+
+# ---- command-line argument types (argparse names the flag in its one-line error) ----------------
+
+def integer(lo: int | None = None, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
+    """An argparse type: a finite float in [lo, hi] ((lo, hi] if open_lo)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if lo is not None and (value <= lo if open_lo else value < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if open_lo else '>='} {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+POSITIVE = integer(1)
+NON_NEGATIVE = integer(0)
+SEED = integer(0, MAX_SEED)
+
+
+def nonempty(text: str) -> str:
+    """An argparse type: a non-empty string (an empty path would silently mean 'none')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def png_path(text: str) -> str:
+    """An argparse type: a .png file to write (matplotlib would append .png to any other name)."""
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a .png file name")
+    return text
+
+
+# ---- paths ---------------------------------------------------------------------------------------
+
+def check_writable(path: str, what: str, *, directory: bool = False) -> None:
+    """`path` (a file, or a directory to create or fill) can be written: its nearest existing ancestor
+    is a writable directory, and nothing of the other kind is in the way."""
+    p = pathlib.Path(path)
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{what} {path} exists and is not a directory")
+    elif p.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file")
+    parent = p if directory and p.exists() else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path} cannot be written: {parent} is not writable")
+
+
+# flag -> (what it writes is a directory); checked by `check_outputs` before a command runs
+OUTPUTS = {"metrics": False, "json": False, "plot": False, "profile": True, "tensorboard": True}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    for name, directory in OUTPUTS.items():
+        path = getattr(args, name, None)
+        if path is not None:
+            check_writable(path, "--" + name, directory=directory)
+
+
+def check_readable_file(path: str, what: str) -> pathlib.Path:
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise ConfigError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file")
+    if not p.is_file():
+        raise ConfigError(f"{what} {path} is not a regular file (a FIFO, socket or device cannot be read as one)")
+    if not os.access(p, os.R_OK):
+        raise ConfigError(f"{what} {path}: permission denied")
+    return p
+
+
+# ---- TOML files ----------------------------------------------------------------------------------
+
+def read_toml(path: str | pathlib.Path, what: str) -> dict[str, Any]:
+    """A TOML file's top-level table; ConfigError for a file that is missing, unreadable, not UTF-8
+    or not TOML."""
+    p = check_readable_file(str(path), f"{what} file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    return parse_toml(text, f"{what} file {path}")
+
+
+def parse_toml(text: str, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}") from None
+
+
+def table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """data[key] as a table ({} if absent); ConfigError if it is a scalar, string or array."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: [{key}] must be a table of key = value lines, got {type(value).__name__} "
+                          f"{value!r}")
+    return value
+
+
+def number(value: Any, key: str, where: str, *, integer_only: bool = False, positive: bool = False,
+           lo: float | None = None, hi: float | None = None) -> float | int:
+    """A TOML number: the right type (never a bool), finite, in range."""
+    kinds = (int,) if integer_only else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ConfigError(f"{where}: {key}={value!r} must be {'an integer' if integer_only else 'a number'}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {key}={value!r} must be finite")
+    if positive and not value > 0:
+        raise ConfigError(f"{where}: {key}={value!r} must be positive")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where}: {key}={value!r} must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where}: {key}={value!r} must be <= {hi}")
+    return value
+
+
+# ---- this host -----------------------------------------------------------------------------------
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def check_host_memory(need: float, what: str) -> None:
+    """Refuse, before allocating, what cannot fit in this host's memory (simulated CPU devices all
+    share it)."""
+    have = host_memory_bytes()
+    if have and need > have:
+        raise ConfigError(f"{what} needs at least {need / 2**30:.1f} GiB, more than this host's "
+                          f"{have / 2**30:.1f} GiB of memory")
