@@ -126,7 +126,7 @@ class Checkpointer:
             flat = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"checkpoint step {step} in {self.dir} is corrupt or incomplete: "
-                              f"{type(e).__name__}: {str(e)[:300]}") from None
+                              f"{type(e).__name__}: {e}") from None
         state = unflatten(abstract, flat)
         now = trainer.strategy.describe()
         if meta.get("strategy") != now or meta.get("devices") != trainer.mesh.size:

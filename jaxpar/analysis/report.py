@@ -107,8 +107,12 @@ def plot(reports: Sequence[dict], path: str) -> None:
                        / scale for r in reports]
             panel.bar(names, heights, bottom=bottom, color=colors(i % 20), label=f"{kind} over {axes}")
             bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, top in enumerate(bottom):  # each bar's total just above it
+            panel.annotate(f"{top:.3g}", (x, top), xytext=(0, 3), textcoords="offset points", ha="center",
+                           fontsize=8)
         panel.set_title(field.replace("_", " ") + " per device per step")
         panel.tick_params(axis="x", rotation=30)
+    panels[0].set_ylim(0, 1.15 * biggest / scale or 1)  # headroom above the tallest bar for its label
     panels[0].set_ylabel(unit)
     panels[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(f"{reports[0]['model']}: collectives by kind and mesh axes")
