@@ -73,6 +73,28 @@ def test_mamba2_by_hand():
 def test_hybrid_pattern_counts_each_kind():
     m = from_preset("hybrid-tiny")          # MMMA x 1
     f = flops.step_flops(m, "none", 2, 16)
-    by = dict(f.by_block)
-    assert by["attention"] == pytest.approx(3 * flops.attention_block_flops(m, 2, 16).matmul)
-    assert by["mamba"] == pytest.approx(3 * 3 * flops.mamba_block_flops(m, 2, 16).matmul)
+    by = {name: mm for name, mm, _ in f.by_block}
+    attention = by["attention qkvo"] + by["attention scores"] + by["mlp"]
+    assert attention == pytest.approx(3 * flops.attention_block_flops(m, 2, 16).matmul)
+    assert by["mamba mixer"] == pytest.approx(3 * 3 * flops.mamba_block_flops(m, 2, 16).matmul)
+
+
+def test_flops_by_part_sum_to_the_step_and_match_a_hand_count():
+    """The estimate's FLOPs split (attention projections, scores, MLP, Mamba mixer, norms, embedding and
+    head) adds up to the step's model FLOPs, and each part equals its hand count for llama-tiny."""
+    from jaxpar.cost.flops import step_flops
+    from jaxpar.models.config import parse_model
+    for name in ("llama3-70b", "hybrid-tiny", "mamba2-tiny"):
+        m = parse_model(name)
+        f = step_flops(m, "none", 8, 128, causal=True)
+        assert sum(mm for _, mm, _ in f.by_block) == pytest.approx(f.model, rel=1e-12)
+    m = parse_model("llama-tiny")  # d=64, 16 heads x 8, 8 kv heads, f=128, V=256, 2 layers
+    b, s = 4, 32
+    t = b * s
+    parts = {name: (mm, other) for name, mm, other in step_flops(m, "none", b, s, causal=False).by_block}
+    assert parts["attention qkvo"][0] == 3 * 2 * (2 * t * 64 * (128 + 2 * 64) + 2 * t * 128 * 64)
+    assert parts["attention scores"][0] == 3 * 2 * (4 * b * s * s * 128)
+    assert parts["mlp"][0] == 3 * 2 * (6 * t * 64 * 128)
+    assert parts["embedding+head"][0] == 3 * 2 * t * 64 * 256
+    assert parts["norms"] == (0.0, 3 * 4 * t * 64 * (2 * 2 + 1))  # 2 per layer + the final one
+    assert "mamba mixer" not in parts

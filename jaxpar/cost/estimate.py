@@ -75,7 +75,7 @@ class Estimate:
             "totals": {"count": sum(c.count for c in colls), "bytes": sum(c.bytes for c in colls),
                        "wire_bytes": round(sum(c.wire_bytes for c in colls))},
             "flops_per_step": self.flops.model, "hardware_flops_per_step": self.flops.hardware,
-            "flops_by_block": dict(self.flops.by_block),
+            "flops_by_block": {name: mm for name, mm, _ in self.flops.by_block},
             "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
             "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                        "activations": mem.activations, "total": mem.total},

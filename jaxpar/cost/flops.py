@@ -140,7 +140,7 @@ class StepFlops:
     layers: float       # model FLOPs of all layers (the part the pipeline splits)
     head: float         # model FLOPs of embedding + head (not split by the pipeline axis)
     recompute: float    # recomputed matmul FLOPs
-    by_block: tuple[tuple[str, float], ...]  # model FLOPs per block kind
+    by_block: tuple[tuple[str, float, float], ...]  # (part, model matmul FLOPs, elementwise FLOPs)
 
 
 def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
@@ -182,11 +182,17 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool 
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
     rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs)
     fwd = attn + mamba + head
-    blocks = (("attention", attn.matmul * TRAIN_FACTOR), ("mamba", mamba.matmul * TRAIN_FACTOR),
-              ("head", head.matmul * TRAIN_FACTOR))
+    t, a, k = tokens, m.attention_layers, m.mamba_layers
+    parts = (("attention qkvo", attention_projection_flops(m, t) * a),
+             ("attention scores", attention_core_flops(m, batch, seq, causal) * a),
+             ("mlp", mlp_flops(m, t) * a),
+             ("mamba mixer", (mamba_block_flops(m, batch, seq) + rmsnorm_flops(m.d_model, t) * -1) * k),
+             ("norms", rmsnorm_flops(m.d_model, t) * (2 * a + k + 1)),
+             ("embedding+head", head + rmsnorm_flops(m.d_model, t) * -1))
+    blocks = tuple((name, f.matmul * TRAIN_FACTOR, f.other * TRAIN_FACTOR) for name, f in parts)
     return StepFlops(model=fwd.matmul * TRAIN_FACTOR,
                      hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul,
                      elementwise=fwd.other * TRAIN_FACTOR + rec.other,
                      layers=(attn.matmul + mamba.matmul) * TRAIN_FACTOR,
                      head=head.matmul * TRAIN_FACTOR, recompute=rec.matmul,
-                     by_block=tuple(b for b in blocks if b[1] > 0))
+                     by_block=tuple(b for b in blocks if b[1] > 0 or b[2] > 0))

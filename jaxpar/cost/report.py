@@ -24,11 +24,12 @@ def format_estimate(est: Estimate) -> str:
             lines.append(f"  {name:<15} {_secs(t):>12}  {t / total:6.1%}")
     if est.time.data_total > est.time.data:
         lines.append(f"  (data comm {_secs(est.time.data_total)} before overlap with compute)")
-    lines += ["", f"FLOPs per step (model {est.flops.model:.3e}, hardware {est.flops.hardware:.3e}):"]
-    for name, f in est.flops.by_block:
-        lines.append(f"  {name:<15} {f:.3e}  {f / est.flops.model:6.1%}")
+    lines += ["", f"FLOPs per step (model {est.flops.model:.3e}, hardware {est.flops.hardware:.3e}):",
+              f"  {'part':<17} {'matmul':>10} {'of model':>9} {'elementwise':>12}"]
+    for name, mm, other in est.flops.by_block:
+        lines.append(f"  {name:<17} {mm:>10.3e} {mm / est.flops.model:>9.1%} {other:>12.3e}")
     if est.flops.recompute:
-        lines.append(f"  {'recompute':<15} {est.flops.recompute:.3e}")
+        lines.append(f"  {'recompute':<17} {est.flops.recompute:>10.3e}")
     lines += ["", "collectives per device per step:",
               f"  {'kind':<19} {'axes':<22} {'phase':<10} {'count':>8} {'bytes':>12} {'wire':>12}"]
     for c in sorted(est.collectives, key=lambda c: -c.wire_bytes):
