@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -170,6 +171,9 @@ def join_cluster(args) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxpar import distributed  # noqa: PLC0415
+
+    if argv is None and hasattr(signal, "SIGPIPE"):  # `jaxpar estimate ... | head`: stop quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
     try:
         args = build_parser().parse_args(argv)
