@@ -24,10 +24,11 @@ import sys
 import time
 
 from jaxpar import distributed
-from jaxpar.devices import with_device_count
+from jaxpar.devices import MAX_DEVICES, with_device_count
 from jaxpar.errors import ConfigError
 
 MULTI_PROCESS_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--devices")
+MAX_PROCESSES = 64  # each local process is a whole JAX runtime
 
 
 def free_port() -> int:
@@ -63,6 +64,12 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
         raise ConfigError("launch cannot launch itself")
     if processes < 1 or devices_per_process < 1:
         raise ConfigError(f"--processes={processes} and --devices-per-process={devices_per_process} must be >= 1")
+    if processes > MAX_PROCESSES:
+        raise ConfigError(f"--processes {processes}: jaxpar launch starts at most {MAX_PROCESSES} local processes "
+                          "(each is a whole JAX runtime on this host)")
+    if processes * devices_per_process > MAX_DEVICES:
+        raise ConfigError(f"--processes {processes} x --devices-per-process {devices_per_process} = "
+                          f"{processes * devices_per_process} devices: XLA:CPU simulates at most {MAX_DEVICES}")
     for flag in MULTI_PROCESS_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in command):
             raise ConfigError(f"{flag} is set by launch (--processes, --devices-per-process); remove it from the command")

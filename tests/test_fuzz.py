@@ -199,6 +199,8 @@ def file_cases(tmp: pathlib.Path):
     yield ["nonsense"], ["invalid choice: 'nonsense'"]
     yield ["launch", "--processes", "2"], ["launch needs a command after --"]
     yield ["launch", "--processes", "2", "--", "launch"], ["launch cannot launch itself"]
+    yield set_flag(BASE["launch"], "--processes", "10000"), ["at most 64 local processes"]
+    yield set_flag(BASE["launch"], "--devices-per-process", "4096"), ["XLA:CPU simulates at most 2048"]
 
 
 CASES = [*flag_cases(), *model_cases(), *option_cases()]
