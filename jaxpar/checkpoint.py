@@ -12,13 +12,21 @@ In a multi-process run every process calls save and restore with its own shards 
 arrays; orbax writes them collectively into one directory (which all hosts must see: a shared file
 system or a bucket) and process 0 writes the metadata.
 
+Every save also writes a CRC-32 per array (per saved slice) into the `meta` item, and every restore
+checks them: see jaxpar/checkpoint_integrity.py for the scheme and what a multi-process run checks.
+
 Odd cases, each with a clear outcome:
   - resume with no checkpoint          -> fresh start, and `restore` says so
   - model config differs               -> ConfigError naming the field and both values
-  - a checkpoint that cannot be read   -> ConfigError; an interrupted (half-written) save is never
-                                          listed, because orbax writes to a temporary directory and
+  - a checkpoint that cannot be read, or whose arrays do not match their checksums
+                                       -> DamagedCheckpoint (a ConfigError) naming the step, the array
+                                          and, where it can be told, the file, plus the older steps there
+                                          and how to ask for one (`restore(step=N)`, `--resume-step N`):
+                                          nothing falls back to an older checkpoint by itself
+  - an interrupted (half-written) save -> never listed: orbax writes to a temporary directory and
                                           renames it only when complete
   - a directory written by something else -> ConfigError (no `jaxpar.json` marker)
+  - a directory that cannot be written -> ConfigError before any training
   - a crash (SIGKILL) mid-training     -> resume from the newest complete checkpoint: at most K
                                           steps lost, plus the step during which a save was written
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -33,9 +42,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxpar import faults
+from jaxpar.checkpoint_integrity import DamagedCheckpoint, checksums, read_error, verify
 from jaxpar.errors import ConfigError
 
 MARKER = "jaxpar.json"
+SET_ASIDE = "set-aside"  # newer checkpoints moved out of the way when resuming from an older step
 FORMAT = {"format": "jaxpar-checkpoint", "version": 1}
 
 
@@ -72,11 +83,23 @@ class Checkpointer:
             if not ok:
                 raise ConfigError(f"--ckpt-dir {self.dir} is not empty and was not written by jaxpar "
                                   f"(no {MARKER}); refusing to write or read checkpoints there")
-        if fresh and jax.process_index() == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.dir / f".{MARKER}.tmp"
-            tmp.write_text(json.dumps(FORMAT))
-            tmp.rename(self.dir / MARKER)  # atomic: another process never reads half a marker
+        nearest = self.dir
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise ConfigError(f"--ckpt-dir {self.dir} cannot be written: {nearest} is not writable")
+        if jax.process_index() == 0:
+            try:  # os.access says yes to root even on a read-only mount: a real write decides
+                self.dir.mkdir(parents=True, exist_ok=True)
+                tmp = self.dir / (f".{MARKER}.tmp" if fresh else f".write-test.{os.getpid()}")
+                tmp.write_text(json.dumps(FORMAT))
+                if fresh:
+                    tmp.rename(self.dir / MARKER)  # atomic: another process never reads half a marker
+                else:
+                    tmp.unlink()
+            except OSError as e:
+                raise ConfigError(f"--ckpt-dir {self.dir} cannot be written: {e.strerror or e} "
+                                  f"({e.filename or self.dir})") from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils  # noqa: PLC0415
             multihost_utils.sync_global_devices("jaxpar checkpoint directory ready")
@@ -90,12 +113,14 @@ class Checkpointer:
         self.manager.wait_until_finished()
         if not force and (self.every <= 0 or step % self.every):
             return False
+        flat = flatten(state)
         meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
-                "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),
-                                                         meta=ocp.args.JsonSave(meta)))
+                "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size,
+                "checksums": checksums(flat)}  # every process takes part (one all-gather)
+        saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
+                                                                 meta=ocp.args.JsonSave(meta)))
         faults.after_save_started(step)
-        return True
+        return bool(saved)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -104,20 +129,42 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-    # ---- restore -------------------------------------------------------------------------------
+    # ---- restore ----------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The complete checkpoints' steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
     def restore(self, trainer, step: int | None = None):
-        """(state, step, message) from the newest complete checkpoint, on `trainer`'s mesh;
-        (None, 0, message) if there is none."""
-        step = self.latest_step() if step is None else step
+        """(state, step, message) from checkpoint `step` (default: the newest complete one), on
+        `trainer`'s mesh; (None, 0, message) if there is none. A damaged checkpoint raises
+        DamagedCheckpoint naming it and the older steps one may ask for instead."""
+        steps = self.steps()
         if step is None:
-            return None, 0, f"no checkpoint in {self.dir}: starting from scratch"
+            if not steps:
+                return None, 0, f"no checkpoint in {self.dir}: starting from scratch"
+            step = steps[-1]
+        elif step not in steps:
+            raise ConfigError(f"--resume-step {step}: no complete checkpoint of step {step} in {self.dir}; "
+                              f"it holds {_listing(steps)}")
+        try:
+            return self._restore(trainer, step)
+        except DamagedCheckpoint as e:
+            older = [s for s in steps if s < step]
+            hint = (f"Older checkpoints there: {_listing(older)}; to resume from one, add --resume-step "
+                    f"{older[-1]} (nothing falls back to an older checkpoint unasked)." if older else
+                    "There is no older checkpoint to fall back to.")
+            raise DamagedCheckpoint(f"{e}{'' if str(e).endswith(('.', '?')) else '.'} {hint}") from None
+
+    def _restore(self, trainer, step: int):
+        where = f"checkpoint step {step} in {self.dir}"
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
-            raise ConfigError(f"checkpoint step {step} in {self.dir} cannot be read: {type(e).__name__}: {e}") from None
+            raise DamagedCheckpoint(f"{where} cannot be read: its metadata: "
+                                    f"{read_error(e, [], self.dir / str(step))}") from None
         check_model(meta.get("model", {}), dataclasses.asdict(trainer.model_cfg), step)
         abstract = trainer.abstract_state()
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
@@ -125,8 +172,13 @@ class Checkpointer:
         try:
             flat = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"checkpoint step {step} in {self.dir} is corrupt or incomplete: "
-                              f"{type(e).__name__}: {e}") from None
+            raise DamagedCheckpoint(f"{where} is corrupt or incomplete: "
+                                    f"{read_error(e, list(target), self.dir / str(step))}") from None
+        if "checksums" in meta:
+            verify(flat, meta["checksums"], where)
+            note = ""
+        else:
+            note = " (written without checksums: not verified)"
         state = unflatten(abstract, flat)
         now = trainer.strategy.describe()
         if meta.get("strategy") != now or meta.get("devices") != trainer.mesh.size:
@@ -134,7 +186,43 @@ class Checkpointer:
                    f"{meta.get('devices')} devices to {now} on {trainer.mesh.size} devices")
         else:
             msg = f"restored step {step} from {self.dir} ({now})"
-        return state, step, msg
+        return state, step, msg + note
+
+    # ---- housekeeping (every process calls these; process 0 changes the files) ------------------
+    def set_aside_after(self, step: int) -> list[pathlib.Path]:
+        """Move the checkpoints newer than `step` into DIR/set-aside/ (kept, not deleted), so a run
+        resumed from `step` saves its own steps there again. Returns where they went."""
+        moved = []
+        for s in (s for s in self.steps() if s > step):
+            dest = self.dir / SET_ASIDE / str(s)
+            n = 1
+            while dest.exists():
+                n += 1
+                dest = self.dir / SET_ASIDE / f"{s}.{n}"
+            moved.append(dest)
+            if jax.process_index() == 0:
+                dest.parent.mkdir(exist_ok=True)
+                (self.dir / str(s)).rename(dest)
+        self._sync_and_reload("set aside")
+        return moved
+
+    def delete_all(self) -> list[int]:
+        """Delete every checkpoint in the directory (--overwrite-ckpt). Returns their steps."""
+        steps = self.steps()
+        for s in steps:
+            self.manager.delete(s)
+        self._sync_and_reload("deleted")
+        return steps
+
+    def _sync_and_reload(self, what: str) -> None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+            multihost_utils.sync_global_devices(f"jaxpar checkpoints {what}")
+        self.manager.reload()
+
+
+def _listing(steps: list[int]) -> str:
+    return "no checkpoints" if not steps else f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
 
 def check_model(saved: dict, current: dict, step: int) -> None:

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-keep", type=POSITIVE, default=3, help="keep the newest N checkpoints")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir, "
                    "on this run's mesh and strategy (resharding as needed)")
+    t.add_argument("--resume-step", type=NON_NEGATIVE, metavar="N", help="with --resume: restore step N, not the "
+                   "newest (e.g. when the newest is damaged); newer checkpoints are moved to CKPT_DIR/set-aside/")
+    t.add_argument("--overwrite-ckpt", action="store_true", help="a fresh run (no --resume) deletes the "
+                   "checkpoints already in --ckpt-dir (without it, it refuses to start)")
     t.add_argument("--stop-after", type=POSITIVE, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)

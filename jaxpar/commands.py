@@ -19,10 +19,21 @@ def cmd_train(args) -> int:
     from jaxpar import distributed  # noqa: PLC0415
     from jaxpar.data import make_source  # noqa: PLC0415
     from jaxpar.metrics import Sinks  # noqa: PLC0415
-    from jaxpar.train import Preempted, TrainConfig, Trainer, train  # noqa: PLC0415
+    from jaxpar.train import Preempted, PreemptionNotice, TrainConfig, Trainer, train  # noqa: PLC0415
     from jaxpar.models.config import parse_model  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
+    # checkpoint flags, before anything is built
+    overwrite, resume_step = getattr(args, "overwrite_ckpt", False), getattr(args, "resume_step", None)
+    # (an empty --ckpt-dir and --stop-after < 1 are refused by the parser's types: jaxpar/inputs.py)
+    for flag, given in (("--resume", args.resume), ("--overwrite-ckpt", overwrite)):
+        if given and args.ckpt_dir is None:
+            raise ConfigError(f"{flag} needs --ckpt-dir")
+    if args.resume and overwrite:
+        raise ConfigError("--resume and --overwrite-ckpt contradict each other: --overwrite-ckpt deletes the "
+                          "checkpoints --resume would continue from")
+    if resume_step is not None and not args.resume:
+        raise ConfigError(f"--resume-step {resume_step} needs --resume")
     model = parse_model(args.model)
     strategy = strategy_from_args(args)
     tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
@@ -37,15 +48,33 @@ def cmd_train(args) -> int:
         peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size
     ckpt = state = None
     start = 0
-    if args.resume and not args.ckpt_dir:
-        raise ConfigError("--resume needs --ckpt-dir")
-    if args.ckpt_dir:
+    stop = min(args.stop_after or args.steps, args.steps)
+    if args.ckpt_dir is not None:
         from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
         ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
+        if not args.resume and (found := ckpt.steps()):
+            if not overwrite:
+                raise ConfigError(f"--ckpt-dir {ckpt.dir} already holds checkpoints of steps "
+                                  f"{', '.join(map(str, found))}; add --resume to continue from step {found[-1]}, "
+                                  "or --overwrite-ckpt to delete them and start afresh")
+            ckpt.delete_all()
+            if main:
+                print(f"--overwrite-ckpt: deleted the checkpoints of steps {', '.join(map(str, found))} in {ckpt.dir}")
         if args.resume:
-            state, start, message = ckpt.restore(trainer)
+            state, start, message = ckpt.restore(trainer, resume_step)
             if main:
                 print(message)
+            if start >= stop:
+                limit = f"--steps {args.steps}" if stop == args.steps else f"--stop-after {args.stop_after}"
+                if main:
+                    print(f"nothing to do: checkpoint step {start} >= {limit}")
+                ckpt.close()
+                sinks.close()
+                return 0
+            if moved := ckpt.set_aside_after(start):
+                if main:
+                    print(f"newer checkpoints moved aside (kept, not deleted), as this run will write those steps "
+                          f"again: {', '.join(map(str, moved))}")
     if main:
         print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
         print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
@@ -72,15 +101,17 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
 
     try:
-        state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
-                      checkpointer=ckpt)
+        with PreemptionNotice():  # SIGTERM: finish the step, save (with --ckpt-dir), exit 143
+            state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
+                          checkpointer=ckpt)
         if ckpt is not None:
             done = min(args.stop_after or args.steps, args.steps)
             if done > start and (args.ckpt_every <= 0 or done % args.ckpt_every):
                 ckpt.maybe_save(done, state, trainer, force=True)
             ckpt.close()
     except Preempted as stopped:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         if main:
             print(f"\n{stopped}")
         return 128 + 15  # as if terminated by SIGTERM: the scheduler sees an unfinished run

@@ -236,27 +236,57 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
                            "step_time_s": dt, "tokens_per_s": tokens / dt, "model_flops_per_s": flops / dt})
         if checkpointer is not None:
             checkpointer.maybe_save(step + 1, state, trainer)
-            if preempted(step + 1):
+        if preempted(step + 1):
+            if checkpointer is not None:
                 checkpointer.maybe_save(step + 1, state, trainer, force=True)
                 checkpointer.wait()
-                raise Preempted(step + 1)
+            raise Preempted(step + 1, saved=checkpointer is not None)
         faults.after_step(step + 1)
     return state
 
 
 class Preempted(Exception):
-    """Training stopped at a preemption notice, after saving a checkpoint of `step` completed steps."""
+    """Training stopped at a preemption notice after `step` completed steps (checkpointed if `saved`)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted: checkpoint of step {step} saved; rerun with --resume to continue")
+    def __init__(self, step: int, saved: bool = True):
+        super().__init__(f"preempted: checkpoint of step {step} saved; rerun with --resume to continue" if saved
+                         else f"preempted after step {step}: nothing was saved (no --ckpt-dir)")
         self.step = step
+        self.saved = saved
+
+
+class PreemptionNotice:
+    """`with PreemptionNotice():` around training turns SIGTERM into a notice that `preempted` reads
+    after each step, in a single-process run (the previous handler is restored on exit). A multi-process
+    run needs nothing here: jax.distributed's preemption service already catches SIGTERM."""
+    _received = False
+
+    def __enter__(self):
+        import signal  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+        self.installed = jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
+        PreemptionNotice._received = False
+        if self.installed:
+            self.previous = signal.signal(signal.SIGTERM, PreemptionNotice._notice)
+        return self
+
+    @staticmethod
+    def _notice(signum, frame) -> None:
+        PreemptionNotice._received = True
+
+    def __exit__(self, *exc) -> None:
+        import signal  # noqa: PLC0415
+        if self.installed:  # None: the previous handler was not set from Python; the default is closest
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
+        PreemptionNotice._received = False
 
 
 def preempted(step: int) -> bool:
     """Whether a preemption notice (SIGTERM to any process: SLURM, a TPU maintenance event, `jaxpar
     launch` forwarding a signal) has reached every process by this step. JAX's preemption sync
-    manager agrees on the step across processes, so all of them save the same checkpoint and stop."""
+    manager agrees on the step across processes, so all of them save the same checkpoint and stop.
+    In one process, the notice is a SIGTERM caught by `PreemptionNotice`."""
     if jax.process_count() == 1:
-        return False
+        return PreemptionNotice._received
     from jax.experimental import multihost_utils  # noqa: PLC0415
     return multihost_utils.reached_preemption_sync_point(step)
