@@ -5,6 +5,7 @@ by the parser's types (jaxpar/inputs.py), configs by their loaders, combinations
 from __future__ import annotations
 
 import json
+import math
 
 from jaxpar.errors import ConfigError
 
@@ -96,6 +97,9 @@ def cmd_train(args) -> int:
         if peak_flops:
             m["mfu"] = m["model_flops_per_s"] / peak_flops
         sinks.write(m)
+        if not math.isfinite(m["loss"]):  # never report a diverged run as a success
+            raise ConfigError(f"training diverged: loss is {m['loss']} at step {step} (lr={args.lr}); "
+                              "no checkpoint was written from this step")
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")

@@ -100,3 +100,17 @@ def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path,
     assert f"--tensorboard {tmp_path / 'file'} exists and is not a directory" in capsys.readouterr().err
     assert cli.main([*args, "--metrics", str(tmp_path)]) == 2
     assert "is a directory, not a file" in capsys.readouterr().err
+
+
+def test_a_diverged_run_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
+    """A non-finite loss stops the run with exit 2 naming the step (the step itself is stubbed to
+    return NaN: nothing here depends on what makes a real run diverge)."""
+    from jaxpar import cli
+    from jaxpar.train import Trainer
+    monkeypatch.setattr(Trainer, "step", lambda self, state, batch: (state, {"loss": float("nan"), "grad_norm": 0.0}))
+    code = cli.main(["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "3", "--batch", "8", "--seq",
+                     "16", "--no-progress", "--ckpt-dir", str(tmp_path / "ck")])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == ("jaxpar: error: training diverged: loss is nan at step 0 (lr=0.003); "
+                                               "no checkpoint was written from this step")
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.isdigit()]
