@@ -40,6 +40,7 @@ def cmd_train(args) -> int:
     tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
                      warmup=args.warmup)
     trainer = Trainer(model, strategy, tc)
+    trainer.check_host_memory()
     source = make_source(args.data, model.vocab, args.seed)
     main = distributed.is_main()
     sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
@@ -94,7 +95,7 @@ def cmd_train(args) -> int:
             jax.profiler.start_trace(args.profile)
         if args.profile and step == 4:
             jax.profiler.stop_trace()
-        if peak_flops:
+        if peak_flops and "model_flops_per_s" in m:  # (none for MoE models: see jaxpar.train.train)
             m["mfu"] = m["model_flops_per_s"] / peak_flops
         sinks.write(m)
         if not math.isfinite(m["loss"]):  # never report a diverged run as a success

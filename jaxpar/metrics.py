@@ -1,7 +1,11 @@
 """Where `jaxpar train` writes its per-step metrics: a JSONL file, TensorBoard event files, or both.
 
 Each step's record is {step, loss, grad_norm, step_time_s, tokens_per_s, model_flops_per_s} and, when
-`--hardware` names a device, `mfu` (model FLOP/s over the devices' peak). JSONL keeps every field at
+`--hardware` names a device, `mfu` (model FLOP/s over the devices' peak). A model with mixture-of-experts
+layers adds its router statistics, each averaged over the MoE layers (models/moe.py): `moe_aux_loss`
+(the load-balancing loss, 1 when balanced), `moe_z_loss`, `moe_dropped_fraction` (token copies over
+capacity), `moe_load_max` / `moe_load_min` (the busiest / idlest expert's copies over the mean); it has
+no `model_flops_per_s` or `mfu` (the cost model counts no MoE layers yet). JSONL keeps every field at
 full precision; TensorBoard gets the same scalars under `train/` through tensorboardX (TensorBoard's
 event format without TensorFlow), so a run is watched as a MaxText, Levanter or torchtitan run is:
 `tensorboard --logdir DIR`. Only process 0 writes.
@@ -14,7 +18,8 @@ import pathlib
 from jaxpar.errors import ConfigError
 from jaxpar.inputs import check_writable
 
-SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu")
+SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu", "moe_aux_loss",
+           "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
 
 
 class Sinks:

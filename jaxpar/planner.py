@@ -7,7 +7,7 @@ that violate a constraint (jaxpar.validate.check, the same checks a run makes) o
 memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimate).
 
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
-<= 16); the expert axis is not searched (no MoE models yet); pipeline micro-batches M = 4 * stages
+<= 16); the expert axis is not searched (the cost model counts no MoE layers yet: MoE models are refused); pipeline micro-batches M = 4 * stages
 when the batch allows it; circular schedules are not searched; gradient accumulation gives
 per-device micro-batches of 1, 2, 4 or the whole local batch.
 """
@@ -19,6 +19,7 @@ import math
 
 from jaxpar import validate
 from jaxpar.cost import estimate
+from jaxpar.cost.estimate import check_modelled
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.errors import ConfigError
 from jaxpar.strategy import AXES, Options, Strategy
@@ -64,6 +65,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
          top: int = 10) -> tuple[list, int, int]:
     """(best estimates, candidates considered, candidates that were valid)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    check_modelled(model)
     if seq > model.max_seq:
         raise ConfigError(f"seq={seq} must be between 1 and the model's max_seq={model.max_seq}")
     max_tensor = min(hw.devices_per_node or 16, devices)

@@ -9,6 +9,7 @@ Follow one parameter from the model to the devices:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -21,7 +22,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import faults, validate
 from jaxpar.cost.flops import step_flops
-from jaxpar.cost.params import total_params
 from jaxpar.inputs import check_host_memory
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
@@ -29,6 +29,7 @@ from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_la
 from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
+from jaxpar.models.moe import AUX_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +85,16 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         self.strategy = strategy.resolved(len(devices))
         validate.check(model, self.strategy, batch=tc.batch, seq=tc.seq)
-        if all(d.platform == "cpu" for d in devices):  # simulated devices share this host's memory
-            check_host_memory(STATE_BYTES_PER_PARAM * total_params(model) + 3 * 4 * tc.batch * tc.seq
-                              + 4 * tc.batch * tc.seq * model.d_model * model.layers,
-                              f"training {model.name} (parameters, gradients, Adam moments, the batch and one "
-                              f"residual activation per layer) on batch={tc.batch} x seq={tc.seq}")
+        self.run = run_config(self.strategy)
+        abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))  # nothing allocated
+        self.graphdef, abstract_params = nnx.split(abstract)
         self.model_cfg, self.tc = model, tc
+        self.extra_metrics = AUX_FIELDS if "E" in model.pattern else ()  # what `_loss` reports beside the loss
         self.mesh = make_mesh(self.strategy, devices)
         self.layout = Layout(self.mesh, self.strategy)
-        self.run = run_config(self.strategy)
         self.optimizer = make_optimizer(tc)
         self.order = token_order(self.strategy, tc.seq)
 
-        abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))
-        self.graphdef, abstract_params = nnx.split(abstract)
         self.param_shardings = param_shardings(abstract_params, self.layout)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         self.opt_shardings = optimizer_shardings(abstract_opt, abstract_params, self.layout)
@@ -110,8 +107,22 @@ class Trainer:
         self.abstract_params = abstract_params
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self._grads = jax.jit(jax.value_and_grad(self._loss), in_shardings=(self.param_shardings, self.batch_sharding),
+        self._grads = jax.jit(lambda p, b: self._loss_and_grads(p, b)[::2],
+                              in_shardings=(self.param_shardings, self.batch_sharding),
                               out_shardings=(replicated, self.param_shardings))
+
+    def check_host_memory(self) -> None:
+        """Refuse, before allocating, a run that cannot fit this host when its devices are simulated CPU
+        devices (they share the host's memory). Analysis from shapes (`jaxpar comm`) allocates nothing
+        and does not call this."""
+        if not all(d.platform == "cpu" for d in self.mesh.devices.flat):
+            return
+        m, tc = self.model_cfg, self.tc
+        n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params))
+        check_host_memory(STATE_BYTES_PER_PARAM * n_params + 3 * 4 * tc.batch * tc.seq
+                          + 4 * tc.batch * tc.seq * m.d_model * m.layers,
+                          f"training {m.name} (parameters, gradients, Adam moments, the batch and one "
+                          f"residual activation per layer) on batch={tc.batch} x seq={tc.seq}")
 
     # ---- state --------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -132,27 +143,35 @@ class Trainer:
         return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step))
 
     # ---- the step -----------------------------------------------------------------------------
-    def _loss(self, params, batch) -> jax.Array:
+    def _loss(self, params, batch) -> tuple[jax.Array, dict]:
+        """(loss, extra metrics): the router statistics of MoE layers (models/moe.py), else none."""
         with use_layout(self.layout):
             dt = jnp.dtype(self.run.dtype)
             if dt != jnp.float32:
                 params = jax.tree.map(lambda p: p.astype(dt), params)
             model = nnx.merge(self.graphdef, params)
             x = model.embed(batch["inputs"])
-            x = self.apply_stack(model, x, batch["positions"])
-            return model.loss(x, batch["labels"])
+            x, aux = self.apply_stack(model, x, batch["positions"])
+            loss = model.loss(x, batch["labels"], aux=aux)
+            if aux is None:
+                return loss, {}
+            from jaxpar.models.moe import aux_metrics  # noqa: PLC0415
+            return loss, aux_metrics(self.model_cfg, aux)
 
-    def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """The layer stack: a plain scan, or a pipeline schedule over the `pipeline` axis."""
+    def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The layer stack: a plain scan, or a pipeline schedule over the `pipeline` axis (no MoE
+        layers there: jaxpar.validate refuses them), and the MoE layers' auxiliary vector or None."""
         if self.strategy.size("pipeline") > 1:
             from jaxpar.pipeline import pipelined_stack  # noqa: PLC0415
-            return pipelined_stack(model, x, positions, self.strategy, self.layout)
-        return model.apply_stack(x, positions)
+            return pipelined_stack(model, x, positions, self.strategy, self.layout), None
+        return model.apply_stack_aux(x, positions)
 
     def _loss_and_grads(self, params, batch):
+        """(loss, extra metrics, gradients); under accumulation each is the micro-batches' mean."""
         accum = self.strategy.options.grad_accum
         if accum == 1:
-            return jax.value_and_grad(self._loss)(params, batch)
+            (loss, extra), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+            return loss, extra, grads
 
         # Micro-batch k takes rows k, k+A, k+2A, ...: a reshape that keeps each micro-batch's
         # rows on the devices that already hold them.
@@ -160,22 +179,24 @@ class Trainer:
             return jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
 
         def body(carry, micro):
-            loss_sum, grad_sum = carry
-            loss, grads = jax.value_and_grad(self._loss)(params, micro)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            loss_sum, extra_sum, grad_sum = carry
+            (loss, extra), grads = jax.value_and_grad(self._loss, has_aux=True)(params, micro)
+            return (loss_sum + loss, jax.tree.map(jnp.add, extra_sum, extra),
+                    jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), jax.tree.map(split, batch))
-        return loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        extra0 = {name: jnp.zeros((), jnp.float32) for name in self.extra_metrics}
+        (loss, extra, grads), _ = jax.lax.scan(body, (jnp.zeros(()), extra0, zeros), jax.tree.map(split, batch))
+        return loss / accum, jax.tree.map(lambda m: m / accum, extra), jax.tree.map(lambda g: g / accum, grads)
 
     def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        loss, grads = self._loss_and_grads(state.params, batch)
+        loss, extra, grads = self._loss_and_grads(state.params, batch)
         with jax.named_scope("optimizer"):
             grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm}
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm, **extra}
 
     # ---- public API ---------------------------------------------------------------------------
     def batch(self, source, step: int) -> dict[str, jax.Array]:
@@ -224,7 +245,9 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
     state = trainer.init_state() if state is None else state
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
-    flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
+    # the cost model counts no MoE layers yet: no model FLOPs (nor MFU) for a model with them
+    moe = "E" in trainer.model_cfg.pattern
+    flops = None if moe else step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
     for step in range(start, stop):
         batch = trainer.batch(source, step)
         t0 = time.perf_counter()
@@ -232,8 +255,12 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
         loss = float(metrics["loss"])  # blocks until the step is done
         dt = time.perf_counter() - t0
         if on_step is not None:
-            on_step(step, {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                           "step_time_s": dt, "tokens_per_s": tokens / dt, "model_flops_per_s": flops / dt})
+            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                      "step_time_s": dt, "tokens_per_s": tokens / dt}
+            if flops is not None:
+                record["model_flops_per_s"] = flops / dt
+            record.update((k, float(v)) for k, v in metrics.items() if k not in record)
+            on_step(step, record)
         if checkpointer is not None:
             checkpointer.maybe_save(step + 1, state, trainer)
         if preempted(step + 1):

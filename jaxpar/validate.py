@@ -67,10 +67,13 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
 
     # --- tensor parallelism -----------------------------------------------------------------
     _divides("tensor", tp, "vocab", model.vocab)
-    if "A" in model.pattern:
+    if model.has_attention:
         _divides("tensor", tp, "heads", model.heads)
         _divides("tensor", tp, "kv_heads", model.kv_heads)
+    if "A" in model.pattern:
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
+    if "E" in model.pattern:
+        check_moe(model, strategy)
     if "M" in model.pattern:
         check_mamba(model, tensor=tp, context=cp, seq=seq, cp_layout=o.cp_layout)
     if o.sequence_parallel and tp == 1:
@@ -79,7 +82,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
         _divides("context x tensor", cp * tp, "seq", seq)
 
     # --- context parallelism ------------------------------------------------------------------
-    if "A" in model.pattern and (cp > 1 or o.attention != "dense"):
+    if model.has_attention and (cp > 1 or o.attention != "dense"):
         check_context_parallel(seq, cp, o.cp_layout, o.attention, model.heads, model.kv_heads, tp)
     elif cp > 1:
         _divides("context", cp, "seq", seq)
@@ -143,6 +146,35 @@ def check_mamba(cfg: ModelConfig, tensor: int, context: int, seq: int, cp_layout
         if seq // pieces < cfg.d_conv - 1:
             raise ConfigError(f"seq={seq} split into {pieces} pieces ({desc}) gives {seq // pieces} tokens "
                               f"per piece, fewer than the conv halo d_conv-1 = {cfg.d_conv - 1}")
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------
+
+def check_moe(model: ModelConfig, strategy: Strategy) -> None:
+    """A model with MoE blocks on a strategy (jaxpar/ops/moe.py, models/moe.py). The `expert` axis is
+    also a batch axis, so the batch's divisibility is checked with the others in `check`."""
+    tp = strategy.size("tensor")
+    if model.top_k > model.experts:
+        raise ConfigError(f"top_k={model.top_k} must be <= experts={model.experts}")
+    check_expert_parallel(model.experts, strategy.size("expert"))
+    # (the shared experts' width, shared_experts x expert_mlp_dim, is then divisible too)
+    _divides("tensor", tp, "expert_mlp_dim" if model.expert_mlp_dim else "expert_mlp_dim (= mlp_dim)",
+             model.moe_mlp_dim)
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"pipeline={strategy.size('pipeline')} with mixture-of-experts layers is not supported "
+                          f"yet (model {model.name}, pattern={model.pattern!r}): the pipeline does not carry the "
+                          "auxiliary router losses; use the expert, data, fsdp and tensor axes")
+    if model.capacity_factor > 0 and strategy.size("context") > 1 and strategy.options.cp_layout == "zigzag":
+        raise ConfigError(f"capacity_factor={model.capacity_factor} with cp_layout=zigzag: capacity drops tokens in "
+                          "sequence order, and the zigzag layout permutes the sequence, so other tokens would be "
+                          "dropped than on one device; use cp_layout=contiguous or a dropless model "
+                          "(capacity_factor=0)")
+
+
+def check_expert_parallel(experts: int, expert_axis: int) -> None:
+    """Experts split evenly over the `expert` mesh axis (jaxpar.ops.moe)."""
+    if expert_axis > 1 and experts % expert_axis:
+        raise ConfigError(f"expert={expert_axis} does not divide experts={experts}")
 
 
 # ---- pipeline ------------------------------------------------------------------------------------

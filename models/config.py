@@ -2,7 +2,9 @@
 
 A model is a stack of `layers` blocks. `pattern` says which block each layer is and is repeated
 to fill the stack: "A" is a LLaMA-style attention block (GQA attention + MLP), "M" is a Mamba-2
-block. So a transformer has pattern "A", a pure Mamba-2 model "M", and a hybrid e.g. "MMMA".
+block, "E" an attention block whose MLP is a mixture of experts (models/moe.py). So a transformer has
+pattern "A", a pure Mamba-2 model "M", a hybrid e.g. "MMMA", an all-MoE transformer "E", one that
+alternates dense and MoE layers "AE", and a Jamba-style hybrid "MMME".
 
 Spec strings (the CLI's `--model`):
     llama-tiny                          a preset
@@ -29,8 +31,8 @@ class ModelConfig:
     max_seq: int = 256
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    pattern: str = "A"  # A = attention block, M = Mamba-2 block; repeated to fill `layers`
-    # attention blocks
+    pattern: str = "A"  # A = attention block, M = Mamba-2 block, E = attention + MoE; repeated to fill `layers`
+    # attention blocks (A and E)
     heads: int = 8
     kv_heads: int = 8
     head_dim: int = 8
@@ -44,6 +46,16 @@ class ModelConfig:
     ssm_head_dim: int = 16
     ngroups: int = 1
     chunk: int = 16
+    # mixture-of-experts blocks (E)
+    experts: int = 0              # routed experts
+    top_k: int = 2                # experts per token
+    expert_mlp_dim: int = 0       # each expert's SwiGLU width; 0 = mlp_dim
+    shared_experts: int = 0       # always-on experts (DeepSeek), one SwiGLU of shared_experts * expert width
+    router: str = "softmax"       # softmax | sigmoid (DeepSeek-V3) scores over the experts
+    router_norm: bool = True      # renormalise the top-k weights to sum to 1
+    capacity_factor: float = 0.0  # 0 = dropless; > 0: per sequence and expert, ceil(cf * seq * top_k / experts)
+    aux_loss_coef: float = 0.01   # load balancing (Switch / GShard): experts * sum_e f_e * p_e
+    z_loss_coef: float = 0.001    # router z-loss (ST-MoE): mean(logsumexp(logits)^2)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -58,6 +70,20 @@ class ModelConfig:
     @property
     def mamba_layers(self) -> int:
         return self.units * self.pattern.count("M")
+
+    @property
+    def moe_layers(self) -> int:
+        return self.units * self.pattern.count("E")
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether some block has attention (A and E blocks)."""
+        return "A" in self.pattern or "E" in self.pattern
+
+    @property
+    def moe_mlp_dim(self) -> int:
+        """One expert's SwiGLU width (expert_mlp_dim, or mlp_dim when that is 0)."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     @property
     def d_inner(self) -> int:
@@ -79,11 +105,12 @@ class ModelConfig:
             value = getattr(self, f)
             need(math.isfinite(value) and value > 0, f"{f} must be a positive finite number, got {value}")
         need(self.vocab <= 2**31 - 1, f"vocab must fit an int32 token id, got {self.vocab}")
-        need(self.pattern != "" and set(self.pattern) <= {"A", "M"},
-             f"pattern must be a non-empty string of 'A' (attention) and 'M' (Mamba), got {self.pattern!r}")
+        need(self.pattern != "" and set(self.pattern) <= {"A", "M", "E"},
+             "pattern must be a non-empty string of 'A' (attention), 'M' (Mamba) and 'E' (attention + "
+             f"mixture of experts), got {self.pattern!r}")
         need(self.layers % len(self.pattern) == 0,
              f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
-        if "A" in self.pattern:
+        if self.has_attention:
             for f in ("heads", "kv_heads", "head_dim", "mlp_dim"):
                 need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
             need(self.heads % self.kv_heads == 0,
@@ -97,11 +124,33 @@ class ModelConfig:
                  f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner=expand*d_model={self.d_inner}")
             need(self.ssm_heads % self.ngroups == 0,
                  f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
+        if "E" in self.pattern:
+            self._validate_moe(need)
+
+    def _validate_moe(self, need) -> None:
+        need(self.experts >= 1, f"experts must be >= 1 with 'E' in the pattern, got {self.experts}")
+        need(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
+        need(self.top_k <= self.experts, f"top_k={self.top_k} must be <= experts={self.experts}")
+        need(self.expert_mlp_dim >= 0, f"expert_mlp_dim must be >= 0 (0 = mlp_dim), got {self.expert_mlp_dim}")
+        need(self.shared_experts >= 0, f"shared_experts must be >= 0, got {self.shared_experts}")
+        need(self.router in ("softmax", "sigmoid"), f"router must be softmax or sigmoid, got {self.router!r}")
+        for f in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, f)
+            need(math.isfinite(value) and value >= 0, f"{f} must be a finite number >= 0, got {value}")
 
 
 # Published dimensions. LLaMA 3: Meta's model card / "The Llama 3 Herd of Models" (2024), table 3.
 # GPT-3 175B: Brown et al. 2020 table 2.1; vocab padded to 51200 as Megatron-LM does (50257 -> x128).
 # Mamba-2: Dao & Gu 2024, the state-spaces/mamba2-* checkpoints' configs (vocab padded to 50280).
+# Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts", and mistralai/Mixtral-8x7B-v0.1 config.json
+# (router_aux_loss_coef 0.02, no z-loss). DeepSeek-V3: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report"
+# section 4.2, and deepseek-ai/DeepSeek-V3 config.json: 61 layers, d 7168, 1 shared + 256 routed experts
+# of width 2048, top-8, sigmoid scores normalised over the top 8, sequence-wise balance loss 1e-4; pre-training
+# context 4K. Here every layer is MoE, though the real model's first 3 layers are dense (width 18432), and
+# its multi-head latent attention is plain GQA with 128 heads x 128 (128 kv heads); node-limited routing,
+# the bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5 and multi-token prediction
+# are left out. Qwen3-30B-A3B: Qwen Team 2025, "Qwen3 Technical Report", and Qwen/Qwen3-30B-A3B
+# config.json (norm_topk_prob, router_aux_loss_coef 0.001; its per-head q/k RMSNorm is left out).
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(layers=2, d_model=64, heads=16, kv_heads=8, head_dim=8, mlp_dim=128,
                        vocab=256, max_seq=256),
@@ -126,6 +175,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hybrid-tiny": dict(pattern="MMMA", layers=4, d_model=64, heads=8, kv_heads=4, head_dim=8,
                         mlp_dim=128, vocab=256, max_seq=256, d_state=16, d_conv=4, expand=2,
                         ssm_head_dim=16, ngroups=2, chunk=16),
+    "moe-tiny": dict(pattern="E", layers=2, d_model=64, heads=8, kv_heads=4, head_dim=8, mlp_dim=128,
+                     experts=8, top_k=2, expert_mlp_dim=32, vocab=256, max_seq=256),
+    "mixtral-8x7b": dict(pattern="E", layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128,
+                         mlp_dim=14336, experts=8, top_k=2, expert_mlp_dim=14336, vocab=32000,
+                         max_seq=32768, rope_theta=1_000_000.0, aux_loss_coef=0.02, z_loss_coef=0.0),
+    "deepseek-v3-moe": dict(pattern="E", layers=61, d_model=7168, heads=128, kv_heads=128, head_dim=128,
+                            mlp_dim=18432, experts=256, top_k=8, shared_experts=1, expert_mlp_dim=2048,
+                            router="sigmoid", router_norm=True, vocab=129280, max_seq=4096, norm_eps=1e-6,
+                            aux_loss_coef=0.0001, z_loss_coef=0.0),
+    "qwen3-30b-a3b": dict(pattern="E", layers=48, d_model=2048, heads=32, kv_heads=4, head_dim=128,
+                          mlp_dim=6144, experts=128, top_k=8, expert_mlp_dim=768, vocab=151936,
+                          max_seq=32768, rope_theta=1_000_000.0, norm_eps=1e-6, aux_loss_coef=0.001,
+                          z_loss_coef=0.0),
+    "jamba-tiny": dict(pattern="MMME", layers=4, d_model=64, heads=8, kv_heads=4, head_dim=8, mlp_dim=128,
+                       experts=4, top_k=2, expert_mlp_dim=64, vocab=256, max_seq=256, d_state=16, d_conv=4,
+                       expand=2, ssm_head_dim=16, ngroups=2, chunk=16),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(ModelConfig)}

@@ -54,9 +54,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class MLP(nnx.Module):
     """SwiGLU (w_gate, w_up, w_down) or GeLU (w_up, w_down); column- then row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.mlp_dim
-        self.run, self.gated = run, cfg.mlp_type == "swiglu"
+    def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs, width: int | None = None,
+                 gated: bool | None = None):
+        d, f = cfg.d_model, cfg.mlp_dim if width is None else width
+        self.run, self.gated = run, cfg.mlp_type == "swiglu" if gated is None else gated
         if self.gated:
             self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std=d ** -0.5)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), std=d ** -0.5)

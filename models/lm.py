@@ -1,12 +1,17 @@
 """A decoder-only language model: embedding, a scanned stack of units, final norm, LM head.
 
-A *unit* is one repetition of `cfg.pattern` ("A" attention block, "M" Mamba-2 block). The units'
-parameters are stacked on a leading `layers` axis (created with nnx.vmap) and applied with
-`jax.lax.scan`, so a 126-layer model compiles one unit body; the pipeline splits the same stack
-across stages.
+A *unit* is one repetition of `cfg.pattern` ("A" attention block, "M" Mamba-2 block, "E" attention +
+mixture-of-experts block). The units' parameters are stacked on a leading `layers` axis (created
+with nnx.vmap) and applied with `jax.lax.scan`, so a 126-layer model compiles one unit body; the
+pipeline splits the same stack across stages.
 
 The public pieces, so that pipeline parallelism can replace the middle:
     embed(tokens) -> x          apply_stack(x, positions) -> x          loss(x, labels) -> scalar
+
+MoE blocks also return their auxiliary losses and router statistics (models/moe.py: a float32
+vector per block). A unit sums its blocks' vectors; the scan emits one per unit as its per-iteration
+output (stacked [units, n], no carry), and `apply_stack_aux` sums them. `loss(x, labels, aux=...)`
+adds the weighted auxiliary losses.
 """
 from __future__ import annotations
 
@@ -24,20 +29,28 @@ from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 def block_class(kind: str):
     if kind == "A":
         return AttentionBlock
+    if kind == "E":
+        from jaxpar.models.moe import MoEBlock  # noqa: PLC0415
+        return MoEBlock
     from jaxpar.models.mamba import MambaBlock  # noqa: PLC0415
     return MambaBlock
 
 
 class Unit(nnx.Module):
-    """One repetition of the pattern: its blocks applied in order."""
+    """One repetition of the pattern: its blocks applied in order. Returns (x, the sum of its MoE
+    blocks' auxiliary vectors, or None when it has none)."""
 
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in cfg.pattern])
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        aux = None
         for block in self.blocks:
             x = block(x, positions)
-        return x
+            if isinstance(x, tuple):  # a MoE block: (x, auxiliary vector)
+                x, a = x
+                aux = a if aux is None else aux + a
+        return x, aux
 
 
 REMAT_POLICIES = {
@@ -79,11 +92,16 @@ class LM(nnx.Module):
         return constrain(x, RESIDUAL)
 
     def apply_stack(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        graphdef, stacked = nnx.split(self.units)
-        x, _ = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
-        return x
+        return self.apply_stack_aux(x, positions)[0]
 
-    def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    def apply_stack_aux(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks)."""
+        graphdef, stacked = nnx.split(self.units)
+        x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
+        return x, None if aux is None else jnp.sum(aux, axis=0)
+
+    def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
+             aux: jax.Array | None = None) -> jax.Array:
         """Mean token cross-entropy, vocab-parallel: logits stay sharded on `act_vocab`, the
         log-sum-exp and the label logit are reductions over vocab (all-reduces when it is
         sharded), so no device ever holds the full [b, s, vocab] logits."""
@@ -96,15 +114,22 @@ class LM(nnx.Module):
         label_logit = jnp.sum(logits * constrain(one_hot, ("batch", "seq", "act_vocab")), axis=-1)
         nll = lse - label_logit
         if weights is None:
-            return jnp.mean(nll)
-        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+            loss = jnp.mean(nll)
+        else:
+            loss = jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+        if aux is not None:
+            from jaxpar.models.moe import aux_loss  # noqa: PLC0415
+            loss = loss + aux_loss(self.cfg, aux)
+        return loss
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, labels: jax.Array) -> jax.Array:
-        return self.loss(self.apply_stack(self.embed(tokens), positions), labels)
+        x, aux = self.apply_stack_aux(self.embed(tokens), positions)
+        return self.loss(x, labels, aux=aux)
 
 
 def unit_step(graphdef, policy: str, positions: jax.Array):
-    """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy)."""
+    """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy).
+    Returns (x, the unit's MoE auxiliary vector or None) as (carry, per-unit output)."""
     def step(x, unit_state):
-        return nnx.merge(graphdef, unit_state)(x, positions), None
+        return nnx.merge(graphdef, unit_state)(x, positions)
     return remat(step, policy)

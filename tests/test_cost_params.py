@@ -17,7 +17,10 @@ from jaxpar.cost import params
 from jaxpar.models.config import parse_model
 from jaxpar.models.lm import LM
 
-MODELS = ["llama-tiny", "llama-tiny:mlp_type=gelu,tie_embeddings=true", "mamba2-tiny", "hybrid-tiny:layers=8"]
+NO_MOE = pytest.mark.skip(reason="the cost model does not count MoE layers yet (jaxpar.cost.estimate refuses "
+                                  "MoE models); models/moe.py's weights are not in jaxpar/cost/params.py")
+MODELS = ["llama-tiny", "llama-tiny:mlp_type=gelu,tie_embeddings=true", "mamba2-tiny", "hybrid-tiny:layers=8",
+          pytest.param("moe-tiny", marks=NO_MOE), pytest.param("jamba-tiny", marks=NO_MOE)]
 
 
 def model_arrays(cfg) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -57,6 +57,10 @@ NOT_MODELLED = {
     "dp2-fsdp2-tp2": EMBEDDING_RESHARD,
     "fsdp4-tp2-sp": EMBEDDING_RESHARD + "; and under remat=full each layer's two norm weights are gathered "
                     "over fsdp once more in the rematerialised forward (4 gathers per layer backward, not 2)",
+    "fsdp2-ep4": "the embedding lookup with the table's model dim on fsdp and the batch on fsdp x expert (fsdp the "
+                 "outer batch axis): the SPMD partitioner does not take the looked-up rows back to batch sharding "
+                 "by the predicted all-to-all over fsdp; it replicates them ('involuntary full rematerialization') "
+                 "and reduces over fsdp x expert instead (dense models too; not modelled)",
     "pp2-tp2-dp2": "bytes match, counts but one: the combiner leaves the head's gradient all-reduce over data "
                    "apart from the embedding's and final norm's (2 ops after the loop, predicted 1), an "
                    "order-of-scheduling choice the model does not make",

@@ -34,6 +34,12 @@ def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
     ("llama-tiny", "data=2,fsdp=4", 4, 32, "batch=4 is not divisible by the data-parallel size data=2xfsdp=4 (8)"),
     ("llama-tiny", "data=8", 16, 512, "seq=512 must be between 1 and the model's max_seq=256"),
     ("llama-tiny:d_model=60", "fsdp=8", 16, 32, "fsdp=8 does not divide d_model=60"),
+    ("moe-tiny:experts=6", "data=2,expert=4", 16, 32, "expert=4 does not divide experts=6"),
+    ("moe-tiny:expert_mlp_dim=30", "expert=2,tensor=4", 16, 32, "tensor=4 does not divide expert_mlp_dim=30"),
+    ("moe-tiny:expert_mlp_dim=0,mlp_dim=6", "data=2,tensor=4", 16, 32,
+     "tensor=4 does not divide expert_mlp_dim (= mlp_dim)=6"),
+    ("moe-tiny", "expert=8", 12, 32, "batch=12 is not divisible by the data-parallel size expert=8 (8)"),
+    ("moe-tiny", "pipeline=2,expert=4", 16, 32, "pipeline=2 with mixture-of-experts layers is not supported yet"),
 ])
 def test_strategy_constraints(model, mesh, batch, seq, message):
     raises_naming(message, build, model, mesh, batch, seq)
@@ -77,6 +83,9 @@ def test_mesh_file_errors(tmp_path):
     ("llama-tiny:layerz=4", "unknown model field 'layerz'"),
     ("llama-tiny:layers=four", "layers='four' is not a valid int"),
     ("llama-tiny:heads=16,kv_heads=6", "kv_heads=6 does not divide heads=16"),
+    ("moe-tiny:top_k=9", "top_k=9 must be <= experts=8"),
+    ("llama-tiny:pattern=E", "experts must be >= 1 with 'E' in the pattern, got 0"),
+    ("moe-tiny:capacity_factor=nan", "capacity_factor must be a finite number >= 0, got nan"),
 ])
 def test_model_spec_errors(spec, message):
     raises_naming(message, parse_model, spec)

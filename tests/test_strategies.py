@@ -2,6 +2,8 @@
 
 The reference is the same model on one device from the same parameters and the same batch:
 loss and every gradient leaf agree to rtol 1e-5, and a 10-step training trajectory to 1e-4.
+Expert-parallel strategies (expert > 1) run moe-tiny, whose experts they split; with a dense model
+the `expert` axis is one more batch axis (tests/test_cost_vs_hlo.py walks them on llama-tiny).
 """
 import numpy as np
 import pytest
@@ -11,17 +13,23 @@ from tests import harness
 
 MODEL = "llama-tiny"
 PIPELINE_MODEL = "llama-tiny:layers=8"  # stages x repeats must divide the layer units
+MOE_MODEL = "moe-tiny"
 
 
 def model_for(mesh: str) -> str:
-    return PIPELINE_MODEL if parse_strategy(mesh).size("pipeline") > 1 else MODEL
+    strategy = parse_strategy(mesh)
+    if strategy.size("expert") > 1:
+        return MOE_MODEL
+    return PIPELINE_MODEL if strategy.size("pipeline") > 1 else MODEL
+
+
 EIGHT_DEVICE = [s.name for s in catalogue() if s.num_devices == 8]
 
 
 def test_catalogue_has_the_foundation_strategies():
     for name in ("dp8", "zero1-dp8", "fsdp8", "tp8", "dp2-tp4", "tp4-sp", "dp2-fsdp2-tp2", "fsdp4-tp2-sp",
                  "cp8-ring", "cp4-tp2-ring", "dp2-cp4-zigzag", "cp8-allgather", "pp4-dp2", "pp2-tp2-dp2",
-                 "pp4-circular"):
+                 "pp4-circular", "ep8", "dp2-ep4", "ep4-tp2", "fsdp2-ep4"):
         assert name in EIGHT_DEVICE
 
 

@@ -114,3 +114,12 @@ def test_a_diverged_run_is_an_error_not_a_success(tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().err.strip() == ("jaxpar: error: training diverged: loss is nan at step 0 (lr=0.003); "
                                                "no checkpoint was written from this step")
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.isdigit()]
+
+
+def test_the_host_memory_guard_is_for_training_not_for_analysis():
+    """A 70B model on 8 simulated devices is refused for training (it cannot fit this host), but the
+    same Trainer builds from shapes, as `jaxpar comm --abstract` needs (it allocates nothing)."""
+    from jaxpar.errors import ConfigError
+    trainer = Trainer(parse_model("llama3-70b"), parse_strategy("dp8"), TrainConfig(batch=8, seq=64))
+    with pytest.raises(ConfigError, match="training llama3-70b .* needs at least .* GiB, more than this host's"):
+        trainer.check_host_memory()

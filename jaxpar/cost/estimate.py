@@ -104,11 +104,20 @@ def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq
     return passes * tokens * (total + logits)
 
 
+def check_modelled(model: ModelConfig) -> None:
+    """The analytic model counts attention and Mamba-2 blocks; a model with other blocks is refused
+    rather than given numbers that leave them out."""
+    if "E" in model.pattern:
+        raise ConfigError(f"model {model.name}: the cost model does not model MoE layers yet (pattern="
+                          f"{model.pattern!r}); `jaxpar comm` compiles a MoE step and measures its collectives")
+
+
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
              software: Software = JAXPAR) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
     Memory uses jaxpar's own activation inventory (what JAX's autodiff keeps) for jaxpar, Korthikanti's
     for other software. Divisibility is not checked here (jaxpar.validate.check does it once)."""
+    check_modelled(model)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     st, m = strategy, model
     dropout, causal = software.dropout, software.causal

@@ -1,0 +1,190 @@
+"""Mixture-of-experts dispatch: token copies to their experts and back, locally or expert-parallel.
+
+The model routes (models/moe.py: router, top-k, weights); this kernel moves and computes:
+
+    x        [g, s, d]     tokens, g groups (sequences) of s tokens
+    ids      [g, s, k]     each token's k distinct experts (int32)
+    weights  [g, s, k]     their combine weights (float32)
+    w_gate, w_up [E, d, f], w_down [E, f, d]     E stacked SwiGLU experts
+    ->  y [g, s, d] = sum_j weights[..., j] * kept[..., j] * FFN_{ids[..., j]}(x),   kept [g, s, k]
+
+Capacity. Each group (sequence) gives each expert at most C token copies:
+    dropless (capacity_factor = 0)   C = s: nothing is dropped (a token visits an expert at most once);
+    capacity (capacity_factor > 0)   C = min(s, ceil(capacity_factor * s * k / E)).
+Copies queue for an expert in a fixed order, first choices first (GShard): every token's choice 1 in
+token order, then every token's choice 2, ...; copies past the first C of the queue are dropped
+(kept = False: they contribute nothing, the residual carries the token on). The order is the token
+order the model sees (under the zigzag context layout, the permuted one), so the drops of a
+sequence do not depend on how the batch is split over devices.
+
+Buffers. Copies go to fixed-size buffers [E, C, d] per group, slot = position in the expert's queue
+(a scatter-add; dropped copies land in a spare slot that is cut off), the experts run as one batched
+matmul over [E, ...], and a gather brings each copy's output back to its token. Under dropless the
+buffers hold the worst case, s rows per expert (E/k times the copies that exist): exact and static,
+which is what XLA needs; capacity mode shrinks them to about capacity_factor x the copies.
+
+Expert parallelism. With the layout's `experts` axes (the `expert` mesh axis) of size n > 1, the
+kernel runs in `jax.shard_map` over the whole mesh. Tokens are sharded over the batch axes (which
+include `expert`) and the sequence over `context`; every shard routes its own tokens into buffers
+[E, g*C_loc, d] (C_loc = min(s_loc, C): a shard holds s_loc tokens of a sequence), viewed as
+[n, E/n, g*C_loc, d]: one `all_to_all` over `expert` sends block i to the shard that owns experts
+[i*E/n, (i+1)*E/n), the owner applies its experts to what every shard sent, and a second
+`all_to_all` returns the outputs, which are combined with the router weights where the tokens
+live. Under tensor parallelism the experts' `mlp` dim is split over `tensor` (column- then
+row-parallel): each rank's output is a partial sum, reduced by one psum over `tensor` after the
+combine (which is linear, so the psum moves [tokens, d], not the buffers). Under context parallelism
+a sequence's queue spans the context shards: each shard all-gathers every shard's per-(choice,
+expert) counts (g*k*E integers) to place its copies in the sequence's queue. Autodiff transposes
+each all_to_all into an all_to_all backward; gradients of the experts replicated over data, fsdp or
+context are summed by shard_map (check_vma). ragged_all_to_all is not used (XLA:CPU lacks it).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import validate
+from jaxpar.sharding import current_layout
+
+
+def group_capacity(seq: int, top_k: int, experts: int, capacity_factor: float) -> int:
+    """C: copies an expert takes from one group of `seq` tokens (dropless: seq)."""
+    if capacity_factor == 0:
+        return seq
+    return max(1, min(seq, math.ceil(capacity_factor * seq * top_k / experts)))
+
+
+def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU of each expert's rows: xs [..., E, R, d] with w [E, d, f], [E, f, d] -> [..., E, R, d]."""
+    gate = jnp.einsum("...erd,edf->...erf", xs, w_gate)
+    up = jnp.einsum("...erd,edf->...erf", xs, w_up)
+    return jnp.einsum("...erf,efd->...erd", jax.nn.silu(gate) * up, w_down)
+
+
+# ---- the queue -----------------------------------------------------------------------------------
+
+def queue_slots(ids: jax.Array, experts: int, capacity: int, context_axes: tuple[str, ...] = ()):
+    """(slot, kept), both [g, s, k]: a copy's row in this shard's buffer of its (group, expert), and
+    whether its place in the sequence's queue (first choices first, then token order) is < capacity.
+
+    Inside a shard_map over a sequence split on `context_axes`, the queue runs over every shard's
+    tokens in shard order: the place adds the copies that earlier shards queue before it. A shard's
+    kept copies of one (group, expert) are a prefix of its own queue, so its slots stay < min(s, C).
+    """
+    onehot = jax.nn.one_hot(jnp.swapaxes(ids, 1, 2), experts, dtype=jnp.int32)   # [g, k, s, E]
+    within = jnp.sum((jnp.cumsum(onehot, axis=2) - onehot) * onehot, axis=-1)     # [g, k, s]
+    counts = onehot.sum(axis=2)                                                    # [g, k, E]
+
+    def before(c):  # copies of the same (group, expert) in earlier choices: [g, k, E] -> [g, k, s]
+        earlier = jnp.cumsum(c, axis=1) - c
+        return jnp.sum(earlier[:, :, None, :] * onehot, axis=-1)
+
+    slot = before(counts) + within
+    if context_axes:
+        every = jax.lax.all_gather(counts, context_axes)                          # [c, g, k, E]
+        me = jax.lax.axis_index(context_axes)
+        earlier_shards = jnp.sum(jnp.where((jnp.arange(every.shape[0]) < me)[:, None, None, None], every, 0), 0)
+        place = before(every.sum(0)) + jnp.sum(earlier_shards[:, :, None, :] * onehot, axis=-1) + within
+    else:
+        place = slot
+    return jnp.swapaxes(slot, 1, 2), jnp.swapaxes(place < capacity, 1, 2)
+
+
+def _dispatch_group(x, ids, slot, kept, experts: int, cap: int):
+    """One group: x [s, d] -> buffers [E, cap, d] (dropped copies go to a spare row, cut off)."""
+    s, d = x.shape
+    row = jnp.where(kept, slot, cap)
+    copies = jnp.broadcast_to(x[:, None, :], (s, ids.shape[-1], d))
+    return jnp.zeros((experts, cap + 1, d), x.dtype).at[ids, row].add(copies)[:, :cap]
+
+
+def _combine_group(out, ids, slot, kept, weights):
+    """One group: expert outputs [E, cap, d] -> [s, d], weighted by the router (float32 sum)."""
+    cap = out.shape[1]
+    out = jnp.pad(out, ((0, 0), (0, 1), (0, 0)))          # the spare row: zeros for dropped copies
+    picked = out[ids, jnp.where(kept, slot, cap)]         # [s, k, d]
+    w = jnp.where(kept, weights, 0.0).astype(jnp.float32)
+    return jnp.einsum("skd,sk->sd", picked.astype(jnp.float32), w)
+
+
+_dispatch = jax.vmap(_dispatch_group, in_axes=(0, 0, 0, 0, None, None))
+_combine = jax.vmap(_combine_group)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+
+def local_moe(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, context_axes: tuple[str, ...] = ()):
+    """Every expert on this device (or XLA-partitioned on the global view): dispatch, FFN, combine."""
+    experts = w_gate.shape[0]
+    cap = min(x.shape[1], capacity)
+    slot, kept = queue_slots(ids, experts, capacity, context_axes)
+    buffers = _dispatch(x, ids, slot, kept, experts, cap)                  # [g, E, cap, d]
+    out = expert_ffn(buffers, w_gate, w_up, w_down)
+    return _combine(out, ids, slot, kept, weights).astype(x.dtype), kept
+
+
+def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: int, capacity: int, n: int,
+                           expert_axes, context_axes, tensor_axes):
+    """One shard: its tokens' copies out to the experts' owners and back (two all_to_alls)."""
+    g, s, d = x.shape
+    cap = min(s, capacity)
+    x = _varying(x, tensor_axes)
+    slot, kept = queue_slots(ids, experts, capacity, context_axes)
+    buffers = _dispatch(x, ids, slot, kept, experts, cap)                  # [g, E, cap, d]
+    send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
+    received = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # [source, E/n, g*cap, d]
+    out = expert_ffn(received, w_gate, w_up, w_down)                       # partial over `tensor`
+    back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)         # [owner, E/n, g*cap, d]
+    back = jnp.swapaxes(back.reshape(experts, g, cap, d), 0, 1)
+    y = _combine(back, ids, slot, kept, weights).astype(x.dtype)
+    if tensor_axes:
+        y = jax.lax.psum(y, tensor_axes)
+    return y, kept
+
+
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0):
+    """y, kept for tokens x [g, s, d] (see the module docstring), on the layout in force.
+
+    No layout, or one whose `experts` axes have size 1: `local_moe` on the global view (XLA
+    partitions it over the batch and `tensor`), except that a sequence split over `context` runs
+    per shard in shard_map (its queue needs the other shards' counts). `experts` axes > 1: expert
+    parallelism in shard_map.
+    """
+    experts, k = w_gate.shape[0], ids.shape[-1]
+    capacity = group_capacity(x.shape[1], k, experts, capacity_factor)
+    layout = current_layout()
+    if layout is None or (layout.size("experts") == 1 and layout.size("seq") == 1):
+        return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity)
+    n = layout.size("experts")
+    validate.check_expert_parallel(experts, n)
+    expert_axes, batch_axes, seq_axes = layout.axes("experts"), layout.axes("batch"), layout.axes("seq")
+    tensor_axes = layout.axes("mlp")
+    tokens = P(_dim(batch_axes), _dim(seq_axes))
+    w_in, w_out = P(_dim(expert_axes), None, _dim(tensor_axes)), P(_dim(expert_axes), _dim(tensor_axes))
+    if n == 1:
+        def shard(x, ids, weights, w_gate, w_up, w_down):
+            y, kept = local_moe(_varying(x, tensor_axes), ids, weights, w_gate, w_up, w_down, capacity=capacity,
+                                context_axes=seq_axes)
+            return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
+    else:
+        def shard(x, ids, weights, w_gate, w_up, w_down):
+            return _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, experts=experts,
+                                          capacity=capacity, n=n, expert_axes=_dim(expert_axes),
+                                          context_axes=seq_axes, tensor_axes=tensor_axes)
+    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                         out_specs=(tokens, tokens), check_vma=True)(x, ids, weights, w_gate, w_up, w_down)
+
+
+def _varying(x: jax.Array, tensor_axes: tuple[str, ...]) -> jax.Array:
+    """The tokens, marked as varying over `tensor` where the experts' width is split: the backward
+    all-reduce over `tensor` then sums the tokens' gradient [g, s, d] (a column-parallel layer's
+    input gradient), not that of the E-times-larger dispatch buffers."""
+    return jax.lax.pcast(x, tensor_axes, to="varying") if tensor_axes else x
+
+
+def _dim(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
