@@ -110,9 +110,8 @@ def cmd_train(args) -> int:
             state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
                           checkpointer=ckpt)
         if ckpt is not None:
-            done = min(args.stop_after or args.steps, args.steps)
-            if done > start and (args.ckpt_every <= 0 or done % args.ckpt_every):
-                ckpt.maybe_save(done, state, trainer, force=True)
+            if stop > start and (args.ckpt_every <= 0 or stop % args.ckpt_every):
+                ckpt.maybe_save(stop, state, trainer, force=True)
             ckpt.close()
     except Preempted as stopped:
         if ckpt is not None:
@@ -173,10 +172,7 @@ def analysis_devices(args, strategies) -> int:
     if getattr(args, "multi_process", False):  # every process's devices, compiled in each process
         import jax  # noqa: PLC0415
         return jax.device_count()
-    if args.devices:
-        if args.devices > DEVICE_LIMIT:
-            raise ConfigError(f"--devices {args.devices}: XLA:CPU compiles for at most {DEVICE_LIMIT} devices; "
-                              "give the full mesh sizes instead and it is analysed at reduced data parallelism")
+    if args.devices:  # already simulated by cli.main (which refuses more than devices.MAX_DEVICES)
         return args.devices
     for s in strategies:
         if s.num_devices < 1:

@@ -27,29 +27,15 @@ MAX_CLUSTER_DEVICES = 2**20  # no cluster has more; the planner's search is size
 
 # ---- command-line argument types (argparse names the flag in its one-line error) ----------------
 
-def integer(lo: int | None = None, hi: int | None = None):
-    """An argparse type: an integer in [lo, hi]."""
-    def parse(text: str) -> int:
+def _argument_type(kind: str, convert, lo, hi, open_lo: bool = False):
+    """An argparse type: `convert(text)`, finite, in [lo, hi] ((lo, hi] if open_lo). argparse names the
+    flag in its error and reads the type's __name__ (tests/test_fuzz.py finds the number flags by it)."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if lo is not None and value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        if hi is not None and value > hi:
-            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def real(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
-    """An argparse type: a finite float in [lo, hi] ((lo, hi] if open_lo)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            article = "an" if kind == "integer" else "a"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {article} {kind}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be finite, got {text}")
         if lo is not None and (value <= lo if open_lo else value < lo):
@@ -57,8 +43,18 @@ def real(lo: float | None = None, hi: float | None = None, *, open_lo: bool = Fa
         if hi is not None and value > hi:
             raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
         return value
-    parse.__name__ = "number"
+    parse.__name__ = kind
     return parse
+
+
+def integer(lo: int | None = None, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi]."""
+    return _argument_type("integer", int, lo, hi)
+
+
+def real(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
+    """An argparse type: a finite float in [lo, hi] ((lo, hi] if open_lo)."""
+    return _argument_type("number", float, lo, hi, open_lo)
 
 
 POSITIVE = integer(1)

@@ -16,7 +16,6 @@ import json
 import pathlib
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import check_writable
 
 SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu", "moe_aux_loss",
            "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
@@ -27,10 +26,7 @@ class Sinks:
 
     def __init__(self, jsonl: str | None = None, tensorboard: str | None = None):
         self._jsonl = self._tb = None
-        if jsonl:
-            check_writable(jsonl, "--metrics")
-        if tensorboard:
-            check_writable(tensorboard, "--tensorboard", directory=True)
+        if tensorboard:  # (both paths were checked writable by cli.main: jaxpar.inputs.check_outputs)
             try:
                 from tensorboardX import SummaryWriter  # noqa: PLC0415
             except ImportError:

@@ -33,8 +33,8 @@ from flax import nnx
 from jaxpar.ops.moe import moe_experts
 from jaxpar.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
-from jaxpar.models.layers import MLP, RMSNorm, dtype_of, param
-from jaxpar.models.transformer import RESIDUAL, Attention
+from jaxpar.models.layers import MLP, dtype_of, param
+from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 
 # What a MoE block reports, in order: the two losses, then statistics (no gradient).
 AUX_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
@@ -104,19 +104,15 @@ class MoE(nnx.Module):
         return y, router_aux(logits, ids, probs, kept, cfg.experts)
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(AttentionBlock):
     """x + Attention(norm(x)), then + MoE(norm(.)); returns (residual stream, AUX_FIELDS vector)."""
 
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, run, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.init_attention(cfg, run, rngs)
         self.moe = MoE(cfg, run, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        h = constrain(self.attn_norm(x), ("batch", "seq", "act_embed"))
-        x = constrain(x + self.attn(h, positions), RESIDUAL)
-        h = constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
+        x, h = self.attend(x, positions)
         y, aux = self.moe(h)
         return constrain(x + y, RESIDUAL), aux
 

@@ -46,13 +46,21 @@ class AttentionBlock(nnx.Module):
     """x + Attention(norm(x)), then + MLP(norm(.)). Input and output are the residual stream."""
 
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
+        self.init_attention(cfg, run, rngs)
+        self.mlp = MLP(cfg, run, rngs=rngs)
+
+    def init_attention(self, cfg: ModelConfig, run: RunConfig, rngs: nnx.Rngs) -> None:
+        """The attention half and the feed-forward's pre-norm (shared with models/moe.py's MoEBlock)."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, run, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg, run, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + Attention(norm(x)), its normed copy: the feed-forward's input)."""
         h = constrain(self.attn_norm(x), ("batch", "seq", "act_embed"))
         x = constrain(x + self.attn(h, positions), RESIDUAL)
-        h = constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
+        return x, constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x, h = self.attend(x, positions)
         return constrain(x + self.mlp(h), RESIDUAL)
