@@ -95,7 +95,7 @@ def cmd_train(args) -> int:
             jax.profiler.start_trace(args.profile)
         if args.profile and step == 4:
             jax.profiler.stop_trace()
-        if peak_flops and "model_flops_per_s" in m:  # (none for MoE models: see jaxpar.train.train)
+        if peak_flops and "model_flops_per_s" in m:
             m["mfu"] = m["model_flops_per_s"] / peak_flops
         sinks.write(m)
         if not math.isfinite(m["loss"]):  # never report a diverged run as a success

@@ -7,7 +7,8 @@ that violate a constraint (jaxpar.validate.check, the same checks a run makes) o
 memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimate).
 
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
-<= 16); the expert axis is not searched (the cost model counts no MoE layers yet: MoE models are refused); pipeline micro-batches M = 4 * stages
+<= 16); the expert axis is searched for MoE models only (sizes that divide the expert count; it doubles as
+a batch axis for the other layers); pipeline micro-batches M = 4 * stages
 when the batch allows it; circular schedules are not searched; gradient accumulation gives
 per-device micro-batches of 1, 2, 4 or the whole local batch.
 """
@@ -36,17 +37,19 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def candidate_meshes(devices: int, max_tensor: int):
-    """(data, fsdp, pipeline, context, tensor) with product == devices, power-of-two factors."""
+def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
+    """Axis sizes with product == devices: every divisor for fsdp, pipeline, context and tensor (<=
+    max_tensor), expert over the divisors of `experts` (MoE models; 1 otherwise), data the rest."""
     divs = divisors(devices)
-    for tensor, pipeline, context, fsdp in itertools.product(divs, divs, divs, divs):
+    expert_sizes = [e for e in divs if experts % e == 0] if experts else [1]
+    for tensor, pipeline, context, fsdp, expert in itertools.product(divs, divs, divs, divs, expert_sizes):
         if tensor > max_tensor:
             continue
-        rest = tensor * pipeline * context * fsdp
+        rest = tensor * pipeline * context * fsdp * expert
         if devices % rest:
             continue
         yield {"data": devices // rest, "fsdp": fsdp, "pipeline": pipeline, "context": context,
-               "expert": 1, "tensor": tensor}
+               "expert": expert, "tensor": tensor}
 
 
 def candidate_options(sizes: dict[str, int], global_batch: int):
@@ -71,7 +74,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
     max_tensor = min(hw.devices_per_node or 16, devices)
     considered = valid = 0
     results = []
-    for sizes in candidate_meshes(devices, max_tensor):
+    for sizes in candidate_meshes(devices, max_tensor, model.experts if model.moe_layers else 0):
         for options in candidate_options(sizes, global_batch):
             considered += 1
             name = "-".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "single"

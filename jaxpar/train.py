@@ -245,9 +245,8 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
     state = trainer.init_state() if state is None else state
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
-    # the cost model counts no MoE layers yet: no model FLOPs (nor MFU) for a model with them
-    moe = "E" in trainer.model_cfg.pattern
-    flops = None if moe else step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
+    # model FLOPs (MoE: from the active parameters, the k routed experts per token)
+    flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
     for step in range(start, stop):
         batch = trainer.batch(source, step)
         t0 = time.perf_counter()
@@ -257,8 +256,7 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
         if on_step is not None:
             record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                       "step_time_s": dt, "tokens_per_s": tokens / dt}
-            if flops is not None:
-                record["model_flops_per_s"] = flops / dt
+            record["model_flops_per_s"] = flops / dt
             record.update((k, float(v)) for k, v in metrics.items() if k not in record)
             on_step(step, record)
         if checkpointer is not None:

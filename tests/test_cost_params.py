@@ -17,10 +17,8 @@ from jaxpar.cost import params
 from jaxpar.models.config import parse_model
 from jaxpar.models.lm import LM
 
-NO_MOE = pytest.mark.skip(reason="the cost model does not count MoE layers yet (jaxpar.cost.estimate refuses "
-                                  "MoE models); models/moe.py's weights are not in jaxpar/cost/params.py")
 MODELS = ["llama-tiny", "llama-tiny:mlp_type=gelu,tie_embeddings=true", "mamba2-tiny", "hybrid-tiny:layers=8",
-          pytest.param("moe-tiny", marks=NO_MOE), pytest.param("jamba-tiny", marks=NO_MOE)]
+          "moe-tiny:shared_experts=2", "jamba-tiny"]
 
 
 def model_arrays(cfg) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -36,12 +34,22 @@ def test_weight_lists_are_the_models_parameters(name):
     dim of size `units`), and the embedding's weights once."""
     m = parse_model(name)
     want = Counter()
-    for block, kind in (("attention", "A"), ("mamba", "M")):
+    for block, kind in (("attention", "A"), ("mamba", "M"), ("moe", "E")):
         for w in params.block_weights(m, block):
             want[(m.units, *w.shape), ("layers", *w.names)] += m.pattern.count(kind)
     for w in params.block_weights(m, "embedding"):
         want[w.shape, w.names] += 1
     assert Counter(model_arrays(m)) == want
+
+
+def test_expert_weights_are_split_over_the_expert_axis():
+    """A device holds E / expert of the routed experts and all of the rest (router, attention half)."""
+    m = parse_model("moe-tiny")
+    p = params.block_params(m, "moe")
+    experts = 3 * m.experts * m.d_model * m.moe_mlp_dim
+    assert p.expert_sharded == experts and p.expert_replicated == 0
+    assert p.per_device(1, 4) == p.total - experts + experts / 4
+    assert p.per_device(2, 4) == p.sharded / 2 + p.replicated + experts / 8
 
 
 @pytest.mark.parametrize("name", MODELS)

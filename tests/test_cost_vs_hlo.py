@@ -37,10 +37,13 @@ from tests import harness
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
-MODEL, PIPELINE_MODEL = "llama-tiny", "llama-tiny:layers=8"
+MODEL, PIPELINE_MODEL, MOE_MODEL = "llama-tiny", "llama-tiny:layers=8", "moe-tiny"
 
 
 def model_for(strategy) -> str:
+    """As tests/test_strategies.py (so each compiled step serves both): expert-parallel layouts run moe-tiny."""
+    if strategy.size("expert") > 1:
+        return MOE_MODEL
     return PIPELINE_MODEL if strategy.size("pipeline") > 1 else MODEL
 
 
@@ -60,7 +63,8 @@ NOT_MODELLED = {
     "fsdp2-ep4": "the embedding lookup with the table's model dim on fsdp and the batch on fsdp x expert (fsdp the "
                  "outer batch axis): the SPMD partitioner does not take the looked-up rows back to batch sharding "
                  "by the predicted all-to-all over fsdp; it replicates them ('involuntary full rematerialization') "
-                 "and reduces over fsdp x expert instead (dense models too; not modelled)",
+                 "and reduces over fsdp x expert instead (dense models too; not modelled); the expert all-to-alls "
+                 "match",
     "pp2-tp2-dp2": "bytes match, counts but one: the combiner leaves the head's gradient all-reduce over data "
                    "apart from the embedding's and final norm's (2 ops after the loop, predicted 1), an "
                    "order-of-scheduling choice the model does not make",
@@ -83,15 +87,27 @@ MAMBA_CASES = [
     ("hybrid-tiny", "context=2,tensor=2", 4, {"attention": "ring"}, None),
     ("hybrid-tiny:layers=8", "fsdp=8", 8, {}, None),
 ]
+# MoE beyond the catalogue's ep* layouts (moe-tiny there): experts over `tensor` without expert parallelism
+# (with and without sequence parallelism),
+# shared experts with capacity mode, a Jamba-style hybrid, and expert x context (the queue's count gathers).
+MOE_CASES = [
+    ("moe-tiny", "data=4,tensor=2", 8, {}, None),
+    ("moe-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True}, None),
+    ("moe-tiny:shared_experts=1,capacity_factor=1.0", "data=2,expert=2,tensor=2", 8, {}, None),
+    ("jamba-tiny:layers=8", "data=4,expert=2", 8, {}, None),
+    ("moe-tiny", "data=2,context=2,expert=2", 8, {"attention": "ring"}, None),
+]
+DEFAULT_MOE = {("moe-tiny", "data=4,tensor=2", ())}
+
 # Compiling all eight costs ~2.5 minutes on 2 cores: by default only mamba2-tiny under data x tensor (Mamba
 # TP over heads, ~10 s) runs; `pytest -m slow` runs the rest, among them context parallelism's conv-halo
 # permutes and SSD state gathers (mamba2-tiny context=4, hybrid-tiny context=2,tensor=2 ring).
 DEFAULT_MAMBA = {("mamba2-tiny", "data=4,tensor=2", ())}
 
 
-def _mamba_param(model, mesh, devices, options, why):
+def _mamba_param(model, mesh, devices, options, why, default=DEFAULT_MAMBA):
     marks = [pytest.mark.xfail(reason=why, strict=True)] if why else []
-    if (model, mesh, tuple(sorted(options.items()))) not in DEFAULT_MAMBA:
+    if (model, mesh, tuple(sorted(options.items()))) not in default:
         marks.append(pytest.mark.slow)
     name = f"{model}-{mesh}" + "".join(f"-{k}={v}" for k, v in options.items())
     return pytest.param(model, mesh, devices, options, id=name, marks=marks)
@@ -168,6 +184,14 @@ def test_catalogue_strategy_prediction_equals_hlo(mesh):
 
 @pytest.mark.parametrize("model, mesh, devices, options", [_mamba_param(*case) for case in MAMBA_CASES])
 def test_mamba_and_hybrid_prediction_equals_hlo(model, mesh, devices, options):
+    assert_prediction_matches(model, mesh, devices, **options)
+
+
+@pytest.mark.parametrize("model, mesh, devices, options",
+                         [_mamba_param(*case, default=DEFAULT_MOE) for case in MOE_CASES])
+def test_moe_prediction_equals_hlo(model, mesh, devices, options):
+    """The expert all-to-alls (2 forward, 2 backward per MoE layer), the experts' gradients reduced over the
+    data-like axes but `expert`, the router statistics' sums and the experts' tensor-parallel sums."""
     assert_prediction_matches(model, mesh, devices, **options)
 
 

@@ -29,6 +29,9 @@ the same arrays), and the predicted total (params + grads + optimizer + activati
   are counted for every block while XLA overlaps part of them with the backward's buffers;
 * the Mamba-2 inventory groups SSD's float32 intermediates (segment sums, decays, chunk states) as
   JAX saves them, and XLA fuses a few of them away (~10% over);
+* MoE (moe-tiny under ep8) over-predicts by ~5%: the dispatch buffers, SwiGLU pieces and picked copies
+  at E*C/s rows per token (the dropless kernel's static buffers), some of which XLA fuses away. Its
+  FLOPs include those buffers' empty rows (`StepFlops.padding`: E/k x the routed copies' work);
 * small fixed buffers (loss, gradient norm, step counter, RoPE tables, collectives' scratch) are left
   out: under 1% here, which is why the model is big enough (seq 128) for activations to dominate.
 """
@@ -60,6 +63,7 @@ CASES = [
     ("llama-tiny", "cp8-ring", 8, {}),
     ("mamba2-tiny", "dp8", 8, {}),
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
+    ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies
 ]
 IDS = [f"{m}-{mesh}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, mesh, _, o in CASES]
 
@@ -99,8 +103,9 @@ def compiled(index: int) -> Compiled:
 def predicted_flops(c: Compiled) -> float:
     st = c.trainer.strategy
     ring = st.options.attention == "ring" and st.size("context") > 1
-    f = flops.step_flops(c.trainer.model_cfg, st.options.remat, c.batch, SEQ, causal=False, ring=ring,
-                         rerun_outputs=False)
+    m = c.trainer.model_cfg
+    rows = flops.expert_rows(m, SEQ, st.size("context")) if m.moe_layers else None
+    f = flops.step_flops(m, st.options.remat, c.batch, SEQ, causal=False, ring=ring, rerun_outputs=False, rows=rows)
     return f.hardware / st.num_devices
 
 

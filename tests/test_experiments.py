@@ -162,6 +162,17 @@ def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:
         assert r["attention s"] == "skipped" or number(r["attention s"]) > 0, r
 
 
+def check_bench_moe(out: pathlib.Path, stdout: str) -> None:
+    """The cost model's wire bytes equal the compiled step's; only expert parallelism has all-to-alls;
+    it holds 1/8 of the experts (less state per device than replicating them)."""
+    rows = {r["layout"]: r for r in table(read_results(out, "bench_moe"), "layout")}
+    assert set(rows) == {"ep8", "dp8"}
+    for r in rows.values():
+        assert number(r["predicted wire B / token"]) == pytest.approx(number(r["wire B / token"]), rel=0.01)
+    assert number(rows["ep8"]["expert all-to-all B / token"]) > 0 == number(rows["dp8"]["expert all-to-all B / token"])
+    assert number(rows["ep8"]["params+optimizer MiB / device"]) < number(rows["dp8"]["params+optimizer MiB / device"])
+
+
 def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
     text = read_results(out, "bench_pipeline")
     rows = table(text, "mesh")
@@ -185,6 +196,7 @@ CHECKS = {
     "bench_context_parallel": check_bench_context_parallel,
     "bench_estimate": check_bench_estimate,
     "bench_mamba": check_bench_mamba,
+    "bench_moe": check_bench_moe,
     "bench_pipeline": check_bench_pipeline,
 }
 

@@ -238,14 +238,40 @@ def test_presets_have_the_published_shapes():
     assert parse_model("jamba-tiny").pattern == "MMME"
 
 
-@pytest.mark.parametrize("argv", [
-    ["estimate", "--model", "mixtral-8x7b", "--mesh", "h100x64-mixtral-ep8-tp8", "--hardware", "h100-sxm",
-     "--global-batch", "512", "--seq", "4096"],
-    ["plan", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--devices", "64"],
+@pytest.mark.parametrize("name, total, active, rel", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9, 0.005),   # Jiang et al. 2024 ("Mixtral of Experts"); Mistral AI's release
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),    # Qwen Team 2025 (Qwen3 technical report): "3.3B" to two digits
 ])
-def test_the_cost_model_refuses_moe(argv, capsys):
-    assert cli.main(argv) == 2
-    assert "the cost model does not model MoE layers yet" in capsys.readouterr().err
+def test_the_cost_model_counts_all_experts_and_the_active_ones(name, total, active, rel):
+    """Memory counts every expert; FLOPs follow the active parameters (k routed experts per token):
+    the published totals and active counts, to the precision they are published with."""
+    from jaxpar.cost import flops, params
+    m = parse_model(name)
+    assert params.total_params(m) == pytest.approx(total, rel=0.005)
+    tokens = 1000.0
+    expert_fwd = flops.expert_flops(m, tokens).matmul - 2 * tokens * m.top_k * m.d_model  # without the combine
+    per_expert = 3 * m.d_model * m.moe_mlp_dim
+    assert expert_fwd == pytest.approx(2 * tokens * m.top_k * per_expert)
+    dense = params.total_params(m) - m.moe_layers * m.experts * per_expert
+    assert dense + m.moe_layers * m.top_k * per_expert == pytest.approx(active, rel=rel)
+
+
+def test_estimate_and_plan_take_moe_models(capsys, tmp_path):
+    """`estimate` reports the all-to-alls and the experts' FLOPs; `plan` searches the expert axis."""
+    out = tmp_path / "e.json"
+    assert cli.main(["estimate", "--model", "mixtral-8x7b", "--mesh", "h100x64-mixtral-ep8-tp8", "--hardware",
+                     "h100-sxm", "--global-batch", "512", "--seq", "4096", "--json", str(out)]) == 0
+    est = json.loads(out.read_text())
+    a2a = [c for c in est["collectives"] if c["kind"] == "all-to-all" and c["axes"] == ["expert"]]
+    m = parse_model("mixtral-8x7b")
+    # per layer: 2 forward, their 2 transposes and, under the layout's remat=full, the forward pair again
+    assert sum(c["count"] for c in a2a) == 6 * m.moe_layers
+    assert est["time_breakdown_s"]["expert comm"] > 0
+    assert est["flops_by_block"]["moe experts"] > est["flops_by_block"]["attention qkvo"]
+    capsys.readouterr()
+    assert cli.main(["plan", "--model", "moe-tiny", "--hardware", "h100-sxm", "--devices", "8", "--seq", "256",
+                     "--global-batch", "64", "--top", "40"]) == 0
+    assert "expert" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model, mesh, options, message", [
@@ -261,3 +287,17 @@ def test_strategy_errors(model, mesh, options, message):
     with pytest.raises(ConfigError) as e:
         check(parse_model(model), strategy, batch=16, seq=32)
     assert message in str(e.value)
+
+
+def test_comm_reports_the_all_to_alls_per_moe_layer():
+    """The compiled ep8 step (shared with tests/test_strategies.py) holds 2 all-to-alls forward and 2
+    backward per MoE layer execution, and `jaxpar comm`'s note says so."""
+    from jaxpar.analysis.comm import _moe_notes
+    from jaxpar.analysis.tally import tally_compiled
+    tr = harness.trainer("moe-tiny", "ep8")
+    tally = tally_compiled(harness.compiled_step("moe-tiny", "ep8"), tr.mesh)
+    layers = parse_model("moe-tiny").moe_layers
+    a2a = {c.phase: c.count for c in tally if c.kind == "all-to-all"}
+    assert a2a == {"forward": 2 * layers, "backward": 2 * layers}
+    assert _moe_notes(tally, tr) == [f"expert all-to-alls per MoE layer execution ({layers} per step): "
+                                     "2 forward (128.00 KiB each), 2 backward (128.00 KiB each)"]

@@ -106,7 +106,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     mesh = trainer.mesh
     tally = tally_compiled(compiled, mesh)
     flops, flops_note = flops_per_device(compiled, text)
-    warnings = list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh)
+    warnings = list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh) + _moe_notes(tally, trainer)
     return {
         "model": trainer.model_cfg.name,
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
@@ -144,6 +144,19 @@ def flops_per_device(compiled, text: str | None = None) -> tuple[float, str]:
             f"dots inside loops multiplied by their trip counts add {extra:.4g} "
             f"(non-dot ops inside loops stay counted once)")
     return xla + extra, note
+
+
+def _moe_notes(tally, trainer) -> list[str]:
+    """The expert all-to-alls per MoE layer execution and phase (2 forward, 2 backward; 4 backward
+    under remat `full`, which reruns the forward pair). MoE layers run once per accumulation step each
+    (jaxpar.validate refuses them under pipeline parallelism)."""
+    m, st = trainer.model_cfg, trainer.strategy
+    if not m.moe_layers or st.size("expert") == 1:
+        return []
+    execs = m.moe_layers * st.options.grad_accum
+    parts = [f"{c.count / execs:g} {c.phase} ({human_bytes(c.bytes / c.count)} each)" for c in tally
+             if c.kind == "all-to-all" and c.axes == ("expert",) and c.count]
+    return [f"expert all-to-alls per MoE layer execution ({execs:g} per step): " + ", ".join(parts)] if parts else []
 
 
 def _scatter_like_notes(text: str, mesh) -> list[str]:

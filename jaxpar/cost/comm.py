@@ -3,8 +3,10 @@
 Records are the HLO tally's own `jaxpar.collectives.Collective` (kind, axes, count, bytes, wire_bytes, phase),
 so a prediction and the compiled program's tally compare field by field. `bytes` is the full
 (gathered / pre-scatter / reduced) buffer of each instance, summed over instances; `wire_bytes` is
-what one device sends under the ring algorithm (`jaxpar.collectives.wire_factor`). Each parallelism has one small function below, so a formula is easy to adjust once it is checked
-against the compiled HLO (tests/test_cost_vs_hlo.py does, for every 8-device strategy on XLA:CPU).
+what one device sends under the ring algorithm (`jaxpar.collectives.wire_factor`). Each parallelism has
+one small function (data parallelism, ZeRO and FSDP in jaxpar/cost/comm_data.py), so a formula is easy
+to adjust once it is checked against the compiled HLO (tests/test_cost_vs_hlo.py does, for every
+8-device strategy on XLA:CPU).
 Counts multiply layer executions (scan and pipeline trip counts included). Recomputed forward
 collectives (remat `full`) are tallied under `backward`.
 
@@ -13,22 +15,14 @@ states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes 
 """
 from __future__ import annotations
 
-import dataclasses
-
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost.compiler import (A2A, AG, AR, BATCH_AXES, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes,
-                                   reductions, site, together)
-from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
-from jaxpar.cost.params import (BLOCKS, attention_block_params, block_params, layer_counts, mamba_block_params,
-                                mamba_dims, per_model, zero_rules, zero_split)
+from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, equal_buffers, held
+from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
+from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES
+from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape
-from jaxpar.rules import BASE_RULES
-from jaxpar.strategy import AXES, Strategy
+from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig
-
-# axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
-DATA_LIKE = tuple(a for a in AXES if a in BATCH_AXES + BASE_RULES["seq"])
-TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
 
 def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase: str,
@@ -92,6 +86,31 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float) 
             + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward"))
 
 
+def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: float, xr: float) -> list[tuple]:
+    """Per MoE-layer execution (models/moe.py, jaxpar/ops/moe.py), the experts' width split over `tensor`.
+    Forward: the attention half's all-reduce after o-proj, and one psum of the combined expert output
+    [tokens, d] (the combine is linear, so the kernel sums after it, not the E-times-larger buffers);
+    shared experts add a row-parallel MLP's. Recompute (remat `full`): the attention one again (the
+    experts' sum is the layer's output: dead). Backward: q,k,v's input gradients (as `tp_attention`),
+    the tokens' gradient at the kernel's entry and the router weights' gradient [tokens, k] float32
+    (each copy's output is a partial sum over `tensor`); shared experts: gate and up's input gradients.
+    Under sequence parallelism the attention half is `tp_attention`'s and the norm output entering the
+    MoE is gathered over `tensor`; the experts' sum stays an all-reduce (the kernel's psum)."""
+    e, sp, ax, out = shape.exec_moe, st.options.sequence_parallel, ("tensor",), []
+    w = shape.mb * shape.s_loc * m.top_k * 4
+    fwd_kind = RS if sp else AR
+    fwd_x = x if (sp and cc.reduce_scatter) else xr
+    shared = bool(m.shared_experts)
+    if sp:
+        out += site(cc, AG, ax, e, [x], "forward") * 2 + site(cc, AG, ax, e, [x], "backward") * 2
+    out += site(cc, fwd_kind, ax, e, [fwd_x], "forward") + site(cc, AR, ax, e, [xr] * (1 + shared), "forward")
+    if st.options.remat == "full":
+        out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") + (site(cc, AG, ax, e, [x], "backward") * 2 if sp else [])
+    qkv = [xr] if cc.reassociate else [xr] * 3
+    gate_up = ([xr] if cc.reassociate else [xr] * 2) if shared else []
+    return out + site(cc, AR, ax, e, qkv, "backward") + site(cc, AR, ax, e, [xr, w] + gate_up, "backward")
+
+
 def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int) -> list[tuple]:
     """Vocab-sharded embedding and head, once per accumulation step (head outside the pipeline):
     forward the embedding output is summed over `tensor` (SP: reduce-scattered), the head input is
@@ -116,14 +135,16 @@ def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: 
 def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:
     """Under SP the norm weights see sequence shards: their gradients are summed over `tensor`.
     Hoisted: once per step; else in the layer loop, per layer execution, and the final norm's
-    after it (with the combiner, together with the label-logit sum)."""
+    after it (with the combiner, together with the label-logit sum). An MoE block's two norms count as
+    an attention block's (its router sees the gathered norm output: replicated, nothing to sum)."""
     ax, d = ("tensor",), m.d_model
     na, nm = layer_counts(m)
     if cc.hoist:
-        reps = na * attention_block_params(m).replicated + nm * mamba_block_params(m).replicated
+        reps = (na * attention_block_params(m).replicated + nm * mamba_block_params(m).replicated
+                + m.moe_layers * 2 * d)
         return [(AR, ax, 1, (reps / shape.stages + d) * GRAD_BYTES, "backward")]
     tokens = shape.b_loc / shape.accum * shape.s_loc
-    out = site(cc, AR, ax, shape.exec_attention, [d * GRAD_BYTES] * 2, "backward")
+    out = site(cc, AR, ax, shape.exec_attention + shape.exec_moe, [d * GRAD_BYTES] * 2, "backward")
     out += site(cc, AR, ax, shape.exec_mamba, [d * GRAD_BYTES], "backward")
     final = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
     return out + site(cc, AR, ax, 1, final, "optimizer")
@@ -135,6 +156,7 @@ def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)
     out = tp_attention(cc, st, shape, x, xr) if shape.exec_attention else []
     out += tp_mamba(cc, st, shape, x, xr) if shape.exec_mamba else []
+    out += tp_moe(cc, st, shape, m, x, xr) if shape.exec_moe else []
     out += tp_vocab(cc, st, shape, m, act)
     if st.options.sequence_parallel:
         out += sp_norms(cc, m, shape)
@@ -156,8 +178,8 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
     c, t = st.sizes["context"], st.sizes["tensor"]
     ax, out = ("context",), []
     zigzag = st.options.cp_layout == "zigzag"
-    if shape.exec_attention:
-        e = shape.exec_attention
+    if shape.exec_attention or shape.exec_moe:
+        e = shape.exec_attention + shape.exec_moe  # an MoE block's attention half is an attention block's
         half = shape.mb * shape.s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act  # K or V
         pos = shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES
         ring = st.options.attention == "ring"
@@ -179,6 +201,42 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
             out += site(cc, PERMUTE, ax, e, [halo] * segs, phase) + site(cc, AG, ax, e, [state], phase)
         out += site(cc, PERMUTE, ax, e, [halo] * segs, "backward")
         out += site(cc, RS, ax, e, [state], "backward", partitioner=False)
+    return out
+
+
+# ---- mixture of experts: expert parallelism and the router's statistics --------------------------
+
+def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
+                    padded: bool = True) -> list[tuple]:
+    """Per MoE-layer execution (jaxpar/ops/moe.py). Under expert > 1, the dispatch buffers go to the
+    experts' owners and back: two all-to-alls over `expert` forward and their two transposes backward
+    (two more backward under remat `full`), each moving a device's whole buffer
+        E x g x C_loc x d x act bytes,   g = sequences per micro-batch, C_loc = min(s_loc, C),
+    C the per-sequence capacity (dropless: the sequence; capacity mode: ceil(cf * s * k / E)), so a
+    dropless kernel sends E/k times the copies that exist (static buffers; the price of XLA's static
+    shapes, see `jaxpar.ops.moe`); `padded=False` (Megatron's token dispatcher) sends only the routed
+    copies, g x s_loc x k x d x act. Under `context` each shard all-gathers every shard's per-(choice,
+    expert) queue counts (g*k*E int32). The balance loss needs each expert's load and mean router
+    probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
+    `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring)."""
+    from jaxpar.ops.moe import group_capacity  # noqa: PLC0415 (a pure formula; keeps jax out of import time)
+    sz, e = st.sizes, shape.exec_moe
+    c = sz["context"]
+    seq = shape.s_loc * c
+    out = []
+    if sz["expert"] > 1:
+        cap = min(shape.s_loc, group_capacity(round(seq), m.top_k, m.experts, m.capacity_factor))
+        rows = m.experts * cap if padded else shape.s_loc * m.top_k
+        buf = rows * shape.mb * m.d_model * act
+        out += site(cc, A2A, ("expert",), 2 * e, [buf], "forward")
+        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e, [buf], "backward")
+    if c > 1:
+        counts = shape.mb * m.top_k * m.experts * TOKEN_BYTES * c
+        for phase in _passes(st):
+            out += site(cc, AG, ("context",), e, [counts], phase)
+    stats = tuple(a for a in DATA_LIKE if sz[a] > 1)
+    for group in reductions(cc, st, stats):
+        out += site(cc, AR, group, e, [2 * m.experts * 4], "forward")
     return out
 
 
@@ -209,161 +267,17 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
         out += site(cc, AR, ax, shape.accum, [y], "forward") + site(cc, AR, ax, shape.accum, [y], "backward")
         if shape.repeats > 1:
             h = held(m, st)
-            arrays = _arrays(h.layers * act, h.unit_arrays)
+            arrays = equal_buffers(h.layers * act, h.unit_arrays)
             moves = (A2A, PERMUTE) if shape.repeats < shape.stages else (A2A,)
             for kind in moves:
                 out += site(cc, kind, ax, 1, arrays, "forward") + site(cc, kind, ax, 1, arrays, "backward")
     return out
 
 
-# ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
-    """Parameter elements per device (after the tensor and pipeline splits) and arrays of a set of
-    weights: one pattern unit (the layer stack is stacked over units, so its arrays are the unit's),
-    this stage's layer stack, and embedding + final norm + head."""
-    unit: float
-    unit_arrays: int
-    layers: float
-    emb: float
-    emb_arrays: int
-
-    @property
-    def full(self) -> float:
-        return self.layers + self.emb
-
-    @property
-    def arrays(self) -> int:
-        return self.unit_arrays + self.emb_arrays
-
-
-@per_model
-def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int) -> Held:
-    blocks = {}
-    for block in BLOCKS:
-        if part == "all":
-            blocks[block] = block_params(m, block)
-        else:  # the ZeRO-sharded part of each block, or the rest; ZeRO-1 shards by the optimizer rules
-            sharded, kept = zero_split(m, block, zero, "optimizer" if zero == 1 else "params")
-            blocks[block] = sharded if part == "zero" else kept
-    a, mb, e = blocks["attention"], blocks["mamba"], blocks["embedding"]
-    na, nm = layer_counts(m)
-    ua, um = m.pattern.count("A"), m.pattern.count("M")
-    return Held(unit=ua * a.per_device(tensor) + um * mb.per_device(tensor), unit_arrays=ua * a.tensors + um * mb.tensors,
-                layers=(na * a.per_device(tensor) + nm * mb.per_device(tensor)) / stages,
-                emb=e.per_device(tensor), emb_arrays=e.tensors)
-
-
-def held(m: ModelConfig, st: Strategy, part: str = "all") -> Held:
-    """What one device holds of `part`: "all" weights, the ones the strategy's ZeRO stage shards over the
-    data axes ("zero": every weight with an `embed` dim), or the others ("kept": replicated over them)."""
-    sz = st.sizes
-    return _held(m, part, st.zero, sz["tensor"], sz["pipeline"])
-
-
-def _arrays(total: float, n: int) -> list[float]:
-    """`total` bytes as `n` equal buffers (none when n = 0)."""
-    return [total / n] * n if n else []
-
-
-def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
-                      cc: Compiler) -> list[tuple]:
-    """Embedding table sharded on its model dim over `shard` (ZeRO-3 parameters, ZeRO-1 moments):
-    the token ids are all-gathered to look rows up locally and the rows go back to batch sharding by an
-    all-to-all; backward (and under ZeRO-1, where only the gradient is sharded, only backward) the
-    row gradients take the reverse all-to-all, after which the embedding gradient needs no reduction."""
-    n = 1
-    for a in shard:
-        n *= st.sizes[a]
-    ids = shape.b_loc * n * shape.s_loc * TOKEN_BYTES
-    rows = shape.b_loc * shape.s_loc * m.d_model * act
-    out = site(cc, AG, shard, shape.accum, [ids / shape.accum], "forward")
-    if st.zero == 3:
-        out += site(cc, A2A, shard, shape.accum, [rows / shape.accum], "forward")
-    return out + site(cc, A2A, shard, shape.accum, [rows / shape.accum], "backward")
-
-
-def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
-    """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
-    rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
-    and final norm gathered forward, the final norm again backward (the gathered head is kept)."""
-    t, out = st.sizes["tensor"], []
-    for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba")):
-        if e:
-            sharded, _ = zero_split(m, block, 3)
-            arrays = _arrays(sharded.per_device(t) * act, sharded.moved)
-            out += site(cc, AG, ("fsdp",), e, arrays, "forward") + site(cc, AG, ("fsdp",), e, arrays, "backward")
-    head, norm = _head_and_norm(m, t)
-    out += site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
-    return out + site(cc, AG, ("fsdp",), shape.accum, [norm * act], "backward")
-
-
-def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
-    """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
-    array; else per layer execution in the loop and once for embedding, head and final norm).
-    ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
-    rules); the others (Mamba-2's conv, A_log, dt_bias, D, gate norm) are treated as under ZeRO-0, their
-    gradients all-reduced over every data-like axis, in the loop together with the sharded gradients'
-    reduction where the compiler issues both there.
-    ZeRO-1: reduce-scatter the sharded grads over data x fsdp, all-gather the updated float32 params
-    after the update.
-    ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
-    over fsdp; then the shards all-reduced over the remaining data-like axes.
-    Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
-    norm's gradients are reduce-scattered one by one (not combined)."""
-    sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
-    axes = tuple(a for a in DATA_LIKE if sz[a] > 1)
-    # the axes ZeRO shards weights with an `embed` dim over: ZeRO-3 by its params rules, ZeRO-1 by its optimizer's
-    shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if sz[a] > 1)
-    execs = (shape.exec_attention + shape.exec_mamba) / len(m.pattern)
-
-    def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
-        """All-reduces of the gradients of the weights `h` over `group` (sizes / `shards`)."""
-        if cc.hoist:
-            return site(cc, AR, group, 1, _arrays(h.full * GRAD_BYTES / shards, h.arrays), "backward")
-        return (site(cc, AR, group, execs, _arrays(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
-                + site(cc, AR, group, 1, _arrays(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
-
-    if not shard:
-        return [op for group in reductions(cc, st, axes) for op in grads(group, held(m, st), 1)]
-    sharded, kept = held(m, st, "zero"), held(m, st, "kept")
-    rest = tuple(a for a in axes if a not in shard)
-    head, norm = _head_and_norm(m, t)
-    out = _fsdp_gathers(m, st, shape, act, cc) + _embedding_lookup(m, st, shape, act, shard, cc) if zero == 3 else []
-    # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
-    # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
-    if cc.hoist and zero != 3:
-        out += site(cc, RS, shard, 1, _arrays(sharded.layers * GRAD_BYTES, sharded.unit_arrays)
-                    + [b * GRAD_BYTES for b in (head, norm) if b], "backward")
-    else:
-        in_loop = site(cc, RS, shard, execs, _arrays(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
-        if not cc.hoist:
-            for group in reductions(cc, st, axes):
-                in_loop += site(cc, AR, group, execs, _arrays(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
-        out += together(cc, in_loop)
-        for nbytes in (head, norm):
-            out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes else []
-    if zero == 1:
-        out += _embedding_lookup(m, st, shape, act, shard, cc)
-        out += site(cc, AG, shard, 1, _arrays(sharded.full * PARAM_BYTES, sharded.arrays), "optimizer")
-    for group in reductions(cc, st, axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
-        out += (grads(group, kept, 1) if cc.hoist
-                else site(cc, AR, group, 1, _arrays(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
-    for group in reductions(cc, st, rest):
-        out += grads(group, sharded, sz["fsdp"] if zero == 3 else 1)
-    return out
-
-
-def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:
-    """Elements per device of the LM head (0 when tied to the embedding) and the final norm."""
-    return (0.0 if m.tie_embeddings else m.vocab * m.d_model / tensor), float(m.d_model)
-
-
 # ---- all of it ---------------------------------------------------------------------------------------
 
 def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
-              pp_scatter_gather: bool | None = None, compiler: Compiler = GPU) -> tuple[tuple, ...]:
+              pp_scatter_gather: bool | None = None, compiler: Compiler = GPU, moe_padded: bool = True) -> tuple[tuple, ...]:
     """Every predicted collective of one step as (kind, axes, phase, count, total bytes), merged by
     (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
     sz, cc = st.sizes, compiler
@@ -375,6 +289,8 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
         raw += context_parallel(m, st, shape, act, cc)
     if sz["pipeline"] > 1:
         raw += pipeline_parallel(m, st, shape, act, pp_scatter_gather, cc)
+    if shape.exec_moe:
+        raw += expert_parallel(m, st, shape, act, cc, moe_padded)
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in raw:
         key = (kind, axes, phase)

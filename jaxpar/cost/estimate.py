@@ -85,17 +85,19 @@ class Estimate:
 
 
 def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq: int, passes: float,
-                          dropout: bool) -> float:
+                          dropout: bool, rows: float = 0.0) -> float:
     """HBM bytes of bandwidth-bound work per device per step (useful work; the bubble is added later):
     passes * (3 * produced + recomputed) bytes per token per layer (forward 1x, backward 2x), plus the
-    float32 logits (3 * passes * T*V/t*4 bytes; the head is not split by the pipeline)."""
+    float32 logits (3 * passes * T*V/t*4 bytes; the head is not split by the pipeline). MoE layers:
+    `rows` expert rows per token (flops.expert_rows)."""
     o, t = st.options, st.sizes["tensor"]
     act, sp = memory.DTYPE_BYTES[o.dtype], o.sequence_parallel
     tokens = sh.b_loc * sh.s_loc
     total = 0.0
     attn = memory.attention_inventory(m, memory.keys_per_query(st, seq), dropout)
-    na, nm = params.layer_counts(m)
-    for layers, inv in ((na, attn), (nm, memory.mamba_inventory(m))):
+    na, nm, ne = params.block_counts(m)
+    moe = memory.moe_inventory(m, memory.keys_per_query(st, seq), rows, dropout) if ne else ()
+    for layers, inv in ((na, attn), (nm, memory.mamba_inventory(m)), (ne, moe)):
         if layers:
             produced = memory.inventory_bytes(inv, act, t, sp, "none")
             redo = memory.recomputed_bytes(inv, act, t, sp, o.remat)
@@ -105,18 +107,27 @@ def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq
 
 
 def check_modelled(model: ModelConfig) -> None:
-    """The analytic model counts attention and Mamba-2 blocks; a model with other blocks is refused
-    rather than given numbers that leave them out."""
-    if "E" in model.pattern:
-        raise ConfigError(f"model {model.name}: the cost model does not model MoE layers yet (pattern="
-                          f"{model.pattern!r}); `jaxpar comm` compiles a MoE step and measures its collectives")
+    """The analytic model counts attention, Mamba-2 and MoE blocks (every block models/ builds); kept
+    as the one place a future block that it does not count is refused."""
+    unknown = set(model.pattern) - set("AME")
+    if unknown:
+        raise ConfigError(f"model {model.name}: the cost model does not model blocks {sorted(unknown)} "
+                          f"(pattern={model.pattern!r})")
+
+
+def fl_experts(fl: flops.StepFlops) -> float:
+    """The routed experts' model FLOPs of a step (flops.StepFlops.by_block)."""
+    return sum(mm for name, mm, _ in fl.by_block if name == "moe experts")
 
 
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
-             software: Software = JAXPAR) -> Estimate:
+             software: Software = JAXPAR, imbalance: float = 1.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
     Memory uses jaxpar's own activation inventory (what JAX's autodiff keeps) for jaxpar, Korthikanti's
-    for other software. Divisibility is not checked here (jaxpar.validate.check does it once)."""
+    for other software. Divisibility is not checked here (jaxpar.validate.check does it once).
+    `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed dispatch
+    (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path; jaxpar's
+    static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
     check_modelled(model)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     st, m = strategy, model
@@ -126,17 +137,22 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
         raise ConfigError(f"mesh {st.name}: resolve the -1 axis (Strategy.resolved) before estimating")
     sh = shape.step_shape(m, st, global_batch, seq)
     ring = st.options.attention == "ring" and st.sizes["context"] > 1
-    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring, software.rerun_outputs)
-    # critical path per device: layers split over all devices; embedding+head not over the pipeline
-    matmul = (fl.layers + fl.recompute) / n + fl.head * sh.stages / n
-    compute = time.compute_seconds(matmul, elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout), hw)
-    core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * params.layer_counts(m)[0]
+    rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
+    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring, software.rerun_outputs,
+                          rows if m.moe_layers else None)
+    # critical path per device: layers split over all devices; embedding+head not over the pipeline;
+    # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)
+    experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
+    matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * sh.stages / n
+    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows)
+    compute = time.compute_seconds(matmul, hbm, hw)
+    core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
             * flops.TRAIN_FACTOR / n)
-    colls = comm.predicted(m, st, sh, software.pp_scatter_gather)
+    colls = comm.predicted(m, st, sh, software.pp_scatter_gather, moe_padded=software.moe_padded)
     mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations)
     opt_params = mem.optimizer / memory.ADAM_BYTES
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble,
-                       time.comm_seconds(colls, st, hw), opt_params, hw)
+                       time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance), opt_params, hw)
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops)

@@ -27,6 +27,7 @@ so a step is 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) model FLOPs, 96*... with ful
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpar.cost.params import mamba_dims, per_model
 from jaxpar.models.config import ModelConfig
@@ -118,6 +119,49 @@ def mamba_block_flops(m: ModelConfig, batch: float, seq: int) -> Flops:
     return rmsnorm_flops(m.d_model, t) + proj + conv + ssd_flops(m, batch, seq) + gate
 
 
+# ---- mixture-of-experts block (models/moe.py) --------------------------------------------------------
+
+def router_flops(m: ModelConfig, tokens: float) -> Flops:
+    """Router logits 2*T*d*E (float32); softmax or sigmoid, top-k and renormalisation ~(5 + 2k)*T*E."""
+    return Flops(2.0 * tokens * m.d_model * m.experts, (5.0 + 2.0 * m.top_k) * tokens * m.experts)
+
+
+def expert_flops(m: ModelConfig, tokens: float, rows: float | None = None) -> Flops:
+    """The routed experts: a SwiGLU of width f_e on each of the k copies of a token (6*d*f_e per copy)
+    and the weighted combine 2*k*d per token (an einsum). `rows`: expert rows computed per token when
+    the kernel computes more than the k copies that exist (jaxpar's static buffers: E*C_loc/s_loc;
+    `expert_rows`); the combine stays k per token."""
+    k, f, d = m.top_k, m.moe_mlp_dim, m.d_model
+    rows = k if rows is None else rows
+    return Flops(6.0 * tokens * rows * d * f + 2.0 * tokens * k * d, 6.0 * tokens * rows * f)
+
+
+def shared_expert_flops(m: ModelConfig, tokens: float) -> Flops:
+    """DeepSeek's shared experts: one SwiGLU of width shared_experts * f_e on every token."""
+    f = m.shared_experts * m.moe_mlp_dim
+    return Flops(6.0 * tokens * m.d_model * f, 6.0 * tokens * f)
+
+
+def moe_block_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False) -> Flops:
+    """Forward of one MoE layer: the attention half of an attention block (2 RMSNorms, GQA) + router +
+    the k routed experts per token + shared experts: FLOPs follow the *active* parameters."""
+    t = batch * seq
+    return (rmsnorm_flops(m.d_model, t) * 2 + attention_projection_flops(m, t)
+            + attention_core_flops(m, batch, seq, causal) + router_flops(m, t) + expert_flops(m, t)
+            + shared_expert_flops(m, t))
+
+
+def expert_rows(m: ModelConfig, seq: int, context: int = 1, padded: bool = True) -> float:
+    """Expert rows computed per token: k copies, or under jaxpar's static dispatch buffers
+    (`padded`, jaxpar.ops.moe) E * C_loc / s_loc, C_loc = min(s_loc, C), s_loc = seq / context,
+    C = seq (dropless) or ceil(cf * seq * k / E): a dropless kernel computes E/k times the copies."""
+    if not padded or not m.experts:
+        return float(m.top_k)
+    s_loc = seq / context
+    cap = seq if m.capacity_factor == 0 else max(1, min(seq, math.ceil(m.capacity_factor * seq * m.top_k / m.experts)))
+    return m.experts * min(s_loc, cap) / s_loc
+
+
 # ---- embedding and head ----------------------------------------------------------------------------
 
 def embedding_flops(m: ModelConfig, tokens: float) -> Flops:
@@ -140,12 +184,15 @@ class StepFlops:
     layers: float       # model FLOPs of all layers (the part the pipeline splits)
     head: float         # model FLOPs of embedding + head (not split by the pipeline axis)
     recompute: float    # recomputed matmul FLOPs
+    padding: float      # expert matmul FLOPs on empty buffer rows (jaxpar's static MoE dispatch), in `hardware`
     by_block: tuple[tuple[str, float, float], ...]  # (part, model matmul FLOPs, elementwise FLOPs)
 
 
 def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
     """The last matmul of a scanned unit (its last block's output projection): MLP down 2*T*f*d for
     an attention block, out_proj 2*T*d_inner*d for a Mamba-2 block."""
+    if m.pattern[-1] == "E":  # the router weights' gradient reads the experts' outputs: nothing is dead
+        return Flops(0.0)
     width = m.mlp_dim if m.pattern[-1] == "A" else m.d_inner
     return Flops(2.0 * tokens * width * m.d_model)
 
@@ -155,44 +202,54 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: 
     """Forward work redone in the backward pass under a remat policy (see module docstring)."""
     if remat == "full":
         rec = (attention_block_flops(m, batch, seq, causal) * m.attention_layers
-               + mamba_block_flops(m, batch, seq) * m.mamba_layers)
+               + mamba_block_flops(m, batch, seq) * m.mamba_layers + moe_block_flops(m, batch, seq, causal) * m.moe_layers)
         if not rerun_outputs:
             rec = rec + output_projection_flops(m, batch * seq) * (-m.units)
     elif remat == "dots_no_batch":
-        rec = (attention_core_flops(m, batch, seq, causal) * m.attention_layers
+        rec = (attention_core_flops(m, batch, seq, causal) * (m.attention_layers + m.moe_layers)
                + ssd_flops(m, batch, seq) * m.mamba_layers)
     else:
         other = 0.0 if remat == "none" else (attention_block_flops(m, batch, seq, causal).other * m.attention_layers
-                                              + mamba_block_flops(m, batch, seq).other * m.mamba_layers)
+                                              + mamba_block_flops(m, batch, seq).other * m.mamba_layers
+                                              + moe_block_flops(m, batch, seq, causal).other * m.moe_layers)
         rec = Flops(0.0, other)  # `dots`: elementwise only
     if ring:
-        rec = rec + attention_core_flops(m, batch, seq, causal) * (0.5 * m.attention_layers)  # QK^T of PV+QK
+        rec = rec + attention_core_flops(m, batch, seq, causal) * (0.5 * (m.attention_layers + m.moe_layers))  # QK^T
     return rec
 
 
 @per_model  # a planner varies the strategy, not these arguments
 def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False, ring: bool = False,
-               rerun_outputs: bool = True) -> StepFlops:
+               rerun_outputs: bool = True, rows: float | None = None) -> StepFlops:
     """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together).
     `ring`: ring attention's rematerialised folds; `rerun_outputs`: whether `full` remat reruns the
-    unit's last projection (module docstring)."""
+    unit's last projection (module docstring); `rows`: expert rows computed per token (`expert_rows`;
+    None: the k copies), the excess counted as `padding` (hardware FLOPs, not model FLOPs)."""
     tokens = batch * seq
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
+    moe = moe_block_flops(m, batch, seq, causal) * m.moe_layers
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
     rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs)
-    fwd = attn + mamba + head
-    t, a, k = tokens, m.attention_layers, m.mamba_layers
-    parts = (("attention qkvo", attention_projection_flops(m, t) * a),
-             ("attention scores", attention_core_flops(m, batch, seq, causal) * a),
+    pad = 0.0
+    if m.moe_layers and rows is not None:
+        excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers
+        pad = excess * (TRAIN_FACTOR + (1.0 if remat == "full" else 0.0))
+    fwd = attn + mamba + moe + head
+    t, a, k, e = tokens, m.attention_layers, m.mamba_layers, m.moe_layers
+    parts = (("attention qkvo", attention_projection_flops(m, t) * (a + e)),
+             ("attention scores", attention_core_flops(m, batch, seq, causal) * (a + e)),
              ("mlp", mlp_flops(m, t) * a),
+             ("moe router", router_flops(m, t) * e),
+             ("moe experts", expert_flops(m, t) * e),
+             ("moe shared experts", shared_expert_flops(m, t) * e),
              ("mamba mixer", (mamba_block_flops(m, batch, seq) + rmsnorm_flops(m.d_model, t) * -1) * k),
-             ("norms", rmsnorm_flops(m.d_model, t) * (2 * a + k + 1)),
+             ("norms", rmsnorm_flops(m.d_model, t) * (2 * (a + e) + k + 1)),
              ("embedding+head", head + rmsnorm_flops(m.d_model, t) * -1))
     blocks = tuple((name, f.matmul * TRAIN_FACTOR, f.other * TRAIN_FACTOR) for name, f in parts)
     return StepFlops(model=fwd.matmul * TRAIN_FACTOR,
-                     hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul,
+                     hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul + pad,
                      elementwise=fwd.other * TRAIN_FACTOR + rec.other,
-                     layers=(attn.matmul + mamba.matmul) * TRAIN_FACTOR,
-                     head=head.matmul * TRAIN_FACTOR, recompute=rec.matmul,
+                     layers=(attn.matmul + mamba.matmul + moe.matmul) * TRAIN_FACTOR,
+                     head=head.matmul * TRAIN_FACTOR, recompute=rec.matmul, padding=pad,
                      by_block=tuple(b for b in blocks if b[1] > 0 or b[2] > 0))

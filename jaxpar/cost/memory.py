@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost.params import layer_counts, mamba_dims, per_model, zero_axes, zero_split
+from jaxpar.cost.flops import expert_rows
+from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
 from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -65,17 +66,20 @@ def local_params(m: ModelConfig, st: Strategy, purpose: str = "params") -> float
     shards = 1
     for a in zero_axes(m, st.zero, purpose):
         shards *= sz[a]
-    return _local_params(m, st.zero, purpose, sz["tensor"], sz["pipeline"], shards)
+    return _local_params(m, st.zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"])
 
 
 @per_model
-def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: int, shards: int) -> float:
-    na, nm = layer_counts(m)
+def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: int, shards: int,
+                  expert: int = 1) -> float:
+    """The routed experts' weights (MoE blocks) are split over `expert` as well: every expert is held
+    once over the expert axis, so the memory counts all of them, E / expert per device."""
+    na, nm, ne = block_counts(m)
     n = 0.0
-    for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("embedding", 1)):
+    for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("moe", ne / stages), ("embedding", 1)):
         if copies:
             sharded, kept = zero_split(m, block, zero, purpose)
-            n += copies * (sharded.per_device(tensor) / shards + kept.per_device(tensor))
+            n += copies * (sharded.per_device(tensor, expert) / shards + kept.per_device(tensor, expert))
     return n
 
 
@@ -121,6 +125,32 @@ def mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
             ("C B^T", m.ngroups * q, None, True, BDOT), ("decay L", nh * q, None, True, NONE),
             ("chunk states", di * m.d_state / q, None, True, BDOT), ("ssd y", di, None, True, BDOT),
             ("gated norm in/out", 2 * di, None, True, NONE), ("out_proj out", d, None, False, DOT_ONLY))
+
+
+MLP_ENTRIES = frozenset({"mlp down out", "gate out", "up out", "silu(gate)", "silu(gate)*up", "gelu in", "gelu out",
+                         "mlp-out dropout mask", "gate, up", "silu pieces, silu*up", "gelu (tanh form) pieces"})
+
+
+def attention_half(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """An attention block's inventory without its MLP: an MoE block's attention half."""
+    return tuple(entry for entry in inv if entry[0] not in MLP_ENTRIES)
+
+
+@per_model
+def moe_inventory(m: ModelConfig, s_kv: float, rows: float, dropout: bool = False) -> tuple[tuple, ...]:
+    """One MoE layer as a PyTorch implementation keeps it (Megatron-style grouped experts): the attention
+    half, the float32 router logits and probabilities, and per expert row (`rows` per token: the k
+    routed copies) its input, gate and up, SwiGLU's pieces and its output (which the router weights'
+    gradient reads); shared experts as an MLP of width shared * f_e."""
+    d, f, e, sf = m.d_model, m.moe_mlp_dim, m.experts, m.shared_experts * m.moe_mlp_dim
+    inv = [*attention_half(attention_inventory(m, s_kv, dropout)),
+           ("router logits, probabilities (float32)", 2 * e, 4, False, NONE),
+           ("expert input copies", rows * d, None, False, DOT), ("expert gate, up out", 2 * rows * f, None, True, DOT),
+           ("expert silu(gate), silu*up", 2 * rows * f, None, True, NONE),
+           ("expert outputs", rows * d, None, False, DOT)]
+    if sf:
+        inv += [("shared gate, up out", 2 * sf, None, True, DOT), ("shared silu(gate), silu*up", 2 * sf, None, True, NONE)]
+    return tuple(inv)
 
 
 # ---- jaxpar's own program: what JAX's reverse-mode autodiff keeps -----------------------------------
@@ -199,6 +229,28 @@ def jax_mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
             ("out_proj out", d, None, False, JAX_DOT_ONLY))
 
 
+@per_model
+def jax_moe_inventory(m: ModelConfig, s_kv: float, ring_blocks: int, rows: float) -> tuple[tuple, ...]:
+    """One MoE block as jaxpar's program keeps it (models/moe.py, jaxpar/ops/moe.py), per token: the
+    attention half, router logits, scores and probabilities (float32), the queue's one-hots (int32),
+    the experts' input buffers at `rows` rows per token (E*C_loc/s_loc: the static buffers; under
+    expert parallelism the received ones: an all_to_all's transpose needs no input), the experts'
+    batched gate/up einsum outputs (kept by `none` and `dots`) and SwiGLU pieces, and the combine's
+    float32 picked copies (the router weights' gradient reads them; the expert outputs themselves
+    are not kept)."""
+    d, f, e, k, sf = m.d_model, m.moe_mlp_dim, m.experts, m.top_k, m.shared_experts * m.moe_mlp_dim
+    inv = [*attention_half(jax_attention_inventory(m, s_kv, ring_blocks)),
+           ("router logits, scores, probabilities (float32)", 3 * e, F32, False, NONE_ONLY),
+           ("queue one-hots (int32)", 2 * k * e, F32, False, NONE_ONLY),
+           ("expert input buffers", rows * d, None, False, NONE_ONLY),
+           ("expert gate, up", 2 * rows * f, None, True, frozenset({"none", "dots"})),
+           ("expert silu pieces, silu*up", 4 * rows * f, None, True, NONE_ONLY),
+           ("combine picked copies (float32)", k * d, F32, False, NONE_ONLY)]
+    if sf:
+        inv += [("shared gate, up", 2 * sf, None, True, JAX_DOT), ("shared silu pieces, silu*up", 4 * sf, None, True, NONE_ONLY)]
+    return tuple(inv)
+
+
 @per_model  # memoised on the inventory's identity (inventories are memoised per model, so they repeat)
 def inventory_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:
     """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP)."""
@@ -252,21 +304,25 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     micro = o.microbatches if stages > 1 else 1
     tokens = b_loc / micro * seq / sz["context"]
     remat, sp = o.remat, o.sequence_parallel
-    na, nm = layer_counts(m)
+    na, nm, ne = block_counts(m)
     ring = o.attention == "ring" and sz["context"] > 1
+    rows = expert_rows(m, seq, sz["context"], padded=jax_program)
     if jax_program:
         attn = jax_attention_inventory(m, seq, sz["context"] if ring else 0) if na else ()
         mamba = jax_mamba_inventory(m) if nm else ()
+        moe = jax_moe_inventory(m, seq, sz["context"] if ring else 0, rows) if ne else ()
     else:
         attn = attention_inventory(m, keys_per_query(st, seq), dropout) if na else ()
         mamba = mamba_inventory(m) if nm else ()
-    per_layer = (na * inventory_bytes(attn, act, t, sp, remat) + nm * inventory_bytes(mamba, act, t, sp, remat)) / stages
+        moe = moe_inventory(m, keys_per_query(st, seq), rows, dropout) if ne else ()
+    per_layer = (na * inventory_bytes(attn, act, t, sp, remat) + nm * inventory_bytes(mamba, act, t, sp, remat)
+                 + ne * inventory_bytes(moe, act, t, sp, remat)) / stages
     stored = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, stages) * per_layer * tokens
     transient = 0.0
     if remat == "full" or jax_program:
-        transient = tokens * max(inventory_bytes(attn, act, t, sp, "none"), inventory_bytes(mamba, act, t, sp, "none"))
+        transient = tokens * max(inventory_bytes(inv, act, t, sp, "none") for inv in (attn, mamba, moe))
     scores = 0.0
-    if jax_program and na and not ring:  # per token: h/t queries heads x s keys
+    if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
         scores = tokens * m.heads / t * seq * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)

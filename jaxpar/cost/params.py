@@ -22,6 +22,13 @@ matmul at run time, so XLA gathers them as one array); depthwise conv (conv_dim*
 conv_dim bias) over conv_dim = d_inner + 2*ngroups*d_state channels; dt_bias, A_log, D (nheads each);
 gated-RMSNorm weight d_inner; out_proj d_inner*d; pre-norm d.
 
+Mixture-of-experts block ("E", models/moe.py): the attention half of an attention block (norms, q,k,v,o),
+a router d*E (replicated: its expert dim has no logical name), the routed experts stacked as
+w_gate, w_up [E, d, f_e] and w_down [E, f_e, d] (`experts` -> the `expert` mesh axis, `mlp` -> `tensor`)
+and, with shared experts, one SwiGLU of width shared*f_e. Weights with an `experts` dim are split over
+the `expert` axis too (`BlockParams.expert_sharded`), so their gradients are reduced over the data-like
+axes other than `expert`.
+
 Only the stacked `layers` dim goes to `pipeline`, so embedding and head are replicated over it.
 
 The functions are pure and memoised on the ModelConfig *object* (`per_model`): a planner asks about
@@ -38,7 +45,7 @@ from jaxpar.rules import BASE_RULES, Rules, rules_for
 from jaxpar.strategy import AXES, Options, Strategy
 from jaxpar.models.config import ModelConfig
 
-BLOCKS = ("attention", "mamba", "embedding")
+BLOCKS = ("attention", "mamba", "moe", "embedding")
 
 
 def per_model(fn: Callable) -> Callable:
@@ -95,7 +102,12 @@ class Weight:
 
     def mesh_axes(self, rules: Rules) -> set[str]:
         """The mesh axes `rules` shard this weight over (before size-1 axes drop out)."""
-        return {axis for name in self.names for axis in rules[name]}
+        return {axis for name in self.names if name for axis in rules[name]}
+
+    @property
+    def expert(self) -> bool:
+        """Stacked over the routed experts (split over the `expert` mesh axis)."""
+        return "experts" in self.names
 
 
 @per_model
@@ -139,6 +151,20 @@ def mamba_weights(m: ModelConfig) -> tuple[Weight, ...]:
 
 
 @per_model
+def moe_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/moe.py (MoEBlock: the attention half of models/transformer.py's block, then MoE)."""
+    d, e, f = m.d_model, m.experts, m.moe_mlp_dim
+    attention_half = tuple(w for w in attention_weights(m) if w.name not in ("w_gate", "w_up", "w_down"))
+    shared = m.shared_experts * f
+    dense = ((Weight("shared_gate", (d, shared), ("embed", "mlp")), Weight("shared_up", (d, shared), ("embed", "mlp")),
+              Weight("shared_down", (shared, d), ("mlp", "embed"))) if shared else ())
+    return (*attention_half, Weight("router", (d, e), ("embed", None)),
+            Weight("experts_gate", (e, d, f), ("experts", "embed", "mlp")),
+            Weight("experts_up", (e, d, f), ("experts", "embed", "mlp")),
+            Weight("experts_down", (e, f, d), ("experts", "mlp", "embed")), *dense)
+
+
+@per_model
 def embedding_weights(m: ModelConfig) -> tuple[Weight, ...]:
     """models/lm.py: the input embedding, the final norm and, unless tied, the LM head."""
     head = () if m.tie_embeddings else (Weight("head", (m.d_model, m.vocab), ("embed", "vocab")),)
@@ -148,32 +174,42 @@ def embedding_weights(m: ModelConfig) -> tuple[Weight, ...]:
 
 def block_weights(m: ModelConfig, block: str) -> tuple[Weight, ...]:
     """The weights of one `block` in BLOCKS."""
-    return {"attention": attention_weights, "mamba": mamba_weights, "embedding": embedding_weights}[block](m)
+    return {"attention": attention_weights, "mamba": mamba_weights, "moe": moe_weights,
+            "embedding": embedding_weights}[block](m)
 
 
 # ---- counts and splits ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockParams:
-    sharded: int      # elements split over the tensor axis
-    replicated: int   # elements replicated over the tensor axis
+    sharded: int      # elements split over the tensor axis (not over `expert`)
+    replicated: int   # elements replicated over the tensor axis (not over `expert`)
     tensors: int      # parameter arrays (one per weight; stacked over layers under scan)
     moved: int = 0    # arrays as XLA moves them (gathers them): a packed group counts once
+    expert_sharded: int = 0     # routed experts' elements: split over `expert` and over `tensor`
+    expert_replicated: int = 0  # split over `expert`, replicated over `tensor`
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.expert_sharded + self.expert_replicated
 
-    def per_device(self, tensor: int) -> float:
-        return self.sharded / tensor + self.replicated
+    def __add__(self, o: "BlockParams") -> "BlockParams":
+        return BlockParams(*(getattr(self, f.name) + getattr(o, f.name) for f in dataclasses.fields(self)))
+
+    def per_device(self, tensor: int, expert: int = 1) -> float:
+        return (self.sharded / tensor + self.replicated
+                + (self.expert_sharded / tensor + self.expert_replicated) / expert)
 
 
 def count(weights: tuple[Weight, ...]) -> BlockParams:
-    """Elements split over `tensor` and replicated over it (BASE_RULES), arrays, arrays moved."""
-    sharded = sum(w.size for w in weights if "tensor" in w.mesh_axes(BASE_RULES))
+    """Elements split over `tensor` and replicated over it (BASE_RULES), each apart for the routed
+    experts' weights (split over `expert` too); arrays; arrays moved."""
+    def size(expert: bool, split: bool) -> int:
+        return sum(w.size for w in weights if w.expert == expert and ("tensor" in w.mesh_axes(BASE_RULES)) == split)
     packs = {w.packed for w in weights if w.packed}
-    return BlockParams(sharded=sharded, replicated=sum(w.size for w in weights) - sharded, tensors=len(weights),
-                       moved=sum(1 for w in weights if not w.packed) + len(packs))
+    return BlockParams(sharded=size(False, True), replicated=size(False, False), tensors=len(weights),
+                       moved=sum(1 for w in weights if not w.packed) + len(packs),
+                       expert_sharded=size(True, True), expert_replicated=size(True, False))
 
 
 @functools.cache
@@ -188,11 +224,13 @@ ZERO_AXES = tuple(a for a in AXES if a in zero_rules(3, "params")["embed"] + zer
 
 
 @per_model
-def zero_split(m: ModelConfig, block: str, zero: int, purpose: str = "params") -> tuple[BlockParams, BlockParams]:
+def zero_split(m: ModelConfig, block: str, zero: int, purpose: str = "params",
+               experts: bool | None = None) -> tuple[BlockParams, BlockParams]:
     """(the weights of `block` that ZeRO stage `zero` shards over the data axes under the `purpose`
-    rules, the weights it leaves replicated over them)."""
+    rules, the weights it leaves replicated over them); `experts` True / False keeps only the routed
+    experts' weights / only the others."""
     rules = zero_rules(zero, purpose)
-    weights = block_weights(m, block)
+    weights = tuple(w for w in block_weights(m, block) if experts is None or w.expert == experts)
     sharded = tuple(w for w in weights if w.mesh_axes(rules) & set(ZERO_AXES))
     return count(sharded), count(tuple(w for w in weights if w not in sharded))
 
@@ -238,18 +276,25 @@ def embedding_params(m: ModelConfig) -> BlockParams:
 @per_model
 def layer_params(m: ModelConfig) -> BlockParams:
     """All `layers` blocks together (the part that the pipeline axis splits)."""
-    a, mb = attention_block_params(m), mamba_block_params(m)
-    na, nm = m.attention_layers, m.mamba_layers
-    return BlockParams(sharded=na * a.sharded + nm * mb.sharded,
-                       replicated=na * a.replicated + nm * mb.replicated,
-                       tensors=(a.tensors if na else 0) + (mb.tensors if nm else 0),
-                       moved=(a.moved if na else 0) + (mb.moved if nm else 0))
+    blocks = [(block_params(m, b), n) for b, n in zip(LAYER_BLOCKS, block_counts(m)) if n]
+    return BlockParams(**{f.name: (sum(n * getattr(p, f.name) for p, n in blocks) if f.name not in ("tensors", "moved")
+                                   else sum(getattr(p, f.name) for p, _ in blocks))
+                          for f in dataclasses.fields(BlockParams)})
+
+
+LAYER_BLOCKS = ("attention", "mamba", "moe")  # the blocks of the scanned stack, as `block_counts` counts them
 
 
 @per_model
 def layer_counts(m: ModelConfig) -> tuple[int, int]:
-    """(attention layers, Mamba layers): `pattern` repeated to fill `layers`."""
+    """(attention layers, Mamba layers): `pattern` repeated to fill `layers` (MoE layers apart)."""
     return m.attention_layers, m.mamba_layers
+
+
+@per_model
+def block_counts(m: ModelConfig) -> tuple[int, int, int]:
+    """Layers of each of LAYER_BLOCKS: (attention "A", Mamba-2 "M", mixture of experts "E")."""
+    return m.attention_layers, m.mamba_layers, m.moe_layers
 
 
 def total_params(m: ModelConfig) -> int:

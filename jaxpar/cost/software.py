@@ -19,6 +19,9 @@ Megatron-LM (the published runs the model is calibrated on).
                        Korthikanti's inventory of Megatron's kernels
     rerun_outputs      full recompute reruns a layer's last projection too (Megatron); XLA drops it,
                        because nothing in the backward pass reads its output (jaxpar/cost/flops.py)
+    moe_padded         MoE dispatch into static per-expert buffers of the group capacity (jaxpar.ops.moe:
+                       dropless computes and sends E/k times the token copies that exist); False: only
+                       the routed copies (Megatron's grouped GEMM and token dispatcher)
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ class Software:
     pp_1f1b: bool = False
     jax_activations: bool = True
     rerun_outputs: bool = False
+    moe_padded: bool = True
 
 
 JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
-                    pp_1f1b=True, jax_activations=False, rerun_outputs=True)
+                    pp_1f1b=True, jax_activations=False, rerun_outputs=True, moe_padded=False)

@@ -9,7 +9,9 @@ collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency),
               intra-node links and (m-1)/m of a 1/k slice over each device's inter-node link
               (2x both for all-reduce; NCCL tree/ring over NVLink+IB, TPU ICI+DCN)
 step        = compute / (1 - bubble) + tensor comm (not overlapped) + context comm not hidden under
-              attention + pipeline permutes + data-parallel comm not hidden (dp_overlap) + optimizer
+              attention + pipeline permutes + expert all-to-alls (not overlapped: the experts wait for
+              their tokens; x the load imbalance under routed dispatch) + data-parallel comm not hidden
+              (dp_overlap) + optimizer
 Layout: canonical axis order data -> fsdp -> pipeline -> context -> expert -> tensor, innermost
 fastest; `devices_per_node` consecutive devices share a node (unless the strategy names dcn parts).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxpar.cost.compiler import AR, PERMUTE
+from jaxpar.cost.compiler import A2A, AR, PERMUTE
 from jaxpar.cost.hardware import Hardware
 from jaxpar.strategy import AXES, Strategy
 
@@ -35,15 +37,16 @@ class StepTime:
     data: float          # data-parallel / ZeRO / FSDP collectives left after overlap
     optimizer: float     # AdamW update, HBM-bound
     data_total: float    # data-parallel collectives before overlap
+    expert: float = 0.0  # expert-parallel all-to-alls (exposed)
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.tensor + self.context + self.pipeline + self.data
-                + self.optimizer)
+        return (self.compute + self.bubble + self.tensor + self.context + self.pipeline + self.expert
+                + self.data + self.optimizer)
 
     def terms(self) -> dict[str, float]:
         return {"compute": self.compute, "bubble": self.bubble, "tensor comm": self.tensor,
-                "context comm": self.context, "pipeline comm": self.pipeline,
+                "context comm": self.context, "pipeline comm": self.pipeline, "expert comm": self.expert,
                 "data comm": self.data, "optimizer": self.optimizer}
 
 
@@ -114,16 +117,17 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
     return alpha, beta
 
 
-def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware) -> dict[str, float]:
-    """Collective time per class: tensor, context, pipeline, data (everything over data-like axes).
+def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware, imbalance: float = 1.0) -> dict[str, float]:
+    """Collective time per class: tensor, context, pipeline, expert (the all-to-alls over `expert`,
+    bytes x `imbalance`), data (everything else over data-like axes).
     `predicted`: (kind, axes, phase, count, bytes) tuples from comm.predicted."""
-    out = {"tensor": 0.0, "context": 0.0, "pipeline": 0.0, "data": 0.0}
+    out = {"tensor": 0.0, "context": 0.0, "pipeline": 0.0, "expert": 0.0, "data": 0.0}
     links = _links(st, hw)
     for kind, axes, _phase, count, nbytes in predicted:
         cls = ("tensor" if "tensor" in axes else "context" if axes == ("context",)
-               else "pipeline" if "pipeline" in axes else "data")
+               else "pipeline" if "pipeline" in axes else "expert" if kind == A2A and axes == ("expert",) else "data")
         alpha, beta = _alpha_beta(kind, axes, st, hw, links)
-        out[cls] += count * alpha + nbytes * beta
+        out[cls] += count * alpha + nbytes * beta * (imbalance if cls == "expert" else 1.0)
     return out
 
 
@@ -140,5 +144,5 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     hidden = min(hw.dp_overlap * data, compute)
     return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
                     tensor=comm["tensor"], context=max(0.0, comm["context"] - attention_core),
-                    pipeline=comm["pipeline"], data=data - hidden,
+                    pipeline=comm["pipeline"], expert=comm.get("expert", 0.0), data=data - hidden,
                     optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)

@@ -148,15 +148,16 @@ def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: in
 def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0):
     """y, kept for tokens x [g, s, d] (see the module docstring), on the layout in force.
 
-    No layout, or one whose `experts` axes have size 1: `local_moe` on the global view (XLA
-    partitions it over the batch and `tensor`), except that a sequence split over `context` runs
-    per shard in shard_map (its queue needs the other shards' counts). `experts` axes > 1: expert
-    parallelism in shard_map.
+    No layout, or one with no `experts`, `seq` or `mlp` axes: `local_moe` on the global view (XLA
+    partitions it over the batch). A sequence split over `context` runs per shard in shard_map (its
+    queue needs the other shards' counts), and so does an expert width split over `tensor` (the
+    shard sums its output after the combine; XLA's partitioner would sum the E-times-larger
+    buffers). `experts` axes > 1: expert parallelism in shard_map.
     """
     experts, k = w_gate.shape[0], ids.shape[-1]
     capacity = group_capacity(x.shape[1], k, experts, capacity_factor)
     layout = current_layout()
-    if layout is None or (layout.size("experts") == 1 and layout.size("seq") == 1):
+    if layout is None or (layout.size("experts") == 1 and layout.size("seq") == 1 and layout.size("mlp") == 1):
         return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity)
     n = layout.size("experts")
     validate.check_expert_parallel(experts, n)

@@ -1,0 +1,190 @@
+"""Predicted collectives of data parallelism, ZeRO-1 and FSDP (ZeRO-3): gradient reductions, parameter
+gathers and the sharded embedding lookup, per device per step (jaxpar/cost/comm.py has the other
+parallelisms and merges everything; its docstring states the conventions: `Collective` records,
+counts times layer executions, `Compiler` traits from jaxpar/cost/compiler.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost.compiler import A2A, AG, AR, BATCH_AXES, GPU, RS, Compiler, reductions, site, together
+from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
+from jaxpar.cost.params import BLOCKS, LAYER_BLOCKS, block_counts, block_params, per_model, zero_rules, zero_split
+from jaxpar.cost.shape import StepShape
+from jaxpar.rules import BASE_RULES
+from jaxpar.strategy import AXES, Strategy
+from jaxpar.models.config import ModelConfig
+
+# axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
+DATA_LIKE = tuple(a for a in AXES if a in BATCH_AXES + BASE_RULES["seq"])
+TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
+
+
+# ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """Parameter elements per device (after the tensor and pipeline splits) and arrays of a set of
+    weights: one pattern unit (the layer stack is stacked over units, so its arrays are the unit's),
+    this stage's layer stack, and embedding + final norm + head."""
+    unit: float
+    unit_arrays: int
+    layers: float
+    emb: float
+    emb_arrays: int
+
+    @property
+    def full(self) -> float:
+        return self.layers + self.emb
+
+    @property
+    def arrays(self) -> int:
+        return self.unit_arrays + self.emb_arrays
+
+
+@per_model
+def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert: int = 1,
+          experts: bool | None = None) -> Held:
+    counts = block_counts(m)
+    unit = layers = 0.0
+    unit_arrays = 0
+    emb = None
+    for block in BLOCKS:
+        if part == "all" and experts is None:
+            p = block_params(m, block)
+        else:  # the ZeRO-sharded part of each block, or the rest; ZeRO-1 shards by the optimizer rules
+            sharded, kept = zero_split(m, block, zero, "optimizer" if zero == 1 else "params", experts)
+            p = sharded if part == "zero" else kept if part == "kept" else sharded + kept
+        if block == "embedding":
+            emb = p
+            continue
+        n = counts[LAYER_BLOCKS.index(block)]
+        per_unit = n // m.units if n else 0
+        unit += per_unit * p.per_device(tensor, expert)
+        unit_arrays += per_unit * p.tensors
+        layers += n * p.per_device(tensor, expert) / stages
+    return Held(unit=unit, unit_arrays=unit_arrays, layers=layers, emb=emb.per_device(tensor), emb_arrays=emb.tensors)
+
+
+def held(m: ModelConfig, st: Strategy, part: str = "all", experts: bool | None = None) -> Held:
+    """What one device holds of `part`: "all" weights, the ones the strategy's ZeRO stage shards over the
+    data axes ("zero": every weight with an `embed` dim), or the others ("kept": replicated over them);
+    `experts` True / False: only the routed experts' weights / only the others."""
+    sz = st.sizes
+    return _held(m, part, st.zero, sz["tensor"], sz["pipeline"], sz["expert"], experts)
+
+
+def equal_buffers(total: float, n: int) -> list[float]:
+    """`total` bytes as `n` equal buffers (none when n = 0)."""
+    return [total / n] * n if n else []
+
+
+def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
+                      cc: Compiler) -> list[tuple]:
+    """Embedding table sharded on its model dim over `shard` (ZeRO-3 parameters, ZeRO-1 moments):
+    the token ids are all-gathered to look rows up locally and the rows go back to batch sharding by an
+    all-to-all; backward (and under ZeRO-1, where only the gradient is sharded, only backward) the
+    row gradients take the reverse all-to-all, after which the embedding gradient needs no reduction."""
+    n = 1
+    for a in shard:
+        n *= st.sizes[a]
+    ids = shape.b_loc * n * shape.s_loc * TOKEN_BYTES
+    rows = shape.b_loc * shape.s_loc * m.d_model * act
+    out = site(cc, AG, shard, shape.accum, [ids / shape.accum], "forward")
+    if st.zero == 3:
+        out += site(cc, A2A, shard, shape.accum, [rows / shape.accum], "forward")
+    return out + site(cc, A2A, shard, shape.accum, [rows / shape.accum], "backward")
+
+
+def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
+    """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
+    rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
+    and final norm gathered forward, the final norm again backward (the gathered head is kept)."""
+    t, out = st.sizes["tensor"], []
+    for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
+        if e:
+            sharded, _ = zero_split(m, block, 3)
+            arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act, sharded.moved)
+            out += site(cc, AG, ("fsdp",), e, arrays, "forward") + site(cc, AG, ("fsdp",), e, arrays, "backward")
+    head, norm = _head_and_norm(m, t)
+    out += site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
+    return out + site(cc, AG, ("fsdp",), shape.accum, [norm * act], "backward")
+
+
+def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
+    """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
+    array; else per layer execution in the loop and once for embedding, head and final norm).
+    ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
+    rules); the others (Mamba-2's conv, A_log, dt_bias, D, gate norm) are treated as under ZeRO-0, their
+    gradients all-reduced over every data-like axis, in the loop together with the sharded gradients'
+    reduction where the compiler issues both there.
+    ZeRO-1: reduce-scatter the sharded grads over data x fsdp, all-gather the updated float32 params
+    after the update.
+    ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
+    over fsdp; then the shards all-reduced over the remaining data-like axes.
+    Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
+    norm's gradients are reduce-scattered one by one (not combined).
+    Routed experts (MoE under expert > 1) are split over `expert`: their gradients are reduced as above
+    over the data-like axes but `expert`, apart from the other weights' (shard_map sums them where the
+    expert kernel is transposed, in the layer loop)."""
+    axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
+    if m.moe_layers and st.sizes["expert"] > 1:
+        return (_data_parallel(m, st, shape, act, cc, axes, experts=False)
+                + _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), experts=True))
+    return _data_parallel(m, st, shape, act, cc, axes, experts=None)
+
+
+def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
+                   experts: bool | None) -> list[tuple]:
+    """`data_parallel` for the weights `experts` selects (params.zero_split), reduced over `axes`; the
+    embedding lookup, FSDP gathers and head reductions go with the non-expert weights."""
+    sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
+    dense = experts is not True
+
+    def groups(over: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """shard_map sums the experts' gradients over every axis they are replicated on at once."""
+        return [over] if experts and over else reductions(cc, st, over)
+    # the axes ZeRO shards weights with an `embed` dim over: ZeRO-3 by its params rules, ZeRO-1 by its optimizer's
+    shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if sz[a] > 1)
+    execs = shape.exec_layers / len(m.pattern)
+
+    def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
+        """All-reduces of the gradients of the weights `h` over `group` (sizes / `shards`)."""
+        if cc.hoist:
+            return site(cc, AR, group, 1, equal_buffers(h.full * GRAD_BYTES / shards, h.arrays), "backward")
+        return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
+                + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
+
+    if not shard:
+        return [op for group in groups(axes) for op in grads(group, held(m, st, experts=experts), 1)]
+    sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
+    rest = tuple(a for a in axes if a not in shard)
+    head, norm = _head_and_norm(m, t)
+    out = _fsdp_gathers(m, st, shape, act, cc) + _embedding_lookup(m, st, shape, act, shard, cc) if zero == 3 and dense else []
+    # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
+    # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
+    if cc.hoist and zero != 3:
+        out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * GRAD_BYTES, sharded.unit_arrays)
+                    + [b * GRAD_BYTES for b in (head, norm) if b and dense], "backward")
+    else:
+        in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
+        if not cc.hoist:
+            for group in groups(axes):
+                in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
+        out += together(cc, in_loop)
+        for nbytes in (head, norm):
+            out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes and dense else []
+    if zero == 1:
+        out += _embedding_lookup(m, st, shape, act, shard, cc) if dense else []
+        out += site(cc, AG, shard, 1, equal_buffers(sharded.full * PARAM_BYTES, sharded.arrays), "optimizer")
+    for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
+        out += (grads(group, kept, 1) if cc.hoist
+                else site(cc, AR, group, 1, equal_buffers(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
+    for group in groups(rest):
+        out += grads(group, sharded, sz["fsdp"] if zero == 3 else 1)
+    return out
+
+
+def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:
+    """Elements per device of the LM head (0 when tied to the embedding) and the final norm."""
+    return (0.0 if m.tie_embeddings else m.vocab * m.d_model / tensor), float(m.d_model)
