@@ -232,3 +232,46 @@ def check_model(saved: dict, current: dict, step: int) -> None:
         if saved.get(key) != current.get(key):
             raise ConfigError(f"checkpoint step {step} was written for a different model: "
                               f"{key}={saved.get(key)!r} in the checkpoint, {key}={current.get(key)!r} now")
+
+
+def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: int | None = None):
+    """Some arrays of a training checkpoint, read straight into `target`'s shardings (jax.ShapeDtypeStruct
+    per flat key, e.g. only the parameters for `jaxpar generate`: the optimizer state stays on disk).
+    Returns (flat arrays, step, message). Read-only: nothing in `directory` is created or changed.
+    ConfigError for a directory jaxpar did not write, one without checkpoints, or a checkpoint of
+    another model (`model`: the current ModelConfig as a dict); DamagedCheckpoint as `restore`."""
+    path = pathlib.Path(directory).resolve()
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {path}: no such directory")
+    try:
+        ok = json.loads((path / MARKER).read_text()).get("format") == FORMAT["format"]
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"--checkpoint {path} was not written by jaxpar (no {MARKER})")
+    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
+                                    item_names=("state", "meta"))
+    try:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise ConfigError(f"--checkpoint {path} holds no complete checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ConfigError(f"--checkpoint {path}: no complete checkpoint of step {step}; it holds {_listing(steps)}")
+        where = f"checkpoint step {step} in {path}"
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
+            raise DamagedCheckpoint(f"{where} cannot be read: its metadata: {read_error(e, [], path / str(step))}") from None
+        check_model(meta.get("model", {}), model, step)
+        restore = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                         partial_restore=True)
+        try:
+            flat = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        except Exception as e:  # noqa: BLE001
+            raise DamagedCheckpoint(f"{where} is corrupt or incomplete: {read_error(e, list(target), path / str(step))}") from None
+    finally:
+        manager.close()
+    if "checksums" in meta:
+        verify(flat, meta["checksums"], where)
+    return flat, step, f"restored {len(flat)} arrays of step {step} from {path} (written under {meta.get('strategy')})"

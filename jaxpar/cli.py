@@ -11,7 +11,7 @@ import traceback
 
 from jaxpar.errors import ConfigError
 from jaxpar.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
-                           nonempty, png_path, real)
+                           nonempty, png_path, real, token_ids)
 
 
 class Parser(argparse.ArgumentParser):
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--plot", type=png_path, help="write a PNG of bytes per device per step by kind and mesh axes")
     add_strategy_flags(cp)
 
+    add_generate(sub)
+
     la = sub.add_parser("launch", help="run a command as N local processes on CPU (multi-process development)",
                         description="Start N processes of `jaxpar COMMAND ...`, each with D simulated CPU "
                                     "devices, joined by jax.distributed (gloo collectives). Signals are "
@@ -149,6 +151,37 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                     help="a jaxpar command and its flags (train, comm)")
     return parser
+
+
+def add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="generate tokens from prompts: sharded prefill and decode with a KV cache",
+                       description="Prefill the prompts (left-padded to the longest) and decode one token per "
+                                   "sequence per step under a strategy: K/V cache heads over tensor (replicated "
+                                   "across tensor ranks when tensor > kv_heads), sequences over the data axes. "
+                                   "Prints the new token ids, the time to first token, the per-token latency and "
+                                   "tokens/s. Without --checkpoint the parameters are a fresh initialisation. "
+                                   "Of the strategy flags, --zero and --dtype (the cache's dtype too) apply; the "
+                                   "training-only ones (remat, grad-accum, microbatches, pp-*, cp-layout) have no "
+                                   "effect.")
+    add_model_mesh(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", type=token_ids, metavar="IDS",
+                     help="one prompt as comma-separated token ids (1,2,3); repeat for a batch")
+    src.add_argument("--prompt-file", type=nonempty, metavar="FILE",
+                     help="one prompt per line, token ids separated by commas or spaces")
+    g.add_argument("--max-new-tokens", type=POSITIVE, default=16, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=real(0.0), default=0.0, help="sampling temperature; 0 (default) is greedy")
+    g.add_argument("--top-k", type=NON_NEGATIVE, default=0, metavar="K",
+                   help="sample among the K most likely tokens (0: all); needs --temperature > 0")
+    g.add_argument("--top-p", type=real(0.0, 1.0, open_lo=True), default=1.0, metavar="P",
+                   help="sample among the most likely tokens holding probability P (1: all); needs --temperature > 0")
+    g.add_argument("--seed", type=SEED, default=0, help="sampling seed (the same seed gives the same tokens)")
+    g.add_argument("--param-seed", type=SEED, default=0, help="without --checkpoint: the parameters' initialisation seed")
+    g.add_argument("--checkpoint", type=nonempty, metavar="DIR",
+                   help="a `train --ckpt-dir` directory: restore its newest parameters (of the same model) onto this mesh")
+    g.add_argument("--checkpoint-step", type=NON_NEGATIVE, metavar="N", help="with --checkpoint: restore step N")
+    g.add_argument("--json", type=nonempty, help="write the tokens and timings as one JSON object to this file")
+    add_strategy_flags(g)
 
 
 def add_analysis_flags(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ by the parser's types (jaxpar/inputs.py), configs by their loaders, combinations
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -243,6 +244,49 @@ def cmd_compare(args) -> int:
     if args.plot:
         plot(reports, args.plot)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from jaxpar.inputs import read_prompt_file  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    model = parse_model(args.model)
+    strategy = strategy_from_args(args)
+    prompts = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
+    if args.checkpoint_step is not None and args.checkpoint is None:
+        raise ConfigError(f"--checkpoint-step {args.checkpoint_step} needs --checkpoint")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):
+        raise ConfigError(f"--top-k {args.top_k} / --top-p {args.top_p} shape sampling, but --temperature 0 is greedy "
+                          "decoding; give --temperature > 0")
+    if args.top_k > model.vocab:
+        raise ConfigError(f"--top-k {args.top_k} exceeds the model's vocab={model.vocab}")
+    from jaxpar.generate import Generator, Sampling  # noqa: PLC0415
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    gen = Generator(model, strategy, prompts, args.max_new_tokens, sampling)  # every check, before compiling
+    if args.checkpoint is not None:
+        params, source = gen.restore_params(args.checkpoint, args.checkpoint_step)
+    else:
+        params, source = gen.init_params(args.param_seed), f"parameters: fresh initialisation (seed {args.param_seed})"
+    kv = f"; K/V heads x{gen.kv_copies} across tensor ranks" if gen.kv_copies > 1 else ""
+    print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
+    print(f"strategy {gen.strategy.describe()}{kv}; {source}")
+    print(f"compiled prefill and decode in {gen.compile():.1f} s")
+    result = gen.generate(params, prompts)
+    for i, (prompt, new) in enumerate(zip(prompts, result.tokens.tolist())):
+        print(f"prompt {i} ({len(prompt)} tokens) -> {' '.join(map(str, new))}")
+    latency = (f"per-token latency {result.per_token_latency_s * 1e3:.1f} ms" if result.decode_step_s
+               else "no decode step (--max-new-tokens 1)")
+    print(f"time to first token {result.time_to_first_token_s * 1e3:.1f} ms  {latency}  "
+          f"{result.tokens_per_s:.0f} tokens/s ({result.tokens.size} tokens, batch {len(prompts)})")
+    if args.json:
+        report = {"model": model.name, "mesh": dict(gen.strategy.sizes), "devices": gen.mesh.size,
+                  "batch": len(prompts), "prompt_lengths": [len(p) for p in prompts],
+                  "max_new_tokens": args.max_new_tokens, "sampling": dataclasses.asdict(sampling),
+                  "kv_head_copies": gen.kv_copies, "params": source, **result.to_json()}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

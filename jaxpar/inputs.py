@@ -76,6 +76,44 @@ def png_path(text: str) -> str:
     return text
 
 
+def token_ids(text: str) -> list[int]:
+    """An argparse type: one prompt as comma-separated token ids (`1,2,3`), at least one, each >= 0
+    (their range against the model's vocabulary is checked by jaxpar.validate.check_generate)."""
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty prompt: give at least one token id, e.g. 1,2,3")
+    try:
+        ids = [int(t) for t in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {min(ids)}")
+    return ids
+
+
+def read_prompt_file(path: str) -> list[list[int]]:
+    """Prompts from a UTF-8 text file, one per line, token ids separated by commas or spaces; blank
+    lines are skipped. ConfigError naming the line for anything else, or for a file with no prompt."""
+    p = check_readable_file(path, "--prompt-file")
+    try:
+        lines = p.read_bytes().decode("utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read --prompt-file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(token_ids(",".join(line.replace(",", " ").split())))
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"--prompt-file {path}, line {n}: {e}") from None
+    if not prompts:
+        raise ConfigError(f"--prompt-file {path} holds no prompt (one line of token ids per prompt)")
+    return prompts
+
+
 # ---- paths ---------------------------------------------------------------------------------------
 
 def check_writable(path: str, what: str, *, directory: bool = False) -> None:

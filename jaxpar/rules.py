@@ -37,20 +37,31 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "ssm_state": (),
     "conv": (),
     "experts": ("expert",),
+    # inference state (models/decode.py, jaxpar/generate.py): sharded like a parameter
+    "cache_batch": ("data", "fsdp", "expert"),  # the sequences being generated, as `batch`
+    "cache_seq": (),                # cache slots (context-parallel prefill would shard them)
+    "cache_kv_heads": ("tensor",),  # cached K/V heads (copies of them when tensor > kv_heads)
 }
 
 DATA_AXES = ("data", "fsdp", "expert")  # the axes a batch is split over
 
 
-def rules_for(strategy: Strategy, purpose: str) -> Rules:
+def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = False) -> Rules:
     """The table for `purpose` in {"params", "optimizer", "activations"}.
 
     - params:      `embed` on fsdp under ZeRO-3, replicated otherwise.
     - optimizer:   Adam moments follow the params, except ZeRO-1 which shards them (and the
                    gradient entering the update) on `embed` over data x fsdp.
     - activations: sequence parallelism adds `tensor` to the residual stream's sequence dim.
+
+    `replicate_kv_heads` is Megatron's rule for tensor > kv_heads (used by inference: jaxpar/generate.py):
+    the K/V projections and their activations are replicated over `tensor` (every rank computes every
+    K/V head), and the cache keeps tensor/kv_heads copies of each head on `cache_kv_heads`, so each
+    tensor rank holds the one head its query heads read.
     """
     rules = dict(BASE_RULES)
+    if replicate_kv_heads:
+        rules["kv_heads"] = rules["act_kv_heads"] = ()
     zero = strategy.zero
     if purpose in ("params", "optimizer"):
         rules["embed"] = ("fsdp",) if zero == 3 else ()

@@ -34,12 +34,13 @@ def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh plus the three rules tables of a strategy."""
+    """A mesh plus the three rules tables of a strategy (`replicate_kv_heads`: see rules_for)."""
     mesh: Mesh
     strategy: Strategy
+    replicate_kv_heads: bool = False
 
     def rules(self, purpose: str) -> Rules:
-        return rules_for(self.strategy, purpose)
+        return rules_for(self.strategy, purpose, replicate_kv_heads=self.replicate_kv_heads)
 
     def axes(self, name: str) -> tuple[str, ...]:
         """Mesh axes (of size > 1) an activation's logical name is sharded over."""

@@ -233,3 +233,69 @@ def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
         raise ConfigError(f"tensor={tp} groups span hosts {sorted(set(crossing[0].tolist()))} (each host "
                           f"has {per_host} devices): keep tensor <= {per_host}, or ask for cross-host "
                           f"tensor parallelism with [mesh.dcn] tensor = {math.ceil(tp / per_host)}")
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Generating `max_new_tokens` after each prompt (a list of token ids) on a resolved strategy
+    (jaxpar/generate.py, models/decode.py). Prompts are left-padded to the longest, so the longest
+    prompt plus the new tokens must fit the model's max_seq. K/V heads are sharded over `tensor` when
+    it divides kv_heads, and replicated across tensor ranks (Megatron's rule) when tensor is a
+    multiple of kv_heads."""
+    model.validate()
+    s, o = strategy.sizes, strategy.options
+    tp = s["tensor"]
+    if "E" in model.pattern:
+        raise ConfigError(f"generate has no decode path for mixture-of-experts blocks yet (model {model.name}, "
+                          f"pattern={model.pattern!r})")
+    for axis, why in (("pipeline", "pipelined decoding"), ("context", "context-parallel prefill")):
+        if s[axis] > 1:
+            raise ConfigError(f"generate: {axis}={s[axis]}: {why} is not implemented yet; use the data, fsdp "
+                              "and tensor axes")
+    if o.sequence_parallel:
+        raise ConfigError("generate: sequence_parallel shards the sequence over tensor, but a decode step has one "
+                          "token per sequence; drop --sequence-parallel")
+    if o.attention != "dense":
+        raise ConfigError(f"generate: attention={o.attention} is a context-parallel kernel; generation uses dense "
+                          "attention (context=1)")
+
+    # --- the prompts ------------------------------------------------------------------------------
+    if not prompts:
+        raise ConfigError("generate needs at least one prompt")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompt {i} is empty: a prompt needs at least one token id")
+        bad = [t for t in prompt if not 0 <= t < model.vocab]
+        if bad:
+            raise ConfigError(f"prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {model.vocab})")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > model.max_seq:
+        raise ConfigError(f"the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} = "
+                          f"{longest + max_new_tokens} exceeds the model's max_seq={model.max_seq}")
+    dp = data_parallel_size(strategy)
+    if len(prompts) % dp:
+        desc = "x".join(f"{a}={s[a]}" for a in DATA_AXES if s[a] > 1)
+        raise ConfigError(f"batch={len(prompts)} prompts is not divisible by the data-parallel size {desc} ({dp}): "
+                          "each data-parallel rank decodes the same number of sequences")
+
+    # --- parameters and heads ---------------------------------------------------------------------
+    if strategy.zero == 3 and s["fsdp"] == 1:
+        raise ConfigError("zero=3 shards parameters over the fsdp axis, but the mesh has fsdp=1")
+    if strategy.zero == 3:
+        _divides("fsdp", s["fsdp"], "d_model", model.d_model)
+    if s["fsdp"] > 1 and strategy.zero != 3:
+        raise ConfigError(f"zero={strategy.zero} keeps parameters replicated, but the mesh has fsdp={s['fsdp']}")
+    _divides("tensor", tp, "vocab", model.vocab)
+    if model.has_attention:
+        _divides("tensor", tp, "heads", model.heads)
+        _divides("tensor", tp, "mlp_dim", model.mlp_dim)
+        if tp > model.kv_heads and tp % model.kv_heads:
+            raise ConfigError(f"tensor={tp} > kv_heads={model.kv_heads} replicates K/V heads across tensor ranks, "
+                              "which needs tensor to be a multiple of kv_heads")
+        if tp <= model.kv_heads:
+            _divides("tensor", tp, "kv_heads", model.kv_heads)
+    if "M" in model.pattern:
+        check_mamba(model, tensor=tp, context=1, seq=1)

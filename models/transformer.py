@@ -30,6 +30,12 @@ class Attention(nnx.Module):
                         std=(h * hd) ** -0.5 / math.sqrt(2 * cfg.layers))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        q, k, v = self.project(x, positions)
+        return self.output(attention(q, k, v, positions, impl=self.run.attention, causal=True))
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k
+        (models/decode.py caches k and v)."""
         dt = dtype_of(self.run)
         q = jax.numpy.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
         k = jax.numpy.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
@@ -37,9 +43,12 @@ class Attention(nnx.Module):
         q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        out = attention(q, k, v, positions, impl=self.run.attention, causal=True)
+        return q, k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The row-parallel output projection of the attention output [b, s, heads, head_dim]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jax.numpy.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dt))
+        return jax.numpy.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dtype_of(self.run)))
 
 
 class AttentionBlock(nnx.Module):

@@ -30,6 +30,7 @@ BASE = {  # a valid command line for each command; a case spoils one thing
     "plan": ["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--devices", "64"],
     "comm": ["comm", "--model", "llama-tiny", "--mesh", "dp8"],
     "compare": ["compare", "--model", "llama-tiny", "--meshes", "dp8", "fsdp8"],
+    "generate": ["generate", "--model", "llama-tiny", "--mesh", "dp8", "--prompt", "1,2,3"],
     "launch": ["launch", "--processes", "2", "--", "train", "--model", "llama-tiny", "--mesh", "dp8"],
 }
 BAD_INTEGERS = {"-1": "must be >", "abc": "is not an integer", "1.5": "is not an integer", "": "is not an integer"}

@@ -1,0 +1,181 @@
+"""Generation with a cache: prefill a prompt, then decode one token per sequence per step.
+
+The decode path sits beside the training forward and reuses its blocks' parameters and pieces
+(`Attention.project` / `output`, `MambaBlock.in_proj`, the conv and SSD kernels); only the state
+that carries from one step to the next is new. That state, per block of a scanned unit, stacked
+over units on `layers` like the parameters:
+
+    A block   k, v      [units, b, S, kv_cached, head_dim]   (layers, cache_batch, cache_seq, cache_kv_heads, head_dim)
+    M block   conv_x    [units, b, K-1, ssm_heads, p]        the last K-1 conv inputs (the conv window)
+              conv_B/C  [units, b, K-1, ngroups, d_state]
+              ssm       [units, b, ssm_heads, p, d_state]    the SSM state, float32
+    and once  pos       [b, S] int32                          each cache slot's token position
+
+S is the cache length (longest prompt + new tokens - 1). A Mamba layer's state does not grow with S.
+`kv_cached` is kv_heads, or a multiple of it when the strategy replicates K/V heads across tensor
+ranks (tensor > kv_heads, jaxpar.rules.rules_for): head c of the cache holds K/V head c // copies,
+and query head i reads cache head i // (heads / kv_cached), which is a copy of its own K/V head.
+
+Prompts of different lengths are LEFT-padded to a common width P, so every sequence writes slot
+P + t at decode step t (one dynamic_update_slice, not a scatter) and the last column is every
+sequence's newest token. A real token's position counts from its prompt's first token. A pad's
+position is PAD_POSITION, larger than any real one, and so is every slot not yet written: the
+causal mask (query position >= key position) then hides pads and empty slots from every real query,
+with the attention kernel unchanged. In Mamba layers a pad is an identity step: its conv inputs
+are zero (what a sequence start sees) and its dt is 0 (decay 1, no input), so the state entering a
+prompt's first real token is the zero state, as without padding.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.ops.attention import dense_attention
+from jaxpar.ops.ssd import causal_conv, ssd
+from jaxpar.sharding import constrain
+from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.layers import dtype_of
+from jaxpar.models.lm import LM
+from jaxpar.models.mamba import GROUPS, HEADS, gated_rms_norm
+from jaxpar.models.transformer import RESIDUAL
+
+PAD_POSITION = 2**30  # the position of pads and empty cache slots: after every real token
+KV_NAMES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One cache array: its shape, dtype, logical axis names and initial value (a leaf of the cache
+    layout tree)."""
+    shape: tuple[int, ...]
+    dtype: str
+    names: tuple[str | None, ...]
+    fill: int = 0
+
+
+def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_copies: int = 1) -> dict:
+    """The cache as a tree of Slots: {"pos": Slot, "units": [one dict per block of the pattern]}."""
+    u, dt = cfg.units, str(dtype_of(run))
+    blocks = []
+    for kind in cfg.pattern:
+        if kind == "A":
+            kv = Slot((u, batch, length, cfg.kv_heads * kv_copies, cfg.head_dim), dt, KV_NAMES)
+            blocks.append({"k": kv, "v": kv})
+        elif kind == "M":
+            k, h, p, g, n = cfg.d_conv - 1, cfg.ssm_heads, cfg.ssm_head_dim, cfg.ngroups, cfg.d_state
+            window = ("layers", "cache_batch", "conv")
+            blocks.append({"conv_x": Slot((u, batch, k, h, p), dt, window + ("ssm_heads", "head_dim")),
+                           "conv_B": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
+                           "conv_C": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
+                           "ssm": Slot((u, batch, h, p, n), "float32",
+                                       ("layers", "cache_batch", "ssm_heads", "head_dim", "ssm_state"))})
+        else:
+            raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.validate.check_generate refuses it)")
+    return {"pos": Slot((batch, length), "int32", ("cache_batch", "cache_seq"), PAD_POSITION), "units": blocks}
+
+
+def is_slot(x) -> bool:
+    return isinstance(x, Slot)
+
+
+def init_cache(layout: dict) -> dict:
+    """Zeros for every array, PAD_POSITION for every slot's position (nothing written yet)."""
+    return jax.tree.map(lambda s: jnp.full(s.shape, s.fill, s.dtype), layout, is_leaf=is_slot)
+
+
+# ---- blocks --------------------------------------------------------------------------------------
+
+def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool):
+    """AttentionBlock with a K/V cache: x [b, s, d] at `positions` [b, s]; the new k, v are written
+    at cache slots [index, index + s). A prefill (empty cache) attends over its own k, v; a decode
+    step over the whole cache, whose positions are `cache_pos` [b, S]."""
+    h = constrain(block.attn_norm(x), ("batch", "seq", "act_embed"))
+    q, k, v = block.attn.project(h, positions)
+    copies = cache["k"].shape[2] // k.shape[2]
+    if copies > 1:  # tensor > kv_heads: each tensor rank keeps a copy of the one head it reads
+        k, v = (jnp.repeat(t, copies, axis=2) for t in (k, v))
+    k, v = (constrain(t, ("cache_batch", "cache_seq", "cache_kv_heads", "head_dim")) for t in (k, v))
+    ck, cv = (jax.lax.dynamic_update_slice_in_dim(c, t.astype(c.dtype), index, axis=1)
+              for c, t in ((cache["k"], k), (cache["v"], v)))
+    if prefill:
+        out = dense_attention(q, k, v, positions, positions, causal=True)
+    else:
+        out = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, causal=True)
+    x = constrain(x + block.attn.output(out), RESIDUAL)
+    h = constrain(block.mlp_norm(x), ("batch", "seq", "act_embed"))
+    return constrain(x + block.mlp(h), RESIDUAL), {"k": ck, "v": cv}
+
+
+def mamba_block(block, x, valid, cache):
+    """MambaBlock from a cached state: x [b, s, d]; `valid` [b, s] is False at pads (identity steps).
+    The conv sees the cached window before its input, SSD starts from the cached state, and both
+    are replaced by their values after the last of the s tokens."""
+    cfg, dt_ = block.cfg, dtype_of(block.run)
+    h = constrain(block.norm(x), ("batch", "seq", "act_embed"))
+    z, xs, B, C, dt = block.in_proj(h)
+    keep = valid[:, :, None, None]
+    new = {}
+    conved = []
+    for key, u, w, b, names in (("conv_x", xs, block.conv_x, block.conv_x_bias, HEADS),
+                                ("conv_B", B, block.conv_B, block.conv_B_bias, GROUPS),
+                                ("conv_C", C, block.conv_C, block.conv_C_bias, GROUPS)):
+        u = jnp.where(keep, u, jnp.zeros((), u.dtype))
+        window = cache[key].astype(u.dtype)
+        conved.append(constrain(jax.nn.silu(causal_conv(u, w[...], b[...], halo=window)), names))
+        new[key] = jnp.concatenate([window, u], axis=1)[:, u.shape[1]:].astype(cache[key].dtype)
+    xs, B, C = conved
+    dt = jnp.where(valid[:, :, None], jax.nn.softplus(dt.astype(jnp.float32) + block.dt_bias[...]), 0.0)
+    y, new["ssm"] = ssd(xs, dt, -jnp.exp(block.A_log[...]), B, C, cfg.chunk, initial_state=cache["ssm"])
+    y = y + xs * block.D[...].astype(dt_)[:, None]
+    y = constrain(gated_rms_norm(y, z, block.gate_norm[...], cfg.ngroups, cfg.norm_eps), HEADS)
+    out = jnp.einsum("bshp,hpd->bsd", y, block.w_out[...].astype(dt_))
+    return constrain(x + out, RESIDUAL), new
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, index, *,
+            prefill: bool) -> tuple[jax.Array, dict]:
+    """Run `tokens` [b, s] at `positions` [b, s] (PAD_POSITION at pads) through the model, writing
+    their state at cache slots [index, index + s). Returns (float32 logits of the last column
+    [b, vocab], sharded on `act_vocab`; the updated cache). A prefill has index 0 and an empty cache."""
+    cfg = model.cfg
+    x = model.embed(tokens)
+    valid = positions < PAD_POSITION
+    cache_pos = jax.lax.dynamic_update_slice_in_dim(cache["pos"], positions.astype(jnp.int32), index, axis=1)
+    graphdef, stacked = nnx.split(model.units)
+
+    def unit_step(x, unit_and_cache):
+        unit_state, unit_cache = unit_and_cache
+        unit = nnx.merge(graphdef, unit_state)
+        new = []
+        for kind, block, c in zip(cfg.pattern, unit.blocks, unit_cache):
+            if kind == "M":
+                x, c = mamba_block(block, x, valid, c)
+            else:
+                x, c = attention_block(block, x, positions, c, cache_pos, index, prefill)
+            new.append(c)
+        return x, new
+
+    x, units = jax.lax.scan(unit_step, x, (stacked, cache["units"]))
+    return last_logits(model, x), {"pos": cache_pos, "units": units}
+
+
+def last_logits(model: LM, x: jax.Array) -> jax.Array:
+    """float32 logits [b, vocab] of the last column of the residual stream x [b, s, d]."""
+    h = constrain(model.final_norm(x[:, -1]), ("batch", "act_embed"))
+    w = model.embedding[...].T if model.cfg.tie_embeddings else model.head[...]
+    return constrain((h @ w.astype(h.dtype)).astype(jnp.float32), ("batch", "act_vocab"))
+
+
+def full_logits(model: LM, tokens: jax.Array) -> jax.Array:
+    """float32 logits [b, s, vocab] of the training forward over tokens [b, s] at positions 0..s-1,
+    no cache: the reference the decode path is tested against."""
+    b, s = tokens.shape
+    x = model.apply_stack(model.embed(tokens), jnp.broadcast_to(jnp.arange(s), (b, s)))
+    h = model.final_norm(x)
+    w = model.embedding[...].T if model.cfg.tie_embeddings else model.head[...]
+    return (h @ w.astype(h.dtype)).astype(jnp.float32)

@@ -1,0 +1,276 @@
+"""Generation (jaxpar/generate.py, models/decode.py) against the unsharded training forward.
+
+The reference is independent of the decode path: the training model's full forward (no cache, one
+device) over each prompt followed by the tokens the generator produced. Its logits at each prompt's
+last token and at every generated token must equal the generator's prefill and decode logits
+(float32, 1e-5): prefill + N decode steps = one forward over prompt + N tokens. And every greedy
+token must be the argmax of the reference logits before it: by induction over the steps, the
+generated sequence is the unsharded model's greedy sequence.
+
+Each (model, mesh) is compiled once per module (`generated`); the default run covers one unsharded
+and three sharded layouts (data x tensor; tensor > kv_heads in a hybrid stack), the wider sweep is
+`slow`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar import cli
+from jaxpar.errors import ConfigError
+from jaxpar.generate import Generator, Sampling, pad_prompts, sample
+from jaxpar.strategy import parse_strategy
+from jaxpar.models import decode
+from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.lm import LM
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [4], [10, 11, 12, 13]]  # lengths 5, 3, 1, 4: left-padded to 5
+NEW = 4
+
+
+@functools.cache
+def host_params(model: str):
+    """The model's parameters as training initialises them (seed 0), on the host."""
+    return jax.tree.map(np.asarray, nnx.state(LM(parse_model(model), RunConfig(), rngs=nnx.Rngs(0))))
+
+
+@functools.cache
+def full_forward(model: str):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: LM(parse_model(model), RunConfig(), rngs=nnx.Rngs(0))))
+    return jax.jit(lambda params, tokens: decode.full_logits(nnx.merge(graphdef, params), tokens))
+
+
+def reference_logits(model: str, generated: np.ndarray) -> np.ndarray:
+    """[b, NEW, vocab]: the one-device full forward's logits where each generated token was predicted."""
+    lengths = [len(p) for p in PROMPTS]
+    seq = np.zeros((len(PROMPTS), max(lengths) + NEW), np.int32)  # right-padded; causal: the tail is unread
+    for i, (prompt, new) in enumerate(zip(PROMPTS, generated)):
+        seq[i, :len(prompt) + NEW] = [*prompt, *new]
+    logits = np.asarray(full_forward(model)(host_params(model), jnp.asarray(seq)))
+    return np.stack([logits[i, n - 1:n - 1 + NEW] for i, n in enumerate(lengths)])
+
+
+def generated(model: str, mesh: str, devices: int = 8):
+    """(generator, its parameters, its greedy Result with logits) for PROMPTS, once per module."""
+    return _generated(model, mesh, devices)
+
+
+@functools.cache
+def _generated(model: str, mesh: str, devices: int):
+    gen = Generator(parse_model(model), parse_strategy(mesh), PROMPTS, NEW, devices=jax.devices()[:devices])
+    params = gen.place_params(host_params(model))
+    return gen, params, gen.generate(params, PROMPTS, keep_logits=True)
+
+
+def assert_matches_unsharded(model: str, mesh: str, devices: int = 8) -> None:
+    _, _, result = generated(model, mesh, devices)
+    ref = reference_logits(model, result.tokens)
+    np.testing.assert_allclose(result.logits, ref, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(result.tokens, ref.argmax(-1))
+
+
+@pytest.mark.parametrize("model, mesh, devices", [
+    ("llama-tiny", "data=1", 1),
+    ("llama-tiny", "data=2,tensor=4", 8),
+    ("mamba2-tiny", "data=4,tensor=2", 8),
+    ("hybrid-tiny:ngroups=8", "tensor=8", 8),   # tensor 8 > kv_heads 4: K/V heads replicated x2
+])
+def test_greedy_generation_matches_the_unsharded_forward(model, mesh, devices):
+    assert_matches_unsharded(model, mesh, devices)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, mesh", [
+    *[("llama-tiny", f"tensor={t}") for t in (1, 2, 4, 8)],
+    *[("llama-tiny:kv_heads=2", f"tensor={t}") for t in (2, 4, 8)],   # tensor > kv_heads at 4 and 8
+    ("llama-tiny", "fsdp=2,tensor=4"), ("llama-tiny", "data=4,tensor=2"), ("llama-tiny", "data=2,fsdp=2,tensor=2"),
+    *[("mamba2-tiny", f"tensor={t}") for t in (1, 2)],
+    *[("mamba2-tiny:ngroups=8", f"tensor={t}") for t in (4, 8)],
+    *[("hybrid-tiny", f"tensor={t}") for t in (1, 2)], ("hybrid-tiny", "data=4,tensor=2"),
+    ("hybrid-tiny:ngroups=8", "data=2,tensor=4"),
+])
+def test_greedy_generation_sweep(model, mesh):
+    assert_matches_unsharded(model, mesh, parse_strategy(mesh).num_devices)
+
+
+def test_cache_is_sharded_like_a_parameter():
+    """K/V heads over tensor (one replicated head per rank when tensor > kv_heads), sequences over the
+    data axes; a Mamba layer's state is the same size for any cache length."""
+    gen, _, _ = generated("llama-tiny", "data=2,tensor=4")
+    k = gen.cache_layout["units"][0]["k"]                        # [units, b, S, kv_heads, head_dim]
+    assert gen.cache_shardings["units"][0]["k"].shard_shape(k.shape) == (2, 2, k.shape[2], 8 // 4, 8)
+    gen, _, _ = generated("hybrid-tiny:ngroups=8", "tensor=8")
+    assert gen.kv_copies == 2
+    k = gen.cache_layout["units"][3]["k"]                        # the A of MMMA
+    assert k.shape[3] == 8 and gen.cache_shardings["units"][3]["k"].shard_shape(k.shape)[3] == 1
+    ssm = gen.cache_layout["units"][0]["ssm"]
+    assert gen.cache_shardings["units"][0]["ssm"].shard_shape(ssm.shape)[2] == 1   # 8 ssm heads / tensor 8
+    cfg = parse_model("mamba2-tiny")
+    short, long = (decode.cache_layout(cfg, RunConfig(), 4, n) for n in (16, 16384))
+    assert short["units"] == long["units"] and short["pos"].shape == (4, 16)
+
+
+@pytest.mark.parametrize("model, mesh", [("llama-tiny", "data=2,tensor=4"), ("hybrid-tiny:ngroups=8", "tensor=8")])
+def test_steps_donate_the_cache_and_never_move_it(model, mesh):
+    """Both steps alias the cache's buffers to the updated cache, and their only collectives are the
+    row-parallel all-reduces and the all-gather of each tensor rank's best (value, id) for sampling."""
+    gen, _, _ = generated(model, mesh)
+    for compiled in gen._compiled:  # noqa: SLF001 (prefill, decode)
+        text = compiled.as_text()
+        assert "input_output_alias" in text
+        kinds = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-to-all|collective-permute|reduce-scatter)\(", text)
+        assert kinds and "all-reduce(" in text  # (vocab-sharded argmax; row-parallel projections)
+        for shape, kind in kinds:
+            assert kind == "all-gather" and math.prod(map(int, shape.split(","))) <= len(PROMPTS) * 8, (kind, shape)
+
+
+def test_left_padding():
+    tokens, positions = pad_prompts([[7, 8, 9], [4]], 4)
+    np.testing.assert_array_equal(tokens, [[0, 7, 8, 9], [0, 0, 0, 4]])
+    pad = decode.PAD_POSITION
+    np.testing.assert_array_equal(positions, [[pad, 0, 1, 2], [pad, pad, pad, 0]])
+
+
+# ---- sampling --------------------------------------------------------------------------------------
+
+def test_sampling_rules():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32) * 3)
+    keys = jax.random.split(jax.random.key(0), 256)
+    draw = jax.jit(jax.vmap(lambda k, s: sample(logits, k, s), in_axes=(0, None)), static_argnums=1)
+    best = np.argmax(logits, -1)
+    np.testing.assert_array_equal(sample(logits, keys[0], Sampling()), best)                # greedy
+    np.testing.assert_array_equal(draw(keys, Sampling(temperature=2.0, top_k=1))[0], best)  # top-1
+    np.testing.assert_array_equal(draw(keys, Sampling(temperature=2.0, top_p=1e-6))[0], best)
+    top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+    drawn = np.asarray(draw(keys, Sampling(temperature=5.0, top_k=3)))                      # [keys, b]
+    for row in range(3):
+        assert set(drawn[:, row]) == set(top3[row])          # all three, and nothing else, are drawn
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    order = np.argsort(-probs, -1)
+    drawn = np.asarray(draw(keys, Sampling(temperature=1.0, top_p=0.6)))
+    for row in range(3):  # the smallest set of most likely tokens whose mass reaches 0.6
+        n = int(np.searchsorted(np.cumsum(probs[row, order[row]]), 0.6)) + 1
+        assert set(drawn[:, row]) <= set(order[row, :n])
+    again = np.asarray(draw(keys, Sampling(temperature=1.0, top_p=0.6)))
+    np.testing.assert_array_equal(drawn, again)                                             # seeded
+
+
+def test_seeded_sampling_through_the_generator():
+    gen = Generator(parse_model("llama-tiny"), parse_strategy("data=2,tensor=4"), PROMPTS, NEW,
+                    Sampling(temperature=1.0, top_k=5))
+    _, params, _ = generated("llama-tiny", "data=2,tensor=4")
+    a, b, c = (gen.generate(params, PROMPTS, seed=s, keep_logits=True) for s in (1, 1, 2))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert (a.tokens != c.tokens).any()
+    top5 = np.argsort(-a.logits, -1)[..., :5]
+    assert (a.tokens[..., None] == top5).any(-1).all()
+
+
+# ---- the command line and checkpoints --------------------------------------------------------------
+
+def test_cli_generate_json(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    argv = ["generate", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--max-new-tokens", str(NEW),
+            "--json", str(out)]
+    for prompt in PROMPTS:
+        argv += ["--prompt", ",".join(map(str, prompt))]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    _, _, result = generated("llama-tiny", "data=2,tensor=4")
+    assert report["tokens"] == result.tokens.tolist()  # fresh initialisation (seed 0) = training's
+    assert report["mesh"]["tensor"] == 4 and report["prompt_lengths"] == [5, 3, 1, 4]
+    assert report["time_to_first_token_s"] > 0 and report["per_token_latency_s"] > 0
+    assert len(report["decode_step_s"]) == NEW - 1 and report["tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "time to first token" in printed and "prompt 3 (4 tokens) ->" in printed
+
+
+def test_restore_trained_parameters(tmp_path):
+    """A training checkpoint's parameters restore onto the inference mesh; another model's is refused."""
+    from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+
+    trainer = Trainer(parse_model("llama-tiny"), parse_strategy("data=1"), TrainConfig(batch=1, seq=8, seed=3),
+                      devices=jax.devices()[:1])
+    state = trainer.init_state()
+    ckpt = Checkpointer(str(tmp_path), every=1)
+    ckpt.maybe_save(7, state, trainer, force=True)
+    ckpt.close()
+    gen, _, _ = generated("llama-tiny", "data=2,tensor=4")
+    params, message = gen.restore_params(str(tmp_path))
+    assert "step 7" in message
+    saved, restored = jax.tree.leaves(state.params), jax.tree.leaves(params)
+    assert len(saved) == len(restored)
+    for a, b in zip(saved, restored):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    gen, _, _ = generated("hybrid-tiny:ngroups=8", "tensor=8")
+    with pytest.raises(ConfigError, match="written for a different model"):
+        gen.restore_params(str(tmp_path))
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+BASE = ["generate", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--prompt", "1,2,3", "--prompt", "4"]
+
+
+@pytest.mark.parametrize("change, words", [
+    (["--max-new-tokens", "254"], ["longest prompt (3 tokens) + max_new_tokens=254 = 257", "max_seq=256"]),
+    (["--prompt", "5"], ["batch=3 prompts is not divisible by the data-parallel size data=2"]),
+    (["--prompt", ""], ["argument --prompt", "empty prompt"]),
+    (["--prompt", "1,x"], ["argument --prompt", "not a comma-separated list"]),
+    (["--prompt", "1,256"], ["prompt 2 has token id 256", "[0, 256)"]),
+    ({"--model": "moe-tiny"}, ["no decode path for mixture-of-experts"]),
+    ({"--mesh": "data=2,pipeline=2,tensor=2"}, ["pipeline=2", "not implemented yet"]),
+    ({"--mesh": "data=2,context=2,tensor=2"}, ["context=2", "context-parallel prefill"]),
+    (["--sequence-parallel"], ["sequence_parallel", "one token per sequence"]),
+    ({"--model": "llama-tiny:heads=24,kv_heads=3", "--mesh": "tensor=8"},
+     ["tensor=8 > kv_heads=3", "multiple of kv_heads"]),
+    (["--top-k", "5"], ["--top-k 5", "--temperature 0 is greedy"]),
+    (["--temperature", "1", "--top-k", "300"], ["--top-k 300 exceeds the model's vocab=256"]),
+    (["--checkpoint-step", "3"], ["--checkpoint-step 3 needs --checkpoint"]),
+    (["--checkpoint", "/nonexistent/ck"], ["--checkpoint", "no such directory"]),
+    ({"--mesh": "tensor=4"}, ["axis product 4", "device count 8"]),
+], ids=["past-max-seq", "batch-vs-data", "empty-prompt", "bad-id", "id-past-vocab", "moe", "pipeline", "context",
+        "sequence-parallel", "tensor-vs-kv-heads", "top-k-greedy", "top-k-past-vocab", "step-without-checkpoint",
+        "no-checkpoint-dir", "device-count"])
+def test_bad_input(change, words, capsys):
+    """`change`: flags to set (a dict) or arguments to append (a list) to a valid command line."""
+    argv = list(BASE)
+    if isinstance(change, dict):
+        for flag, value in change.items():
+            argv[argv.index(flag) + 1] = value
+    else:
+        argv += change
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", ["holds no prompt"]),
+    ("1 2 3\n\n4, x\n", ["line 3", "not a comma-separated list"]),
+    ("1 2\n-4\n", ["line 2", "must be >= 0"]),
+], ids=["empty", "not-an-id", "negative"])
+def test_bad_prompt_file(tmp_path, text, words, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text(text)
+    argv = [a for a in BASE if a not in ("--prompt", "1,2,3", "4")] + ["--prompt-file", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_generator_refuses_before_compiling():
+    with pytest.raises(ConfigError, match="prompt 1 is empty"):
+        Generator(parse_model("llama-tiny"), parse_strategy("data=1"), [[1], []], 2, devices=jax.devices()[:1])
