@@ -42,7 +42,7 @@ def test_single_device_step_is_compute_plus_optimizer():
 
 def test_bubble_and_overlap():
     t = time.step_time(1.0, 0.0, 0.2, {"tensor": 0.1, "context": 0.0, "pipeline": 0.05, "data": 0.4},
-                       0.0, dataclasses.replace(A100, dp_overlap=0.5))
+                       0.0, A100, overlap=(0.0, 0.0, 0.5))
     assert t.bubble == pytest.approx(0.25)          # compute / (1 - 0.2) - compute
     assert t.data == pytest.approx(0.2) and t.data_total == 0.4
     assert t.total == pytest.approx(1.0 + 0.25 + 0.1 + 0.05 + 0.2)

@@ -5,7 +5,7 @@ hardware -> software -> params -> flops -> memory -> shape -> compiler -> comm -
 from jaxpar.cost.estimate import Estimate, estimate
 from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware
 from jaxpar.cost.report import format_estimate
-from jaxpar.cost.software import JAXPAR, MEGATRON, Software
+from jaxpar.cost.software import JAXPAR, MEGATRON, MEGATRON_CORE, SOFTWARE, Software
 
-__all__ = ["Estimate", "Hardware", "JAXPAR", "MEGATRON", "Software", "estimate", "format_estimate",
+__all__ = ["Estimate", "Hardware", "JAXPAR", "MEGATRON", "MEGATRON_CORE", "SOFTWARE", "Software", "estimate", "format_estimate",
            "known_profiles", "load_hardware"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
-from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES
+from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape
 from jaxpar.strategy import Strategy
@@ -277,12 +277,13 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
 # ---- all of it ---------------------------------------------------------------------------------------
 
 def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
-              pp_scatter_gather: bool | None = None, compiler: Compiler = GPU, moe_padded: bool = True) -> tuple[tuple, ...]:
+              pp_scatter_gather: bool | None = None, compiler: Compiler = GPU, moe_padded: bool = True,
+              gather_bytes: int = PARAM_BYTES) -> tuple[tuple, ...]:
     """Every predicted collective of one step as (kind, axes, phase, count, total bytes), merged by
     (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
     sz, cc = st.sizes, compiler
     act = DTYPE_BYTES[st.options.dtype]
-    raw = data_parallel(m, st, shape, act, cc)
+    raw = data_parallel(m, st, shape, act, cc, gather_bytes)
     if sz["tensor"] > 1:
         raw += tensor_parallel(m, st, shape, act, cc)
     if sz["context"] > 1:

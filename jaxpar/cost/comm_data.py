@@ -111,15 +111,17 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     return out + site(cc, AG, ("fsdp",), shape.accum, [norm * act], "backward")
 
 
-def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
+def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
+                  gather_bytes: int = PARAM_BYTES) -> list[tuple]:
     """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
     array; else per layer execution in the loop and once for embedding, head and final norm).
     ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
     rules); the others (Mamba-2's conv, A_log, dt_bias, D, gate norm) are treated as under ZeRO-0, their
     gradients all-reduced over every data-like axis, in the loop together with the sharded gradients'
     reduction where the compiler issues both there.
-    ZeRO-1: reduce-scatter the sharded grads over data x fsdp, all-gather the updated float32 params
-    after the update.
+    ZeRO-1: reduce-scatter the sharded grads over data x fsdp, all-gather the updated params after the
+    update, `gather_bytes` per element (jaxpar gathers its float32 masters; Megatron's distributed
+    optimizer the bf16 model weights).
     ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
     over fsdp; then the shards all-reduced over the remaining data-like axes.
     Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
@@ -129,13 +131,13 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     expert kernel is transposed, in the layer loop)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
-        return (_data_parallel(m, st, shape, act, cc, axes, experts=False)
-                + _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), experts=True))
-    return _data_parallel(m, st, shape, act, cc, axes, experts=None)
+        return (_data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
+                + _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes))
+    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes)
 
 
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
-                   experts: bool | None) -> list[tuple]:
+                   experts: bool | None, gather_bytes: int) -> list[tuple]:
     """`data_parallel` for the weights `experts` selects (params.zero_split), reduced over `axes`; the
     embedding lookup, FSDP gathers and head reductions go with the non-expert weights."""
     sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
@@ -176,7 +178,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
             out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes and dense else []
     if zero == 1:
         out += _embedding_lookup(m, st, shape, act, shard, cc) if dense else []
-        out += site(cc, AG, shard, 1, equal_buffers(sharded.full * PARAM_BYTES, sharded.arrays), "optimizer")
+        out += site(cc, AG, shard, 1, equal_buffers(sharded.full * gather_bytes, sharded.arrays), "optimizer")
     for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist
                 else site(cc, AR, group, 1, equal_buffers(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))

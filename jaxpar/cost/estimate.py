@@ -85,18 +85,19 @@ class Estimate:
 
 
 def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq: int, passes: float,
-                          dropout: bool, rows: float = 0.0) -> float:
+                          dropout: bool, rows: float = 0.0, fused: bool = False) -> float:
     """HBM bytes of bandwidth-bound work per device per step (useful work; the bubble is added later):
     passes * (3 * produced + recomputed) bytes per token per layer (forward 1x, backward 2x), plus the
     float32 logits (3 * passes * T*V/t*4 bytes; the head is not split by the pipeline). MoE layers:
-    `rows` expert rows per token (flops.expert_rows)."""
+    `rows` expert rows per token (flops.expert_rows). `fused`: a fused attention kernel (no scores in HBM)."""
     o, t = st.options, st.sizes["tensor"]
     act, sp = memory.DTYPE_BYTES[o.dtype], o.sequence_parallel
     tokens = sh.b_loc * sh.s_loc
     total = 0.0
-    attn = memory.attention_inventory(m, memory.keys_per_query(st, seq), dropout)
+    keys = memory.keys_per_query(st, seq, fused)
+    attn = memory.attention_inventory(m, keys, dropout)
     na, nm, ne = params.block_counts(m)
-    moe = memory.moe_inventory(m, memory.keys_per_query(st, seq), rows, dropout) if ne else ()
+    moe = memory.moe_inventory(m, keys, rows, dropout) if ne else ()
     for layers, inv in ((na, attn), (nm, memory.mamba_inventory(m)), (ne, moe)):
         if layers:
             produced = memory.inventory_bytes(inv, act, t, sp, "none")
@@ -138,21 +139,25 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     sh = shape.step_shape(m, st, global_batch, seq)
     ring = st.options.attention == "ring" and st.sizes["context"] > 1
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
-    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring, software.rerun_outputs,
-                          rows if m.moe_layers else None)
+    # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
+    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring or software.fused_attention,
+                          software.rerun_outputs, rows if m.moe_layers else None)
     # critical path per device: layers split over all devices; embedding+head not over the pipeline;
     # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)
     experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * sh.stages / n
-    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows)
+    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention)
     compute = time.compute_seconds(matmul, hbm, hw)
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
             * flops.TRAIN_FACTOR / n)
-    colls = comm.predicted(m, st, sh, software.pp_scatter_gather, moe_padded=software.moe_padded)
-    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations)
+    colls = comm.predicted(m, st, sh, software.pp_scatter_gather, moe_padded=software.moe_padded,
+                           gather_bytes=software.param_gather_bytes)
+    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations,
+                        fused_attention=software.fused_attention)
     opt_params = mem.optimizer / memory.ADAM_BYTES
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble,
-                       time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance), opt_params, hw)
+                       time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance), opt_params, hw,
+                       (software.tp_overlap, software.pp_overlap, software.dp_overlap))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops)

@@ -9,7 +9,8 @@ turn peak numbers into achieved ones; they are fitted once per device type, neve
     link_efficiency     achieved / nominal bandwidth of a collective (NCCL "bus bandwidth" fraction)
     elementwise_passes  HBM passes per produced activation byte in one forward pass (norms, softmax,
                         activations, dropout, residual adds are bandwidth-bound, not FLOP-bound)
-    dp_overlap          fraction of data-parallel / FSDP communication hidden under compute
+What communication hides under compute depends on the software's schedule, not the device: it is
+stated per software (jaxpar/cost/software.py: tp_overlap, dp_overlap, pp_overlap).
 
 Link model (scaling book, GPU and TPU chapters): an axis whose devices all sit in one node (GPU
 NVLink domain, TPU ICI slice) uses `intra_bw`; an axis spanning nodes also crosses `inter_bw`
@@ -41,15 +42,13 @@ class Hardware:
     matmul_efficiency: float = 0.6
     link_efficiency: float = 0.8
     elementwise_passes: float = 1.5
-    dp_overlap: float = 0.0
     calibrated: bool = False   # True only where the constants were fitted to published runs
     notes: str = ""
 
 
 _SECTIONS = {"device": ("peak_flops", "hbm_bytes", "hbm_bw"),
              "links": ("intra_bw", "inter_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
-             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes",
-                             "dp_overlap", "calibrated")}
+             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated")}
 _TOP = ("name", "notes")
 
 
@@ -94,8 +93,6 @@ def hardware_from_table(data: dict, where: str, default_name: str) -> Hardware:
                 "matmul_efficiency", "link_efficiency"):
         if not getattr(hw, key) > 0:
             raise ConfigError(f"{where}: {key} must be positive, got {getattr(hw, key)}")
-    if not 0.0 <= hw.dp_overlap <= 1.0:
-        raise ConfigError(f"{where}: dp_overlap must be in [0, 1], got {hw.dp_overlap}")
     return hw
 
 

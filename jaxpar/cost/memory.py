@@ -279,13 +279,16 @@ def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
     return min(microbatches, stages) if schedule == "1f1b" else microbatches
 
 
-def keys_per_query(st: Strategy, seq: int) -> float:
-    """Keys one query's scores span on a device: ring attention holds one K/V block (s/c), else all s."""
+def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:
+    """Keys one query's scores span in HBM on a device: ring attention holds one K/V block (s/c), else
+    all s; a fused (flash) attention kernel none (its score tiles live in on-chip memory)."""
+    if fused:
+        return 0.0
     return seq / st.sizes["context"] if st.options.attention == "ring" else seq
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, jax_program: bool = False) -> float:
+                     one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False) -> float:
     """Activation bytes per device at the peak of the backward pass.
 
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
@@ -312,9 +315,9 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
         mamba = jax_mamba_inventory(m) if nm else ()
         moe = jax_moe_inventory(m, seq, sz["context"] if ring else 0, rows) if ne else ()
     else:
-        attn = attention_inventory(m, keys_per_query(st, seq), dropout) if na else ()
+        attn = attention_inventory(m, keys_per_query(st, seq, fused_attention), dropout) if na else ()
         mamba = mamba_inventory(m) if nm else ()
-        moe = moe_inventory(m, keys_per_query(st, seq), rows, dropout) if ne else ()
+        moe = moe_inventory(m, keys_per_query(st, seq, fused_attention), rows, dropout) if ne else ()
     per_layer = (na * inventory_bytes(attn, act, t, sp, remat) + nm * inventory_bytes(mamba, act, t, sp, remat)
                  + ne * inventory_bytes(moe, act, t, sp, remat)) / stages
     stored = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, stages) * per_layer * tokens
@@ -336,9 +339,10 @@ def batch_bytes(st: Strategy, global_batch: int, seq: int) -> float:
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, jax_program: bool = False) -> Memory:
+           one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False) -> Memory:
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, jax_program))
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, jax_program,
+                                                       fused_attention))
 
 
 @per_model  # as inventory_bytes

@@ -22,6 +22,24 @@ Megatron-LM (the published runs the model is calibrated on).
     moe_padded         MoE dispatch into static per-expert buffers of the group capacity (jaxpar.ops.moe:
                        dropless computes and sends E/k times the token copies that exist); False: only
                        the routed copies (Megatron's grouped GEMM and token dispatcher)
+    param_gather_bytes bytes per element of the parameter all-gather after a ZeRO-1 update: jaxpar gathers
+                       its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
+    fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never
+                       reach HBM (no score, softmax or score-dropout activations; none stored), and the
+                       backward pass recomputes QK^T from the saved softmax statistics (+1 score matmul)
+
+Overlap: the fraction of a class of collectives the software issues concurrently with independent
+compute; time.step_time hides at most that fraction, and never more than the compute there is:
+    tp_overlap   tensor/sequence-parallel all-gathers and reduce-scatters decomposed into the GEMMs
+                 that consume or produce them (Megatron-Core --tp-comm-overlap over Transformer
+                 Engine's userbuffers; Wang et al. 2023, "Overlap communication with dependent
+                 computation via decomposition"); 0 when the collective waits between GEMMs
+    dp_overlap   gradient reduce-scatters / all-reduces issued bucket by bucket as the backward pass
+                 produces them, and the distributed optimizer's parameter all-gathers issued with the
+                 next forward (Megatron-Core --overlap-grad-reduce, --overlap-param-gather; PyTorch
+                 DDP buckets, Li et al. 2020); 0: reduced after the backward pass (Megatron-LM 2021)
+    pp_overlap   the interleaved schedule's stage-to-stage sends and receives issued asynchronously
+                 with the next micro-batch's compute (Megatron-Core --overlap-p2p-comm)
 """
 from __future__ import annotations
 
@@ -38,8 +56,19 @@ class Software:
     jax_activations: bool = True
     rerun_outputs: bool = False
     moe_padded: bool = True
+    param_gather_bytes: int = 4
+    fused_attention: bool = False
+    tp_overlap: float = 0.0
+    dp_overlap: float = 0.0
+    pp_overlap: float = 0.0
 
 
 JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
-                    pp_1f1b=True, jax_activations=False, rerun_outputs=True, moe_padded=False)
+                    pp_1f1b=True, jax_activations=False, rerun_outputs=True, moe_padded=False,
+                    param_gather_bytes=2)
+# Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
+# communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
+MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True,
+                                    tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0)
+SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE)}

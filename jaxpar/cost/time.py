@@ -8,10 +8,11 @@ collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency),
               a group with k members per node and m nodes moves (k-1)/k of its buffer over the
               intra-node links and (m-1)/m of a 1/k slice over each device's inter-node link
               (2x both for all-reduce; NCCL tree/ring over NVLink+IB, TPU ICI+DCN)
-step        = compute / (1 - bubble) + tensor comm (not overlapped) + context comm not hidden under
-              attention + pipeline permutes + expert all-to-alls (not overlapped: the experts wait for
-              their tokens; x the load imbalance under routed dispatch) + data-parallel comm not hidden
-              (dp_overlap) + optimizer
+step        = compute / (1 - bubble) + tensor comm + context comm not hidden under attention
+              + pipeline permutes + expert all-to-alls (the experts wait for their tokens; x the load
+              imbalance under routed dispatch) + data-parallel comm + optimizer, where the tensor,
+              pipeline and data-parallel terms lose what the software overlaps with compute
+              (`Software.tp_overlap`, `pp_overlap`, `dp_overlap`: explicit, sourced, per software)
 Layout: canonical axis order data -> fsdp -> pipeline -> context -> expert -> tensor, innermost
 fastest; `devices_per_node` consecutive devices share a node (unless the strategy names dcn parts).
 """
@@ -137,12 +138,22 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware) -> floa
 
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
-              optimizer_params: float, hw: Hardware) -> StepTime:
+              optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepTime:
     """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
-    ring/all-gather context communication can hide under (Liu et al. 2023)."""
+    ring/all-gather context communication can hide under (Liu et al. 2023). `overlap`: the software's
+    (tensor, pipeline, data) overlap fractions (jaxpar/cost/software.py): that fraction of each class is
+    hidden under compute, tensor first, then pipeline, then data, never more in all than the compute
+    there is (data-parallel gradient reductions run under the backward pass and the distributed
+    optimizer's parameter gathers under the next forward: together, under the whole step)."""
+    tp, pp, dp = overlap
+    free = compute
+    hidden_tp = min(tp * comm["tensor"], free)
+    free -= hidden_tp
+    hidden_pp = min(pp * comm["pipeline"], free)
+    free -= hidden_pp
     data = comm["data"]
-    hidden = min(hw.dp_overlap * data, compute)
+    hidden_dp = min(dp * data, free)
     return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
-                    tensor=comm["tensor"], context=max(0.0, comm["context"] - attention_core),
-                    pipeline=comm["pipeline"], expert=comm.get("expert", 0.0), data=data - hidden,
+                    tensor=comm["tensor"] - hidden_tp, context=max(0.0, comm["context"] - attention_core),
+                    pipeline=comm["pipeline"] - hidden_pp, expert=comm.get("expert", 0.0), data=data - hidden_dp,
                     optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)
