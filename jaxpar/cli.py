@@ -60,6 +60,14 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                    help="a process silent this long is declared dead and the others stop (default 30)")
 
 
+def add_software_flag(p) -> None:
+    from jaxpar.cost.software import SOFTWARE  # noqa: PLC0415
+    p.add_argument("--software", choices=sorted(SOFTWARE), default="jaxpar",
+                   help="whose implementation to cost (jaxpar/cost/software.py): jaxpar's own program (default), "
+                        "megatron (Megatron-LM 2021-22: no overlap), megatron-core (fused attention, TP/DP/PP "
+                        "communication overlapped, distributed optimizer's bf16 gathers)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq", type=POSITIVE, default=4096)
     e.add_argument("--global-batch", type=POSITIVE, default=256, help="sequences per optimizer step")
     e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
+    add_software_flag(e)
     add_strategy_flags(e)
 
     pl = sub.add_parser("plan", help="rank strategies for a model on N devices of a hardware type")
@@ -110,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=POSITIVE, default=256)
     pl.add_argument("--top", type=POSITIVE, default=10)
     pl.add_argument("--json", type=nonempty, help="write the plans as one JSON object to this file")
+    pl.add_argument("--write", type=nonempty, metavar="DIR",
+                    help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
+    add_software_flag(pl)
 
     analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
                      "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/analysis/comm.py)")

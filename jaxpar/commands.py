@@ -132,7 +132,9 @@ def cmd_train(args) -> int:
 
 def cmd_estimate(args) -> int:
     from jaxpar import validate  # noqa: PLC0415
-    from jaxpar.cost import estimate, format_estimate  # noqa: PLC0415
+    from jaxpar.cost import SOFTWARE, estimate, format_estimate  # noqa: PLC0415
+    from jaxpar.cost.defaults import accelerator_defaults  # noqa: PLC0415
+    from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415
     from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     model = parse_model(args.model)
@@ -141,8 +143,13 @@ def cmd_estimate(args) -> int:
         if not args.devices:
             raise ConfigError(f"mesh {strategy.name} has a -1 axis: give --devices N to resolve it")
         strategy = strategy.resolved(args.devices)
-    validate.check(model, strategy, batch=args.global_batch, seq=args.seq)
-    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq)
+    given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
+    strategy, defaults = accelerator_defaults(strategy, args.global_batch, given)
+    validate.check(model, strategy, batch=args.global_batch, seq=args.seq, padded_zero=True)
+    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq, SOFTWARE[args.software])
+    print(f"software {args.software}; options {strategy.describe_options()}")
+    for line in defaults:
+        print(f"  default: {line}")
     print(format_estimate(est))
     if args.json:
         with open(args.json, "w") as f:
@@ -154,9 +161,14 @@ def cmd_plan(args) -> int:
     from jaxpar import planner  # noqa: PLC0415
     from jaxpar.models.config import parse_model  # noqa: PLC0415
 
+    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
+
     results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
-                                              args.seq, args.global_batch, args.top)
-    print(planner.format_plan(results, considered, valid))
+                                              args.seq, args.global_batch, args.top, SOFTWARE[args.software])
+    print(planner.format_plan(results, considered, valid, args.software))
+    if args.write:
+        paths = planner.write_plans(results, args.write)
+        print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(planner.to_json(results, considered, valid), f, indent=1)

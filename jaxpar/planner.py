@@ -8,9 +8,10 @@ memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimat
 
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
 <= 16); the expert axis is searched for MoE models only (sizes that divide the expert count; it doubles as
-a batch axis for the other layers); pipeline micro-batches M = 4 * stages
-when the batch allows it; circular schedules are not searched; gradient accumulation gives
-per-device micro-batches of 1, 2, 4 or the whole local batch.
+a batch axis for the other layers); pipeline micro-batches M = 4 * stages or one sequence each, when the
+batch allows it and M >= stages; schedules GPipe and circular with one unit per chunk; gradient
+accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
+uses ring attention (all-gather and zigzag are not searched).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from jaxpar import validate
 from jaxpar.cost import estimate
 from jaxpar.cost.estimate import check_modelled
 from jaxpar.cost.hardware import Hardware, load_hardware
+from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import AXES, Options, Strategy
+from jaxpar.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
 from jaxpar.models.config import ModelConfig
 
 
@@ -52,21 +54,32 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
                "expert": expert, "tensor": tensor}
 
 
-def candidate_options(sizes: dict[str, int], global_batch: int):
-    """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences)."""
-    micro = 4 * sizes["pipeline"] if sizes["pipeline"] > 1 else 1
-    local = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"] * micro) or 1
-    accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
+def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
+    """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO
+    (0 or 1 on `data` without fsdp; padded flat shards where the size does not divide) x pipeline
+    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, and the circular (interleaved)
+    schedule with one unit per chunk, v = units / stages (the smallest bubble, the most sends)."""
+    stages = sizes["pipeline"]
+    rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
+    # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
+    micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
     zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
-    for remat, accum, zero in itertools.product(("none", "dots_no_batch", "full"), accums, zeros):
-        yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
-                      attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
-                      grad_accum=accum)
+    schedules = [("gpipe", 1)]
+    if stages > 1 and units % stages == 0 and units // stages > 1:
+        schedules.append(("circular", units // stages))
+    for micro in micros:
+        local = rows // micro or 1
+        accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
+        for remat, accum, zero, (kind, v) in itertools.product(("none", "dots_no_batch", "full"), accums, zeros,
+                                                               schedules):
+            yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
+                          attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
+                          grad_accum=accum, pp_schedule=kind, pp_repeats=v)
 
 
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
-         top: int = 10) -> tuple[list, int, int]:
-    """(best estimates, candidates considered, candidates that were valid)."""
+         top: int = 10, software: Software = JAXPAR) -> tuple[list, int, int]:
+    """(best estimates, candidates considered, candidates that were valid), each estimate for `software`."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     check_modelled(model)
     if seq > model.max_seq:
@@ -75,16 +88,16 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
     considered = valid = 0
     results = []
     for sizes in candidate_meshes(devices, max_tensor, model.experts if model.moe_layers else 0):
-        for options in candidate_options(sizes, global_batch):
+        for options in candidate_options(sizes, global_batch, model.units):
             considered += 1
             name = "-".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "single"
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
             try:
-                validate.check(model, st, batch=global_batch, seq=seq)
+                validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True)
             except ConfigError:
                 continue
             valid += 1
-            est = estimate(model, st, hw, global_batch, seq)
+            est = estimate(model, st, hw, global_batch, seq, software)
             if est.fits:
                 results.append((est, st))
     results.sort(key=lambda r: -r[0].tokens_per_s)
@@ -99,20 +112,61 @@ def describe(st: Strategy) -> str:
     if st.size("context") > 1:
         flags.append(f"attention={o.attention}")
     if st.size("pipeline") > 1:
-        flags.append(f"M={o.microbatches}")
+        flags.append(f"M={o.microbatches}" + (f", circular v={o.pp_repeats}" if o.pp_schedule == "circular" else ""))
     flags.append(f"zero={st.zero}")
     return f"{st.name} ({', '.join(flags)})"
 
 
-def format_plan(results, considered: int, valid: int) -> str:
-    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, fastest first)",
-             f"{'#':>3}  {'strategy':<72} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'dominant':>12}"]
-    for i, (est, st) in enumerate(results, 1):
-        lines.append(f"{i:>3}  {describe(st):<72} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
-                     f"{est.memory.total / 2**30:>7.1f}Gi {est.dominant:>12}")
+def why(est, runner_up, than: str = "the next") -> str:
+    """One line: how much faster than `runner_up` (the next plan), and the two time terms that differ most."""
+    if runner_up is None:
+        return ""
+    mine, theirs = est.time.terms(), runner_up.time.terms()
+    diffs = sorted(((theirs[k] - mine[k], k) for k in mine), reverse=True)
+    parts = [f"{k} {'-' if d > 0 else '+'}{abs(d) * 1e3:.0f} ms" for d, k in diffs[:2] if abs(d) >= 5e-4]
+    gain = runner_up.step_time_s - est.step_time_s
+    if gain < 1e-4 * est.step_time_s or not parts:
+        return f"ties with {than}"
+    return f"{gain * 1e3:.0f} ms/step ahead of {than}: " + ", ".join(parts)
+
+
+def format_plan(results, considered: int, valid: int, software: str = "jaxpar") -> str:
+    names = [describe(st) for _, st in results]
+    width = max([len("strategy"), *map(len, names)])
+    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, fastest first; "
+             f"software {software})",
+             f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'dominant':>14}  why"]
+    for i, ((est, st), name) in enumerate(zip(results, names), 1):
+        nxt = results[i][0] if i < len(results) else None
+        lines.append(f"{i:>3}  {name:<{width}} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
+                     f"{est.memory.total / 2**30:>7.1f}Gi {est.dominant:>14}  {why(est, nxt)}")
     if not results:
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
     return "\n".join(lines)
+
+
+def to_toml(st: Strategy, est) -> str:
+    """A mesh_configs file for a plan: `train`, `comm` and `estimate` take it as --mesh PATH."""
+    mesh = "\n".join(f"{a} = {n}" for a, n in st.mesh if n > 1) or "data = 1"
+    options = [f"zero = {st.zero}"] + [f"{f.name} = {toml_value(getattr(st.options, f.name))}"
+                                      for f in OPTION_FIELDS if f.name != "zero"
+                                      and getattr(st.options, f.name) != getattr(Options(), f.name)]
+    desc = (f"jaxpar plan: {describe(st)}; predicted {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
+            f"{est.memory.total / 2**30:.1f} GiB/device on {est.hardware}")
+    return f'description = "{desc}"\n[mesh]\n{mesh}\n[options]\n' + "\n".join(options) + "\n"
+
+
+def write_plans(results, directory) -> list:
+    """Write each plan as DIR/plan-<rank>-<name>.toml; return the paths."""
+    import pathlib  # noqa: PLC0415
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (est, st) in enumerate(results, 1):
+        path = out / f"plan-{i:02d}-{st.name}.toml"
+        path.write_text(to_toml(st, est))
+        paths.append(path)
+    return paths
 
 
 def to_json(results, considered: int, valid: int) -> dict:

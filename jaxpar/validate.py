@@ -34,8 +34,11 @@ def data_parallel_size(strategy: Strategy) -> int:
     return n
 
 
-def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> None:
-    """Raise ConfigError for the first violated constraint. `strategy` must be resolved."""
+def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padded_zero: bool = False) -> None:
+    """Raise ConfigError for the first violated constraint. `strategy` must be resolved.
+    `padded_zero` (estimate, plan): ZeRO-1 / FSDP over a data size that does not divide d_model is
+    allowed, as padded flat shards (Megatron's distributed optimizer; jaxpar/cost/memory.py counts the
+    padding); the trainer shards ZeRO state on the model dim, so a run needs the division."""
     model.validate()
     s, o = strategy.sizes, strategy.options
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
@@ -60,9 +63,9 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int) -> No
     if zero in (0, 1) and s["fsdp"] > 1:
         raise ConfigError(f"zero={zero} keeps parameters replicated, but the mesh has fsdp={s['fsdp']} "
                           "(fsdp shards parameters: use zero=3, or put those devices on `data`)")
-    if zero == 3:
+    if zero == 3 and not padded_zero:
         _divides("fsdp", s["fsdp"], "d_model", model.d_model)
-    if zero == 1:
+    if zero == 1 and not padded_zero:
         _divides("data x fsdp", s["data"] * s["fsdp"], "d_model", model.d_model)
 
     # --- tensor parallelism -----------------------------------------------------------------

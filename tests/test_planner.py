@@ -1,7 +1,10 @@
-"""The planner ranks only valid strategies that fit, and what it ranks first beats hand-picked ones."""
-from jaxpar.cost import estimate
+"""The planner ranks only valid strategies that fit, and what it ranks first beats hand-picked ones and
+the published runs' layouts."""
+import pytest
+
+from jaxpar.cost import MEGATRON_CORE, estimate
 from jaxpar.cost.hardware import load_hardware
-from jaxpar.planner import plan
+from jaxpar.planner import plan, why
 from jaxpar.strategy import parse_inline
 from jaxpar.models.config import parse_model
 
@@ -26,3 +29,69 @@ def test_best_plan_fits_and_beats_hand_picked_strategies():
         hand = estimate(model, parse_inline(spec).with_options(**opts), hw, 256, 4096)
         if hand.fits:
             assert speeds[0] >= hand.tokens_per_s
+
+
+# ---- the published runs: does the planner find them? -------------------------------------------------
+
+def reference_rows():
+    """(label, model, published strategy, hardware, software, batch, seq) per row of both reference files,
+    mapped as tests/test_cost_published.py maps them."""
+    import tomllib
+    from jaxpar.cost import MEGATRON, MEGATRON_CORE
+    from tests.test_cost_published import REFERENCE, REFERENCE_H100, gpt, megatron_strategy
+    rows = []
+    for path, software, zero, remat in ((REFERENCE, MEGATRON, 0, "full"), (REFERENCE_H100, MEGATRON_CORE, 1, "none")):
+        if not path.exists():
+            continue
+        for src in tomllib.loads(path.read_text())["source"]:
+            for raw in src["rows"]:
+                r = dict(zip(src["columns"], raw))
+                label = f"{src['id']} " + (f"{r['params_b']}B" if "params_b" in r else r["model"])
+                m = gpt(label, r["heads"], r["hidden"], r["layers"], src["vocab"], src["seq"], tied=software is MEGATRON)
+                st = megatron_strategy(r["tp"], r["pp"], r["gpus"], r["layers"], r["global_batch"], r.get("micro_batch", 1),
+                                       remat, r["tp"] > 1 and software is MEGATRON_CORE, zero)
+                rows.append((label, m, st, src["hardware"], software, r["global_batch"], src["seq"]))
+    return rows
+
+
+def _row_param(row):
+    quick = {"megatron_core_h100 462B", "narayanan2021 310.1B"}
+    marks = [] if row[0] in quick else [pytest.mark.slow]
+    return pytest.param(row, id=row[0], marks=marks)
+
+
+@pytest.mark.parametrize("row", [_row_param(r) for r in reference_rows()] or
+                         [pytest.param(None, marks=pytest.mark.skip(reason="no shared/reference beside the repo"))])
+def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
+    """On each published run's model, cluster, sequence and batch (with that run's software), the
+    published layout (data, pipeline, tensor sizes) ranks in the planner's top 10, or the planner's top
+    plan is predicted faster than it; the printout says which and why."""
+    label, m, published, hw, software, batch, seq = row
+    results, _, _ = plan(m, hw, published.num_devices, seq, batch, top=10, software=software)
+    assert results
+    mine = estimate(m, published, hw, batch, seq, software)
+    layout = {a: n for a, n in published.mesh if n > 1}
+    ranks = [i for i, (_, st) in enumerate(results, 1) if {a: n for a, n in st.mesh if n > 1} == layout]
+    best, top = results[0]
+    print(f"\n{label}: published {published.name} {mine.tokens_per_s:,.0f} tokens/s (MFU {mine.mfu:.1%}); planner's top "
+          f"{top.name} {best.tokens_per_s:,.0f} (MFU {best.mfu:.1%}); published layout ranks {ranks or 'below 10'}; "
+          f"top: {why(best, mine, 'the published layout')}")
+    assert ranks or best.tokens_per_s >= mine.tokens_per_s
+
+
+def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path, capsys):
+    """`estimate` on a CPU-test mesh uses bf16 and 4 x stages micro-batches, says so, and a written plan
+    reads back as a mesh file with the same prediction."""
+    from jaxpar import cli
+    assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", "pipeline=4,data=16", "--hardware", "h100-sxm",
+                     "--seq", "4096", "--global-batch", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "default: dtype = bfloat16" in out and "default: microbatches = 16 (4 x stages" in out
+    assert cli.main(["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--devices", "64", "--seq", "4096",
+                     "--global-batch", "256", "--top", "2", "--software", "megatron-core", "--write", str(tmp_path)]) == 0
+    first = sorted(tmp_path.glob("plan-01-*.toml"))
+    assert len(first) == 1 and "software megatron-core" in capsys.readouterr().out
+    results, _, _ = plan(parse_model("llama3-8b"), "h100-sxm", 64, 4096, 256, top=1, software=MEGATRON_CORE)
+    from jaxpar.strategy import parse_strategy
+    again = estimate(parse_model("llama3-8b"), parse_strategy(str(first[0])), "h100-sxm", 256, 4096, MEGATRON_CORE)
+    assert again.tokens_per_s == pytest.approx(results[0][0].tokens_per_s, rel=1e-9)

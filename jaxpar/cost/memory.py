@@ -24,6 +24,7 @@ one layer's backward working set; checked against XLA's memory analysis in tests
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
@@ -73,13 +74,16 @@ def local_params(m: ModelConfig, st: Strategy, purpose: str = "params") -> float
 def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: int, shards: int,
                   expert: int = 1) -> float:
     """The routed experts' weights (MoE blocks) are split over `expert` as well: every expert is held
-    once over the expert axis, so the memory counts all of them, E / expert per device."""
+    once over the expert axis, so the memory counts all of them, E / expert per device. A ZeRO shard is
+    a padded flat shard of each block: ceil(elements / shards), which equals the division whenever the
+    shards divide the model dim (what the trainer needs) and counts the padding when they do not
+    (Megatron's distributed optimizer pads its flat buffer to a multiple of the data-parallel size)."""
     na, nm, ne = block_counts(m)
     n = 0.0
     for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("moe", ne / stages), ("embedding", 1)):
         if copies:
             sharded, kept = zero_split(m, block, zero, purpose)
-            n += copies * (sharded.per_device(tensor, expert) / shards + kept.per_device(tensor, expert))
+            n += copies * (math.ceil(sharded.per_device(tensor, expert) / shards) + kept.per_device(tensor, expert))
     return n
 
 
