@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=POSITIVE, default=256)
     pl.add_argument("--top", type=POSITIVE, default=10)
     pl.add_argument("--json", type=nonempty, help="write the plans as one JSON object to this file")
+    pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
+                    help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
                     help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
     add_software_flag(pl)

@@ -164,8 +164,9 @@ def cmd_plan(args) -> int:
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
 
     results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
-                                              args.seq, args.global_batch, args.top, SOFTWARE[args.software])
-    print(planner.format_plan(results, considered, valid, args.software))
+                                              args.seq, args.global_batch, args.top, SOFTWARE[args.software],
+                                              args.objective)
+    print(planner.format_plan(results, considered, valid, args.software, args.objective))
     if args.write:
         paths = planner.write_plans(results, args.write)
         print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")

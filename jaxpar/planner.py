@@ -77,10 +77,19 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
                           grad_accum=accum, pp_schedule=kind, pp_repeats=v)
 
 
+OBJECTIVES = ("throughput", "energy")
+
+
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
-         top: int = 10, software: Software = JAXPAR) -> tuple[list, int, int]:
-    """(best estimates, candidates considered, candidates that were valid), each estimate for `software`."""
+         top: int = 10, software: Software = JAXPAR, objective: str = "throughput") -> tuple[list, int, int]:
+    """(best estimates, candidates considered, candidates that were valid), each estimate for `software`,
+    ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power])."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    if objective == "energy" and not hw.tdp_w:
+        raise ConfigError(f"--objective energy needs a power model: hardware {hw.name} has no [power] table "
+                          "(tdp_w, idle_w; see jaxpar/cost/energy.py)")
     check_modelled(model)
     if seq > model.max_seq:
         raise ConfigError(f"seq={seq} must be between 1 and the model's max_seq={model.max_seq}")
@@ -100,7 +109,10 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
             est = estimate(model, st, hw, global_batch, seq, software)
             if est.fits:
                 results.append((est, st))
-    results.sort(key=lambda r: -r[0].tokens_per_s)
+    if objective == "energy":
+        results.sort(key=lambda r: (r[0].energy.joules_per_token, -r[0].tokens_per_s))
+    else:
+        results.sort(key=lambda r: -r[0].tokens_per_s)
     return results[:top], considered, valid
 
 
@@ -130,16 +142,19 @@ def why(est, runner_up, than: str = "the next") -> str:
     return f"{gain * 1e3:.0f} ms/step ahead of {than}: " + ", ".join(parts)
 
 
-def format_plan(results, considered: int, valid: int, software: str = "jaxpar") -> str:
+def format_plan(results, considered: int, valid: int, software: str = "jaxpar", objective: str = "throughput") -> str:
     names = [describe(st) for _, st in results]
     width = max([len("strategy"), *map(len, names)])
-    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, fastest first; "
+    order = "fewest joules per token first" if objective == "energy" else "fastest first"
+    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, {order}; "
              f"software {software})",
-             f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'dominant':>14}  why"]
+             f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'J/token':>9} "
+             f"{'dominant':>14}  why"]
     for i, ((est, st), name) in enumerate(zip(results, names), 1):
         nxt = results[i][0] if i < len(results) else None
+        joules = f"{est.energy.joules_per_token:>9.3g}" if est.energy else f"{'-':>9}"
         lines.append(f"{i:>3}  {name:<{width}} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
-                     f"{est.memory.total / 2**30:>7.1f}Gi {est.dominant:>14}  {why(est, nxt)}")
+                     f"{est.memory.total / 2**30:>7.1f}Gi {joules} {est.dominant:>14}  {why(est, nxt)}")
     if not results:
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
     return "\n".join(lines)

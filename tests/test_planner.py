@@ -95,3 +95,20 @@ def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path
     from jaxpar.strategy import parse_strategy
     again = estimate(parse_model("llama3-8b"), parse_strategy(str(first[0])), "h100-sxm", 256, 4096, MEGATRON_CORE)
     assert again.tokens_per_s == pytest.approx(results[0][0].tokens_per_s, rel=1e-9)
+
+
+def test_energy_is_idle_power_over_the_step_plus_dynamic_power_over_busy_time():
+    """A hand count of jaxpar/cost/energy.py's formula for one device: idle W x step + (TDP - idle) x
+    (0.6 x matmul s + 0.3 x HBM s + 0.1 x link s); and `plan --objective energy` ranks by J/token."""
+    from jaxpar.cost import energy
+    model, hw = parse_model("llama3-8b"), load_hardware("h100-sxm")
+    est = estimate(model, parse_inline("fsdp=8").with_options(dtype="bfloat16"), hw, 64, 4096)
+    matmul_s, hbm_s, link_s = est.busy
+    assert matmul_s + hbm_s == pytest.approx(est.time.compute) and link_s > 0
+    per_device = 70 * est.step_time_s + (700 - 70) * (0.6 * matmul_s + 0.3 * hbm_s + 0.1 * link_s)
+    assert (hw.tdp_w, hw.idle_w) == (700, 70) and (energy.COMPUTE, energy.MEMORY, energy.LINKS) == (0.6, 0.3, 0.1)
+    assert est.energy.joules_per_step == pytest.approx(8 * per_device)
+    assert est.energy.joules_per_token == pytest.approx(8 * per_device / (64 * 4096))
+    results, _, _ = plan(model, hw, 64, 4096, 256, top=8, objective="energy")
+    joules = [e.energy.joules_per_token for e, _ in results]
+    assert joules == sorted(joules)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost import comm, flops, memory, params, shape, time
+from jaxpar.cost import comm, energy, flops, memory, params, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
@@ -32,6 +32,14 @@ class Estimate:
     memory: memory.Memory
     hbm_bytes: float
     peak_flops: float
+    busy: tuple[float, float, float] = (0.0, 0.0, 0.0)  # seconds of matmuls, HBM-bound work, collectives
+    power: tuple[float, float] = (0.0, 0.0)             # the profile's (tdp_w, idle_w)
+
+    @property
+    def energy(self) -> energy.Energy | None:
+        """Energy per step and per token (jaxpar/cost/energy.py); None without a power model."""
+        return energy.step_energy(self.step_time_s, *self.busy, self.devices, self.global_batch * self.seq,
+                                  *self.power)
 
     @property
     def collectives(self) -> list[comm.Collective]:
@@ -81,6 +89,7 @@ class Estimate:
                        "activations": mem.activations, "total": mem.total},
             "fits": self.fits, "hbm_bytes": self.hbm_bytes,
             "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
+            "energy": dataclasses.asdict(self.energy) if self.energy else None,
         }
 
 
@@ -148,6 +157,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * sh.stages / n
     hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention)
     compute = time.compute_seconds(matmul, hbm, hw)
+    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw), hbm / hw.hbm_bw
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
             * flops.TRAIN_FACTOR / n)
     colls = comm.predicted(m, st, sh, software.pp_scatter_gather, moe_padded=software.moe_padded,
@@ -155,9 +165,10 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations,
                         fused_attention=software.fused_attention)
     opt_params = mem.optimizer / memory.ADAM_BYTES
-    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble,
-                       time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance), opt_params, hw,
+    comm_s = time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance)
+    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, opt_params, hw,
                        (software.tp_overlap, software.pp_overlap, software.dp_overlap))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
-                    hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops)
+                    hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
+                    power=(hw.tdp_w, hw.idle_w))

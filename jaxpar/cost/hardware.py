@@ -43,12 +43,15 @@ class Hardware:
     link_efficiency: float = 0.8
     elementwise_passes: float = 1.5
     calibrated: bool = False   # True only where the constants were fitted to published runs
+    tdp_w: float = 0.0         # board power at full load, W ([power]; 0: no energy figures)
+    idle_w: float = 0.0        # power of an idle device, W (jaxpar/cost/energy.py)
     notes: str = ""
 
 
 _SECTIONS = {"device": ("peak_flops", "hbm_bytes", "hbm_bw"),
              "links": ("intra_bw", "inter_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
-             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated")}
+             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated"),
+             "power": ("tdp_w", "idle_w")}
 _TOP = ("name", "notes")
 
 
@@ -93,6 +96,8 @@ def hardware_from_table(data: dict, where: str, default_name: str) -> Hardware:
                 "matmul_efficiency", "link_efficiency"):
         if not getattr(hw, key) > 0:
             raise ConfigError(f"{where}: {key} must be positive, got {getattr(hw, key)}")
+    if hw.idle_w > hw.tdp_w:
+        raise ConfigError(f"{where}: [power] idle_w={hw.idle_w} must not exceed tdp_w={hw.tdp_w}")
     return hw
 
 

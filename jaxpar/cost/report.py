@@ -24,6 +24,11 @@ def format_estimate(est: Estimate) -> str:
             lines.append(f"  {name:<15} {_secs(t):>12}  {t / total:6.1%}")
     if est.time.data_total > est.time.data:
         lines.append(f"  (data comm {_secs(est.time.data_total)} before overlap with compute)")
+    e = est.energy
+    if e is not None:
+        lines += ["", f"energy: {e.joules_per_step / 1e3:,.1f} kJ per step, {e.joules_per_token:.3g} J per token, "
+                      f"{e.average_watts:.0f} W per device on average ({e.idle_share:.0%} of it idle power; "
+                      "power model: jaxpar/cost/energy.py)"]
     lines += ["", f"FLOPs per step (model {est.flops.model:.3e}, hardware {est.flops.hardware:.3e}):",
               f"  {'part':<17} {'matmul':>10} {'of model':>9} {'elementwise':>12}"]
     for name, mm, other in est.flops.by_block:
