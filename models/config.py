@@ -39,6 +39,11 @@ class ModelConfig:
     mlp_dim: int = 256
     mlp_type: str = "swiglu"  # swiglu | gelu
     rope_theta: float = 10_000.0
+    # Llama 3.1 long-context RoPE scaling (models/layers.py `rope_frequencies`); factor 0 = none
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq: int = 8192
     # Mamba-2 blocks
     d_state: int = 16
     d_conv: int = 4
@@ -58,6 +63,14 @@ class ModelConfig:
     z_loss_coef: float = 0.001    # router z-loss (ST-MoE): mean(logsumexp(logits)^2)
 
     # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original context) or None."""
+        if not self.rope_scaling_factor:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_seq)
+
     @property
     def units(self) -> int:
         """Number of scanned units: each unit is one repetition of `pattern`."""
@@ -105,6 +118,12 @@ class ModelConfig:
             value = getattr(self, f)
             need(math.isfinite(value) and value > 0, f"{f} must be a positive finite number, got {value}")
         need(self.vocab <= 2**31 - 1, f"vocab must fit an int32 token id, got {self.vocab}")
+        if self.rope_scaling_factor:
+            need(self.rope_scaling_factor >= 1, f"rope_scaling_factor must be >= 1 (or 0: none), got {self.rope_scaling_factor}")
+            need(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                 f"RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                 f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+            need(self.rope_original_max_seq > 0, f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
         need(self.pattern != "" and set(self.pattern) <= {"A", "M", "E"},
              "pattern must be a non-empty string of 'A' (attention), 'M' (Mamba) and 'E' (attention + "
              f"mixture of experts), got {self.pattern!r}")
@@ -151,15 +170,24 @@ class ModelConfig:
 # the bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5 and multi-token prediction
 # are left out. Qwen3-30B-A3B: Qwen Team 2025, "Qwen3 Technical Report", and Qwen/Qwen3-30B-A3B
 # config.json (norm_topk_prob, router_aux_loss_coef 0.001; its per-head q/k RMSNorm is left out).
+_LLAMA3_8B = dict(layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336,
+                  vocab=128256, max_seq=8192, rope_theta=500_000.0)
+_LLAMA3_70B = dict(layers=80, d_model=8192, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672,
+                   vocab=128256, max_seq=8192, rope_theta=500_000.0)
+_LLAMA3_405B = dict(layers=126, d_model=16384, heads=128, kv_heads=8, head_dim=128, mlp_dim=53248,
+                    vocab=128256, max_seq=8192, rope_theta=500_000.0)
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(layers=2, d_model=64, heads=16, kv_heads=8, head_dim=8, mlp_dim=128,
                        vocab=256, max_seq=256),
-    "llama3-8b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336,
-                      vocab=128256, max_seq=8192, rope_theta=500_000.0),
-    "llama3-70b": dict(layers=80, d_model=8192, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672,
-                       vocab=128256, max_seq=8192, rope_theta=500_000.0),
-    "llama3-405b": dict(layers=126, d_model=16384, heads=128, kv_heads=8, head_dim=128, mlp_dim=53248,
-                        vocab=128256, max_seq=8192, rope_theta=500_000.0),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_70B,
+    "llama3-405b": _LLAMA3_405B,
+    # Llama 3.1 (the 128k-context release): the same shapes, RoPE scaled by 8 above the original 8192-token
+    # context (meta-llama/Llama-3.1-*/config.json rope_scaling: factor 8, low_freq_factor 1,
+    # high_freq_factor 4, original_max_position_embeddings 8192; Dubey et al. 2024, section 3.4)
+    **{f"llama3.1-{size}": dict(base, max_seq=131072, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                rope_high_freq_factor=4.0, rope_original_max_seq=8192)
+       for size, base in (("8b", _LLAMA3_8B), ("70b", _LLAMA3_70B), ("405b", _LLAMA3_405B))},
     "gpt3-175b": dict(layers=96, d_model=12288, heads=96, kv_heads=96, head_dim=128, mlp_dim=49152,
                       mlp_type="gelu", vocab=51200, max_seq=2048, tie_embeddings=True),
     "mamba2-tiny": dict(pattern="M", layers=2, d_model=64, vocab=256, max_seq=256, d_state=16,

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.sharding import constrain
@@ -41,10 +42,26 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(d: int, theta: float, scaling: tuple[float, float, float, int] | None = None) -> np.ndarray:
+    """The d/2 rotation frequencies theta^(-2i/d), float64 host constants. `scaling` = (factor, low,
+    high, original context): Llama 3.1's long-context rule (Dubey et al. 2024, section 3.4; the
+    `llama3` rope_scaling of its released config): a frequency whose wavelength 2*pi/f exceeds
+    original/low is divided by `factor`, one whose wavelength is under original/high is kept, and
+    those between are interpolated linearly in original/wavelength between the two."""
+    freqs = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if scaling is None:
+        return freqs
+    factor, low, high, original = scaling
+    ratio = original * freqs / (2 * np.pi)                      # original context / wavelength
+    keep = np.clip((ratio - low) / (high - low), 0.0, 1.0)     # 1: high frequency, 0: low frequency
+    return keep * freqs + (1.0 - keep) * freqs / factor
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotary embedding (rotate-half form) of x [b, s, h, d] at integer `positions` [b, s]."""
     d = x.shape[-1]
-    freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)            # [d/2]
+    freqs = jnp.asarray(rope_frequencies(d, theta, scaling), jnp.float32)   # [d/2]
     angles = positions.astype(jnp.float32)[..., None] * freqs                # [b, s, d/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -40,8 +40,8 @@ class Attention(nnx.Module):
         q = jax.numpy.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
         k = jax.numpy.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
         v = jax.numpy.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
-        q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
+        q = constrain(rope(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         return q, k, v
 
