@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=POSITIVE, default=256)
     pl.add_argument("--top", type=POSITIVE, default=10)
     pl.add_argument("--json", type=nonempty, help="write the plans as one JSON object to this file")
+    pl.add_argument("--verify", action="store_true",
+                    help="compile each listed plan on simulated CPU devices (at reduced data parallelism beyond "
+                         "2048) and print predicted vs compiled bytes per mesh-axis group and memory per device")
     pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",

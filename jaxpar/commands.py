@@ -167,6 +167,8 @@ def cmd_plan(args) -> int:
                                               args.seq, args.global_batch, args.top, SOFTWARE[args.software],
                                               args.objective)
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
+    if args.verify:
+        verify_plans(args, parse_model(args.model), results)
     if args.write:
         paths = planner.write_plans(results, args.write)
         print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")
@@ -174,6 +176,26 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(planner.to_json(results, considered, valid), f, indent=1)
     return 0
+
+
+def verify_plans(args, model, results) -> None:
+    """`plan --verify`: compile each listed plan on simulated devices (jaxpar/verify.py)."""
+    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
+    from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
+    from jaxpar.planner import describe  # noqa: PLC0415
+    from jaxpar.verify import TOLERANCE, format_checks, verify_plan  # noqa: PLC0415
+
+    simulate_cpu_devices(min(args.devices, DEVICE_LIMIT))
+    import jax  # noqa: PLC0415
+
+    print(f"\nverify: each plan's step compiled for jaxpar on XLA:CPU, predicted vs compiled (flag over {TOLERANCE:.0%})")
+    flagged = 0
+    for i, (_, st) in enumerate(results, 1):
+        checks, report = verify_plan(model, st, args.global_batch, args.seq, jax.devices())
+        flagged += sum(c.flagged for c in checks)
+        print(format_checks(i, describe(st), checks, report))
+    print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else
+          f"verify: every figure within {TOLERANCE:.0%}")
 
 
 def analysis_devices(args, strategies) -> int:

@@ -112,3 +112,17 @@ def test_energy_is_idle_power_over_the_step_plus_dynamic_power_over_busy_time():
     results, _, _ = plan(model, hw, 64, 4096, 256, top=8, objective="energy")
     joules = [e.energy.joules_per_token for e, _ in results]
     assert joules == sorted(joules)
+
+
+def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
+    """`plan --verify`'s check of one plan: the compiled step's bytes per mesh-axis group (the HLO tally)
+    beside the prediction; ZeRO-1 data parallelism in bfloat16 matches (XLA:CPU moves bf16 as float32)."""
+    import jax
+    from jaxpar.strategy import parse_strategy
+    from jaxpar.verify import verify_plan
+    st = parse_strategy("zero1-dp8").with_options(dtype="bfloat16")
+    checks, report = verify_plan(parse_model("llama-tiny"), st, 16, 32, jax.devices()[:8])
+    by = {c.what: c for c in checks}
+    assert set(by) == {"bytes over data", "memory per device"}
+    assert report["devices"] == 8 and not by["bytes over data"].flagged
+    assert by["bytes over data"].compiled == sum(c["bytes"] for c in report["collectives"])

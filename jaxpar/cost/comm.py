@@ -282,7 +282,7 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
     """Every predicted collective of one step as (kind, axes, phase, count, total bytes), merged by
     (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
     sz, cc = st.sizes, compiler
-    act = DTYPE_BYTES[st.options.dtype]
+    act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
     raw = data_parallel(m, st, shape, act, cc, gather_bytes)
     if sz["tensor"] > 1:
         raw += tensor_parallel(m, st, shape, act, cc)

@@ -16,7 +16,9 @@ same on every backend; what XLA's later passes make of it is not. `Compiler` sta
     fold                  AllReduceFolder: AR over g1 of AR over g2 -> one AR over g1 x g2. Without
                           it a gradient partial over the batch axes and over `context` is reduced
                           twice, once per group.
-    promote_bf16          bf16 all-reduces run in float32 (4 bytes per element).
+    promote_bf16          bf16 collectives run in float32 (4 bytes per element): XLA:CPU's float
+                          normalization converts every bf16 all-reduce, all-gather, permute and
+                          all-to-all (checked on a bf16 ZeRO-1 step: tests/test_planner.py, verify).
 `GPU` and `TPU` are the textbook (Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (it runs
 none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
 A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
