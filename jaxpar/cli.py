@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq", type=POSITIVE, default=4096)
     e.add_argument("--global-batch", type=POSITIVE, default=256, help="sequences per optimizer step")
     e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
+    e.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
+                   help="a training step (default), or one generation step: prefill of --global-batch prompts of "
+                        "--seq tokens, or decode of one token per sequence against a cache of --seq + --gen-len - 1")
+    e.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
     add_software_flag(e)
     add_strategy_flags(e)
 

@@ -145,12 +145,34 @@ def cmd_estimate(args) -> int:
         strategy = strategy.resolved(args.devices)
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
     strategy, defaults = accelerator_defaults(strategy, args.global_batch, given)
+    if args.phase != "train":
+        return estimate_inference(args, model, strategy, defaults)
     validate.check(model, strategy, batch=args.global_batch, seq=args.seq, padded_zero=True)
     est = estimate(model, strategy, args.hardware, args.global_batch, args.seq, SOFTWARE[args.software])
     print(f"software {args.software}; options {strategy.describe_options()}")
     for line in defaults:
         print(f"  default: {line}")
     print(format_estimate(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=1)
+    return 0
+
+
+def estimate_inference(args, model, strategy, defaults) -> int:
+    """`estimate --phase prefill|decode`: jaxpar/cost/inference.py for --global-batch sequences of a
+    --seq-token prompt and --gen-len new tokens."""
+    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
+    from jaxpar.cost.inference import format_inference, inference_estimate  # noqa: PLC0415
+
+    validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len)
+    est = inference_estimate(model, strategy, args.hardware, args.global_batch, args.seq, args.gen_len, args.phase,
+                             SOFTWARE[args.software])
+    print(f"software {args.software}; options {strategy.describe_options()}")
+    for line in defaults:
+        print(f"  default: {line}")
+    print(format_inference(est))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(est.to_json(), f, indent=1)

@@ -242,10 +242,23 @@ def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
 
 def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Generating `max_new_tokens` after each prompt (a list of token ids) on a resolved strategy
-    (jaxpar/generate.py, models/decode.py). Prompts are left-padded to the longest, so the longest
-    prompt plus the new tokens must fit the model's max_seq. K/V heads are sharded over `tensor` when
-    it divides kv_heads, and replicated across tensor ranks (Megatron's rule) when tensor is a
-    multiple of kv_heads."""
+    (jaxpar/generate.py, models/decode.py): the prompts' tokens, then `check_generation`."""
+    if not prompts:
+        raise ConfigError("generate needs at least one prompt")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompt {i} is empty: a prompt needs at least one token id")
+        bad = [t for t in prompt if not 0 <= t < model.vocab]
+        if bad:
+            raise ConfigError(f"prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {model.vocab})")
+    check_generation(model, strategy, len(prompts), max(len(p) for p in prompts), max_new_tokens)
+
+
+def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest: int, max_new_tokens: int) -> None:
+    """A generation run's sizes and layout (also what `estimate --phase prefill|decode` costs). Prompts
+    are left-padded to the longest, so the longest prompt plus the new tokens must fit the model's
+    max_seq. K/V heads are sharded over `tensor` when it divides kv_heads, and replicated across tensor
+    ranks (Megatron's rule) when tensor is a multiple of kv_heads."""
     model.validate()
     s, o = strategy.sizes, strategy.options
     tp = s["tensor"]
@@ -262,26 +275,15 @@ def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[in
     if o.attention != "dense":
         raise ConfigError(f"generate: attention={o.attention} is a context-parallel kernel; generation uses dense "
                           "attention (context=1)")
-
-    # --- the prompts ------------------------------------------------------------------------------
-    if not prompts:
-        raise ConfigError("generate needs at least one prompt")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ConfigError(f"prompt {i} is empty: a prompt needs at least one token id")
-        bad = [t for t in prompt if not 0 <= t < model.vocab]
-        if bad:
-            raise ConfigError(f"prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {model.vocab})")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > model.max_seq:
         raise ConfigError(f"the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} = "
                           f"{longest + max_new_tokens} exceeds the model's max_seq={model.max_seq}")
     dp = data_parallel_size(strategy)
-    if len(prompts) % dp:
+    if batch % dp:
         desc = "x".join(f"{a}={s[a]}" for a in DATA_AXES if s[a] > 1)
-        raise ConfigError(f"batch={len(prompts)} prompts is not divisible by the data-parallel size {desc} ({dp}): "
+        raise ConfigError(f"batch={batch} prompts is not divisible by the data-parallel size {desc} ({dp}): "
                           "each data-parallel rank decodes the same number of sequences")
 
     # --- parameters and heads ---------------------------------------------------------------------

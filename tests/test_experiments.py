@@ -162,6 +162,21 @@ def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:
         assert r["attention s"] == "skipped" or number(r["attention s"]) > 0, r
 
 
+def check_bench_inference(out: pathlib.Path, stdout: str) -> None:
+    """Greedy generation gives the same tokens under every layout; the model's decode tokens/s grows with
+    the batch; llama3-70b's bf16 weights (70.6e9 x 2 bytes = 131 GiB) cannot sit on one 80 GB GPU (data=8)."""
+    text = read_results(out, "bench_inference")
+    assert "same tokens under every layout: yes" in text
+    cpu = table(text, "layout", "time to first token ms")
+    assert {r["layout"] for r in cpu} == {"data=8", "tensor=8"}
+    rows = table(text, "model", "layout", "batch")
+    for model, layout in {(r["model"], r["layout"]) for r in rows}:
+        speeds = [number(r["decode tokens/s"]) for r in rows if (r["model"], r["layout"]) == (model, layout)]
+        assert speeds == sorted(speeds), (model, layout, speeds)
+    big = [r for r in rows if r["model"] == "llama3-70b" and r["layout"] == "data=8"]
+    assert big and all(r["fits"] == "no" and number(r["memory GiB / device"]) > 131 for r in big)
+
+
 def check_bench_moe(out: pathlib.Path, stdout: str) -> None:
     """The cost model's wire bytes equal the compiled step's; only expert parallelism has all-to-alls;
     it holds 1/8 of the experts (less state per device than replicating them)."""
@@ -195,6 +210,7 @@ CHECKS = {
     "bench_comm": check_bench_comm,
     "bench_context_parallel": check_bench_context_parallel,
     "bench_estimate": check_bench_estimate,
+    "bench_inference": check_bench_inference,
     "bench_mamba": check_bench_mamba,
     "bench_moe": check_bench_moe,
     "bench_pipeline": check_bench_pipeline,

@@ -1,0 +1,213 @@
+"""Inference: one prefill or one decode step, its roofline, memory, collectives and latency.
+
+Prefill runs a batch of prompts through the model and fills the cache: compute-bound like training's
+forward. Decode runs one token per sequence against the cache: every step streams the weights and the
+whole KV cache from HBM for a few FLOPs per byte, so it is bandwidth-bound until the batch is large
+(scaling book, "All about Transformer inference"). Per device, for `batch` sequences, prompts of
+`prompt` tokens and `generate` new tokens (a cache of S = prompt + generate - 1 slots, as
+jaxpar.generate sizes it; a decode step is costed at the full cache, its slowest):
+
+    matmul FLOPs   2 x (active matmul parameters) per token, + attention 4 x hq x keys per query token
+                   (dense: the prefill's s x s scores in full; decode: the S cached keys), + the head
+                   on the last position only (2 x d x V per sequence), all / (data x tensor)
+    HBM bytes      weights per device (software.serve_weight_bytes per element: jaxpar keeps float32
+                   masters and casts them in the step, so it reads 4) + the KV cache read once (decode)
+                   or written (prefill) + Mamba-2 states read and written
+    time           max(matmul / (peak x efficiency), HBM bytes / bandwidth) + collectives (not
+                   overlapped): a roofline per step, the hardware profile's calibration constants
+    collectives    under tensor: the vocab-parallel embedding's sum, two row-parallel sums per
+                   attention layer and one per Mamba-2 layer, of [b, s, d] (s = 1 in decode), and the
+                   sampling's all-gathers of each rank's best (value, id) (greedy); the batch axes
+                   need none (no gradients)
+    memory         weights + KV cache (layers x 2 x b x S x kv heads per device x head_dim, K/V heads
+                   replicated across tensor ranks when tensor > kv_heads) + Mamba-2 states + the step's
+                   activations and float32 logits
+Critical batch: the batch at which a decode step's matmul time reaches its HBM time (weights are read
+once per step whatever the batch; each sequence adds FLOPs and its own KV bytes).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost import comm as cost_comm
+from jaxpar.cost import flops, params
+from jaxpar.cost.compiler import AG, AR, COMPILERS, Compiler, site
+from jaxpar.cost.hardware import Hardware, load_hardware
+from jaxpar.cost.memory import DTYPE_BYTES
+from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.cost.time import comm_seconds
+from jaxpar.strategy import Strategy
+from jaxpar.models.config import ModelConfig
+
+PHASES = ("prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceEstimate:
+    model: str
+    strategy: str
+    hardware: str
+    phase: str
+    batch: int
+    prompt: int
+    generate: int
+    devices: int
+    matmul_flops: float          # per device per step
+    hbm_bytes: float             # per device per step
+    matmul_s: float
+    memory_s: float
+    comm_s: float
+    weights_bytes: float         # per device
+    cache_bytes: float           # per device: KV cache + Mamba-2 states
+    activation_bytes: float      # per device
+    hbm_capacity: float
+    predicted: tuple[tuple, ...]  # (kind, axes, phase, count, bytes), as cost/comm.py's
+    critical_batch: float | None  # decode: the batch where the step turns compute-bound (None: never)
+
+    @property
+    def step_s(self) -> float:
+        return max(self.matmul_s, self.memory_s) + self.comm_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.matmul_s >= self.memory_s else "memory bandwidth"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prefill: prompt tokens per second; decode: new tokens per second (one per sequence per step)."""
+        return self.batch * (self.prompt if self.phase == "prefill" else 1) / self.step_s
+
+    @property
+    def memory_total(self) -> float:
+        return self.weights_bytes + self.cache_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.hbm_capacity
+
+    @property
+    def collectives(self):
+        return cost_comm.to_records(self.predicted, dict(self.mesh_sizes))
+
+    mesh_sizes: tuple = ()
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "strategy": self.strategy, "hardware": self.hardware, "phase": self.phase,
+                "batch": self.batch, "prompt": self.prompt, "generate": self.generate, "devices": self.devices,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bound": self.bound,
+                "matmul_s": self.matmul_s, "memory_s": self.memory_s, "comm_s": self.comm_s,
+                "matmul_flops": self.matmul_flops, "hbm_bytes": self.hbm_bytes,
+                "memory": {"weights": self.weights_bytes, "cache": self.cache_bytes,
+                           "activations": self.activation_bytes, "total": self.memory_total},
+                "fits": self.fits, "critical_batch": self.critical_batch,
+                "collectives": [{"kind": c.kind, "axes": list(c.axes), "count": c.count, "bytes": c.bytes}
+                                for c in self.collectives]}
+
+
+def kv_heads_per_device(m: ModelConfig, tensor: int) -> float:
+    """K/V heads one device caches: kv_heads / tensor, or 1 (a replicated head) when tensor > kv_heads."""
+    return m.kv_heads / tensor if tensor <= m.kv_heads else 1.0
+
+
+def cache_bytes(m: ModelConfig, st: Strategy, batch: int, slots: int) -> float:
+    """KV cache + Mamba-2 decode state per device (models/decode.py's cache_layout, sharded by the rules)."""
+    sz, act = st.sizes, DTYPE_BYTES[st.options.dtype]
+    b = batch / (sz["data"] * sz["fsdp"] * sz["expert"])
+    t = sz["tensor"]
+    kv = (m.attention_layers + m.moe_layers) * 2 * b * slots * kv_heads_per_device(m, t) * m.head_dim * act
+    _, _, heads = params.mamba_dims(m) if m.mamba_layers else (0, 0, 0)
+    conv = (m.d_conv - 1) * (m.d_inner + 2 * m.ngroups * m.d_state) / t * act
+    ssm = heads / t * m.ssm_head_dim * m.d_state * 4
+    states = m.mamba_layers * b * (conv + ssm) if m.mamba_layers else 0.0
+    return kv + states + b * slots * 4  # + the slots' int32 positions
+
+
+def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
+    """Matmul FLOPs of one forward over `tokens` = batch x q_len tokens attending over `keys` each."""
+    hq = m.heads * m.head_dim
+    attn = (flops.attention_projection_flops(m, tokens).matmul + 4.0 * batch * q_len * keys * hq)
+    total = m.attention_layers * (attn + flops.mlp_flops(m, tokens).matmul)
+    if m.moe_layers:
+        moe = (attn + flops.router_flops(m, tokens).matmul + flops.expert_flops(m, tokens).matmul
+               + flops.shared_expert_flops(m, tokens).matmul)
+        total += m.moe_layers * moe
+    if m.mamba_layers:
+        d_in_proj, _, _ = params.mamba_dims(m)
+        proj = 2.0 * tokens * (m.d_model * d_in_proj + m.d_inner * m.d_model)
+        scan = flops.ssd_flops(m, batch, q_len).matmul if q_len > 1 else 4.0 * tokens * m.d_inner * m.d_state
+        total += m.mamba_layers * (proj + scan)
+    return total + 2.0 * batch * m.d_model * m.vocab  # the head, on the last position of each sequence
+
+
+def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler) -> tuple[tuple, ...]:
+    """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`."""
+    t = st.sizes["tensor"]
+    if t == 1:
+        return ()
+    act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]
+    b = batch / (st.sizes["data"] * st.sizes["fsdp"] * st.sizes["expert"])
+    x = b * q_len * m.d_model * act
+    ax = ("tensor",)
+    ops = site(cc, AR, ax, 1, [x], "forward")                                         # embedding (vocab-parallel)
+    ops += site(cc, AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
+    ops += site(cc, AG, ax, 2, [b * 4 * t], "forward")                                 # argmax: (value, id) per rank
+    merged: dict[tuple, list[float]] = {}
+    for kind, axes, count, nbytes, phase in ops:
+        acc = merged.setdefault((kind, axes, phase), [0.0, 0.0])
+        acc[0] += count
+        acc[1] += count * nbytes
+    return tuple((k, a, p, c, b_) for (k, a, p), (c, b_) in merged.items())
+
+
+def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, batch: int, prompt: int,
+                       generate: int, phase: str, software: Software = JAXPAR,
+                       compiler: Compiler | str = "gpu") -> InferenceEstimate:
+    """One prefill or decode step (module docstring). `strategy` resolved; jaxpar.validate.check_generate
+    states what generation supports."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    cc = COMPILERS[compiler] if isinstance(compiler, str) else compiler
+    sz, n = st.sizes, st.num_devices
+    slots = prompt + generate - 1
+    q_len, keys = (prompt, prompt) if phase == "prefill" else (1, slots)
+    dp = sz["data"] * sz["fsdp"] * sz["expert"]
+    tp = sz["tensor"]
+    matmul = _forward_matmul(m, batch * q_len, batch, q_len, keys) / (dp * tp)
+    weights = params.total_params(m) / tp * software.serve_weight_bytes  # data axes hold a full copy
+    cache = cache_bytes(m, st, batch, slots)
+    act = DTYPE_BYTES[st.options.dtype]
+    acts = batch / dp * q_len * (m.d_model * 4 + m.mlp_dim / tp * 2) * act + batch / dp * m.vocab / tp * 4
+    hbm = weights + cache + acts  # decode reads the cache; prefill writes it (same bytes)
+    matmul_s = matmul / (hw.peak_flops * hw.matmul_efficiency)
+    memory_s = hbm / hw.hbm_bw
+    predicted = _collectives(m, st, batch, q_len, cc)
+    comm = sum(comm_seconds(predicted, st, hw).values())
+    critical = None
+    if phase == "decode":
+        per_seq_s = (matmul / (batch / dp)) / (hw.peak_flops * hw.matmul_efficiency)  # FLOP time per sequence
+        per_seq_bytes = (cache + acts) / (batch / dp) / hw.hbm_bw
+        if per_seq_s > per_seq_bytes:
+            critical = (weights / hw.hbm_bw) / (per_seq_s - per_seq_bytes) * dp
+    return InferenceEstimate(model=m.name, strategy=st.name, hardware=hw.name, phase=phase, batch=batch,
+                             prompt=prompt, generate=generate, devices=n, matmul_flops=matmul, hbm_bytes=hbm,
+                             matmul_s=matmul_s, memory_s=memory_s, comm_s=comm, weights_bytes=weights,
+                             cache_bytes=cache, activation_bytes=acts, hbm_capacity=hw.hbm_bytes,
+                             predicted=predicted, critical_batch=critical, mesh_sizes=st.mesh)
+
+
+def format_inference(e: InferenceEstimate) -> str:
+    from jaxpar.collectives import human_bytes  # noqa: PLC0415
+    unit = "prompt tokens/s" if e.phase == "prefill" else "new tokens/s"
+    lines = [f"{e.model} {e.phase} on {e.devices} x {e.hardware} [{e.strategy}], batch {e.batch}, prompt {e.prompt}, "
+             f"{e.generate} new tokens",
+             f"  step {e.step_s * 1e3:.2f} ms   {e.tokens_per_s:,.0f} {unit}   {e.bound}-bound",
+             f"  matmul {e.matmul_s * 1e3:.3f} ms ({e.matmul_flops:.3e} FLOPs/device)   HBM {e.memory_s * 1e3:.3f} ms "
+             f"({human_bytes(e.hbm_bytes)}/device)   collectives {e.comm_s * 1e3:.3f} ms"]
+    if e.phase == "decode":
+        lines.append(f"  critical batch (decode turns compute-bound): "
+                     + (f"{e.critical_batch:,.0f} sequences" if e.critical_batch else "never (the KV cache grows with it)"))
+    lines += [f"  memory per device: weights {human_bytes(e.weights_bytes)}, cache {human_bytes(e.cache_bytes)}, "
+              f"activations {human_bytes(e.activation_bytes)}: {human_bytes(e.memory_total)} "
+              f"({'fits' if e.fits else 'does NOT fit'} in {human_bytes(e.hbm_capacity)})"]
+    for c in e.collectives:
+        lines.append(f"  {c.kind:<15} {','.join(c.axes):<8} {c.count:>5} x {human_bytes(c.bytes / c.count)}")
+    return "\n".join(lines)
