@@ -19,6 +19,15 @@ TC = TrainConfig(batch=16, seq=32, steps=10, lr=3e-3, warmup=3)
 STEPS = 10
 
 
+def distinct(strategies: list) -> list:
+    """One strategy per distinct (mesh, options), under its shortest name: a catalogue entry that trains
+    like another (a layout named for its use, e.g. infer-tp8 or h100-node-tp8 = tp8) is checked once."""
+    seen: dict = {}
+    for s in sorted(strategies, key=lambda s: (len(s.name), s.name)):
+        seen.setdefault((s.mesh, s.options), s)
+    return sorted(seen.values(), key=lambda s: s.name)
+
+
 def trainer(model: str, mesh: str, devices: int = 8, **options) -> Trainer:
     return _trainer(model, mesh, devices, tuple(sorted(options.items())))
 
