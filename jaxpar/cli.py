@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_analysis_flags(c)
     c.add_argument("--abstract", action="store_true", help="compile from shapes only, no arrays allocated (analysis always does; kept for scripts)")
     c.add_argument("--json", type=nonempty, help="write the report as one JSON object to this file")
+    c.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
+                   help="the step to compile: a training step (default), or generation's prefill or decode step "
+                        "(--batch prompts of --seq tokens, --gen-len new tokens)")
+    c.add_argument("--gen-len", type=POSITIVE, default=16, help="new tokens per prompt (prefill/decode phases)")
     add_strategy_flags(c)
     add_distributed_flags(c)
 

@@ -265,12 +265,14 @@ def cmd_comm(args) -> int:
     model = parse_model(args.model)
     strategy = strategy_from_args(args)
     n = analysis_devices(args, [strategy])
-    tc = analysis_config(args, model, [strategy])
     import jax  # noqa: PLC0415
 
     from jaxpar.analysis import comm  # noqa: PLC0415
     from jaxpar.analysis.report import format_table  # noqa: PLC0415
-    report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
+    if args.phase != "train":
+        report = comm_generation(args, model, strategy, jax.devices()[:n])
+    else:
+        report = comm.analyze_strategy(model, strategy, analysis_config(args, model, [strategy]), jax.devices()[:n])
     if jax.process_index():
         return 0
     print(format_table(report))
@@ -278,6 +280,27 @@ def cmd_comm(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def comm_generation(args, model, strategy, devices) -> dict:
+    """`comm --phase prefill|decode`: one generation step of --batch prompts of --seq tokens (defaults:
+    one per data-parallel rank, 128 tokens) and --gen-len new tokens, compiled and tallied."""
+    import time  # noqa: PLC0415
+
+    from jaxpar.analysis.comm import analyze_compiled  # noqa: PLC0415
+    from jaxpar.generate import Generator  # noqa: PLC0415
+    from jaxpar.validate import data_parallel_size  # noqa: PLC0415
+
+    strategy = strategy.resolved(len(devices)) if strategy.num_devices < 1 else strategy
+    batch = args.batch or data_parallel_size(strategy)
+    prompt = args.seq or min(128, model.max_seq - args.gen_len)
+    gen = Generator(model, strategy, [[0] * prompt] * batch, args.gen_len, devices=devices[:strategy.num_devices])
+    t0 = time.perf_counter()
+    steps = dict(zip(("prefill", "decode"), gen.compiled_steps()))
+    report = analyze_compiled(steps[args.phase], gen.mesh, f"{model.name} {args.phase} (batch {batch}, prompt "
+                              f"{prompt}, cache {prompt + args.gen_len - 1})", time.perf_counter() - t0)
+    report["phase"] = args.phase
+    return report
 
 
 def cmd_compare(args) -> int:

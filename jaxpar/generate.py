@@ -208,6 +208,11 @@ class Generator:
             self.compile_s = time.perf_counter() - t0
         return self.compile_s
 
+    def compiled_steps(self) -> tuple:
+        """(prefill, decode) executables, compiled once (for `jaxpar comm --phase`)."""
+        self.compile()
+        return self._compiled
+
     def generate(self, params, prompts: list[list[int]], *, seed: int | None = None,
                  keep_logits: bool = False) -> Result:
         """Generate max_new_tokens after each prompt (as many prompts as this generator's batch, none

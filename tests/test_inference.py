@@ -303,3 +303,17 @@ def test_steps_collectives_and_cache_equal_the_cost_model(model, mesh):
                  for s, sh in zip(jax.tree.leaves(gen.cache_layout, is_leaf=decode.is_slot),
                                   jax.tree.leaves(gen.cache_shardings)))
     assert est.cache_bytes == pytest.approx(shards, rel=1e-9)
+
+
+def test_cli_comm_tallies_a_decode_step(tmp_path, capsys):
+    """`jaxpar comm --phase decode`: the compiled decode step's collectives, hand-counted for llama-tiny
+    (2 layers) on data=2 x tensor=4: the vocab-parallel embedding's sum and 2 row-parallel sums per layer
+    of [b/2, 1, d] float32, and the sampling's 2 gathers."""
+    out = tmp_path / "decode.json"
+    assert cli.main(["comm", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--phase", "decode",
+                     "--batch", "4", "--seq", "5", "--gen-len", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ar = [c for c in report["collectives"] if c["kind"] == "all-reduce"]
+    assert sum(c["count"] for c in ar) == 1 + 2 * 2 and sum(c["bytes"] for c in ar) == 5 * 2 * 1 * 64 * 4
+    assert {c["kind"] for c in report["collectives"]} == {"all-reduce", "all-gather"}
+    assert "decode" in capsys.readouterr().out

@@ -101,14 +101,19 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     lowered = trainer.lower_step()
     t0 = time.perf_counter()
     compiled = lowered.compile(compiler_options)
-    compile_seconds = time.perf_counter() - t0
+    report = analyze_compiled(compiled, trainer.mesh, trainer.model_cfg.name, time.perf_counter() - t0)
+    report["warnings"] += _moe_notes(tally_compiled(compiled, trainer.mesh), trainer)
+    return report
+
+
+def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) -> dict:
+    """The report of any compiled step on `mesh` (a training step, or `jaxpar.generate`'s prefill and
+    decode steps for `comm --phase`)."""
     text = compiled.as_text()
-    mesh = trainer.mesh
     tally = tally_compiled(compiled, mesh)
     flops, flops_note = flops_per_device(compiled, text)
-    warnings = list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh) + _moe_notes(tally, trainer)
     return {
-        "model": trainer.model_cfg.name,
+        "model": model_name,
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
         "devices": int(mesh.size),
         "collectives": [_as_dict(c) for c in tally],
@@ -116,7 +121,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
         "flops_per_device": flops,
         "memory": memory_per_device(compiled),
         "compile_seconds": round(compile_seconds, 3),
-        "warnings": warnings,
+        "warnings": list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh),
     }
 
 
