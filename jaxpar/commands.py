@@ -11,6 +11,26 @@ import math
 from jaxpar.errors import ConfigError
 
 
+def model_from(spec: str):
+    """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout
+    checkpoint's config.json: jaxpar/hf.py)."""
+    from jaxpar.hf import PREFIX, read_config  # noqa: PLC0415
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+    return read_config(spec[len(PREFIX):]) if spec.startswith(PREFIX) else parse_model(spec)
+
+
+def hf_params(directory: str, model, abstract_params):
+    """Parameters from a Hugging Face checkpoint for `model`, whose shapes must be the checkpoint's."""
+    from jaxpar.hf import load_params, read_config  # noqa: PLC0415
+    theirs = read_config(directory)
+    fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "vocab", "tie_embeddings", "pattern")
+    differ = [f"{f}={getattr(model, f)} (checkpoint: {getattr(theirs, f)})" for f in fields
+              if getattr(model, f) != getattr(theirs, f)]
+    if differ:
+        raise ConfigError(f"--hf-checkpoint {directory} is another model: {', '.join(differ)}; use --model hf:{directory}")
+    return load_params(directory, model, abstract_params)
+
+
 def strategy_from_args(args, spec: str | None = None):
     from jaxpar.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
     strategy = parse_strategy(spec or args.mesh)
@@ -22,7 +42,6 @@ def cmd_train(args) -> int:
     from jaxpar.data import make_source  # noqa: PLC0415
     from jaxpar.metrics import Sinks  # noqa: PLC0415
     from jaxpar.train import Preempted, PreemptionNotice, TrainConfig, Trainer, train  # noqa: PLC0415
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     # checkpoint flags, before anything is built
@@ -36,7 +55,7 @@ def cmd_train(args) -> int:
                           "checkpoints --resume would continue from")
     if resume_step is not None and not args.resume:
         raise ConfigError(f"--resume-step {resume_step} needs --resume")
-    model = parse_model(args.model)
+    model = model_from(args.model)
     strategy = strategy_from_args(args)
     tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
                      warmup=args.warmup)
@@ -78,6 +97,10 @@ def cmd_train(args) -> int:
                 if main:
                     print(f"newer checkpoints moved aside (kept, not deleted), as this run will write those steps "
                           f"again: {', '.join(map(str, moved))}")
+    if state is None and args.hf_checkpoint is not None:  # a fresh run starting from pretrained weights
+        state = trainer.state_from_params(hf_params(args.hf_checkpoint, model, trainer.abstract_params))
+        if main:
+            print(f"parameters from the Hugging Face checkpoint {args.hf_checkpoint} (fresh optimizer state)")
     if main:
         print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
         print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
@@ -135,9 +158,8 @@ def cmd_estimate(args) -> int:
     from jaxpar.cost import SOFTWARE, estimate, format_estimate  # noqa: PLC0415
     from jaxpar.cost.defaults import accelerator_defaults  # noqa: PLC0415
     from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
-    model = parse_model(args.model)
+    model = model_from(args.model)
     strategy = strategy_from_args(args)
     if strategy.num_devices < 1:
         if not args.devices:
@@ -181,16 +203,15 @@ def estimate_inference(args, model, strategy, defaults) -> int:
 
 def cmd_plan(args) -> int:
     from jaxpar import planner  # noqa: PLC0415
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
 
-    results, considered, valid = planner.plan(parse_model(args.model), args.hardware, args.devices,
+    results, considered, valid = planner.plan(model_from(args.model), args.hardware, args.devices,
                                               args.seq, args.global_batch, args.top, SOFTWARE[args.software],
                                               args.objective)
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
     if args.verify:
-        verify_plans(args, parse_model(args.model), results)
+        verify_plans(args, model_from(args.model), results)
     if args.write:
         paths = planner.write_plans(results, args.write)
         print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")
@@ -260,9 +281,8 @@ def analysis_config(args, model, strategies, **extra):
 
 
 def cmd_comm(args) -> int:
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
-    model = parse_model(args.model)
+    model = model_from(args.model)
     strategy = strategy_from_args(args)
     n = analysis_devices(args, [strategy])
     import jax  # noqa: PLC0415
@@ -304,11 +324,10 @@ def comm_generation(args, model, strategy, devices) -> dict:
 
 
 def cmd_compare(args) -> int:
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     if args.run_steps < 0:
         raise ConfigError(f"--run-steps must be >= 0, got {args.run_steps}")
-    model = parse_model(args.model)
+    model = model_from(args.model)
     strategies = [strategy_from_args(args, spec) for spec in args.meshes]
     n = analysis_devices(args, strategies)
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
@@ -329,9 +348,8 @@ def cmd_compare(args) -> int:
 
 def cmd_generate(args) -> int:
     from jaxpar.inputs import read_prompt_file  # noqa: PLC0415
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
 
-    model = parse_model(args.model)
+    model = model_from(args.model)
     strategy = strategy_from_args(args)
     prompts = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
     if args.checkpoint_step is not None and args.checkpoint is None:
@@ -345,7 +363,12 @@ def cmd_generate(args) -> int:
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     gen = Generator(model, strategy, prompts, args.max_new_tokens, sampling)  # every check, before compiling
-    if args.checkpoint is not None:
+    if args.hf_checkpoint is not None:
+        if args.checkpoint is not None:
+            raise ConfigError("--checkpoint and --hf-checkpoint both give the parameters: choose one")
+        params = gen.place_params(hf_params(args.hf_checkpoint, model, gen.abstract_params))
+        source = f"parameters: Hugging Face checkpoint {args.hf_checkpoint}"
+    elif args.checkpoint is not None:
         params, source = gen.restore_params(args.checkpoint, args.checkpoint_step)
     else:
         params, source = gen.init_params(args.param_seed), f"parameters: fresh initialisation (seed {args.param_seed})"
