@@ -119,7 +119,10 @@ class ModelConfig:
             need(math.isfinite(value) and value > 0, f"{f} must be a positive finite number, got {value}")
         need(self.vocab <= 2**31 - 1, f"vocab must fit an int32 token id, got {self.vocab}")
         if self.rope_scaling_factor:
-            need(self.rope_scaling_factor >= 1, f"rope_scaling_factor must be >= 1 (or 0: none), got {self.rope_scaling_factor}")
+            need(math.isfinite(self.rope_scaling_factor) and self.rope_scaling_factor >= 1,
+                 f"rope_scaling_factor must be a finite number >= 1 (or 0: none), got {self.rope_scaling_factor}")
+            for f in ("rope_low_freq_factor", "rope_high_freq_factor"):
+                need(math.isfinite(getattr(self, f)), f"{f} must be finite, got {getattr(self, f)}")
             need(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
                  f"RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                  f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")

@@ -70,17 +70,22 @@ def model_cases():
     (0 only where it is not a valid value: MoE fields where 0 means dropless, none or no loss)."""
     mamba = {"d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"}
     moe = {"experts", "top_k", "expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef"}
-    zero_is_valid = {"expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef"}
+    zero_is_valid = {"expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef",
+                     "rope_scaling_factor"}  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
     for f in dataclasses.fields(ModelConfig):
         if f.type not in ("int", "float") or f.name in ("tie_embeddings",):
             continue
         preset = "mamba2-tiny" if f.name in mamba else "moe-tiny" if f.name in moe else "llama-tiny"
+        if f.name.startswith("rope_") and f.name != "rope_scaling_factor" and f.name != "rope_theta":
+            preset = "llama-tiny:rope_scaling_factor=8,"
+        else:
+            preset += ":"
         values = ("0", "-3") + (("nan", "inf") if f.type == "float" else ("two",))
         for value in values:
             if value == "0" and f.name in zero_is_valid:
                 continue
             words = "is not a valid int" if value == "two" else f.name
-            yield pytest.param(set_flag(BASE["train"], "--model", f"{preset}:{f.name}={value}"), [words],
+            yield pytest.param(set_flag(BASE["train"], "--model", f"{preset}{f.name}={value}"), [words],
                                id=f"model-{f.name}={value}")
 
 
