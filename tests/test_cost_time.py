@@ -28,8 +28,11 @@ def test_cross_node_all_reduce_is_hierarchical():
     st = parse_inline("data=32")
     eff = A100.link_efficiency
     beta = 7 / 8 * 8e9 / (A100.intra_bw * eff) + 3 / 4 * 1e9 / (A100.inter_bw * eff)
-    alpha = 7 * A100.alpha_intra + 3 * A100.alpha_inter
+    alpha = 7 * A100.alpha_intra + 2 * A100.alpha_inter   # 4 nodes: a ring of 8 in each, log2(4) tree steps
     assert time.collective_seconds(comm.AR, ("data",), 1, 8e9, st, A100) == pytest.approx(2 * (beta + alpha))
+    big = parse_inline("data=16384")   # 2048 nodes: 11 tree steps across them, not 2047 ring steps
+    latency = time.collective_seconds(comm.AR, ("data",), 1, 0.0, big, A100)
+    assert latency == pytest.approx(2 * (7 * A100.alpha_intra + 11 * A100.alpha_inter))
 
 
 def test_single_device_step_is_compute_plus_optimizer():

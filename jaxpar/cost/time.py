@@ -4,7 +4,8 @@ compute     = matmul FLOPs / (peak * matmul_efficiency) + elementwise HBM bytes 
               (roofline, scaling book "All about rooflines"; the elementwise bytes are the activation
               inventory of memory.py produced once per forward, with `elementwise_passes` HBM passes
               per byte forward and 2x that backward, plus what the remat policy recomputes)
-collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency), hierarchically:
+collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency), hierarchically
+              (hops: k - 1 ring steps inside a node, log2(m) tree steps across m nodes):
               a group with k members per node and m nodes moves (k-1)/k of its buffer over the
               intra-node links and (m-1)/m of a 1/k slice over each device's inter-node link
               (2x both for all-reduce; NCCL tree/ring over NVLink+IB, TPU ICI+DCN)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from jaxpar.cost.compiler import A2A, AR, PERMUTE
 from jaxpar.cost.hardware import Hardware
@@ -110,9 +112,10 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
     if kind == PERMUTE:
         cross = m > 1
         alpha, beta = (hw.alpha_inter if cross else hw.alpha_intra), 1.0 / (bw_out if cross else bw_in)
-    else:
+    else:  # latency: a ring inside the node; across nodes NCCL's trees (Sanders et al. 2009's double
+        # binary tree) and TPU DCN hierarchies take log2(m) steps, not m - 1 (bandwidth stays the ring's)
         f = 2.0 if kind == AR else 1.0
-        alpha = f * ((k - 1) * hw.alpha_intra + (m - 1) * hw.alpha_inter)
+        alpha = f * ((k - 1) * hw.alpha_intra + math.ceil(math.log2(m)) * hw.alpha_inter)
         beta = f * ((k - 1) / k / bw_in + (m - 1) / m / k / bw_out)
     links[(kind, axes)] = (alpha, beta)
     return alpha, beta
