@@ -1,25 +1,29 @@
 """Pipeline parallelism over the `pipeline` mesh axis: GPipe and circular schedules, GSPMD-style.
 
-The model's layer units are stacked on a leading `layers` dim (models/lm.py). With S stages,
-v repeats (1 for GPipe) and k = units / (S*v) units per chunk, logical unit u runs in
-
-    repeat r = u // (S*k),   stage s = (u // k) % S,   position j = u % k in the chunk,
-
-so an item (a micro-batch in repeat r) flows stage 0 -> 1 -> ... -> S-1, and under the circular
-schedule back to stage 0 for repeat r+1. The stacked weights [U, ...] are viewed as
-[v, S, k, ...] and the stage dim is moved first, [S, v, k, ...], sharded on `stages` (= pipeline).
+The model's layer units are stacked on a leading `layers` dim (models/lm.py). With S stages and
+v repeats (1 for GPipe) the U units are cut into S*v chunks in execution order, chunk c = r*S + s
+run by stage s in repeat r (jaxpar/schedule.py: the split; even when S*v divides U, else the first
+and last chunks lighter, or `pp_stages`). Every chunk runs in k = max(split) unit slots; a shorter
+chunk's last slots are padding: zero weights whose output is discarded (`where(valid, unit(h), h)`),
+so they are the identity, the real weights' gradients are unchanged and nothing flows into padding.
+The stacked weights [U, ...] are viewed as [S, v, k, ...] (chunks sliced, padded, stage dim first),
+sharded on `stages` (= pipeline). At rest the weights keep the model's [U, ...] layout: `layers`
+on `pipeline` when the split is even; otherwise `pipeline` shards the next dim it divides
+(schedule.stored_spec: jit needs even shards), and the view moves each stage's units to it once
+per step (an all-to-all per weight leaf, its gradient back the same way).
 
 Activations live in two stage-sharded buffers, the stage state [S, mb, s, d] and `buf`
 [S, M, mb, s, d], and one `lax.scan` runs T = v*M + S - 1 iterations. At iteration t stage s
 works on item i = t - s (valid when 0 <= i < v*M): micro-batch i % M in repeat i // M.
 `buf` starts as every stage's copy of the M micro-batches (the embedding output is replicated over
-`pipeline` anyway, so this costs no communication). Every iteration
+`pipeline`: the lookup is a gather, no FLOPs, and sending its output would cost as much as looking
+it up). Every iteration
   1. stage 0 takes `buf[0, t % M]`: the micro-batch itself in repeat 0, the last stage's output
      for it from the previous repeat afterwards (see 4); stage s > 0 takes what stage s-1
      produced in the previous iteration;
   2. every stage applies its chunk: `vmap` over the stage dim (spmd_axis_name = the pipeline
      axes, so the blocks' own sharding annotations keep the stage dim on `pipeline`) of a scan
-     over its k units, rematerialised per iteration (see `_iteration_policy`);
+     over its k unit slots, rematerialised per iteration (see `_iteration_policy`);
   3. the outputs shift one stage up, the last stage's wrapping round to slot 0: a ppermute, one
      collective-permute over `pipeline` per iteration (and its transpose backward);
   4. slot 0 of the shifted outputs (the last stage's output of item t-S+1, micro-batch m) is
@@ -27,45 +31,61 @@ works on item i = t - s (valid when 0 <= i < v*M): micro-batch i % M in repeat i
      masked, so bubble work never reaches the result and its gradients are exactly zero.
 The circular schedule needs M >= S so that an output is back in `buf` before stage 0 reads it
 for the next repeat; a slot is overwritten only after stage 0 has read what it held.
-After the loop `buf[0]` holds the last repeat's output of every micro-batch: it is replicated
-over `pipeline` (one all-reduce) and the micro-batches are merged back into the batch.
+
+The head and loss run once per step in total, not on every stage: after the loop stage 0's `buf`
+(the last repeat's output of every micro-batch, padded to M' = S*ceil(M/S) micro-batches) is spread
+over the stages by one all-to-all, so stage s holds micro-batches s*M'/S + [0, M'/S), and each stage
+runs the final norm, head and cross-entropy on its M'/S (padding micro-batches weigh 0). The loss is
+the mean of the micro-batches' means (equal token counts: the batch mean). The head's and final
+norm's gradients are then partial sums per stage, reduced over `pipeline` with the data axes.
 Micro-batch m takes rows m, m+M, m+2M, ... (as gradient accumulation in jaxpar.train does): the
 split is a reshape that keeps every row on the devices of the `batch` axes that already hold it.
 
+FSDP inside the stages: the stage view is all-gathered over `fsdp` once per step, before the loop
+(it is loop-invariant), not in every iteration. The backward still reduces the weights' gradient
+over `fsdp` in every iteration and unit slot (XLA transposes the gather into per-use reductions; a
+per-device accumulator would make it one reduce-scatter per step: not done yet). Memory: each device holds
+its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for the
+whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
+(Dubey et al. 2024, 3.3.2: no re-shard after the forward).
+
 Communication per step, over `pipeline`: T collective-permutes of the stage state [mb, s, d]
-(its per-device shard) forward and T backward; one all-reduce of the output [M, mb, s, d] forward
-and one of the input's cotangent backward. The circular schedule's [S, v, k] view of weights stored
-contiguously as [U] over `pipeline` is a transpose across stages: per weight leaf one all-to-all
-(plus one collective-permute when v < S) forward, and the same for its gradient backward (GPipe's
-view is free). Avoiding that would need the stacked weights stored in stage-major order. Under
-FSDP a stage's weights are all-gathered in every iteration (T times per step, not once).
-Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019; circular/interleaved: Narayanan et al.
-2021, v model chunks per device).
+(its per-device shard) forward and T backward; one all-to-all of the output [M', mb, s, d] forward
+and one of its cotangent backward; the input's cotangent all-reduced backward (every stage's `buf`
+copy began as the input); the head's and final norm's gradients reduced. The circular schedule's
+[S, v, k] view of weights stored contiguously as [U] over `pipeline` is a transpose across stages:
+per weight leaf one all-to-all (plus one collective-permute when v < S) forward, and the same for
+its gradient backward (GPipe's even view is free). Avoiding that would need the stacked weights
+stored in stage-major order. Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019;
+circular/interleaved: Narayanan et al. 2021, v model chunks per device).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.schedule import schedule_of
+from jaxpar.schedule import Schedule, schedule_of
 from jaxpar.sharding import Layout, constrain, spec_for
 from jaxpar.strategy import Strategy
 
-WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight gather
+WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
 
-
-# ---- the schedule ------------------------------------------------------------------------------
 
 def _iteration_policy(policy: str):
-    """jax.checkpoint policy of one iteration's stage work; never saves the gathered weights."""
+    """jax.checkpoint policy of one iteration's stage work; never saves the weight slices."""
     named = jax.checkpoint_policies
     if policy == "none":
         return named.save_anything_except_these_names(WEIGHTS_NAME)
     from jaxpar.models.lm import REMAT_POLICIES  # noqa: PLC0415
     return REMAT_POLICIES[policy]
+
+
+def _axis_name(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _shift_fn(mesh, axes: tuple[str, ...]):
@@ -75,9 +95,23 @@ def _shift_fn(mesh, axes: tuple[str, ...]):
     for a in axes:
         n *= mesh.shape[a]
     perm = [(i, (i + 1) % n) for i in range(n)]
-    name = axes[0] if len(axes) == 1 else axes
+    name = _axis_name(axes)
     return jax.shard_map(lambda y: jax.lax.ppermute(y, name, perm), mesh=mesh, in_specs=P(name),
                          out_specs=P(name), axis_names=set(axes))
+
+
+def _spread_fn(layout: Layout, names: tuple):
+    """[S, S, M'/S, ...] stage-sharded (logical `names`), stage 0's row the one that counts -> [S, M'/S, ...]
+    holding stage 0's row spread over the stages (stage s: its [s]): one all-to-all over the stage axes
+    (its transpose, one more, backward). Manual over every mesh axis: an all-to-all in a partly manual
+    shard_map would first gather the batch's axes."""
+    name = _axis_name(layout.axes("stages"))
+    spec = spec_for(names, layout.rules("activations"), layout.mesh)
+    out_spec = P(*(tuple(spec)[:1] + tuple(spec)[2:]))
+
+    def spread(b):                                   # local [1, S, M'/S, ...]
+        return jax.lax.all_to_all(b, name, 1, 1)[:, 0]   # [1, S (source), M'/S, ...]: keep stage 0's
+    return jax.shard_map(spread, mesh=layout.mesh, in_specs=spec, out_specs=out_spec)
 
 
 def _split(a: jax.Array, m: int) -> jax.Array:
@@ -91,83 +125,150 @@ def _merge(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strategy, layout: Layout) -> jax.Array:
-    """The model's layer stack on [B, s, d] run as a pipeline over the `pipeline` mesh axis.
+def _stage_view(a: jax.Array, sched: Schedule, sharded, names) -> jax.Array:
+    """A stacked weight [U, ...] as [S, v, k, ...]: chunk r*S + s at [s, r], padded with zeros to k."""
+    S, v, k = sched.stages, sched.repeats, sched.per_chunk
+    if sched.even:
+        a = a.reshape(v, S, k, *a.shape[1:])
+        if v > 1 and v % S == 0:   # [U] on `pipeline` is [v, S, k] with v on `pipeline`: say so,
+            a = sharded(a, ("stages", None, None) + names)   # so the gradient's way back is too
+        return sharded(jnp.swapaxes(a, 0, 1), ("stages", None, None) + names)
+    # stage-major order straight away (a [v, S] -> [S, v] swap would split a sharded dim backward)
+    starts = np.cumsum((0,) + sched.split)
+    pad = jnp.zeros((k - min(sched.split),) + a.shape[1:], a.dtype)
+    chunks = [jnp.concatenate([a[b:b + n], pad[:k - n]]) for b, n in zip(starts, sched.split)]
+    a = jnp.stack([chunks[r * S + s] for s in range(S) for r in range(v)])
+    return sharded(a.reshape(S, v, k, *a.shape[2:]), ("stages", None, None) + names)
 
-    Computes exactly `model.apply_stack(x, positions)`; called by Trainer under `use_layout`.
-    """
+
+def _valid_slots(sched: Schedule) -> np.ndarray:
+    """[S, v, k] bool: slot j of stage s's chunk in repeat r holds a unit (not padding)."""
+    S, v, k = sched.stages, sched.repeats, sched.per_chunk
+    sizes = np.asarray(sched.split).reshape(v, S).T          # [S, v]
+    return np.arange(k)[None, None, :] < sizes[:, :, None]
+
+
+def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout) -> jax.Array:
+    """The schedule's loop: returns `buf` [S, M, mb, s, d], whose stage-0 row holds the stack's
+    output of every micro-batch."""
     from jaxpar.models.lm import unit_step  # noqa: PLC0415
     from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
 
-    sched = schedule_of(strategy, model.cfg.units)
-    S, v, M, k, T = sched.stages, sched.repeats, sched.microbatches, sched.per_chunk, sched.iterations
+    S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
     stage_axes = layout.axes("stages")
-    spmd_axis = stage_axes[0] if len(stage_axes) == 1 else stage_axes
     state_names = ("stages",) + RESIDUAL
 
+    # Weights: [U, ...] -> [S, v, k, ...], gathered over fsdp here, once per step (module docstring).
+    graphdef, stacked = nnx.split(model.units)
+    variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
+    arrays, treedef = jax.tree.flatten(stacked)
+    assert len(variables) == len(arrays)
+    rules = layout.rules("params")
+    w_names = [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for var, a in
+               zip(variables, arrays)]
+    mesh = layout.mesh
+
+    def sharded(a, names, drop=()):
+        spec = spec_for(names, rules, mesh)
+        spec = P(*(d if not isinstance(d, (str, tuple)) else _without(d, drop) for d in spec))
+        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
+
+    views = [_stage_view(a, sched, sharded, n) for a, n in zip(arrays, w_names)]
+    weights = [sharded(w, ("stages", None, None) + n, drop=("fsdp",)) for w, n in zip(views, w_names)]
+    valid = None if sched.even else jnp.asarray(_valid_slots(sched))
+
+    # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
+    # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
+    xs = constrain(_split(x, M), (None,) + RESIDUAL)
+    ps = constrain(_split(positions, M), (None, "batch", "seq"))       # [M, mb, s]
+
+    def stage_work(weights, valid, repeat, h, pos):
+        """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
+        def one_stage(ws, ok, r, h, pos):
+            ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
+            ws = checkpoint_name(ws, WEIGHTS_NAME)
+            chunk = jax.tree.unflatten(treedef, ws)
+            step = unit_step(graphdef, "none", pos)
+            if ok is None:
+                return jax.lax.scan(step, h, chunk)[0]
+            ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if v > 1 else ok[0]
+
+            def slot(h, unit):                       # a padding slot is the identity
+                w, real = unit
+                y, aux = step(h, w)
+                return jnp.where(real, y, h), aux
+            return jax.lax.scan(slot, h, (chunk, ok))[0]
+        in_axes = (0, None if valid is None else 0, 0, 0, 0)
+        return jax.vmap(one_stage, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
+            weights, valid, repeat, h, pos)
+
+    stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
+                                prevent_cse=False)
+    stage = jnp.arange(S)
+
+    def iteration(carry, t):
+        shifted, buf = carry                     # [S, mb, s, d], [S, M, mb, s, d]
+        item = t - stage
+        # stage 0 takes micro-batch t % M from buf (the input in repeat 0, then the last stage's
+        # output of the previous repeat), the others what their predecessor just produced.
+        first = jax.lax.dynamic_index_in_dim(buf, t % M, 1, keepdims=False)
+        h = constrain(jnp.where((stage == 0)[:, None, None, None], first, shifted), state_names)
+        pos = constrain(jnp.take(ps, item % M, axis=0), ("stages", "batch", "seq"))
+        y = constrain(stage_work(weights, valid, jnp.clip(item // M, 0, v - 1), h, pos), state_names)
+        shifted = constrain(shift(y), state_names)
+        # slot 0 now holds the last stage's output of item t-S+1: keep it in buf unless it is
+        # a bubble (then the slot still holds an input that stage 0 has yet to read).
+        m_last = (t - (S - 1)) % M
+        old = jax.lax.dynamic_index_in_dim(buf, m_last, 1, keepdims=True)
+        new = jnp.where(t >= S - 1, shifted[:, None], old)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, new, m_last, 1)
+        return (shifted, buf), None
+
+    buf_names = ("stages", None) + RESIDUAL
+    shift = _shift_fn(mesh, stage_axes)
+    shifted = constrain(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_names)
+    buf = constrain(jnp.broadcast_to(xs, (S,) + xs.shape), buf_names)
+    (_, buf), _ = jax.lax.scan(iteration, (shifted, buf), jnp.arange(T))
+    return constrain(buf, buf_names)
+
+
+def _without(dim, drop: tuple[str, ...]):
+    axes = tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strategy, layout: Layout) -> jax.Array:
+    """The model's layer stack on [B, s, d] run as a pipeline over the `pipeline` mesh axis, its output
+    replicated over `pipeline` (one all-reduce): computes `model.apply_stack(x, positions)`."""
+    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
     with jax.named_scope("pipeline"):
-        # Weights: [U, ...] -> [S, v, k, ...]; stage s's repeat r is units (r*S + s)*k + [0, k).
-        graphdef, stacked = nnx.split(model.units)
-        variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
-        arrays, treedef = jax.tree.flatten(stacked)
-        assert len(variables) == len(arrays)
-        rules = layout.rules("params")
-        w_names = [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for var, a in
-                   zip(variables, arrays)]
+        buf = _run(model, x, positions, schedule_of(strategy, model.cfg.units), strategy, layout)
+        return constrain(_merge(constrain(buf[0], (None,) + RESIDUAL)), RESIDUAL)
 
-        def sharded(a, names):
-            return jax.lax.with_sharding_constraint(
-                a, jax.sharding.NamedSharding(layout.mesh, spec_for(names, rules, layout.mesh)))
 
-        def to_stages(a, names):
-            a = a.reshape(v, S, k, *a.shape[1:])
-            if v > 1 and v % S == 0:   # [U] on `pipeline` is [v, S, k] with v on `pipeline`: say so,
-                a = sharded(a, ("stages", None, None) + names)   # so the gradient's way back is too
-            return sharded(jnp.swapaxes(a, 0, 1), ("stages", None, None) + names)
+def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array, strategy: Strategy,
+                   layout: Layout) -> jax.Array:
+    """`model.loss(model.apply_stack(x, positions), labels)` with the stack pipelined and the final norm,
+    head and loss of each micro-batch run on one stage (module docstring); called by Trainer under
+    `use_layout` with x the embedding output [B, s, d] and labels [B, s]."""
+    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
+    sched = schedule_of(strategy, model.cfg.units)
+    S, M, h = sched.stages, sched.microbatches, sched.head_microbatches
+    stage_axes = layout.axes("stages")
+    with jax.named_scope("pipeline"):
+        buf = _run(model, x, positions, sched, strategy, layout)
+        buf = jnp.pad(buf, ((0, 0), (0, S * h - M)) + ((0, 0),) * (buf.ndim - 2))
+        names = ("stages", None, None) + RESIDUAL
+        buf = constrain(buf.reshape(S, S, h, *buf.shape[2:]), names)
+        out = _spread_fn(layout, names)(buf)                                   # [S, h, mb, s, d]
+        out = constrain(out, ("stages", None) + RESIDUAL)
+    ls = jnp.pad(_split(labels, M), ((0, S * h - M), (0, 0), (0, 0)))
+    ls = ls.reshape(S, h, *ls.shape[1:])                                       # [S, h, mb, s]
+    ls = constrain(ls, ("stages", None, "batch", "seq"))
+    weight = jnp.asarray((np.arange(S * h) < M).reshape(S, h), jnp.float32)
+    graphdef, state = nnx.split(model)
 
-        weights = [to_stages(a, n) for a, n in zip(arrays, w_names)]
-
-        # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
-        # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
-        xs = constrain(_split(x, M), (None,) + RESIDUAL)
-        ps = constrain(_split(positions, M), (None, "batch", "seq"))       # [M, mb, s]
-
-        def stage_work(weights, repeat, h, pos):
-            """Every stage applies its chunk of k units (repeat `repeat[s]`) to h[s]."""
-            def one_stage(ws, r, h, pos):
-                ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
-                ws = checkpoint_name(ws, WEIGHTS_NAME)
-                chunk = jax.tree.unflatten(treedef, ws)
-                h, _ = jax.lax.scan(unit_step(graphdef, "none", pos), h, chunk)
-                return h
-            return jax.vmap(one_stage, spmd_axis_name=spmd_axis)(weights, repeat, h, pos)
-
-        stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
-                                    prevent_cse=False)
-        stage = jnp.arange(S)
-
-        def iteration(carry, t):
-            shifted, buf = carry                     # [S, mb, s, d], [S, M, mb, s, d]
-            item = t - stage
-            # stage 0 takes micro-batch t % M from buf (the input in repeat 0, then the last stage's
-            # output of the previous repeat), the others what their predecessor just produced.
-            first = jax.lax.dynamic_index_in_dim(buf, t % M, 1, keepdims=False)
-            h = constrain(jnp.where((stage == 0)[:, None, None, None], first, shifted), state_names)
-            pos = constrain(jnp.take(ps, item % M, axis=0), ("stages", "batch", "seq"))
-            y = constrain(stage_work(weights, jnp.clip(item // M, 0, v - 1), h, pos), state_names)
-            shifted = constrain(shift(y), state_names)
-            # slot 0 now holds the last stage's output of item t-S+1: keep it in buf unless it is
-            # a bubble (then the slot still holds an input that stage 0 has yet to read).
-            m_last = (t - (S - 1)) % M
-            old = jax.lax.dynamic_index_in_dim(buf, m_last, 1, keepdims=True)
-            new = jnp.where(t >= S - 1, shifted[:, None], old)
-            buf = jax.lax.dynamic_update_index_in_dim(buf, new, m_last, 1)
-            return (shifted, buf), None
-
-        buf_names = ("stages", None) + RESIDUAL
-        shift = _shift_fn(layout.mesh, stage_axes)
-        shifted = constrain(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_names)
-        buf = constrain(jnp.broadcast_to(xs, (S,) + xs.shape), buf_names)
-        (_, buf), _ = jax.lax.scan(iteration, (shifted, buf), jnp.arange(T))
-        out = constrain(buf[0], (None,) + RESIDUAL)                      # from stage 0's devices to all
-        return constrain(_merge(out), RESIDUAL)
+    def head_loss(x, labels):                          # one micro-batch: its mean token loss
+        return nnx.merge(graphdef, state).loss(x, labels)
+    per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=_axis_name(stage_axes))(out, ls)   # [S, h]
+    return jnp.sum(per_micro * weight) / M

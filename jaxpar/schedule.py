@@ -1,15 +1,50 @@
-"""A pipeline schedule as numbers: stages, repeats, micro-batches, iterations and the bubble.
+"""A pipeline schedule as numbers: stages, repeats, micro-batches, the stage split, iterations, bubble.
 
-The arithmetic that jaxpar/pipeline.py runs, jaxpar/validate.py checks and `jaxpar train` prints,
-kept apart from the schedule's code so that checking a configuration imports no model or kernel.
-Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with v = 1; the circular / interleaved
-schedule (Narayanan et al. 2021) with v model chunks per device.
+The arithmetic that jaxpar/pipeline.py runs, jaxpar/validate.py checks, jaxpar/cost/shape.py costs and
+`jaxpar train` prints, kept apart from the schedule's code so that checking a configuration imports no
+model or kernel. Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with v = 1; the circular /
+interleaved schedule (Narayanan et al. 2021) with v model chunks per device.
+
+The split: the U stacked layer units are cut into S*v chunks in execution order (chunk c = r*S + s is
+stage s's chunk in repeat r), of sizes `split`. Every chunk runs in k = max(split) unit slots (the
+stages run in lockstep, one program on every device); a shorter chunk's last slots are padding, run
+as the identity. By default the chunks are even (k = U / (S*v)) when S*v divides U; otherwise
+k = ceil(U / (S*v)) and the first and last chunks are one unit lighter, then the second and
+second-to-last, and so on, as Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7; Dubey et al.
+2024, "The Llama 3 Herd of Models", 3.3.2). `pp_stages = "2,3,3,2"` gives the split explicitly.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.errors import ConfigError
 from jaxpar.strategy import Strategy
+
+
+def default_split(units: int, chunks: int) -> tuple[int, ...]:
+    """`units` over `chunks` chunks: even when possible, else the ends one unit lighter, outside in."""
+    k = -(-units // chunks)
+    sizes = [k] * chunks
+    ends = [i for pair in zip(range(chunks), reversed(range(chunks))) for i in pair]
+    for c in list(dict.fromkeys(ends))[:chunks * k - units]:
+        sizes[c] -= 1
+    return tuple(sizes)
+
+
+def parse_split(text, units: int, chunks: int, what: str) -> tuple[int, ...]:
+    """The `pp_stages` option: comma-separated unit counts, one per chunk, summing to `units`."""
+    try:
+        sizes = tuple(int(p) for p in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if not isinstance(text, str) or not sizes or min(sizes) < 1:
+        raise ConfigError(f"option pp_stages={text!r} must list positive unit counts separated by commas, "
+                          "e.g. pp_stages=\"2,3,3,2\"")
+    if len(sizes) != chunks:
+        raise ConfigError(f"option pp_stages={text!r} lists {len(sizes)} chunk(s), {what} runs {chunks}")
+    if sum(sizes) != units:
+        raise ConfigError(f"option pp_stages={text!r} sums to {sum(sizes)} units, the model has {units}")
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,11 +55,31 @@ class Schedule:
     repeats: int         # v, chunks per stage (1 for GPipe)
     microbatches: int    # M
     units: int           # U, stacked layer units of the model
+    split: tuple[int, ...] = ()   # units of chunk r*S + s; () = default_split
+
+    def __post_init__(self):
+        if not self.split:
+            object.__setattr__(self, "split", default_split(self.units, self.stages * self.repeats))
 
     @property
     def per_chunk(self) -> int:
-        """k: units each stage applies per visit."""
-        return self.units // (self.stages * self.repeats)
+        """k: unit slots each stage runs per visit (the largest chunk; the others padded to it)."""
+        return max(self.split)
+
+    @property
+    def even(self) -> bool:
+        """Every chunk the same size (no padding slots, weights viewed without moving them)."""
+        return len(set(self.split)) == 1
+
+    @property
+    def slots(self) -> int:
+        """Unit slots run per micro-batch, padding included: S * v * k."""
+        return self.stages * self.repeats * self.per_chunk
+
+    @property
+    def stage_split(self) -> tuple[int, ...]:
+        """Units per stage (its chunks summed over repeats)."""
+        return tuple(sum(self.split[r * self.stages + s] for r in range(self.repeats)) for s in range(self.stages))
 
     @property
     def iterations(self) -> int:
@@ -36,18 +91,61 @@ class Schedule:
         """Idle fraction of every stage: (S-1) / (v*M + S-1)."""
         return (self.stages - 1) / self.iterations
 
+    @property
+    def head_microbatches(self) -> int:
+        """Micro-batches each stage runs the head and loss on: ceil(M / S) (padding weighs 0)."""
+        return -(-self.microbatches // self.stages)
+
 
 def schedule_of(strategy: Strategy, units: int) -> Schedule:
+    """The schedule of a resolved strategy (an explicit split is checked by jaxpar.validate first)."""
     o = strategy.options
     repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
-    return Schedule(o.pp_schedule, strategy.size("pipeline"), repeats, o.microbatches, units)
+    stages = strategy.size("pipeline")
+    text = getattr(o, "pp_stages", "")
+    split = parse_split(text, units, stages * repeats, o.pp_schedule) if text != "" else ()
+    return Schedule(o.pp_schedule, stages, repeats, o.microbatches, units, split)
 
 
 def schedule_summary(strategy: Strategy, units: int) -> str:
-    """One line for `jaxpar train`: schedule, iteration count and bubble fraction."""
+    """One line for `jaxpar train`: schedule, split, iteration count and bubble fraction."""
     s = schedule_of(strategy, units)
     if s.stages == 1:
         return "pipeline: none (pipeline=1)"
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.kind == "circular" else f"{s.stages} stages"
-    return (f"pipeline: {s.kind}, {chunks} x {s.per_chunk} unit(s) per chunk, {s.microbatches} micro-batches: "
-            f"{s.iterations} iterations, bubble (S-1)/(v*M+S-1) = {s.stages - 1}/{s.iterations} = {s.bubble:.1%}")
+    split = "+".join(map(str, s.split))
+    pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
+    return (f"pipeline: {s.kind}, {chunks}, units per chunk {split} = {s.units}{pad}, {s.microbatches} "
+            f"micro-batches: {s.iterations} iterations, bubble (S-1)/(v*M+S-1) = {s.stages - 1}/{s.iterations} "
+            f"= {s.bubble:.1%}")
+
+
+def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
+    """At-rest PartitionSpec of a stacked weight [U, ...] (its `layers` dim first) under `strategy`.
+
+    With an even split `layers` stays on `pipeline` (each device holds its stage's units, in place for
+    the schedule). Otherwise `pipeline` moves to the first later dim it divides, with that dim's other
+    axes (jit needs even shards; the memory per device stays 1/S), and jaxpar/pipeline.py's stage view
+    moves the units to their stages once per step; replicated over `pipeline` if no dim fits."""
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    stages = strategy.size("pipeline")
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    first = () if dims[0] is None else (dims[0],) if isinstance(dims[0], str) else tuple(dims[0])
+    if stages == 1 or "pipeline" not in first or schedule_of(strategy, shape[0]).even:
+        return spec
+    dims[0] = _dim(tuple(a for a in first if a != "pipeline"))
+    for i in range(1, len(dims)):
+        axes = () if dims[i] is None else (dims[i],) if isinstance(dims[i], str) else tuple(dims[i])
+        n = stages
+        for a in axes:
+            n *= strategy.size(a)
+        if shape[i] % n == 0:
+            dims[i] = _dim(axes + ("pipeline",))
+            break
+    while dims and dims[-1] is None:
+        dims.pop()
+    return P(*dims)
+
+
+def _dim(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.rules import Rules, rules_for
+from jaxpar.schedule import stored_spec
 from jaxpar.strategy import Strategy
 
 
@@ -89,7 +90,10 @@ def param_shardings(abstract_state: Any, layout: Layout, purpose: str = "params"
 
     def one(v: nnx.Variable) -> nnx.Variable:
         names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.shape)
-        return v.replace(NamedSharding(layout.mesh, spec_for(names, rules, layout.mesh)))
+        spec = spec_for(names, rules, layout.mesh)
+        if names[:1] == ("layers",):  # a stacked weight: an uneven pipeline split moves `pipeline` off `layers`
+            spec = stored_spec(spec, v.shape, layout.strategy)
+        return v.replace(NamedSharding(layout.mesh, spec))
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

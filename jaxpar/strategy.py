@@ -59,6 +59,15 @@ class Options:
     pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular"))
     pp_repeats: int = _option(1, "circular schedule: layer chunks per stage (v)")
     grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step")
+    overlap: str = _option("none", "hide tensor parallelism's collectives behind matmuls: collective_matmul "
+                                   "splits the all-gather before each column-parallel projection and the "
+                                   "reduce-scatter after each row-parallel one into ring steps (ppermute) "
+                                   "interleaved with partial matmuls; _bidir uses both ring directions "
+                                   "(needs tensor > 1 and sequence_parallel)",
+                           ("none", "collective_matmul", "collective_matmul_bidir"))
+    pp_stages: str = _option("", "pipeline: layer units per stage chunk, comma-separated in execution order "
+                                 "(S values for gpipe, S*v for circular; default: even, or the first and last "
+                                 "chunks one unit lighter when S*v does not divide the units)")
 
 
 OPTION_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(Options)

@@ -67,7 +67,7 @@ def run_config(strategy: Strategy) -> RunConfig:
     """How the model executes under `strategy`: the one place strategy options reach the model."""
     o = strategy.options
     return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention,
-                     ssm="context" if strategy.size("context") > 1 else "chunked")
+                     ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap)
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
@@ -151,6 +151,9 @@ class Trainer:
                 params = jax.tree.map(lambda p: p.astype(dt), params)
             model = nnx.merge(self.graphdef, params)
             x = model.embed(batch["inputs"])
+            if self.strategy.size("pipeline") > 1:  # the head and loss run inside (spread over the stages)
+                from jaxpar.pipeline import pipelined_loss  # noqa: PLC0415
+                return pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout), {}
             x, aux = self.apply_stack(model, x, batch["positions"])
             loss = model.loss(x, batch["labels"], aux=aux)
             if aux is None:
@@ -159,11 +162,8 @@ class Trainer:
             return loss, aux_metrics(self.model_cfg, aux)
 
     def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """The layer stack: a plain scan, or a pipeline schedule over the `pipeline` axis (no MoE
-        layers there: jaxpar.validate refuses them), and the MoE layers' auxiliary vector or None."""
-        if self.strategy.size("pipeline") > 1:
-            from jaxpar.pipeline import pipelined_stack  # noqa: PLC0415
-            return pipelined_stack(model, x, positions, self.strategy, self.layout), None
+        """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.pipelined_loss`, with no
+        MoE layers: jaxpar.validate refuses them), and the MoE layers' auxiliary vector or None."""
         return model.apply_stack_aux(x, positions)
 
     def _loss_and_grads(self, params, batch):

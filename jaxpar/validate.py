@@ -83,6 +83,8 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")
     if o.sequence_parallel:
         _divides("context x tensor", cp * tp, "seq", seq)
+    if o.overlap != "none":
+        check_overlap(model, strategy, seq)
 
     # --- context parallelism ------------------------------------------------------------------
     if model.has_attention and (cp > 1 or o.attention != "dense"):
@@ -92,6 +94,34 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
 
     # --- pipeline -----------------------------------------------------------------------------
     check_pipeline(model, strategy)
+
+
+# ---- collective matmul ---------------------------------------------------------------------------
+
+def check_overlap(model: ModelConfig, strategy: Strategy, seq: int) -> None:
+    """overlap=collective_matmul[_bidir] (jaxpar/ops/collective_matmul.py). It decomposes the all-gather
+    of the residual stream before a column-parallel projection and the reduce-scatter after a
+    row-parallel one: those exist under tensor parallelism with sequence parallelism only (without SP
+    the projection's input is replicated and its output all-reduced: nothing to gather)."""
+    o, tp, cp = strategy.options, strategy.size("tensor"), strategy.size("context")
+    if tp == 1:
+        raise ConfigError(f"overlap={o.overlap} decomposes tensor parallelism's collectives, but the mesh has tensor=1")
+    if not o.sequence_parallel:
+        raise ConfigError(f"overlap={o.overlap} needs sequence_parallel=true (tensor={tp}): without sequence "
+                          "parallelism there is no all-gather before the column-parallel projections nor "
+                          "reduce-scatter after the row-parallel ones to decompose")
+    if not model.has_attention:
+        raise ConfigError(f"overlap={o.overlap} applies to the attention and MLP projections, and model "
+                          f"{model.name} (pattern={model.pattern!r}) has no attention blocks")
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"overlap={o.overlap} with pipeline={strategy.size('pipeline')} is not supported yet: "
+                          "the collective-matmul shard_map has not been made to run inside the pipeline's "
+                          "vmap over stages")
+    chunk = seq // (cp * tp)
+    if o.overlap == "collective_matmul_bidir" and chunk % 2:
+        raise ConfigError(f"overlap=collective_matmul_bidir sends half of each device's sequence chunk each way "
+                          f"round the ring, so the chunk must be even: seq={seq} / (context x tensor = {cp * tp}) "
+                          f"= {chunk} tokens")
 
 
 # ---- context parallelism -------------------------------------------------------------------------
@@ -186,10 +216,12 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved).
 
     The batch's divisibility by data-parallel size x micro-batches is checked with the other batch
-    constraints in `check`. The circular schedule needs M >= S: stage 0 wants micro-batch m
-    for its next repeat M iterations after it took it for this one, and the micro-batch needs S
-    iterations to come back through the S stages. M % S == 0 is not needed here (MaxText needs it
-    because it spreads the inputs over the stages; here they stay with the embedding output).
+    constraints in `check`. Any unit count runs on any stage count (jaxpar/schedule.py: the split,
+    uneven chunks padded with identity slots) as long as every chunk gets a unit; an explicit split
+    (`pp_stages`) lists one positive count per chunk and sums to the units. The circular schedule
+    needs M >= S: stage 0 wants micro-batch m for its next repeat M iterations after it took it for
+    this one, and the micro-batch needs S iterations to come back through the S stages. M % S == 0
+    is not needed (the head's micro-batches are padded to a multiple of S, jaxpar/pipeline.py).
     """
     o = strategy.options
     pp = strategy.size("pipeline")
@@ -197,6 +229,9 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
         if o.microbatches > 1:
             raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
                               "for gradient accumulation without a pipeline)")
+        if o.pp_stages != "":
+            raise ConfigError(f"option pp_stages={o.pp_stages!r} splits layers over pipeline stages, but the mesh "
+                              "has pipeline=1")
         return
     if o.pp_repeats > 1 and o.pp_schedule != "circular":
         raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular (gpipe runs one chunk per stage)")
@@ -204,14 +239,12 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
         raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet: the "
                           "context-parallel shard_map kernels fail check_vma inside the pipeline's vmap over stages")
     units = model.units
-    if units < pp:
-        raise ConfigError(f"pipeline={pp} needs at least {pp} stacked layer units, the model has {units} "
-                          f"(layers={model.layers}, pattern={model.pattern!r})")
-    sched = schedule_of(strategy, units)
-    stages = sched.stages * sched.repeats
-    if units % stages:
-        raise ConfigError(f"pipeline={pp} x repeats={sched.repeats} = {stages} stages do not divide "
-                          f"the model's {units} layer units (layers={model.layers}, pattern={model.pattern!r})")
+    repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
+    if units < pp * repeats:
+        raise ConfigError(f"pipeline={pp} x repeats={repeats} = {pp * repeats} stage chunks need at least "
+                          f"{pp * repeats} stacked layer units, the model has {units} (layers={model.layers}, "
+                          f"pattern={model.pattern!r})")
+    sched = schedule_of(strategy, units)  # parses pp_stages: ConfigError naming it
     if sched.kind == "circular" and sched.repeats > 1 and o.microbatches < pp:
         raise ConfigError(f"the circular schedule needs microbatches >= pipeline: microbatches={o.microbatches} "
                           f"< pipeline={pp} (a micro-batch must leave the last stage before stage 0 "

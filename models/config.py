@@ -302,3 +302,5 @@ class RunConfig:
     attention: str = "dense"      # dense | ring | allgather (jaxpar/ops/attention.py)
     ssm: str = "chunked"          # Mamba-2 SSD and conv: chunked | context (sequence split over the
                                   # context axis: jaxpar/ops/mamba_cp.py)
+    overlap: str = "none"         # none | collective_matmul | collective_matmul_bidir: the attention and
+                                  # MLP projections as ring collective matmuls (jaxpar/ops/collective_matmul.py)

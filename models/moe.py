@@ -24,6 +24,7 @@ training step reports the means (`aux_metrics`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -89,8 +90,9 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
-        if cfg.shared_experts:
-            self.shared = MLP(cfg, run, rngs=rngs, width=cfg.shared_experts * f, gated=True)
+        if cfg.shared_experts:  # it reads the gathered tokens the router reads: plain matmuls (no rings)
+            self.shared = MLP(cfg, dataclasses.replace(run, overlap="none"), rngs=rngs,
+                              width=cfg.shared_experts * f, gated=True)
 
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.cfg, dtype_of(self.run)
@@ -113,7 +115,9 @@ class MoEBlock(AttentionBlock):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         x, h = self.attend(x, positions)
-        y, aux = self.moe(h)
+        # under `overlap` attend leaves h in the residual layout for the MLP's rings; the router and the
+        # experts read it gathered (once for both), as without the option
+        y, aux = self.moe(constrain(h, ("batch", "seq", "act_embed")))
         return constrain(x + y, RESIDUAL), aux
 
 

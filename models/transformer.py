@@ -2,7 +2,9 @@
 
 Tensor parallelism comes from the names alone: q/k/v are column-parallel (heads on `tensor`), the
 output projection row-parallel, so XLA inserts one all-reduce (or, under sequence parallelism, a
-reduce-scatter + all-gather pair) per sub-block.
+reduce-scatter + all-gather pair) per sub-block. Under the `overlap` option the projections call the
+collective-matmul kernels instead (jaxpar/ops/collective_matmul.py), which spell that all-gather and
+reduce-scatter out as ring steps between partial matmuls.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import jax
 from flax import nnx
 
 from jaxpar.ops.attention import attention
+from jaxpar.ops.collective_matmul import column_parallel, row_parallel
 from jaxpar.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
-from jaxpar.models.layers import MLP, RMSNorm, dtype_of, param, rope
+from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
 
 RESIDUAL = ("batch", "res_seq", "act_embed")
 
@@ -36,10 +39,12 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k
         (models/decode.py caches k and v)."""
-        dt = dtype_of(self.run)
-        q = jax.numpy.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
-        k = jax.numpy.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt))
-        v = jax.numpy.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        dt, cm = dtype_of(self.run), collective_matmul(self.run)
+        weights = (self.wq[...].astype(dt), self.wk[...].astype(dt), self.wv[...].astype(dt))
+        if cm is None:
+            q, k, v = (jax.numpy.einsum("bsd,dhk->bshk", x, w) for w in weights)
+        else:  # x in the residual layout: one ring all-gathers it for the three projections
+            q, k, v = column_parallel(x, weights, **cm)
         q = constrain(rope(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
@@ -48,7 +53,10 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The row-parallel output projection of the attention output [b, s, heads, head_dim]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jax.numpy.einsum("bshk,hkd->bsd", out, self.wo[...].astype(dtype_of(self.run)))
+        wo, cm = self.wo[...].astype(dtype_of(self.run)), collective_matmul(self.run)
+        if cm is not None:  # reduce-scattered onto the residual layout in ring steps
+            return row_parallel(out, wo, **cm)
+        return jax.numpy.einsum("bshk,hkd->bsd", out, wo)
 
 
 class AttentionBlock(nnx.Module):
@@ -65,10 +73,13 @@ class AttentionBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
 
     def attend(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(x + Attention(norm(x)), its normed copy: the feed-forward's input)."""
-        h = constrain(self.attn_norm(x), ("batch", "seq", "act_embed"))
+        """(x + Attention(norm(x)), its normed copy: the feed-forward's input). The normed copies are
+        gathered to the block's sequence layout, except under `overlap`, where the projections'
+        collective matmuls gather them (so they stay in the residual layout here)."""
+        inner = RESIDUAL if collective_matmul(self.attn.run) else ("batch", "seq", "act_embed")
+        h = constrain(self.attn_norm(x), inner)
         x = constrain(x + self.attn(h, positions), RESIDUAL)
-        return x, constrain(self.mlp_norm(x), ("batch", "seq", "act_embed"))
+        return x, constrain(self.mlp_norm(x), inner)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x, h = self.attend(x, positions)

@@ -1,4 +1,5 @@
 """Predicted collectives for DP, ZeRO-1, FSDP, TP, SP, CP and PP, hand-computed."""
+import dataclasses
 import pytest
 
 from jaxpar.cost import comm, shape
@@ -14,9 +15,9 @@ TOTAL = 2 * LAYER + EMB
 TABLE = 256 * 64                    # the embedding table (its lookup under ZeRO-1/3 needs no gradient reduction)
 
 
-def predict(spec, batch=8, seq=32, compiler="gpu", **opts):
+def predict(spec, batch=8, seq=32, compiler="gpu", model=TINY, **opts):
     st = parse_inline(spec).with_options(**opts)
-    recs = comm.collectives(TINY, st, shape.step_shape(TINY, st, batch, seq), compiler=compiler)
+    recs = comm.collectives(model, st, shape.step_shape(model, st, batch, seq), compiler=compiler)
     return {(c.kind, c.axes, c.phase): c for c in recs}
 
 
@@ -95,17 +96,22 @@ def test_context_parallel_ring_and_allgather():
 
 @pytest.mark.parametrize("schedule,v,iters", [("gpipe", 1, 4 + 2 - 1), ("circular", 2, 2 * 4 + 2 - 1)])
 def test_pipeline_permutes_per_iteration(schedule, v, iters):
-    recs = predict("pipeline=2", microbatches=4, pp_schedule=schedule, pp_repeats=v)
+    model = dataclasses.replace(TINY, layers=2 * v)   # v chunks of one layer per stage
+    recs = predict("pipeline=2", microbatches=4, pp_schedule=schedule, pp_repeats=v, model=model)
     p = recs["collective-permute", ("pipeline",), "forward"]
     assert p.count == iters and p.bytes == iters * (8 / 4) * 32 * 64 * 4
     assert recs["collective-permute", ("pipeline",), "backward"].count == iters
-    # the output is replicated from the last stage (one all-reduce), and its cotangent backward
+    # the output is spread over the stages for the head (one all-to-all each way); backward the input's
+    # cotangent and the head's and final norm's partial gradients are summed over the stages
     out = 8 * 32 * 64 * 4
-    assert recs["all-reduce", ("pipeline",), "forward"].bytes == recs["all-reduce", ("pipeline",), "backward"].bytes == out
+    a2a = recs["all-to-all", ("pipeline",), "forward"]
+    assert ("all-reduce", ("pipeline",), "forward") not in recs
+    assert recs["all-reduce", ("pipeline",), "backward"].bytes == out + 4 * (TINY.vocab * 64 + 64)
     if schedule == "circular":  # the [U] -> [v, S, k] weight view: per weight array an all-to-all each way
-        a2a = recs["all-to-all", ("pipeline",), "forward"]
-        assert a2a.count == 9 and a2a.bytes == pytest.approx(4 * 2 * LAYER / 2)
-        assert recs["all-to-all", ("pipeline",), "backward"].bytes == a2a.bytes
+        assert a2a.count == 1 + 9 and a2a.bytes == pytest.approx(out + 4 * 4 * LAYER / 2)
+    else:
+        assert a2a.count == 1 and a2a.bytes == out
+    assert recs["all-to-all", ("pipeline",), "backward"].bytes == a2a.bytes
 
 
 def test_cpu_compiler_traits():

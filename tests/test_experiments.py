@@ -188,6 +188,17 @@ def check_bench_moe(out: pathlib.Path, stdout: str) -> None:
     assert number(rows["ep8"]["params+optimizer MiB / device"]) < number(rows["dp8"]["params+optimizer MiB / device"])
 
 
+def check_bench_overlap(out: pathlib.Path, stdout: str) -> None:
+    """The option turns the layers' gathers and scatters over tensor into permutes; the cost model's wire
+    bytes equal the compiled step's, with and without it."""
+    rows = {r["overlap"]: r for r in table(read_results(out, "bench_overlap", figure=False), "layout")}
+    assert set(rows) == {"none", "collective_matmul"}
+    for r in rows.values():
+        assert number(r["predicted wire B / token"]) == pytest.approx(number(r["wire B / token"]), rel=0.01)
+    assert number(rows["none"]["permutes over tensor"]) == 0 < number(rows["collective_matmul"]["permutes over tensor"])
+    assert number(rows["collective_matmul"]["AG/RS/AR over tensor"]) < number(rows["none"]["AG/RS/AR over tensor"])
+
+
 def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
     text = read_results(out, "bench_pipeline")
     rows = table(text, "mesh")
@@ -231,3 +242,4 @@ def test_quick_mode(name, tmp_path):
     assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
     assert f"written to {out}" in run.stdout, run.stdout[-3000:]
     CHECKS[name](out, run.stdout)
+    "bench_overlap": check_bench_overlap,

@@ -1,5 +1,7 @@
-"""Pipeline parallelism (jaxpar/pipeline.py): GPipe and circular schedules compute what one device
-computes, communicate what the schedule says, and bad configurations fail before compiling.
+"""Pipeline parallelism (jaxpar/pipeline.py): GPipe and circular schedules, even and uneven stage splits,
+compute what one device computes, communicate what the schedule (and jaxpar.cost.comm) says, run the
+head once per step, gather FSDP-sharded stage weights once per step, and bad configurations fail
+before compiling.
 
 Each case compiles once: `jax.jit(trainer.loss_and_grads)` lowered and compiled gives both the
 numbers (the compiled executable is called) and the HLO tally (forward and backward phases). The
@@ -14,11 +16,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.analysis.tally import tally_compiled
+from jaxpar.analysis.hlo_text import executed_instructions, parse_module
+from jaxpar.analysis.patterns import _one_dot_flops
+from jaxpar.analysis.tally import collective_ops, tally_compiled
+from jaxpar.cost import comm as cost_comm
+from jaxpar.cost.comm_data import _fsdp_gathers
+from jaxpar.cost.compiler import CPU
+from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
 from jaxpar.pipeline import pipelined_stack
-from jaxpar.schedule import schedule_of, schedule_summary
+from jaxpar.schedule import default_split, schedule_of, schedule_summary, stored_spec
 from jaxpar.validate import check_pipeline
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.strategy import parse_strategy
@@ -28,18 +36,20 @@ from jaxpar.models.lm import LM
 from tests import harness
 
 LLAMA = "llama-tiny:layers=8"
-MAMBA = "mamba2-tiny:layers=8"
+UNEVEN = "llama-tiny:layers=10"   # 2+3+3+2 on 4 stages; 1+1+1+2+2+1+1+1 on 4 stages x 2 repeats
+MAMBA = "mamba2-tiny:layers=5"    # 2+3 on 2 stages
 CIRCULAR = dict(pp_schedule="circular", pp_repeats=2)
 
-# (model, mesh, options): S in {2, 4}, M in {4, 8}, GPipe and circular (v=2), with and without
-# tensor=2 inside the stages, data and fsdp beside them, remat and sequence parallelism.
+# (model, mesh, options): S in {2, 4}, M in {2, 4, 8} (M < S: the head's micro-batches padded), GPipe and
+# circular (v=2), uneven splits (default and explicit `pp_stages`; the even ones run in the catalogue:
+# tests/test_strategies.py), tensor=2 or fsdp=2 inside the stages, data beside them, remat and SP.
 CASES = {
-    "S4-M8-gpipe-dp2": (LLAMA, "pipeline=4,data=2", dict(microbatches=8)),
-    "S2-M4-gpipe-fsdp2-dp2": (LLAMA, "pipeline=2,fsdp=2,data=2", dict(microbatches=4)),
-    "S4-M4-circular-tp2-sp-remat": (LLAMA, "pipeline=4,tensor=2",
-                                    dict(microbatches=4, sequence_parallel=True, remat="full", **CIRCULAR)),
-    "S2-M8-circular-tp2-dp2": (LLAMA, "pipeline=2,tensor=2,data=2", dict(microbatches=8, **CIRCULAR)),
-    "mamba-S2-M4-gpipe-tp2-dp2": (MAMBA, "pipeline=2,tensor=2,data=2", dict(microbatches=4)),
+    "U10-S4-M2-gpipe-fsdp2": (UNEVEN, "pipeline=4,fsdp=2", dict(microbatches=2)),
+    "U10-S4-M4-circular-tp2-sp-remat": (UNEVEN, "pipeline=4,tensor=2",
+                                        dict(microbatches=4, sequence_parallel=True, remat="full", **CIRCULAR)),
+    "S2-M8-circular-tp2-dp2-split": (LLAMA, "pipeline=2,tensor=2,data=2",
+                                     dict(microbatches=8, pp_stages="1,3,3,1", **CIRCULAR)),
+    "mamba-U5-S2-M4-gpipe-tp2-dp2": (MAMBA, "pipeline=2,tensor=2,data=2", dict(microbatches=4)),
 }
 
 
@@ -58,13 +68,16 @@ def host_params(model: str):
 
 @functools.cache
 def run(model: str, mesh: str, devices: int = 8, **options):
-    """(trainer, loss, grads, tally) of one batch from the host parameters, from one compile."""
+    """(trainer, loss, grads, tally, per-op collectives, HLO text) of one batch from the host parameters,
+    from one compile."""
     tr = harness.trainer(model, mesh, devices, **options)
     params = jax.device_put(host_params(model), tr.param_shardings)
     batch = tr.batch(harness.source(model), 0)
     compiled = jax.jit(tr.loss_and_grads).lower(params, batch).compile(FAST_COMPILE)
     loss, grads = compiled(params, batch)
-    return tr, float(loss), gather(grads), tally_compiled(compiled, tr.mesh)
+    text = compiled.as_text()
+    ops = collective_ops(text, tr.mesh.axis_names, np.arange(tr.mesh.size).reshape(tuple(tr.mesh.shape.values())))
+    return tr, float(loss), gather(grads), tally_compiled(compiled, tr.mesh), ops, text
 
 
 def compiled_case(name: str):
@@ -75,8 +88,8 @@ def compiled_case(name: str):
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_match_one_device(case):
     model = CASES[case][0]
-    _, ref_loss, ref_grads, _ = run(model, "data=1", devices=1)
-    _, loss, grads, _ = compiled_case(case)
+    _, ref_loss, ref_grads, *_ = run(model, "data=1", devices=1)
+    _, loss, grads, *_ = compiled_case(case)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     ref = dict(harness.leaves_with_paths(ref_grads))
     got = dict(harness.leaves_with_paths(grads))
@@ -86,48 +99,89 @@ def test_loss_and_gradients_match_one_device(case):
         np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * scale, err_msg=path)
 
 
-def _stage_weight_bytes(tr) -> int:
-    """Bytes of one device's stacked-unit weights (its stage's v*k units, after tensor/fsdp splits)."""
-    total = 0
-    for path, sh in jax.tree_util.tree_leaves_with_path(tr.param_shardings):
-        if "units" in jax.tree_util.keystr(path):
-            leaf = next(v for p, v in jax.tree_util.tree_leaves_with_path(tr.abstract_params) if p == path)
-            total += math.prod(sh.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-    return total
+def _pipeline_ops(ops, axes: tuple[str, ...] = ("pipeline",)) -> dict[str, list[int]]:
+    """kind -> [count, bytes] over `axes` (sub-axes as their axis), scalars left out as in
+    tests/test_cost_vs_hlo.py."""
+    out: dict[str, list[int]] = {}
+    for op in ops:
+        if tuple(dict.fromkeys(a.split(":")[0] for a in op.axes)) == axes and op.bytes > op.scalar_bytes:
+            acc = out.setdefault(op.kind, [0, 0])
+            acc[0], acc[1] = acc[0] + op.times, acc[1] + op.times * (op.bytes - op.scalar_bytes)
+    return out
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_one_permute_per_iteration_each_way(case):
-    """T = v*M + S - 1 shifts of the stage state forward and their transposes backward; the
-    circular schedule also moves each stage's weights once each way (the [U] -> [S, v, k] view)."""
-    tr, _, _, tally = compiled_case(case)
+def test_pipeline_collectives_as_predicted(case):
+    """T = v*M + S - 1 shifts of the stage state forward and their transposes backward (one op each
+    way); and every collective over `pipeline` (the head's all-to-all, the uneven or circular weight
+    view's all-to-alls, the input's and head's gradient sums) is what jaxpar.cost.comm predicts for
+    XLA:CPU: bytes within 1%, counts exact (but the all-reduces': below)."""
+    tr, _, _, tally, ops, _ = compiled_case(case)
     sched = schedule_of(tr.strategy, tr.model_cfg.units)
-    T = sched.iterations
     rows = harness.TC.batch // tr.layout.size("batch") // sched.microbatches   # per device and micro-batch
     seq = harness.TC.seq // (tr.strategy.size("tensor") if tr.strategy.options.sequence_parallel else 1)
     state_bytes = rows * seq * tr.model_cfg.d_model * 4
-    weight_bytes = _stage_weight_bytes(tr)
     for phase in ("forward", "backward"):
-        permutes = [c for c in tally if c.kind == "collective-permute" and c.axes == ("pipeline",)
-                    and c.phase == phase]
-        moves = [c for c in tally if c.kind == "all-to-all" and c.phase == phase]
+        permutes = [c for c in tally if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.phase == phase]
         assert len(permutes) == 1, tally
-        (permute,) = permutes
-        if sched.kind == "gpipe":
-            assert (permute.count, permute.bytes) == (T, T * state_bytes), (phase, permute)
-            assert not moves, moves
-        else:
-            # the weights' [S, v, k] view: an all-to-all per leaf (plus a permute per leaf if v < S)
-            assert moves and sum(c.bytes for c in moves) == weight_bytes, moves
-            extra = permute.bytes - T * state_bytes
-            assert extra in (0, weight_bytes), (phase, permute, weight_bytes)
-            assert permute.count == T + (0 if extra == 0 else sum(c.count for c in moves)), (phase, permute)
+        if sched.even or sched.repeats == 1:
+            assert (permutes[0].count, permutes[0].bytes) == (sched.iterations, sched.iterations * state_bytes)
+    m = tr.model_cfg
+    want: dict[str, list[float]] = {}
+    for c in cost_comm.collectives(m, tr.strategy, step_shape(m, tr.strategy, harness.TC.batch, harness.TC.seq),
+                                   compiler=CPU):
+        if c.axes == ("pipeline",):
+            acc = want.setdefault(c.kind, [0, 0])
+            acc[0], acc[1] = acc[0] + c.count, acc[1] + c.bytes
+    got = _pipeline_ops(ops)
+    if tr.strategy.size("fsdp") > 1:   # the embedding lookup's reshard (not modelled: tests/test_cost_vs_hlo.py)
+        got.pop("all-gather", None)
+    assert want.keys() == got.keys(), (want, got)
+    for kind, (count, nbytes) in got.items():
+        # the gradient sums' op count is the combiner's: one op in the train step (tests/test_cost_vs_hlo.py
+        # checks it there), one or two in this gradient-only program
+        assert want[kind][0] == count or kind == "all-reduce", (kind, want, got)
+        assert want[kind][1] == pytest.approx(nbytes, rel=0.01), (kind, want, got)
+
+
+def test_fsdp_gathers_stage_weights_once_per_step():
+    """FSDP inside the stages: every all-gather over fsdp runs once per step (none in the schedule's loop),
+    one per weight array of a unit (each its stage's v*k slots at once) plus the head and final norm
+    (and the final norm again backward), as jaxpar.cost.comm_data predicts."""
+    tr, _, _, _, ops, _ = compiled_case("U10-S4-M2-gpipe-fsdp2")
+    gathers = [op for op in ops if op.kind == "all-gather" and op.axes == ("fsdp",)]
+    assert gathers and all(op.times == 1 for op in gathers), [(op.name, op.times) for op in gathers]
+    m, st = tr.model_cfg, tr.strategy
+    # the weights' gathers (the embedding lookup's token-id gather is a permute here: not compared)
+    want = _fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
+    assert sum(count for *_, count, _, _ in want) == len(gathers)
+    assert sum(count * nbytes for *_, count, nbytes, _ in want) == pytest.approx(sum(op.bytes for op in gathers), rel=0.01)
+
+
+def _flops_outside_loops(text: str) -> float:
+    """Dot FLOPs of the instructions that run once per step (the layer stack runs in loops; embedding,
+    head and loss do not)."""
+    module = parse_module(text)
+    shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
+    return sum(_one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
+               if i.opcode == "dot" and times == 1)
+
+
+def test_head_flops_once_per_step():
+    """The head's (and loss's) dot FLOPs of the compiled train step, summed over the pipeline x data
+    devices, equal one device's: each stage runs the head on M/S micro-batches, not on all of them.
+    The steps are the catalogue's (compiled once per session, shared with tests/test_strategies.py)."""
+    one = _flops_outside_loops(harness.compiled_text(LLAMA, "data=1", devices=1))
+    tr = harness.trainer(LLAMA, "pp4-dp2")
+    per_device = _flops_outside_loops(harness.compiled_text(LLAMA, "pp4-dp2"))
+    assert one > 0 and per_device * tr.mesh.size == pytest.approx(one, rel=1e-6)
 
 
 def test_uneven_circular_schedule_forward():
     """v=3 repeats and M=3 micro-batches over S=2 stages (M % S != 0, M > S: outputs wait in the
-    buffer for a round), forward only: the pipelined stack equals the plain scan."""
-    cfg = parse_model("llama-tiny:layers=6")
+    buffer for a round), 7 units in 6 chunks (1+1+1+2+1+1: padding slots), forward only: the
+    pipelined stack equals the plain scan."""
+    cfg = parse_model("llama-tiny:layers=7")
     strategy = parse_strategy("pipeline=2").with_options(microbatches=3, pp_schedule="circular",
                                                          pp_repeats=3).resolved(2)
     check_pipeline(cfg, strategy)
@@ -149,25 +203,62 @@ def test_schedule_summary():
     gpipe = parse_strategy("pipeline=4,data=2").with_options(microbatches=8)
     assert schedule_of(gpipe, 8).iterations == 11
     assert "gpipe" in schedule_summary(gpipe, 8) and "11 iterations" in schedule_summary(gpipe, 8)
-    assert "3/11 = 27.3%" in schedule_summary(gpipe, 8)
+    assert "3/11 = 27.3%" in schedule_summary(gpipe, 8) and "units per chunk 2+2+2+2 = 8" in schedule_summary(gpipe, 8)
     circ = parse_strategy("pipeline=4,data=2").with_options(microbatches=4, **CIRCULAR)
     text = schedule_summary(circ, 8)
     assert "circular" in text and "2 repeats" in text and "11 iterations" in text and "27.3%" in text
+    assert "units per chunk 2+3+3+2 = 10 (k=3 slots per chunk, 2 padding)" in schedule_summary(gpipe, 10)
     assert schedule_summary(parse_strategy("data=8"), 8) == "pipeline: none (pipeline=1)"
 
 
+def test_default_split_lightens_the_ends():
+    """Even when S*v divides U; else one unit off the first and last chunks, then the second and
+    second-to-last: Llama 3 405B's 126 layers on 16 stages are 7 + 8 x 14 + 7."""
+    assert default_split(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert default_split(10, 4) == (2, 3, 3, 2)
+    assert default_split(8, 4) == (2, 2, 2, 2)
+    assert default_split(5, 4) == (1, 1, 2, 1)
+    assert default_split(7, 6) == (1, 1, 1, 2, 1, 1)
+    st = parse_strategy("pipeline=16,tensor=8").with_options(microbatches=16)
+    sched = schedule_of(st, 126)
+    assert (sched.per_chunk, sched.slots, sched.stage_split) == (8, 128, (7,) + (8,) * 14 + (7,))
+    explicit = schedule_of(st.with_options(pp_stages=",".join(["6"] + ["8"] * 14 + ["8"])), 126)
+    assert explicit.split[0] == 6 and not explicit.even
+
+
+def test_uneven_weights_stored_off_the_layers_dim():
+    """jit needs even shards: with an uneven split the stacked weights keep `pipeline`, on the next dim
+    it divides (with that dim's own axes), so a device still holds 1/S of them."""
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    st = parse_strategy("pipeline=4,fsdp=2").resolved(8)
+    assert stored_spec(P("pipeline", "fsdp", "tensor"), (8, 64, 8, 8), st) == P("pipeline", "fsdp", "tensor")
+    assert stored_spec(P("pipeline", "fsdp", "tensor"), (10, 64, 8, 8), st) == P(None, ("fsdp", "pipeline"), "tensor")
+    assert stored_spec(P("pipeline"), (10, 6), st) == P()
+    split = st.with_options(pp_stages="1,3,3,1")
+    assert stored_spec(P("pipeline", "fsdp"), (8, 64), split) == P(None, ("fsdp", "pipeline"))
+
+
 @pytest.mark.parametrize("model, mesh, options, message", [
-    ("llama-tiny", "pipeline=4,data=2", {}, "pipeline=4 needs at least 4 stacked layer units, the model has 2"),
-    ("llama-tiny:layers=6", "pipeline=4,data=2", {},
-     "pipeline=4 x repeats=1 = 4 stages do not divide the model's 6 layer units"),
-    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(microbatches=8, pp_schedule="circular", pp_repeats=4),
-     "pipeline=4 x repeats=4 = 16 stages do not divide the model's 8 layer units"),
+    ("llama-tiny", "pipeline=4,data=2", {},
+     "pipeline=4 x repeats=1 = 4 stage chunks need at least 4 stacked layer units, the model has 2"),
+    ("llama-tiny:layers=6", "pipeline=4,data=2", dict(microbatches=8, pp_schedule="circular", pp_repeats=2),
+     "pipeline=4 x repeats=2 = 8 stage chunks need at least 8 stacked layer units, the model has 6"),
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(microbatches=2, **CIRCULAR),
      "the circular schedule needs microbatches >= pipeline: microbatches=2 < pipeline=4"),
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2), "pp_repeats=2 needs pp_schedule=circular"),
     ("llama-tiny", "data=8", dict(microbatches=4), "microbatches=4 needs a pipeline axis > 1"),
+    ("llama-tiny", "data=8", dict(pp_stages="1,1"), "option pp_stages='1,1' splits layers over pipeline stages, "
+                                                     "but the mesh has pipeline=1"),
     ("llama-tiny:layers=8", "pipeline=2,context=2,data=2", dict(attention="ring"),
      "pipeline=2 with context=2 is not supported yet"),
+    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_stages="2,2,4"),
+     "option pp_stages='2,2,4' lists 3 chunk(s), gpipe runs 4"),
+    ("llama-tiny:layers=8", "pipeline=2,data=4", dict(pp_stages="3,3,1,2", **CIRCULAR),
+     "option pp_stages='3,3,1,2' sums to 9 units, the model has 8"),
+    ("llama-tiny:layers=8", "pipeline=2,data=4", dict(pp_stages="3,6", ), "option pp_stages='3,6' sums to 9 units, "
+                                                                         "the model has 8"),
+    ("llama-tiny:layers=8", "pipeline=2,data=4", dict(pp_stages="8,0"), "must list positive unit counts"),
+    ("llama-tiny:layers=8", "pipeline=2,data=4", dict(pp_stages="four,four"), "must list positive unit counts"),
 ])
 def test_bad_pipeline_configs(model, mesh, options, message):
     strategy = parse_strategy(mesh).with_options(**options).resolved(8)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, equal_buffers, held
-from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
+from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site, together
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape
@@ -42,6 +42,20 @@ def _passes(st: Strategy) -> tuple[str, ...]:
 
 # ---- tensor (+ sequence) parallelism: Megatron f/g operators (Shoeybi et al. 2019; Korthikanti 2022) ---
 
+def tp_rings(cc: Compiler, st: Strategy, execs: float, xr: float, forward: int, recomputed: int) -> list[tuple]:
+    """Collective-matmul rings (overlap=collective_matmul[_bidir], jaxpar/ops/collective_matmul.py) for
+    `execs` layer executions with `forward` rings each: a ring moves the residual activation xr
+    (as permuted: bf16 promoted on XLA:CPU) in tensor-1 steps of one chunk, xr/tensor (bidirectional:
+    2 permutes of half a chunk a step). Backward, each ring's transpose is a ring (all-gather <->
+    reduce-scatter); remat `full` recomputes `recomputed` of the forward rings (those whose results the
+    backward reads)."""
+    n, dirs = st.size("tensor"), 2 if st.options.overlap == "collective_matmul_bidir" else 1
+    ring = [xr / (n * dirs)] * ((n - 1) * dirs)
+    back = forward + (recomputed if st.options.remat == "full" else 0)
+    return (site(cc, PERMUTE, ("tensor",), execs * forward, ring, "forward")
+            + site(cc, PERMUTE, ("tensor",), execs * back, ring, "backward"))
+
+
 def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float) -> list[tuple]:
     """Per attention-layer execution (x: the residual activation, xr: as all-reduced).
     Forward: after o-proj and after the MLP down-proj an all-reduce (SP: all-gather of the norm output
@@ -50,8 +64,12 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
     reduce-scatter). Backward: the input gradients of q,k,v and of gate,up are all-reduced, one sum
     each with reassociation, one per projection without it (SP: reduce-scattered; the gathers'
     transposes are reduce-scatters and the reduce-scatters' are all-gathers). A pipeline iteration
-    is rematerialised as a whole, so under SP its two gathers run again backward."""
+    is rematerialised as a whole, so under SP its two gathers run again backward.
+    Under overlap=collective_matmul the gathers and scatters are rings (`tp_rings`): q/k/v's gather,
+    o's scatter, gate/up's gather and down's scatter; remat recomputes all but down's (dead)."""
     e, sp, out = shape.exec_attention, st.options.sequence_parallel, []
+    if st.options.overlap != "none":
+        return tp_rings(cc, st, e, xr, forward=4, recomputed=3)
     ax = ("tensor",)
     fwd_kind = RS if sp else AR
     fwd_x = x if (sp and cc.reduce_scatter) else xr
@@ -95,18 +113,27 @@ def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: floa
     the tokens' gradient at the kernel's entry and the router weights' gradient [tokens, k] float32
     (each copy's output is a partial sum over `tensor`); shared experts: gate and up's input gradients.
     Under sequence parallelism the attention half is `tp_attention`'s and the norm output entering the
-    MoE is gathered over `tensor`; the experts' sum stays an all-reduce (the kernel's psum)."""
+    MoE is gathered over `tensor`; the experts' sum stays an all-reduce (the kernel's psum).
+    Under overlap=collective_matmul the attention half's gather and scatter are rings (`tp_rings`: q/k/v's
+    gather and o's scatter, both recomputed under remat), and so are q/k/v's input gradients; the MoE's
+    input is still gathered (once, for the router and the experts) and its output sliced."""
     e, sp, ax, out = shape.exec_moe, st.options.sequence_parallel, ("tensor",), []
     w = shape.mb * shape.s_loc * m.top_k * 4
     fwd_kind = RS if sp else AR
     fwd_x = x if (sp and cc.reduce_scatter) else xr
     shared = bool(m.shared_experts)
+    rings = st.options.overlap != "none"
+    gathers = 1 if rings else 2
     if sp:
-        out += site(cc, AG, ax, e, [x], "forward") * 2 + site(cc, AG, ax, e, [x], "backward") * 2
-    out += site(cc, fwd_kind, ax, e, [fwd_x], "forward") + site(cc, AR, ax, e, [xr] * (1 + shared), "forward")
+        out += site(cc, AG, ax, e, [x], "forward") * gathers + site(cc, AG, ax, e, [x], "backward") * gathers
+    out += [] if rings else site(cc, fwd_kind, ax, e, [fwd_x], "forward")
+    out += site(cc, AR, ax, e, [xr] * (1 + shared), "forward")
     if st.options.remat == "full":
-        out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") + (site(cc, AG, ax, e, [x], "backward") * 2 if sp else [])
-    qkv = [xr] if cc.reassociate else [xr] * 3
+        out += [] if rings else site(cc, fwd_kind, ax, e, [fwd_x], "backward")
+        out += site(cc, AG, ax, e, [x], "backward") * gathers if sp else []
+    if rings:
+        out += tp_rings(cc, st, e, xr, forward=2, recomputed=2)
+    qkv = [] if rings else [xr] if cc.reassociate else [xr] * 3
     gate_up = ([xr] if cc.reassociate else [xr] * 2) if shared else []
     return out + site(cc, AR, ax, e, qkv, "backward") + site(cc, AR, ax, e, [xr, w] + gate_up, "backward")
 
@@ -247,11 +274,16 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     """jaxpar/pipeline.py. One collective-permute of the stage state (a micro-batch's residual stream)
     per schedule iteration forward, and its transpose backward (GPipe M+S-1, circular v*M+S-1
     iterations). The state is split over `tensor` under SP; with Megatron's scatter/gather (Narayanan
-    2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival. After the loop the
-    output [M, mb, s, d] is all-reduced over `pipeline` (replicated from the last stage), and its
-    cotangent backward. The circular schedule views the stacked weights [U] as [v, S, k] (a transpose
-    across stages): per weight array one all-to-all, plus one permute when v < S, forward, and the
-    same for its gradient backward."""
+    2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival.
+    jaxpar's own pipeline (scatter_gather None) also, per accumulation step: the output, padded to
+    M' = S*ceil(M/S) micro-batches, is spread over the stages for the head by one all-to-all [M', mb, s, d]
+    forward and its transpose backward; backward the input's cotangent (every stage's buffer began as
+    the input) and the head's and final norm's gradients (each stage's partial sum over its
+    micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
+    and final norm's reduction over the data axes is one op apart from the embedding's (with the
+    per-micro-batch losses, ceil(M/S) floats). Weights viewed as [S, v, k] per step (circular, or any
+    uneven split): per weight array one all-to-all (plus one permute when the circular even view has
+    v < S) forward, and the same for its gradient backward."""
     sp, sizes = st.options.sequence_parallel, st.sizes
     split = sp or (scatter_gather is True)
     x = shape.mb * shape.s_loc * m.d_model * act
@@ -262,13 +294,24 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     if split and not sp and sizes["tensor"] > 1:
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
     if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
-        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act)
-        y = y / sizes["tensor"] if sp else y
-        out += site(cc, AR, ax, shape.accum, [y], "forward") + site(cc, AR, ax, shape.accum, [y], "backward")
-        if shape.repeats > 1:
-            h = held(m, st)
-            arrays = equal_buffers(h.layers * act, h.unit_arrays)
-            moves = (A2A, PERMUTE) if shape.repeats < shape.stages else (A2A,)
+        t = sizes["tensor"] if sp else 1
+        spread = shape.stages * shape.head_micro * x / t
+        out += [(A2A, ax, shape.accum, spread, "forward"), (A2A, ax, shape.accum, spread, "backward")]
+        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act) / t
+        zero3 = sizes["fsdp"] if st.zero == 3 else 1   # FSDP: the head's gradient is summed in its shards
+        head = m.vocab * m.d_model / sizes["tensor"] / zero3 * ar_bytes(cc, act)
+        out += together(cc, site(cc, AR, ax, shape.accum, [y], "backward")
+                        + site(cc, AR, ax, shape.accum, [head, m.d_model * ar_bytes(cc, act)], "backward"))
+        data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
+        if cc.combine and data:
+            out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
+        units = shape.per_chunk * shape.stages * shape.repeats
+        if shape.repeats > 1 or units != m.units:
+            h = held(m, st)   # moved before the fsdp gather: ZeRO-3 shards of the sharded part
+            unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
+            arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
+            even = units == m.units
+            moves = (A2A, PERMUTE) if even and shape.repeats < shape.stages else (A2A,)
             for kind in moves:
                 out += site(cc, kind, ax, 1, arrays, "forward") + site(cc, kind, ax, 1, arrays, "backward")
     return out

@@ -99,12 +99,19 @@ def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
 def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
-    and final norm gathered forward, the final norm again backward (the gathered head is kept)."""
+    and final norm gathered forward, the final norm again backward (the gathered head is kept).
+    Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
+    only: per array of a unit, its v*k unit slots at once (jaxpar/pipeline.py)."""
     t, out = st.sizes["tensor"], []
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if e:
             sharded, _ = zero_split(m, block, 3)
             arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act, sharded.moved)
+            if shape.stages > 1:
+                per_unit = e / (shape.accum * shape.iterations * shape.per_chunk)   # blocks per unit
+                slots = per_unit * shape.repeats * shape.per_chunk
+                out += site(cc, AG, ("fsdp",), shape.accum, [b * slots for b in arrays], "forward")
+                continue
             out += site(cc, AG, ("fsdp",), e, arrays, "forward") + site(cc, AG, ("fsdp",), e, arrays, "backward")
     head, norm = _head_and_norm(m, t)
     out += site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")

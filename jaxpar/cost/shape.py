@@ -6,14 +6,19 @@
     iterations  pipeline schedule iterations per accumulation step: GPipe M + S - 1,
                 circular v*M + S - 1 (every stage runs every iteration, bubbles included)
     bubble      idle fraction of a pipelined step: (S - 1) / (v*M + S - 1)  (Narayanan et al. 2021, eq. 2)
+    per_chunk   k, unit slots a stage runs per iteration: max of the split (jaxpar/schedule.py; an
+                uneven split pads the shorter chunks with identity slots, which still execute)
+    head_micro  micro-batches whose head and loss each stage runs: ceil(M / S) (jaxpar/pipeline.py)
     exec_*      layer executions per device per step (what loop trip counts multiply in the HLO), per
-                block kind: attention, Mamba-2, MoE (an attention half, then the experts)
+                block kind: attention, Mamba-2, MoE (an attention half, then the experts):
+                accum x T x k x blocks per unit under a pipeline
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxpar.cost.params import block_counts
+from jaxpar.schedule import schedule_of
 from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -32,6 +37,8 @@ class StepShape:
     exec_attention: float
     exec_mamba: float
     exec_moe: float = 0.0
+    per_chunk: int = 1
+    head_micro: int = 1
 
     @property
     def exec_layers(self) -> float:
@@ -41,14 +48,17 @@ class StepShape:
 def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> StepShape:
     sz, o = st.sizes, st.options
     stages = sz["pipeline"]
-    v = o.pp_repeats if (stages > 1 and o.pp_schedule == "circular") else 1
-    micro = o.microbatches if stages > 1 else 1
-    iters = v * micro + stages - 1 if stages > 1 else 1
     b_loc = global_batch / (sz["data"] * sz["fsdp"] * sz["expert"])
-    per_chunk = o.grad_accum * iters / (stages * v)
     na, nm, ne = block_counts(m)
+    if stages > 1:
+        sched = schedule_of(st, m.units)
+        v, micro, iters, k = sched.repeats, sched.microbatches, sched.iterations, sched.per_chunk
+        slots_per_unit = o.grad_accum * iters * k / m.units   # unit slots run per device, per unit of the model
+        head_micro, bubble = sched.head_microbatches, sched.bubble
+    else:
+        v, micro, iters, k, head_micro, bubble = 1, 1, 1, m.units, 1, 0.0
+        slots_per_unit = o.grad_accum
     return StepShape(b_loc=b_loc, mb=b_loc / (o.grad_accum * micro), s_loc=seq / sz["context"],
                      accum=o.grad_accum, stages=stages, repeats=v, micro=micro, iterations=iters,
-                     bubble=(stages - 1) / iters if stages > 1 else 0.0,
-                     exec_attention=per_chunk * na, exec_mamba=per_chunk * nm,
-                     exec_moe=per_chunk * ne)
+                     bubble=bubble, exec_attention=slots_per_unit * na, exec_mamba=slots_per_unit * nm,
+                     exec_moe=slots_per_unit * ne, per_chunk=k, head_micro=head_micro)

@@ -1,0 +1,245 @@
+"""Collective matmul: tensor parallelism's all-gather and reduce-scatter, cut into ring steps that
+overlap with the matmuls they feed.
+
+Under tensor + sequence parallelism (`tensor` = n, Megatron's SP) the residual stream is split on its
+sequence over the ring axis. Each sub-block of a layer then does
+
+    column-parallel   y = all_gather(x) @ W        x [b, s/n, d] -> [b, s, d];  W [d, f/n] -> y [b, s, f/n]
+    row-parallel      z = reduce_scatter(h @ V)    h [b, s, f/n], V [f/n, d]  -> partial [b, s, d] -> z [b, s/n, d]
+
+and XLA runs the collective and the matmul one after the other: the matmul waits for the whole
+all-gather, the reduce-scatter for the whole matmul. Both collectives are sums of per-chunk pieces, so
+they can be decomposed (Wang et al. 2023, "Overlap communication with dependent computation via
+decomposition in large deep learning models", ASPLOS; the shard_map notebook's collective-matmul
+example and the scaling book's TP chapter describe the same loop):
+
+    all-gather matmul (unidirectional ring, device i, n steps, n-1 `ppermute`s to the right):
+        step k:  y[:, chunk (i-k) mod n] = x_k @ W          x_0 = own chunk; x_{k+1} = ppermute(x_k)
+    the permute for step k+1 and the dot of step k read the same x_k and are independent, so one
+    hides behind the other. (The chunks that went past are also kept, assembled into the gathered x:
+    the weight's gradient reads it, as it reads XLA's all-gathered x without the option.)
+
+    matmul reduce-scatter (n steps, n-1 `ppermute`s of the partial sums to the right):
+        acc_0 = h[:, chunk (i-1) mod n] @ V;   acc_k = ppermute(acc_{k-1}) + h[:, chunk (i-k-1) mod n] @ V
+    after n-1 hops the accumulator on device i has visited every device and holds chunk i's full sum;
+    each step's dot is independent of the permute in flight.
+
+Bidirectional rings (`bidirectional=True`) cut every chunk in two halves along the sequence, one going
+right and one going left: the same n-1 steps, each moving half the bytes on each of the two links
+(a bidirectional ring's links are full duplex, so a step takes half the time). The chunk must have an
+even number of rows (checked in jaxpar/validate.py).
+
+Backward (a custom_vjp, itself decomposed). The input gradient of an all-gather matmul is a matmul
+reduce-scatter, dx = reduce_scatter(dy @ W^T), and that of a matmul reduce-scatter an all-gather matmul,
+dh = all_gather(dz) @ V^T: each is the other ring. The weights' gradients are one dot each with the
+gathered activation (x, kept by the forward ring; dz, assembled by the backward ring). Autodiff of the
+forward ring would give the same rings (a ppermute's transpose is a ppermute the other way) but n
+partial weight gradients, which XLA sums over the batch axes one by one before adding them (n times
+the data-parallel gradient bytes on XLA:CPU, which does not reassociate all-reduces).
+tests/test_collective_matmul.py reads the compiled step: no all-gather or reduce-scatter over `tensor`
+is left in the layer loop, forward or backward. The loops are unrolled in Python (n is the tensor size,
+at most a node's 8 GPUs): every permute and dot is visible to XLA's scheduler, which on GPU/TPU can run
+a permute asynchronously beside the dot of the same step.
+
+Where it runs. `column_parallel` and `row_parallel` take global arrays and run in `jax.shard_map`
+manual over the residual stream's sequence axes only (`res_seq`: `context` and the ring axis
+`tensor`); the batch (data, fsdp, expert axes) and the weights' fsdp shards stay with XLA's
+partitioner, as in the rest of the model. The sequence over `context` (context parallelism beside SP)
+is context-major, so a context shard's ring is its own tensor group; the weights are the same on every
+context shard, and are marked varying over `context` inside, so that their gradient is summed over it
+(a psum at the boundary). With no layout, or one without a ring (no SP, tensor = 1),
+they are plain matmuls, so a model calls them unconditionally under the option.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import Layout, current_layout
+
+
+def _dim(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _perm(n: int, shift: int) -> list[tuple[int, int]]:
+    """Every device sends to the one `shift` places along the ring."""
+    return [(i, (i + shift) % n) for i in range(n)]
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [b, c, *k] . w [*k, *out] -> [b, c, *out] (contract x's trailing dims with w's leading ones)."""
+    k = x.ndim - 2
+    return jnp.tensordot(x, w, axes=(tuple(range(2, 2 + k)), tuple(range(k))))
+
+
+def _put(out: jax.Array, piece: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis=1)
+
+
+def _take(h: jax.Array, start, rows: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(h, start, rows, axis=1)
+
+
+# ---- the rings (inside shard_map, `axis` the ring) ------------------------------------------------
+
+def _gather_ring(x, weights, axis, n: int, bidirectional: bool):
+    """x [b, c, d] (this device's chunk of the sequence), weights ([d, *out], ...) -> ((y [b, n*c, *out]
+    for each weight), x_all [b, n*c, d]): the all-gathered x times each weight, in n-1 ring steps (one
+    ring for all the weights, e.g. q, k and v), and the gathered x, assembled from the chunks that
+    went past (the weights' gradients read it)."""
+    i = jax.lax.axis_index(axis)
+    b, c = x.shape[:2]
+    outs = [jnp.zeros((b, n * c) + w.shape[1:], jnp.result_type(x, w)) for w in weights]
+    x_all = jnp.zeros((b, n * c) + x.shape[2:], x.dtype)
+    if bidirectional:   # first halves travel right, second halves left
+        pieces, shifts, half = [x[:, :c // 2], x[:, c // 2:]], (1, -1), c // 2
+    else:
+        pieces, shifts, half = [x], (1,), 0
+    for k in range(n):
+        # the permutes for step k+1 read what step k's dots read: XLA may run them side by side
+        nxt = [jax.lax.ppermute(p, axis, _perm(n, s)) for p, s in zip(pieces, shifts)] if k < n - 1 else None
+        for p, s, offset in zip(pieces, shifts, (0, half)):
+            start = ((i - s * k) % n) * c + offset   # the chunk that left device i - s*k k steps ago
+            outs = [_put(o, _dot(p, w), start) for o, w in zip(outs, weights)]
+            x_all = _put(x_all, p, start)
+        pieces = nxt
+    return tuple(outs), x_all
+
+
+def _scatter_ring(pairs, axis, n: int, bidirectional: bool):
+    """pairs ((h [b, n*c, *k], w [*k, d]), ...) -> z [b, c, d]: this device's chunk of the sum over the
+    ring (and the pairs) of h @ w, in n-1 ring steps of partial sums."""
+    i = jax.lax.axis_index(axis)
+    c = pairs[0][0].shape[1] // n
+    rows = c // 2 if bidirectional else c
+
+    def part(chunk, offset):   # this device's contribution to `chunk`'s rows [offset, offset + rows)
+        start = (chunk % n) * c + offset
+        return sum(_dot(_take(h, start, rows), w) for h, w in pairs)
+
+    # an accumulator that moves `s` places a step is on device i at the last step when it started on
+    # device i + s (1 - n): it holds chunk (i - s*k - s) at step k, and chunk i at step n - 1
+    shifts = ((1, 0), (-1, rows)) if bidirectional else ((1, 0),)
+    accs = [part(i - s, offset) for s, offset in shifts]
+    for k in range(1, n):
+        accs = [jax.lax.ppermute(acc, axis, _perm(n, s)) + part(i - s * k - s, offset)
+                for acc, (s, offset) in zip(accs, shifts)]
+    return jnp.concatenate(accs, axis=1) if bidirectional else accs[0]
+
+
+def _transpose(w: jax.Array, inputs: int) -> jax.Array:
+    """w [*in, *out] with `inputs` leading dims -> [*out, *in]."""
+    return jnp.transpose(w, tuple(range(inputs, w.ndim)) + tuple(range(inputs)))
+
+
+# ---- per-shard kernels, forward and backward ------------------------------------------------------
+#
+# Autodiff of the rings would already be a ring (a ppermute's transpose is a ppermute), but it
+# differentiates each chunk's dot by itself: a weight's gradient becomes n partial dots, and XLA sums
+# each over the batch axes (all-reduces over data) before adding them, n times the bytes. The
+# backward passes below are written out instead: the input gradient is the other ring (an all-gather
+# matmul's is a reduce-scatter ring of dy @ W^T, a reduce-scatter matmul's an all-gather ring of
+# dz @ V^T), and each weight's gradient is one dot with the gathered activation.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def allgather_matmul_shard(x, weights, axis, n: int, bidirectional: bool = False):
+    """x [b, c, d], weights ([d, *out], ...) -> (y [b, n*c, *out], ...): all_gather(x) @ w per weight."""
+    return _gather_ring(x, weights, axis, n, bidirectional)[0]
+
+
+def _allgather_matmul_fwd(x, weights, axis, n, bidirectional):
+    outs, x_all = _gather_ring(x, weights, axis, n, bidirectional)
+    return outs, (x_all, weights)
+
+
+def _allgather_matmul_bwd(axis, n, bidirectional, res, dys):
+    x_all, weights = res
+    dx = _scatter_ring(tuple((dy, _transpose(w, 1)) for dy, w in zip(dys, weights)), axis, n, bidirectional)
+    dws = tuple(jnp.tensordot(x_all, dy, axes=((0, 1), (0, 1))).astype(w.dtype) for dy, w in zip(dys, weights))
+    return dx.astype(x_all.dtype), dws
+
+
+allgather_matmul_shard.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def matmul_reducescatter_shard(h, w, axis, n: int, bidirectional: bool = False):
+    """h [b, n*c, *k] (the contracted dims split over the ring), w [*k, d] -> z [b, c, d]: this
+    device's chunk of psum(h @ w) over the ring."""
+    return _scatter_ring(((h, w),), axis, n, bidirectional)
+
+
+def _matmul_reducescatter_fwd(h, w, axis, n, bidirectional):
+    return _scatter_ring(((h, w),), axis, n, bidirectional), (h, w)
+
+
+def _matmul_reducescatter_bwd(axis, n, bidirectional, res, dz):
+    h, w = res
+    (dh,), dz_all = _gather_ring(dz, (_transpose(w, w.ndim - 1),), axis, n, bidirectional)
+    dw = jnp.tensordot(h, dz_all, axes=((0, 1), (0, 1)))
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+matmul_reducescatter_shard.defvjp(_matmul_reducescatter_fwd, _matmul_reducescatter_bwd)
+
+
+# ---- global-view entry points --------------------------------------------------------------------
+
+def ring_axes(layout: Layout | None) -> tuple[str, ...]:
+    """The mesh axes the collective matmul's ring runs over: those the residual stream's sequence is
+    split on beyond the sequence inside a block (`tensor` under sequence parallelism); () for none."""
+    if layout is None:
+        return ()
+    inner = layout.axes("seq")
+    return tuple(a for a in layout.axes("res_seq") if a not in inner)
+
+
+def _ring_size(layout: Layout, ring: tuple[str, ...]) -> int:
+    n = 1
+    for a in ring:
+        n *= layout.mesh.shape[a]
+    return n
+
+
+def column_parallel(x: jax.Array, weights, *, bidirectional: bool = False) -> tuple[jax.Array, ...]:
+    """x [b, s, d] in the residual layout (sequence split over `res_seq`), weights ([d, *out], ...)
+    column-parallel (their first output dim split over the ring) -> (x @ w for each weight), each
+    [b, s, *out] with the sequence split over `seq` and the first output dim over the ring."""
+    layout = current_layout()
+    ring = ring_axes(layout)
+    if not ring:
+        return tuple(_dot(x, w) for w in weights)
+    n, inner = _ring_size(layout, ring), layout.axes("seq")
+    x_spec = P(None, _dim(inner + ring))
+    w_specs = tuple(P(None, _dim(ring)) for _ in weights)
+    y_specs = tuple(P(None, _dim(inner), _dim(ring)) for _ in weights)
+
+    def shard(x, *weights):
+        weights = tuple(jax.lax.pcast(w, inner, to="varying") for w in weights) if inner else weights
+        return allgather_matmul_shard(x, weights, _dim(ring), n, bidirectional)
+
+    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(x_spec, *w_specs), out_specs=y_specs,
+                         axis_names=set(inner + ring), check_vma=True)(x, *weights)
+
+
+def row_parallel(h: jax.Array, w: jax.Array, *, bidirectional: bool = False) -> jax.Array:
+    """h [b, s, *k] (sequence split over `seq`, the first contracted dim over the ring), w [*k, d]
+    row-parallel -> h @ w [b, s, d] in the residual layout (sequence split over `res_seq`)."""
+    layout = current_layout()
+    ring = ring_axes(layout)
+    if not ring:
+        return _dot(h, w)
+    n, inner = _ring_size(layout, ring), layout.axes("seq")
+
+    def shard(h, w):
+        w = jax.lax.pcast(w, inner, to="varying") if inner else w
+        return matmul_reducescatter_shard(h, w, _dim(ring), n, bidirectional)
+
+    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(P(None, _dim(inner), _dim(ring)), P(_dim(ring))),
+                         out_specs=P(None, _dim(inner + ring)), axis_names=set(inner + ring),
+                         check_vma=True)(h, w)
