@@ -1,11 +1,12 @@
 # make demo   train llama-tiny under several strategies on 8 simulated CPU devices
 # make test   the test suite (8 simulated CPU devices)
 # make bench  print throughput / memory / speed figures (no assertions)
+# make experiments  run every study of the design guide (experiments/README.md) in full mode
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench experiments clean
 
 $(STAMP): pyproject.toml
 	@PYTHON=$$(bash scripts/find-python.sh) || exit 1; \
@@ -25,6 +26,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) experiments/demo.py --model llama-tiny:layers=8 --meshes all --steps 20
 	@for f in experiments/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+experiments: $(STAMP)
+	@start=$$(date +%s); for f in experiments/study_*.py; do \
+	  t=$$(date +%s); echo "== $$f"; $(PY) $$f || exit 1; echo "   $$(( $$(date +%s) - t )) s"; done; \
+	  echo "make experiments: $$(( $$(date +%s) - start )) s wall (goal: under 1800 s on 2 cores)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -216,6 +216,83 @@ def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
         assert number(r["measured"]) > 0 and number(r["temp MiB/device"]) > 0, r
 
 
+# ---- the design guide's analytic studies (experiments/study_*.py, experiments/README.md) -----------
+
+def rows_by(rows: list[dict[str, str]], *keys: str) -> dict[tuple, dict[str, str]]:
+    return {tuple(r[k] for k in keys): r for r in rows}
+
+
+def check_study_scaling_ladder(out: pathlib.Path, stdout: str) -> None:
+    """The walls of the ladder, read from the rung columns: plain DP hits the memory wall for 70B, ZeRO
+    fits it and TP inside the node buys MFU; at 8,192 GPUs the 2,048-sequence batch walls off DP and
+    ZeRO, and TP alone is behind adding PP; 405B fits nowhere on 64 GPUs."""
+    text = read_results(out, "study_scaling_ladder")
+    rows = rows_by(table(text, "model", "hardware", "seq", "devices"), "model", "devices")
+    rungs = ("DP", "+ZeRO", "+TP", "+PP", "+CP")
+    for r in rows.values():  # nested rungs: the best never gets worse as axes are allowed
+        mfus = [number(r[k]) for k in rungs if r[k] not in ("OOM", "batch")]
+        assert mfus == sorted(mfus), r
+    small = rows[("llama3-70b", "64")]
+    assert small["DP"] == "OOM" and small["fits from"] == "+ZeRO", small
+    assert number(small["+TP"]) > number(small["+ZeRO"]) + 0.05, small
+    big = rows[("llama3-405b", "8,192")]
+    assert big["DP"] == big["+ZeRO"] == "batch", big
+    assert number(big["+PP"]) > number(big["+TP"]) + 0.02, big   # beyond the batch wall PP wins back MFU
+    assert all(rows[("llama3-405b", "64")][k] == "OOM" for k in rungs)
+    published = table(text, "seq", "GPUs", "layout", "published MFU")
+    assert number(published[0]["published MFU"]) == pytest.approx(430 / 989, abs=5e-4), published[0]
+
+
+def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
+    """TP's bytes stay on NVLink up to TP=8 and cross InfiniBand beyond; exposed (megatron-lm) that
+    loses at TP=16, overlapped (megatron-core) at TP=32, where the exposed tensor time appears."""
+    text = read_results(out, "study_tp_vs_pp")
+    rows = rows_by(table(text, "software", "batch", "TP x PP"), "software", "batch", "TP x PP")
+    for (software, batch, split), r in rows.items():
+        tp = int(split.split("x")[0])
+        assert (number(r["tensor GiB IB"]) == 0) == (tp <= 8), r
+    for software, batch, _ in rows:
+        tp8, tp16, tp32 = (rows[(software, batch, k)] for k in ("8x8", "16x4", "32x2"))
+        assert number(tp32["MFU"]) < 0.8 * number(tp8["MFU"]) and number(tp32["tensor comm s"]) > 0, (tp8, tp32)
+        if software == "megatron-lm":
+            assert number(tp16["MFU"]) < 0.9 * number(tp8["MFU"]), (tp8, tp16)
+            assert number(tp16["tensor comm s"]) > 2 * number(tp8["tensor comm s"]), (tp8, tp16)
+    published = [r for r in table(text, "row", "TP x PP") if r["published MFU"]]
+    assert len(published) == 4 and all(int(r["TP x PP"].split("x")[0]) <= 8 for r in published), published
+
+
+def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
+    """Fused attention's activations grow linearly with the sequence, dense attention's faster; in
+    jaxpar's program (dense attention) nothing fits for llama3.1-70b at 128k on 64 H100 without CP;
+    with fused attention it fits by full recompute, at a lower MFU than at 8k; Mamba-2 2.7B (no TP)
+    needs CP at 128k."""
+    text = read_results(out, "study_long_context")
+    acts = rows_by(table(text, "model", "seq", "megatron-core, selective"), "model", "seq")
+    short, long_ = acts[("llama3.1-70b", "8,192")], acts[("llama3.1-70b", "131,072")]
+    growth = 131072 / 8192
+    assert number(long_["megatron-core, full"]) / number(short["megatron-core, full"]) == pytest.approx(growth, rel=0.05)
+    assert number(long_["jaxpar, full"]) / number(short["jaxpar, full"]) > 4 * growth
+    cp = rows_by(table(text, "model", "software", "seq"), "model", "software", "seq")
+    dense = cp[("llama3.1-70b", "jaxpar", "131,072")]
+    assert dense["MFU without CP"] == "OOM" and number(dense["MFU with CP"]) > 0 and dense["CP needed"] == "yes", dense
+    fused, fused8k = cp[("llama3.1-70b", "megatron-core", "131,072")], cp[("llama3.1-70b", "megatron-core", "8,192")]
+    assert number(fused["MFU without CP"]) < number(fused8k["MFU without CP"]) - 0.05, (fused, fused8k)
+    mamba = cp[("mamba2-2.7b", "megatron-core", "131,072")]
+    assert mamba["MFU without CP"] == "OOM" and number(mamba["MFU with CP"]) > 0, mamba
+
+
+def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
+    """At 4k tokens llama3.1-8b's best layout is data parallel (FSDP), neither TP nor CP; at 128k on
+    512 GPUs it is CP (with TP), which wins back what 8 GPUs lose to recompute at 128k."""
+    text = read_results(out, "study_mfu_map")
+    cells = rows_by(table(text, "model", "devices", "seq"), "devices", "seq")
+    for devices in ("8", "512"):
+        assert not {"TP", "CP"} & {w[:2] for w in cells[(devices, "4,096")]["best layout"].split()}, cells
+    long_big, long_small = cells[("512", "131,072")], cells[("8", "131,072")]
+    assert "CP" in long_big["best layout"] and "CP" not in long_small["best layout"], (long_big, long_small)
+    assert number(long_big["MFU"]) > number(long_small["MFU"]) + 0.05, (long_big, long_small)
+
+
 CHECKS = {
     "demo": check_demo,
     "bench_comm": check_bench_comm,
@@ -224,7 +301,12 @@ CHECKS = {
     "bench_inference": check_bench_inference,
     "bench_mamba": check_bench_mamba,
     "bench_moe": check_bench_moe,
+    "bench_overlap": check_bench_overlap,
     "bench_pipeline": check_bench_pipeline,
+    "study_long_context": check_study_long_context,
+    "study_mfu_map": check_study_mfu_map,
+    "study_scaling_ladder": check_study_scaling_ladder,
+    "study_tp_vs_pp": check_study_tp_vs_pp,
 }
 
 
@@ -242,4 +324,28 @@ def test_quick_mode(name, tmp_path):
     assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
     assert f"written to {out}" in run.stdout, run.stdout[-3000:]
     CHECKS[name](out, run.stdout)
-    "bench_overlap": check_bench_overlap,
+
+
+GUIDE_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?%?")  # 46.8%, 8,192, 0.57
+
+
+def test_study_guide_numbers_come_from_the_results():
+    """Every number experiments/README.md quotes in `code font` appears in the committed full-mode
+    results file its section links (results/study_*.md), so the guide cannot drift from the scripts."""
+    guide = (EXPERIMENTS / "README.md").read_text()
+    sections = re.split(r"^## ", guide, flags=re.M)[1:]
+    checked = 0
+    for section in sections:
+        linked = sorted(set(re.findall(r"results/(study_\w+)\.md", section)))
+        quoted = [q for q in re.findall(r"`([^`\n]+)`", section) if GUIDE_NUMBER.fullmatch(q)]
+        if not quoted:
+            continue
+        assert len(linked) == 1, f"section {section.splitlines()[0]!r} quotes numbers but links {linked}"
+        results = (EXPERIMENTS / "results" / f"{linked[0]}.md").read_text()
+        assert "mode: full" in results.splitlines()[2], f"{linked[0]}.md is not a full-mode result"
+        tokens = {t.strip(",;:") for t in re.split(r"[\s|()]+", results)}
+        for q in quoted:
+            assert q in tokens, f"README quotes `{q}` under {section.splitlines()[0]!r}, " \
+                                                      f"not in results/{linked[0]}.md"
+            checked += 1
+    assert checked >= 10, f"only {checked} quoted numbers found in experiments/README.md"

@@ -1,0 +1,208 @@
+"""Study (b), TP vs PP at a fixed model-parallel size of 64: where does tensor parallelism stop paying?
+
+    python experiments/study_tp_vs_pp.py            # full: 7 splits x 3 batch sizes + the published rows
+    python experiments/study_tp_vs_pp.py --quick    # TP8 x PP8 vs TP16 x PP4 at one batch size
+
+Question (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", figure 13 and takeaway #1): with 64 GPUs given to one model replica, how should they be
+split between tensor (TP) and pipeline (PP) parallelism, TP x PP in {1x64, 2x32, ..., 64x1}?
+
+Method. A GPT-3 175B-class model (96 layers, d_model 12,288, GeLU MLP, vocab 51,200) with 128 heads of
+96 (GPT-3 has 96 of 128) so that every TP size up to 64 divides the heads, on 64 H100 (8 per node,
+data parallelism 1), seq 2,048, global batch 32, 128 and 512 sequences. For each split the best
+fitting options (remat, micro-batches, GPipe or interleaved schedule; experiments/_study.py) by the
+analytic model's tokens/s. Bytes per link tier: each predicted collective's ring traffic per device
+split as jaxpar/cost/time.py prices it: a group with k members per node over m nodes moves
+(k-1)/k of its buffer over NVLink and (m-1)/(m k) over InfiniBand (twice both for an all-reduce); a
+permute crosses one tier. Published overlay: the Megatron-Core H100 rows
+(shared/reference/published_runs_h100.toml) at their own TP x PP, each beside the other splits of its
+model-parallel size, mapped as tests/test_cost_published.py maps them (GPT, untied embeddings,
+distributed optimizer, SP, no recompute, micro-batch 1, interleaved with one layer per chunk, MFU by
+Megatron's formula).
+
+Assumptions. Software megatron-core (TP communication overlapped with the GEMMs up to the compute
+there is: so TP costs nothing until its traffic outgrows the compute, which is what crossing the node
+boundary does); h100-sxm calibrated on those rows. Splits jaxpar.validate refuses are listed as such.
+Writes experiments/results/study_tp_vs_pp.md and .png.
+"""
+from __future__ import annotations
+
+import pathlib
+import tomllib
+
+from _study import OKABE_ITO, ROOT, arguments, finish, md_table, pct, progress, search
+
+from jaxpar import validate
+from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware
+from jaxpar.cost.time import axis_span
+from jaxpar.errors import ConfigError
+from jaxpar.models.config import ModelConfig
+from jaxpar.strategy import AXES, parse_inline
+
+STEM = "study_tp_vs_pp"
+HW = load_hardware("h100-sxm")
+MODEL = ModelConfig(name="gpt-175b-h128", layers=96, d_model=12288, heads=128, kv_heads=128, head_dim=96,
+                    mlp_dim=49152, mlp_type="gelu", vocab=51200, max_seq=2048, tie_embeddings=True)
+SEQ, MP = 2048, 64
+REFERENCE = ROOT.parent / "shared" / "reference" / "published_runs_h100.toml"
+QUICK = dict(tensor="8,16,32", batches="128")
+# Megatron-LM as Narayanan et al. ran it (no TP overlap) and Megatron-Core (TP traffic overlapped with the GEMMs)
+SOFTWARE = {"megatron-lm": MEGATRON, "megatron-core": MEGATRON_CORE}
+
+
+def link_bytes(est, st) -> dict[tuple[str, str], float]:
+    """Bytes one device sends per step, by (class, tier): class tensor / pipeline / data, tier NVLink / IB."""
+    out = {}
+    for c in est.collectives:
+        cls = "tensor" if "tensor" in c.axes else "pipeline" if "pipeline" in c.axes else "data"
+        k, m = axis_span(tuple(c.axes), st, HW.devices_per_node)
+        if c.kind == "collective-permute":
+            split = {"IB" if m > 1 else "NVLink": c.bytes}
+        else:
+            f = 2.0 if c.kind == "all-reduce" else 1.0
+            split = {"NVLink": f * (k - 1) / k * c.bytes, "IB": f * (m - 1) / (m * k) * c.bytes}
+        for tier, b in split.items():
+            out[(cls, tier)] = out.get((cls, tier), 0.0) + b
+    return out
+
+
+def sweep(tensors: list[int], batches: list[int], bar) -> list[dict]:
+    rows = []
+    for software, batch in [(s, b) for s in SOFTWARE for b in batches]:
+        for tp in tensors:
+            sizes = {a: 1 for a in AXES} | {"tensor": tp, "pipeline": MP // tp}
+            found = search(MODEL, HW, MP, SEQ, batch, SOFTWARE[software], keep=lambda s, z=sizes: s == z, max_tensor=MP)
+            row = {"software": software, "batch": batch, "tp": tp, "pp": MP // tp,
+                   "status": "OOM" if found["valid"] else "refused"}
+            if 0 in found:
+                est, st = found[0]
+                row |= {"status": "ok", "est": est, "st": st, "bytes": link_bytes(est, st)}
+            rows.append(row)
+            bar.update()
+    return rows
+
+
+def published_rows() -> list[dict]:
+    """Each Megatron-Core H100 row at every TP x PP of its model-parallel size (TP dividing the heads)."""
+    src = tomllib.loads(REFERENCE.read_text())["source"][0]
+    out = []
+    for raw in src["rows"]:
+        r = dict(zip(src["columns"], raw))
+        a, h, l, gpus, batch = r["heads"], r["hidden"], r["layers"], r["gpus"], r["global_batch"]
+        m = ModelConfig(name=f"MC {r['params_b']}B", layers=l, d_model=h, heads=a, kv_heads=a, head_dim=h // a,
+                        mlp_dim=4 * h, mlp_type="gelu", vocab=src["vocab"], max_seq=src["seq"], tie_embeddings=False)
+        mp = r["tp"] * r["pp"]
+        for tp in (t for t in (1, 2, 4, 8, 16, 32, 64) if mp % t == 0 and a % t == 0):
+            pp, dp = mp // tp, gpus // mp
+            opts = dict(remat="none", sequence_parallel=tp > 1, dtype="bfloat16", zero=1)
+            opts |= (dict(microbatches=batch // dp, pp_schedule="circular", pp_repeats=max(1, l // pp)) if pp > 1
+                     else dict(grad_accum=batch // dp))
+            row = {"model": m.name, "tp": tp, "pp": pp, "published": r["mfu_pct"] / 100 if tp == r["tp"] else None}
+            try:
+                st = parse_inline(f"data={dp},pipeline={pp},tensor={tp}").with_options(**opts)
+                validate.check(m, st, batch=batch, seq=src["seq"], padded_zero=True)
+            except ConfigError:
+                out.append(row | {"mfu": None})
+                continue
+            est = estimate(m, st, HW, batch, src["seq"], MEGATRON_CORE)
+            flops = 72 * batch * src["seq"] * l * h * h * (1 + src["seq"] / (6 * h)) + 6 * batch * src["seq"] * h * src["vocab"]
+            out.append(row | {"mfu": flops / (est.step_time_s * gpus * HW.peak_flops), "fits": est.fits,
+                              "gib": est.memory.total / 2**30})
+    return out
+
+
+def figure(plt, rows, pub, batches):
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(13, 4.2))
+    for j, sw in enumerate(SOFTWARE):
+        for i, batch in enumerate(batches):
+            pts = [(r["tp"], r["est"].mfu * HW.peak_flops / 1e12) for r in rows
+                   if (r["software"], r["batch"]) == (sw, batch) and r["status"] == "ok"]
+            ax.plot(*zip(*pts), marker="os"[j], ls=("-", "--")[j], color=OKABE_ITO[i], label=f"{sw}, batch {batch}")
+    ax.axvspan(8.5, 80, color="0.85", zorder=0)
+    ax.text(11, 20, "TP crosses the\nnode boundary", fontsize=8)
+    ax.set(xscale="log", xlabel="TP x PP (64 GPUs, one replica)", ylabel="predicted model TFLOP/s per GPU",
+           title=f"(1) {MODEL.name} on 64 H100, seq {SEQ:,}")
+    first = [r for r in rows if (r["software"], r["batch"]) == ("megatron-lm", batches[0])]
+    ax.set_xticks([r["tp"] for r in first], [f"{r['tp']}x{r['pp']}" for r in first])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="lower left")
+    # (2) where the tensor-parallel bytes go, at the largest batch (software does not change the bytes)
+    big = [r for r in rows if (r["software"], r["batch"]) == ("megatron-lm", batches[-1]) and r["status"] == "ok"]
+    x = list(range(len(big)))
+    for j, (tier, colour) in enumerate((("NVLink", OKABE_ITO[3]), ("IB", OKABE_ITO[4]))):
+        vals = [r["bytes"].get(("tensor", tier), 0.0) / 2**30 for r in big]
+        bx.bar([i + (j - 0.5) * 0.4 for i in x], [max(v, 1e-9) for v in vals], 0.4, color=colour,
+               hatch="//" if tier == "IB" else None, label=f"tensor-parallel bytes over {tier}")
+        for i, v in zip(x, vals):
+            if v == 0:
+                bx.text(i + (j - 0.5) * 0.4, 12, "0", ha="center", fontsize=8, color=colour)
+    bx.set_xticks(x, [f"{r['tp']}x{r['pp']}" for r in big])
+    bx.set(yscale="log", ylim=(10, None), xlabel="TP x PP", ylabel="GiB sent per device per step",
+           title=f"(2) TP bytes per link tier, batch {batches[-1]}")
+    bx.legend(fontsize=8, loc="upper left")
+    # (3) the published Megatron-Core H100 rows beside the other splits of their model-parallel size
+    for i, name in enumerate(dict.fromkeys(p["model"] for p in pub)):
+        pts = [(p["tp"], p["mfu"]) for p in pub if p["model"] == name and p["mfu"] is not None]
+        mp = next(p["tp"] * p["pp"] for p in pub if p["model"] == name)
+        cx.plot(*zip(*pts), marker="o", color=OKABE_ITO[(0, 2, 3, 5)[i]], label=f"{name}, TP x PP = {mp}")
+        for p in pub:
+            if p["model"] == name and p["published"]:
+                cx.scatter([p["tp"]], [p["published"]], marker="*", s=180, color=OKABE_ITO[(0, 2, 3, 5)[i]], edgecolor="black",
+                           zorder=5)
+    cx.scatter([], [], marker="*", s=120, color="white", edgecolor="black", label="published (Megatron-Core README)")
+    cx.axvspan(8.5, 20, color="0.85", zorder=0)
+    cx.set(xscale="log", xlabel="tensor-parallel size TP (same TP x PP)", ylabel="MFU (Megatron's formula)",
+           title="(3) published H100 rows vs their other splits")
+    cx.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
+    cx.minorticks_off()
+    cx.set_ylim(0, 0.6)
+    cx.legend(fontsize=7, loc="lower left")
+    fig.suptitle("TP vs PP on H100: TP's bytes stay on NVLink up to TP=8 and cross InfiniBand beyond. Exposed (megatron-lm) "
+                 "that loses at TP=16;\noverlapped (megatron-core, as the model prices overlap on every tier) it loses "
+                 "once the InfiniBand traffic outgrows the compute (TP=32)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    args = arguments(__doc__, QUICK, tensor=(str, "1,2,4,8,16,32,64", "TP sizes (PP = 64 / TP)"),
+                     batches=(str, "32,128,512", "global batch sizes, sequences"))
+    tensors, batches = [int(t) for t in args.tensor.split(",")], [int(b) for b in args.batches.split(",")]
+    with progress(len(SOFTWARE) * len(tensors) * len(batches), "split") as bar:
+        rows = sweep(tensors, batches, bar)
+    pub = published_rows()
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            table.append([r["software"], r["batch"], f"{r['tp']}x{r['pp']}", r["status"], *["-"] * 10])
+            continue
+        est, st, b = r["est"], r["st"], r["bytes"]
+        t = est.time.terms()
+        table.append([r["software"], r["batch"], f"{r['tp']}x{r['pp']}", f"{est.mfu * HW.peak_flops / 1e12:.0f}", pct(est.mfu),
+                      f"{b.get(('tensor', 'NVLink'), 0) / 2**30:.1f}", f"{b.get(('tensor', 'IB'), 0) / 2**30:.1f}",
+                      f"{(b.get(('pipeline', 'NVLink'), 0) + b.get(('pipeline', 'IB'), 0)) / 2**30:.2f}",
+                      *(f"{t[k]:.2f}" for k in ("compute", "bubble", "tensor comm", "pipeline comm")),
+                      f"{st.options.remat}, M={st.options.microbatches}, v={st.options.pp_repeats}",
+                      f"{est.memory.total / 2**30:.1f}"])
+    best = {(sw, b): max((r for r in rows if (r["software"], r["batch"]) == (sw, b) and r["status"] == "ok"),
+                         key=lambda r: r["est"].tokens_per_s) for sw in SOFTWARE for b in batches}
+    body = [f"{MODEL.name} (96 layers, d_model 12,288, 128 heads x 96) on {MP} H100 (8 per node), data parallelism 1, "
+            f"seq {SEQ:,}; software megatron-lm (2021: TP collectives exposed, as in Narayanan et al.) and megatron-core "
+            "(TP collectives overlapped with the GEMMs, on every link tier as the cost model prices it). Bytes: what one device sends per step, by link tier. Times: "
+            "seconds per step left after overlap.", "",
+            *md_table(["software", "batch", "TP x PP", "TFLOP/s/GPU", "MFU", "tensor GiB NVLink", "tensor GiB IB", "pipeline GiB",
+                       "compute s", "bubble s", "tensor comm s", "pipeline comm s", "options", "GiB/device"], table), "",
+            "## Best split per batch", "",
+            *md_table(["software", "batch", "best TP x PP", "MFU"],
+                      [[sw, b, f"{r['tp']}x{r['pp']}", pct(r["est"].mfu)] for (sw, b), r in best.items()]), "",
+            "## Published Megatron-Core H100 rows beside the other splits of their TP x PP", "",
+            *md_table(["row", "TP x PP", "predicted MFU", "published MFU", "fits", "GiB/device"],
+                      [[p["model"], f"{p['tp']}x{p['pp']}", "refused" if p["mfu"] is None else pct(p["mfu"]),
+                        pct(p["published"]) if p["published"] else "", "" if p["mfu"] is None else
+                        ("yes" if p["fits"] else "no"), "" if p["mfu"] is None else f"{p['gib']:.1f}"] for p in pub])]
+    finish(args, STEM, "Study (b): TP vs PP at model-parallel size 64", body, lambda plt: figure(plt, rows, pub, batches))
+
+
+if __name__ == "__main__":
+    main()
