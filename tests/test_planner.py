@@ -87,6 +87,10 @@ def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path
                      "--seq", "4096", "--global-batch", "256"]) == 0
     out = capsys.readouterr().out
     assert "default: dtype = bfloat16" in out and "default: microbatches = 16 (4 x stages" in out
+    assert "units per chunk 8+8+8+8 = 32" in out
+    assert cli.main(["estimate", "--model", "llama3-405b", "--mesh", "pipeline=16,data=64,tensor=8", "--hardware",
+                     "h100-sxm", "--seq", "8192", "--global-batch", "2048", "--remat", "full"]) == 0
+    assert "units per chunk 7+8+8+8+8+8+8+8+8+8+8+8+8+8+8+7 = 126" in capsys.readouterr().out
     assert cli.main(["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--devices", "64", "--seq", "4096",
                      "--global-batch", "256", "--top", "2", "--software", "megatron-core", "--write", str(tmp_path)]) == 0
     first = sorted(tmp_path.glob("plan-01-*.toml"))

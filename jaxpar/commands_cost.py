@@ -1,0 +1,101 @@
+"""The commands that ask the analytic cost model: `jaxpar estimate` (a training step, or a prefill or
+decode step) and `jaxpar plan` (the search, --verify, --write). jaxpar/commands.py holds the others and
+re-exports these for jaxpar/cli.py.
+"""
+from __future__ import annotations
+
+import json
+
+from jaxpar.args import model_from, strategy_from_args
+from jaxpar.errors import ConfigError
+
+
+def cmd_estimate(args) -> int:
+    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.cost import SOFTWARE, estimate, format_estimate  # noqa: PLC0415
+    from jaxpar.cost.defaults import accelerator_defaults  # noqa: PLC0415
+    from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415
+
+    model = model_from(args.model)
+    strategy = strategy_from_args(args)
+    if strategy.num_devices < 1:
+        if not args.devices:
+            raise ConfigError(f"mesh {strategy.name} has a -1 axis: give --devices N to resolve it")
+        strategy = strategy.resolved(args.devices)
+    given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
+    strategy, defaults = accelerator_defaults(strategy, args.global_batch, given)
+    if args.phase != "train":
+        return estimate_inference(args, model, strategy, defaults)
+    validate.check(model, strategy, batch=args.global_batch, seq=args.seq, padded_zero=True)
+    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq, SOFTWARE[args.software])
+    print(f"software {args.software}; options {strategy.describe_options()}")
+    for line in defaults:
+        print(f"  default: {line}")
+    if strategy.size("pipeline") > 1:
+        from jaxpar.schedule import schedule_summary  # noqa: PLC0415
+        print(schedule_summary(strategy, model.units))
+    print(format_estimate(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=1)
+    return 0
+
+
+def estimate_inference(args, model, strategy, defaults) -> int:
+    """`estimate --phase prefill|decode`: jaxpar/cost/inference.py for --global-batch sequences of a
+    --seq-token prompt and --gen-len new tokens."""
+    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
+    from jaxpar.cost.inference import format_inference, inference_estimate  # noqa: PLC0415
+
+    validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len)
+    est = inference_estimate(model, strategy, args.hardware, args.global_batch, args.seq, args.gen_len, args.phase,
+                             SOFTWARE[args.software])
+    print(f"software {args.software}; options {strategy.describe_options()}")
+    for line in defaults:
+        print(f"  default: {line}")
+    print(format_inference(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=1)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from jaxpar import planner  # noqa: PLC0415
+
+    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
+
+    results, considered, valid = planner.plan(model_from(args.model), args.hardware, args.devices,
+                                              args.seq, args.global_batch, args.top, SOFTWARE[args.software],
+                                              args.objective)
+    print(planner.format_plan(results, considered, valid, args.software, args.objective))
+    if args.verify:
+        verify_plans(args, model_from(args.model), results)
+    if args.write:
+        paths = planner.write_plans(results, args.write)
+        print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planner.to_json(results, considered, valid), f, indent=1)
+    return 0
+
+
+def verify_plans(args, model, results) -> None:
+    """`plan --verify`: compile each listed plan on simulated devices (jaxpar/verify.py)."""
+    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
+    from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
+    from jaxpar.planner import describe  # noqa: PLC0415
+    from jaxpar.verify import TOLERANCE, format_checks, verify_plan  # noqa: PLC0415
+
+    simulate_cpu_devices(min(args.devices, DEVICE_LIMIT))
+    import jax  # noqa: PLC0415
+
+    print(f"\nverify: each plan's step compiled for jaxpar on XLA:CPU, predicted vs compiled (flag over {TOLERANCE:.0%})")
+    flagged = 0
+    for i, (_, st) in enumerate(results, 1):
+        checks, report = verify_plan(model, st, args.global_batch, args.seq, jax.devices())
+        flagged += sum(c.flagged for c in checks)
+        print(format_checks(i, describe(st), checks, report))
+    print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else
+          f"verify: every figure within {TOLERANCE:.0%}")
