@@ -1,5 +1,5 @@
 # make demo   train llama-tiny under several strategies on 8 simulated CPU devices
-# make test   the test suite (8 simulated CPU devices)
+# make test   the test suite (8 simulated CPU devices; two pytest workers, one test file each at a time)
 # make bench  print throughput / memory / speed figures (no assertions)
 # make experiments  run every study of the design guide (experiments/README.md) in full mode
 VENV := .venv
@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) experiments/demo.py
 
 test: $(STAMP)
-	@start=$$(date +%s); $(PY) -m pytest -q; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s wall (goal: under 600 s on 2 cores)"; exit $$rc
 
 bench: $(STAMP)
