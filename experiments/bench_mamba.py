@@ -33,9 +33,9 @@ if "--quick" in sys.argv[1:]:  # before JAX starts: XLA reads its flags once
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from _bench import host_params  # noqa: E402 (experiments/_bench.py)
 from jaxpar.cost.params import total_params  # noqa: E402
 from jaxpar.data import Synthetic  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
@@ -47,11 +47,6 @@ LLAMA = "llama-tiny:max_seq=16384,mlp_dim=64"    # about mamba2-tiny's parameter
 RESULTS = ROOT / "experiments" / "results"
 QUICK = dict(steps=1, batch=8, seq=64, seqs=[64, 128], growth_batch=8, max_attention_seq=64,
              mamba=MAMBA + ",layers=1", llama=LLAMA + ",layers=1")
-
-
-def host_params(trainer: Trainer):
-    rng = np.random.default_rng(0)
-    return jax.tree.map(lambda a: (0.02 * rng.normal(size=a.shape)).astype(a.dtype), trainer.abstract_params)
 
 
 def step_time(model: str, mesh: str, devices: int, batch: int, seq: int, steps: int) -> float:

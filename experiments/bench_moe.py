@@ -28,7 +28,6 @@ import importlib.util
 import os
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,19 +37,13 @@ if "--quick" in sys.argv[1:]:  # before JAX starts: XLA reads its flags once
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 simulate_cpu_devices(8)
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar.analysis import comm as analysis_comm  # noqa: E402
-from jaxpar.analysis.tally import tally_compiled  # noqa: E402
-from jaxpar.cost import comm as cost_comm  # noqa: E402
+from _bench import compiled_step  # noqa: E402 (experiments/_bench.py)
 from jaxpar.cost.params import total_params  # noqa: E402
-from jaxpar.cost.shape import step_shape  # noqa: E402
-from jaxpar.data import Synthetic  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
 from jaxpar.strategy import parse_strategy  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
 
 MODEL = "moe-tiny:d_model=128,expert_mlp_dim=256,heads=8,kv_heads=4,head_dim=16"
 LAYOUTS = ("ep8", "dp8", "dp2-tp4", "ep4-tp2")
@@ -58,33 +51,13 @@ RESULTS = ROOT / "experiments" / "results"
 QUICK = dict(model="moe-tiny", batch=16, seq=32, steps=1, layouts=["ep8", "dp8"])
 
 
-def host_params(trainer: Trainer):
-    """Random host arrays (the step time does not depend on the values; XLA:CPU compiles the random
-    initialiser slowly)."""
-    rng = np.random.default_rng(0)
-    return jax.tree.map(lambda a: (0.02 * rng.normal(size=a.shape)).astype(a.dtype), trainer.abstract_params)
-
-
 def measure(model: str, mesh: str, batch: int, seq: int, steps: int) -> dict:
-    tr = Trainer(parse_model(model), parse_strategy(mesh), TrainConfig(batch=batch, seq=seq, steps=steps))
-    compiled = tr.lower_step().compile(analysis_comm.ANALYSIS_COMPILER_OPTIONS)
-    tally = tally_compiled(compiled, tr.mesh)
-    mem = compiled.memory_analysis()
-    state, src = tr.state_from_params(host_params(tr)), Synthetic(tr.model_cfg.vocab)
-    times = []
-    for step in range(steps + 1):
-        b = tr.batch(src, step)
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, b)
-        float(metrics["loss"])
-        times.append(time.perf_counter() - t0)
-    m, st = tr.model_cfg, tr.strategy
-    predicted = cost_comm.collectives(m, st, step_shape(m, st, batch, seq), compiler="cpu")
-    tokens = batch * seq
-    return {"mesh": mesh, "step_s": min(times[1:]), "tokens_per_s": tokens / min(times[1:]),
+    r = compiled_step(model, parse_strategy(mesh), batch, seq, steps)
+    tally, mem, tokens = r["tally"], r["memory"], r["tokens"]
+    return {"mesh": mesh, "step_s": r["step_s"], "tokens_per_s": tokens / r["step_s"],
             "wire": sum(c.wire_bytes for c in tally) / tokens,
             "a2a": sum(c.wire_bytes for c in tally if c.kind == "all-to-all" and c.axes == ("expert",)) / tokens,
-            "predicted": sum(c.wire_bytes for c in predicted) / tokens,
+            "predicted": sum(c.wire_bytes for c in r["predicted"]) / tokens,
             "argument": mem.argument_size_in_bytes,
             "peak": mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes}

@@ -30,7 +30,6 @@ import argparse
 import os
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,17 +39,8 @@ if "--quick" in sys.argv[1:]:  # before JAX starts: XLA reads its flags once
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 simulate_cpu_devices(8)
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxpar.analysis import comm as analysis_comm  # noqa: E402
-from jaxpar.analysis.tally import tally_compiled  # noqa: E402
-from jaxpar.cost import comm as cost_comm  # noqa: E402
-from jaxpar.cost.shape import step_shape  # noqa: E402
-from jaxpar.data import Synthetic  # noqa: E402
-from jaxpar.models.config import parse_model  # noqa: E402
+from _bench import compiled_step  # noqa: E402 (experiments/_bench.py)
 from jaxpar.strategy import parse_strategy  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
 
 MODEL = "llama-tiny:d_model=256,heads=16,kv_heads=8,head_dim=16,mlp_dim=1024,layers=4"
 LAYOUTS = {"tp8-sp": "tensor=8", "dp2-tp4-sp": "data=2,tensor=4"}
@@ -60,34 +50,16 @@ QUICK = dict(model="llama-tiny", batch=16, seq=32, steps=1, layouts=["dp2-tp4-sp
              overlaps=["none", "collective_matmul"])
 
 
-def host_params(trainer: Trainer):
-    """Random host arrays (the step time does not depend on the values)."""
-    rng = np.random.default_rng(0)
-    return jax.tree.map(lambda a: (0.02 * rng.normal(size=a.shape)).astype(a.dtype), trainer.abstract_params)
-
-
 def measure(model: str, layout: str, overlap: str, batch: int, seq: int, steps: int) -> dict:
     strategy = parse_strategy(LAYOUTS[layout]).with_options(sequence_parallel=True, overlap=overlap)
-    tr = Trainer(parse_model(model), strategy, TrainConfig(batch=batch, seq=seq, steps=steps))
-    compiled = tr.lower_step().compile(analysis_comm.ANALYSIS_COMPILER_OPTIONS)
-    tally = tally_compiled(compiled, tr.mesh)
-    state, src = tr.state_from_params(host_params(tr)), Synthetic(tr.model_cfg.vocab)
-    times = []
-    for step in range(steps + 1):
-        b = tr.batch(src, step)
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, b)
-        float(metrics["loss"])
-        times.append(time.perf_counter() - t0)
-    m, st = tr.model_cfg, tr.strategy
-    predicted = cost_comm.collectives(m, st, step_shape(m, st, batch, seq), compiler="cpu")
-    tokens = batch * seq
+    r = compiled_step(model, strategy, batch, seq, steps)
+    tally, tokens = r["tally"], r["tokens"]
     over_tensor = [c for c in tally if c.axes == ("tensor",)]
-    return {"layout": layout, "overlap": overlap, "step_s": min(times[1:]), "tokens_per_s": tokens / min(times[1:]),
+    return {"layout": layout, "overlap": overlap, "step_s": r["step_s"], "tokens_per_s": tokens / r["step_s"],
             "gathers": sum(c.count for c in over_tensor if c.kind in ("all-gather", "reduce-scatter", "all-reduce")),
             "permutes": sum(c.count for c in over_tensor if c.kind == "collective-permute"),
             "wire": sum(c.wire_bytes for c in tally) / tokens,
-            "predicted": sum(c.wire_bytes for c in predicted) / tokens}
+            "predicted": sum(c.wire_bytes for c in r["predicted"]) / tokens}
 
 
 def main() -> None:

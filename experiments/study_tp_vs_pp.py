@@ -83,7 +83,10 @@ def sweep(tensors: list[int], batches: list[int], bar) -> list[dict]:
 
 
 def published_rows() -> list[dict]:
-    """Each Megatron-Core H100 row at every TP x PP of its model-parallel size (TP dividing the heads)."""
+    """Each Megatron-Core H100 row at every TP x PP of its model-parallel size (TP dividing the heads);
+    none when the reference file is not beside the repository (a bare clone)."""
+    if not REFERENCE.exists():
+        return []
     src = tomllib.loads(REFERENCE.read_text())["source"][0]
     out = []
     for raw in src["rows"]:
@@ -197,6 +200,7 @@ def main() -> None:
             *md_table(["software", "batch", "best TP x PP", "MFU"],
                       [[sw, b, f"{r['tp']}x{r['pp']}", pct(r["est"].mfu)] for (sw, b), r in best.items()]), "",
             "## Published Megatron-Core H100 rows beside the other splits of their TP x PP", "",
+            *([] if pub else [f"(not available: {REFERENCE} not found)"]),
             *md_table(["row", "TP x PP", "predicted MFU", "published MFU", "fits", "GiB/device"],
                       [[p["model"], f"{p['tp']}x{p['pp']}", "refused" if p["mfu"] is None else pct(p["mfu"]),
                         pct(p["published"]) if p["published"] else "", "" if p["mfu"] is None else

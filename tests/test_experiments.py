@@ -257,6 +257,9 @@ def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
         if software == "megatron-lm":
             assert number(tp16["MFU"]) < 0.9 * number(tp8["MFU"]), (tp8, tp16)
             assert number(tp16["tensor comm s"]) > 2 * number(tp8["tensor comm s"]), (tp8, tp16)
+    if not (ROOT.parent / "shared" / "reference" / "published_runs_h100.toml").exists():
+        assert "published_runs_h100.toml not found" in text  # a bare clone: said, not hidden
+        return
     published = [r for r in table(text, "row", "TP x PP") if r["published MFU"]]
     assert len(published) == 4 and all(int(r["TP x PP"].split("x")[0]) <= 8 for r in published), published
 
