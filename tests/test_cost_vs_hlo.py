@@ -102,6 +102,17 @@ MOE_CASES = [
 ]
 DEFAULT_MOE = {("moe-tiny", "data=4,tensor=2", ())}
 
+# The remat policies that save dot outputs (`dots`, `dots_no_batch`) still rerun what is no dot output
+# in the backward pass: SP's gathered inputs, the context-parallel kernels' moved blocks, the MoE
+# balance loss's mean probabilities (found by `plan --verify` on llama3-70b plans).
+REMAT_CASES = [
+    ("llama-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True, "remat": "dots_no_batch"}, None),
+    ("llama-tiny", "context=4,tensor=2", 8, {"attention": "ring", "remat": "dots_no_batch"}, None),
+    ("mamba2-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True, "remat": "dots_no_batch"}, None),
+    ("moe-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True, "remat": "dots"}, None),
+]
+DEFAULT_REMAT = {("llama-tiny", "data=4,tensor=2", (("remat", "dots_no_batch"), ("sequence_parallel", True)))}
+
 # overlap=collective_matmul (jaxpar/ops/collective_matmul.py): the all-gathers and reduce-scatters of tensor x SP
 # become rings of collective-permutes. By default the layout tests/test_collective_matmul.py compiles (shared);
 # the bidirectional ring, remat=full (the recomputed rings) and a MoE model's attention half under `-m slow`.
@@ -217,6 +228,12 @@ def test_moe_prediction_equals_hlo(model, mesh, devices, options):
 def test_collective_matmul_prediction_equals_hlo(model, mesh, devices, options):
     """Per attention layer 4 rings of tensor-1 permutes of a residual chunk each way (a MoE layer: 2),
     in place of the all-gathers and reduce-scatters (and q/k/v's input-gradient sums)."""
+    assert_prediction_matches(model, mesh, devices, **options)
+
+
+@pytest.mark.parametrize("model, mesh, devices, options",
+                         [_mamba_param(*case, default=DEFAULT_REMAT) for case in REMAT_CASES])
+def test_remat_policies_prediction_equals_hlo(model, mesh, devices, options):
     assert_prediction_matches(model, mesh, devices, **options)
 
 

@@ -35,6 +35,12 @@ def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase:
     return Collective(kind, axes, round(count), round(total), total * wire_factor(kind, n), phase)
 
 
+def _cp_passes(st: Strategy) -> tuple[str, ...]:
+    """Passes of the context-parallel kernels' collectives: their outputs (moved K/V blocks, halos,
+    states) are no dot outputs, so every remat policy recomputes them in the backward pass."""
+    return ("forward", "backward") if st.options.remat != "none" else ("forward",)
+
+
 def _passes(st: Strategy) -> tuple[str, ...]:
     """Phases in which a layer's forward collectives run: forward, plus backward if recomputed."""
     return ("forward", "backward") if st.options.remat == "full" else ("forward",)
@@ -61,7 +67,8 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
     Forward: after o-proj and after the MLP down-proj an all-reduce (SP: all-gather of the norm output
     before each, reduce-scatter after). Recompute (remat `full`): the attention one again (the MLP's is
     dead: a layer's output is not needed for its own gradient; SP: both gathers and the attention
-    reduce-scatter). Backward: the input gradients of q,k,v and of gate,up are all-reduced, one sum
+    reduce-scatter; under the `dots` policies too the gathers run again, their outputs being no dot
+    outputs). Backward: the input gradients of q,k,v and of gate,up are all-reduced, one sum
     each with reassociation, one per projection without it (SP: reduce-scattered; the gathers'
     transposes are reduce-scatters and the reduce-scatters' are all-gathers). A pipeline iteration
     is rematerialised as a whole, so under SP its two gathers run again backward.
@@ -77,11 +84,10 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
         if sp:
             out += site(cc, AG, ax, e, [x], "forward")
         out += site(cc, fwd_kind, ax, e, [fwd_x], "forward")
-    if st.options.remat == "full" or (sp and shape.stages > 1):
-        if sp:
-            out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
-        if st.options.remat == "full":
-            out += site(cc, fwd_kind, ax, e, [fwd_x], "backward")
+    if sp and (st.options.remat != "none" or shape.stages > 1):  # a gathered input is no dot output
+        out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
+    if st.options.remat == "full":
+        out += site(cc, fwd_kind, ax, e, [fwd_x], "backward")
     if sp:
         out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
     if cc.reassociate:
@@ -100,8 +106,9 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float) 
     if not sp:
         return site(cc, AR, ax, e, [xr], "forward") + site(cc, AR, ax, e, [xr], "backward")
     rs = x if cc.reduce_scatter else xr
+    regather = site(cc, AG, ax, e, [x], "backward") if st.options.remat != "none" else []  # no dot output
     return (site(cc, AG, ax, e, [x], "forward") + site(cc, RS, ax, e, [rs], "forward")
-            + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward"))
+            + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward") + regather)
 
 
 def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: float, xr: float) -> list[tuple]:
@@ -130,7 +137,8 @@ def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: floa
     out += site(cc, AR, ax, e, [xr] * (1 + shared), "forward")
     if st.options.remat == "full":
         out += [] if rings else site(cc, fwd_kind, ax, e, [fwd_x], "backward")
-        out += site(cc, AG, ax, e, [x], "backward") * gathers if sp else []
+    if sp and st.options.remat != "none":  # the gathered inputs again (no dot outputs)
+        out += site(cc, AG, ax, e, [x], "backward") * gathers
     if rings:
         out += tp_rings(cc, st, e, xr, forward=2, recomputed=2)
     qkv = [] if rings else [xr] if cc.reassociate else [xr] * 3
@@ -210,13 +218,15 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
         half = shape.mb * shape.s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act  # K or V
         pos = shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES
         ring = st.options.attention == "ring"
-        for phase in _passes(st):
+        for phase in _cp_passes(st):
             out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
                     else site(cc, AG, ax, e, [half * c, half * c], phase))
         out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], "backward") if ring
                 else site(cc, RS, ax, e, [half * c, half * c], "backward", partitioner=False))
         if ring:
             out += site(cc, PERMUTE, ax, (c - 1) * shape.accum, [pos], "forward")
+            if st.options.remat != "none":  # rematerialised per layer: the positions' ring again, layer by layer
+                out += site(cc, PERMUTE, ax, (c - 1) * e, [pos], "backward")
         else:
             out += site(cc, AG, ax, shape.accum, [pos * c], "forward")
     if shape.exec_mamba:
@@ -224,7 +234,7 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
         _, conv_dim, heads = mamba_dims(m)
         halo = shape.mb * (m.d_conv - 1) * conv_dim / t * act
         state = shape.mb * segs * heads / t * (m.ssm_head_dim * m.d_state + 1) * 4 * c
-        for phase in _passes(st):
+        for phase in _cp_passes(st):
             out += site(cc, PERMUTE, ax, e, [halo] * segs, phase) + site(cc, AG, ax, e, [state], phase)
         out += site(cc, PERMUTE, ax, e, [halo] * segs, "backward")
         out += site(cc, RS, ax, e, [state], "backward", partitioner=False)
@@ -264,6 +274,8 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     stats = tuple(a for a in DATA_LIKE if sz[a] > 1)
     for group in reductions(cc, st, stats):
         out += site(cc, AR, group, e, [2 * m.experts * 4], "forward")
+        if st.options.remat != "none":  # the balance loss's mean probabilities, recomputed for its gradient
+            out += site(cc, AR, group, e, [m.experts * 4], "backward")
     return out
 
 
