@@ -65,12 +65,9 @@ NOT_MODELLED = {
                  "by the predicted all-to-all over fsdp; it replicates them ('involuntary full rematerialization') "
                  "and reduces over fsdp x expert instead (dense models too; not modelled); the expert all-to-alls "
                  "match",
-    "pp2-tp2-dp2": "the head runs on each stage's M/S micro-batches (jaxpar/pipeline.py), so some of its tensor "
-                   "collectives under SP (head input gathers, logit sums) are smaller than tp_vocab's whole-batch "
-                   "count (-32768 bytes all-gathered, -34304 all-reduced over tensor); and the combiner leaves the "
-                   "head's gradient all-reduce over data apart from the embedding's and the input cotangent's sum "
-                   "over pipeline apart from the head's (one op more each), order-of-scheduling choices the model "
-                   "does not make",
+    "pp2-tp2-dp2": "bytes match; counts but two: the combiner leaves the head's gradient all-reduce over data "
+                   "apart from the embedding's, and the input cotangent's sum over pipeline apart from the head's "
+                   "(one op more each), order-of-scheduling choices the model does not make",
 }
 
 # tests/test_mamba_model.py's strategies (model, mesh, devices, options, why not modelled). Under fsdp the

@@ -152,18 +152,21 @@ def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: 
     gathered under SP, the softmax max and sum-exp are all-reduced (T*4 bytes each), and so is the
     label's logit (T*4; only the loss value needs it, so XLA:CPU's combiner merges it with the next
     all-reduce over `tensor`); backward the head input gradient is all-reduced (SP:
-    reduce-scattered) and, under SP, the embedding output gradient gathered."""
+    reduce-scattered) and, under SP, the embedding output gradient gathered. Under pipeline parallelism
+    the embedding sees every micro-batch but the head only its stage's ceil(M/S) (jaxpar/pipeline.py)."""
     tokens = shape.b_loc / shape.accum * shape.s_loc
+    head = shape.head_micro * shape.mb * shape.s_loc if shape.stages > 1 else tokens
     x, xr, n = tokens * m.d_model * act, tokens * m.d_model * ar_bytes(cc, act), shape.accum
+    hx, hxr = head * m.d_model * act, head * m.d_model * ar_bytes(cc, act)
     sp, ax = st.options.sequence_parallel, ("tensor",)
-    rs = x if cc.reduce_scatter else xr
+    rs, hrs = (x, hx) if cc.reduce_scatter else (xr, hxr)
     out = site(cc, RS if sp else AR, ax, n, [rs if sp else xr], "forward")
-    out += site(cc, AR, ax, n, [tokens * 4], "forward") + site(cc, AR, ax, n, [tokens * 4], "forward")
-    out += site(cc, RS if sp else AR, ax, n, [rs if sp else xr], "backward")
+    out += site(cc, AR, ax, n, [head * 4], "forward") + site(cc, AR, ax, n, [head * 4], "forward")
+    out += site(cc, RS if sp else AR, ax, n, [hrs if sp else hxr], "backward")
     if sp:
-        out += site(cc, AG, ax, n, [x], "forward") + site(cc, AG, ax, n, [x], "backward")
+        out += site(cc, AG, ax, n, [hx], "forward") + site(cc, AG, ax, n, [x], "backward")
     if not (sp and cc.combine):  # under SP and the combiner it rides with the final-norm gradient
-        out += site(cc, AR, ax, n, [tokens * 4], "optimizer" if cc.combine else "forward")
+        out += site(cc, AR, ax, n, [head * 4], "optimizer" if cc.combine else "forward")
     return out
 
 

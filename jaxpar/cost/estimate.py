@@ -94,10 +94,11 @@ class Estimate:
 
 
 def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq: int, passes: float,
-                          dropout: bool, rows: float = 0.0, fused: bool = False) -> float:
+                          dropout: bool, rows: float = 0.0, fused: bool = False, head_share: float = 1.0) -> float:
     """HBM bytes of bandwidth-bound work per device per step (useful work; the bubble is added later):
     passes * (3 * produced + recomputed) bytes per token per layer (forward 1x, backward 2x), plus the
-    float32 logits (3 * passes * T*V/t*4 bytes; the head is not split by the pipeline). MoE layers:
+    float32 logits (3 * passes * T*V/t*4 bytes x `head_share`, the share of the local batch whose head
+    this device runs: 1, or ceil(M/S)/M where the pipeline spreads the head over its stages). MoE layers:
     `rows` expert rows per token (flops.expert_rows). `fused`: a fused attention kernel (no scores in HBM)."""
     o, t = st.options, st.sizes["tensor"]
     act, sp = memory.DTYPE_BYTES[o.dtype], o.sequence_parallel
@@ -112,7 +113,7 @@ def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq
             produced = memory.inventory_bytes(inv, act, t, sp, "none")
             redo = memory.recomputed_bytes(inv, act, t, sp, o.remat)
             total += layers / sh.stages * (3.0 * produced + redo)
-    logits = 3.0 * m.vocab / t * memory.LOGIT_BYTES
+    logits = 3.0 * m.vocab / t * memory.LOGIT_BYTES * head_share
     return passes * tokens * (total + logits)
 
 
@@ -151,11 +152,14 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
     fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
-    # critical path per device: layers split over all devices; embedding+head not over the pipeline;
+    # critical path per device: layers split over all devices; the head over the pipeline only where the
+    # software spreads it (jaxpar: each stage ceil(M/S) micro-batches; Megatron: the last stage, all M);
     # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)
     experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
-    matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * sh.stages / n
-    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention)
+    head = sh.head_micro * sh.stages / sh.micro if (software.pp_head_spread and sh.stages > 1) else sh.stages
+    matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
+    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention,
+                                head / sh.stages)
     compute = time.compute_seconds(matmul, hbm, hw)
     matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw), hbm / hw.hbm_bw
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)

@@ -302,7 +302,8 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
            + in jaxpar's program, the float32 gradient of one layer's attention scores (d softmax and
              d scores are the largest buffers of a layer's backward), h/t*s_kv*4 bytes per token, and the
              boolean causal mask, once (dense attention; hoisted out of the layer loop)
-           + float32 logits of one accumulation step, b*s*V/t*4 bytes (head outside the pipeline)
+           + float32 logits of one accumulation step, b*s*V/t*4 bytes (jaxpar's pipeline: of its stage's
+             ceil(M/S) micro-batches)
            + the int32 batch (`batch_bytes`)."""
     sz, o = st.sizes, st.options
     act = DTYPE_BYTES[o.dtype]
@@ -332,6 +333,8 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
         scores = tokens * m.heads / t * seq * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
+    if jax_program and stages > 1:  # jaxpar/pipeline.py: each stage the head of ceil(M/S) micro-batches
+        logits *= -(-micro // stages) / micro
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
 
 

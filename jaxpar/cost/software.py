@@ -24,6 +24,8 @@ Megatron-LM (the published runs the model is calibrated on).
                        the routed copies (Megatron's grouped GEMM and token dispatcher)
     param_gather_bytes bytes per element of the parameter all-gather after a ZeRO-1 update: jaxpar gathers
                        its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
+    pp_head_spread     the head and loss of a pipeline run on every stage, each on ceil(M/S) micro-batches
+                       (jaxpar/pipeline.py); False: on the last stage, for all M (Megatron)
     serve_weight_bytes bytes per parameter a generation step reads: jaxpar keeps its float32 masters and
                        casts them inside the step (4); Megatron-style serving stores bf16 weights (2)
     fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never
@@ -60,6 +62,7 @@ class Software:
     moe_padded: bool = True
     param_gather_bytes: int = 4
     serve_weight_bytes: int = 4
+    pp_head_spread: bool = True
     fused_attention: bool = False
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
@@ -69,7 +72,7 @@ class Software:
 JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, jax_activations=False, rerun_outputs=True, moe_padded=False,
-                    param_gather_bytes=2, serve_weight_bytes=2)
+                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False)
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True,
