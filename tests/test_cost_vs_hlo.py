@@ -107,6 +107,9 @@ REMAT_CASES = [
     ("llama-tiny", "context=4,tensor=2", 8, {"attention": "ring", "remat": "dots_no_batch"}, None),
     ("mamba2-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True, "remat": "dots_no_batch"}, None),
     ("moe-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True, "remat": "dots"}, None),
+    ("llama-tiny:layers=8", "data=2,pipeline=2,tensor=2", 8,
+     {"sequence_parallel": True, "remat": "dots_no_batch", "microbatches": 4},
+     "bytes match; the combiner counts of pp2-tp2-dp2 (see NOT_MODELLED)"),
 ]
 DEFAULT_REMAT = {("llama-tiny", "data=4,tensor=2", (("remat", "dots_no_batch"), ("sequence_parallel", True)))}
 

@@ -88,6 +88,10 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
         out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
     if st.options.remat == "full":
         out += site(cc, fwd_kind, ax, e, [fwd_x], "backward")
+    if sp and shape.stages > 1 and st.options.remat in ("dots", "dots_no_batch"):
+        # the iteration's rematerialisation and the policy's, nested: both sub-blocks' gathers and
+        # scatters once more (XLA:CPU, tests/test_cost_vs_hlo.py remat cases)
+        out += site(cc, AG, ax, e, [x], "backward") * 2 + site(cc, fwd_kind, ax, e, [fwd_x], "backward") * 2
     if sp:
         out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
     if cc.reassociate:
