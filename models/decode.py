@@ -9,7 +9,8 @@ over units on `layers` like the parameters:
     M block   conv_x    [units, b, K-1, ssm_heads, p]        the last K-1 conv inputs (the conv window)
               conv_B/C  [units, b, K-1, ngroups, d_state]
               ssm       [units, b, ssm_heads, p, d_state]    the SSM state, float32
-    and once  pos       [b, S] int32                          each cache slot's token position
+    and once  pos       [b, S] int32                          each cache slot's token position (attention
+                                                            stacks only: [b, 0] without attention)
 
 S is the cache length (longest prompt + new tokens - 1). A Mamba layer's state does not grow with S.
 `kv_cached` is kv_heads, or a multiple of it when the strategy replicates K/V heads across tensor
@@ -74,7 +75,10 @@ def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_c
                                        ("layers", "cache_batch", "ssm_heads", "head_dim", "ssm_state"))})
         else:
             raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.validate.check_generate refuses it)")
-    return {"pos": Slot((batch, length), "int32", ("cache_batch", "cache_seq"), PAD_POSITION), "units": blocks}
+    # the slots' positions are for attention's causal mask: an attention-free stack keeps none, so its
+    # decode state is the same size for any cache length
+    slots = length if cfg.has_attention else 0
+    return {"pos": Slot((batch, slots), "int32", ("cache_batch", "cache_seq"), PAD_POSITION), "units": blocks}
 
 
 def is_slot(x) -> bool:
@@ -145,7 +149,8 @@ def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, ind
     cfg = model.cfg
     x = model.embed(tokens)
     valid = positions < PAD_POSITION
-    cache_pos = jax.lax.dynamic_update_slice_in_dim(cache["pos"], positions.astype(jnp.int32), index, axis=1)
+    cache_pos = (jax.lax.dynamic_update_slice_in_dim(cache["pos"], positions.astype(jnp.int32), index, axis=1)
+                 if cfg.has_attention else cache["pos"])
     graphdef, stacked = nnx.split(model.units)
 
     def unit_step(x, unit_and_cache):

@@ -115,7 +115,7 @@ def test_cache_is_sharded_like_a_parameter():
     assert gen.cache_shardings["units"][0]["ssm"].shard_shape(ssm.shape)[2] == 1   # 8 ssm heads / tensor 8
     cfg = parse_model("mamba2-tiny")
     short, long = (decode.cache_layout(cfg, RunConfig(), 4, n) for n in (16, 16384))
-    assert short["units"] == long["units"] and short["pos"].shape == (4, 16)
+    assert short == long and short["pos"].shape == (4, 0)   # no slot positions without attention
 
 
 @pytest.mark.parametrize("model, mesh", [("llama-tiny", "data=2,tensor=4"), ("hybrid-tiny:ngroups=8", "tensor=8")])
@@ -317,3 +317,17 @@ def test_cli_comm_tallies_a_decode_step(tmp_path, capsys):
     assert sum(c["count"] for c in ar) == 1 + 2 * 2 and sum(c["bytes"] for c in ar) == 5 * 2 * 1 * 64 * 4
     assert {c["kind"] for c in report["collectives"]} == {"all-reduce", "all-gather"}
     assert "decode" in capsys.readouterr().out
+
+
+def test_mamba_decode_memory_is_flat_in_the_cache_length():
+    """The compiled decode step of an attention-free model needs the same memory (XLA's memory analysis:
+    arguments, outputs, temporaries) for a 1k and a 16k cache; the cost model says the same state bytes."""
+    from jaxpar.cost.inference import cache_bytes
+    model = parse_model("mamba2-tiny:max_seq=16400")
+    sizes = []
+    for new in (1020, 16380):
+        gen = Generator(model, parse_strategy("data=2,tensor=2"), [[1, 2, 3, 4]] * 2, new, devices=jax.devices()[:4])
+        m = gen.compiled_steps()[1].memory_analysis()
+        sizes.append((m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes))
+    assert sizes[0] == sizes[1], sizes
+    assert cache_bytes(model, gen.strategy, 2, 4 + 1020 - 1) == cache_bytes(model, gen.strategy, 2, 4 + 16380 - 1)

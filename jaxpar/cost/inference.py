@@ -119,7 +119,7 @@ def cache_bytes(m: ModelConfig, st: Strategy, batch: int, slots: int) -> float:
     conv = (m.d_conv - 1) * (m.d_inner + 2 * m.ngroups * m.d_state) / t * act
     ssm = heads / t * m.ssm_head_dim * m.d_state * 4
     states = m.mamba_layers * b * (conv + ssm) if m.mamba_layers else 0.0
-    return kv + states + b * slots * 4  # + the slots' int32 positions
+    return kv + states + (b * slots * 4 if m.has_attention else 0.0)  # + the slots' int32 positions
 
 
 def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
