@@ -243,6 +243,21 @@ def check_study_scaling_ladder(out: pathlib.Path, stdout: str) -> None:
     assert number(published[0]["published MFU"]) == pytest.approx(430 / 989, abs=5e-4), published[0]
 
 
+def check_study_zero_stages(out: pathlib.Path, stdout: str) -> None:
+    """The cost model's state bytes and collective bytes equal the compiled steps' (within 1%); ZeRO-1
+    shards the Adam moments, FSDP everything (state shrinks in that order, bytes grow); on 64 H100
+    only FSDP fits llama3-70b without tensor or pipeline parallelism."""
+    text = read_results(out, "study_zero_stages")
+    rows = {r["strategy"]: r for r in table(text, "strategy", "ZeRO")}
+    for r in rows.values():
+        assert abs(number(r["state error"])) < 0.01 and abs(number(r["bytes error"])) < 0.01, r
+    state = [number(rows[k]["state MiB/device (compiled)"]) for k in ("dp8", "zero1-dp8", "fsdp8")]
+    moved = [number(rows[k]["bytes/step (compiled)"]) for k in ("dp8", "zero1-dp8", "fsdp8")]
+    assert state == sorted(state, reverse=True) and moved == sorted(moved), (state, moved)
+    big = {r["stage"]: r for r in table(text, "stage", "params GiB")}
+    assert [big[k]["fits"] for k in ("ZeRO-0 (DP)", "ZeRO-1", "ZeRO-3 (FSDP)")] == ["no", "no", "yes"], big
+
+
 def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
     """TP's bytes stay on NVLink up to TP=8 and cross InfiniBand beyond; exposed (megatron-lm) that
     loses at TP=16, overlapped (megatron-core) at TP=32, where the exposed tensor time appears."""
@@ -310,6 +325,7 @@ CHECKS = {
     "study_mfu_map": check_study_mfu_map,
     "study_scaling_ladder": check_study_scaling_ladder,
     "study_tp_vs_pp": check_study_tp_vs_pp,
+    "study_zero_stages": check_study_zero_stages,
 }
 
 
