@@ -131,7 +131,7 @@ DEFAULT_OVERLAP = {("llama-tiny", "data=2,tensor=4", tuple(sorted(CM.items())))}
 DEFAULT_MAMBA = {("mamba2-tiny", "data=4,tensor=2", ())}
 
 
-def _mamba_param(model, mesh, devices, options, why, default=DEFAULT_MAMBA):
+def _case_param(model, mesh, devices, options, why, default=DEFAULT_MAMBA):
     marks = [pytest.mark.xfail(reason=why, strict=True)] if why else []
     if (model, mesh, tuple(sorted(options.items()))) not in default:
         marks.append(pytest.mark.slow)
@@ -210,13 +210,13 @@ def test_catalogue_strategy_prediction_equals_hlo(mesh):
     assert_prediction_matches(model_for(strategy), mesh, strategy.num_devices)
 
 
-@pytest.mark.parametrize("model, mesh, devices, options", [_mamba_param(*case) for case in MAMBA_CASES])
+@pytest.mark.parametrize("model, mesh, devices, options", [_case_param(*case) for case in MAMBA_CASES])
 def test_mamba_and_hybrid_prediction_equals_hlo(model, mesh, devices, options):
     assert_prediction_matches(model, mesh, devices, **options)
 
 
 @pytest.mark.parametrize("model, mesh, devices, options",
-                         [_mamba_param(*case, default=DEFAULT_MOE) for case in MOE_CASES])
+                         [_case_param(*case, default=DEFAULT_MOE) for case in MOE_CASES])
 def test_moe_prediction_equals_hlo(model, mesh, devices, options):
     """The expert all-to-alls (2 forward, 2 backward per MoE layer), the experts' gradients reduced over the
     data-like axes but `expert`, the router statistics' sums and the experts' tensor-parallel sums."""
@@ -224,7 +224,7 @@ def test_moe_prediction_equals_hlo(model, mesh, devices, options):
 
 
 @pytest.mark.parametrize("model, mesh, devices, options",
-                         [_mamba_param(*case, default=DEFAULT_OVERLAP) for case in OVERLAP_CASES])
+                         [_case_param(*case, default=DEFAULT_OVERLAP) for case in OVERLAP_CASES])
 def test_collective_matmul_prediction_equals_hlo(model, mesh, devices, options):
     """Per attention layer 4 rings of tensor-1 permutes of a residual chunk each way (a MoE layer: 2),
     in place of the all-gathers and reduce-scatters (and q/k/v's input-gradient sums)."""
@@ -232,7 +232,7 @@ def test_collective_matmul_prediction_equals_hlo(model, mesh, devices, options):
 
 
 @pytest.mark.parametrize("model, mesh, devices, options",
-                         [_mamba_param(*case, default=DEFAULT_REMAT) for case in REMAT_CASES])
+                         [_case_param(*case, default=DEFAULT_REMAT) for case in REMAT_CASES])
 def test_remat_policies_prediction_equals_hlo(model, mesh, devices, options):
     assert_prediction_matches(model, mesh, devices, **options)
 

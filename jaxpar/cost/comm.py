@@ -18,6 +18,7 @@ from __future__ import annotations
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site, together
+from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape
@@ -263,15 +264,12 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     expert) queue counts (g*k*E int32). The balance loss needs each expert's load and mean router
     probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
     `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring)."""
-    from jaxpar.ops.moe import group_capacity  # noqa: PLC0415 (a pure formula; keeps jax out of import time)
     sz, e = st.sizes, shape.exec_moe
     c = sz["context"]
-    seq = shape.s_loc * c
     out = []
-    if sz["expert"] > 1:
-        cap = min(shape.s_loc, group_capacity(round(seq), m.top_k, m.experts, m.capacity_factor))
-        rows = m.experts * cap if padded else shape.s_loc * m.top_k
-        buf = rows * shape.mb * m.d_model * act
+    if sz["expert"] > 1:  # the buffer's rows per token as the FLOPs count them (flops.expert_rows)
+        rows = expert_rows(m, round(shape.s_loc * c), c, padded)
+        buf = rows * shape.s_loc * shape.mb * m.d_model * act
         out += site(cc, A2A, ("expert",), 2 * e, [buf], "forward")
         out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e, [buf], "backward")
     if c > 1:

@@ -27,9 +27,9 @@ so a step is 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) model FLOPs, 96*... with ful
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jaxpar.cost.params import mamba_dims, per_model
+from jaxpar.ops.capacity import group_capacity
 from jaxpar.models.config import ModelConfig
 
 TRAIN_FACTOR = 3.0  # forward + backward (2x forward) for matmuls
@@ -158,8 +158,7 @@ def expert_rows(m: ModelConfig, seq: int, context: int = 1, padded: bool = True)
     if not padded or not m.experts:
         return float(m.top_k)
     s_loc = seq / context
-    cap = seq if m.capacity_factor == 0 else max(1, min(seq, math.ceil(m.capacity_factor * seq * m.top_k / m.experts)))
-    return m.experts * min(s_loc, cap) / s_loc
+    return m.experts * min(s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor)) / s_loc
 
 
 # ---- embedding and head ----------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class InferenceEstimate:
     hbm_capacity: float
     predicted: tuple[tuple, ...]  # (kind, axes, phase, count, bytes), as cost/comm.py's
     critical_batch: float | None  # decode: the batch where the step turns compute-bound (None: never)
+    mesh_sizes: tuple = ()        # the strategy's ((axis, size), ...), for the records' wire bytes
 
     @property
     def step_s(self) -> float:
@@ -88,8 +89,6 @@ class InferenceEstimate:
     @property
     def collectives(self):
         return cost_comm.to_records(self.predicted, dict(self.mesh_sizes))
-
-    mesh_sizes: tuple = ()
 
     def to_json(self) -> dict:
         return {"model": self.model, "strategy": self.strategy, "hardware": self.hardware, "phase": self.phase,

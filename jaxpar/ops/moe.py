@@ -40,21 +40,13 @@ context are summed by shard_map (check_vma). ragged_all_to_all is not used (XLA:
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import validate
+from jaxpar.ops.capacity import group_capacity
 from jaxpar.sharding import current_layout
-
-
-def group_capacity(seq: int, top_k: int, experts: int, capacity_factor: float) -> int:
-    """C: copies an expert takes from one group of `seq` tokens (dropless: seq)."""
-    if capacity_factor == 0:
-        return seq
-    return max(1, min(seq, math.ceil(capacity_factor * seq * top_k / experts)))
 
 
 def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
