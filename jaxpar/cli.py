@@ -65,7 +65,7 @@ def add_software_flag(p) -> None:
     from jaxpar.cost.software import SOFTWARE  # noqa: PLC0415
     p.add_argument("--software", choices=sorted(SOFTWARE), default="jaxpar",
                    help="whose implementation to cost (jaxpar/cost/software.py): jaxpar's own program (default), "
-                        "megatron (Megatron-LM 2021-22: no overlap), megatron-core (fused attention, TP/DP/PP "
+                        "megatron-lm (Megatron-LM 2021-22: no overlap), megatron-core (fused attention, TP/DP/PP "
                         "communication overlapped, distributed optimizer's bf16 gathers)")
 
 
