@@ -27,5 +27,10 @@ def hf_params(directory: str, model, abstract_params):
 
 def strategy_from_args(args, spec: str | None = None):
     from jaxpar.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
+    from jaxpar.devices import backend_started  # noqa: PLC0415
+    from jaxpar.xla_presets import export_tpu_flags  # noqa: PLC0415
     strategy = parse_strategy(spec or args.mesh)
-    return strategy.with_options(**{f.name: getattr(args, f.name, None) for f in OPTION_FIELDS})
+    strategy = strategy.with_options(**{f.name: getattr(args, f.name, None) for f in OPTION_FIELDS})
+    if not backend_started():  # libtpu reads a TPU preset's flags once, when the backend starts
+        export_tpu_flags(strategy.options.xla_preset)
+    return strategy

@@ -97,6 +97,7 @@ def cmd_train(args) -> int:
             jax.profiler.stop_trace()
         if peak_flops and "model_flops_per_s" in m:
             m["mfu"] = m["model_flops_per_s"] / peak_flops
+        m["xla_preset"] = trainer.strategy.options.xla_preset   # what the step was compiled with
         sinks.write(m)
         if not math.isfinite(m["loss"]):  # never report a diverged run as a success
             raise ConfigError(f"training diverged: loss is {m['loss']} at step {step} (lr={args.lr}); "
@@ -176,6 +177,7 @@ def cmd_comm(args) -> int:
     import jax  # noqa: PLC0415
 
     from jaxpar.analysis import comm  # noqa: PLC0415
+    from jaxpar.analysis.overlap import format_overlap  # noqa: PLC0415
     from jaxpar.analysis.report import format_table  # noqa: PLC0415
     if args.phase != "train":
         report = comm_generation(args, model, strategy, jax.devices()[:n])
@@ -184,6 +186,7 @@ def cmd_comm(args) -> int:
     if jax.process_index():
         return 0
     print(format_table(report))
+    print(format_overlap(report["overlap"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

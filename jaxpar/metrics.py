@@ -1,6 +1,7 @@
 """Where `jaxpar train` writes its per-step metrics: a JSONL file, TensorBoard event files, or both.
 
-Each step's record is {step, loss, grad_norm, step_time_s, tokens_per_s, model_flops_per_s} and, when
+Each step's record is {step, loss, grad_norm, step_time_s, tokens_per_s, model_flops_per_s, xla_preset (the
+compiler scheduling preset the step was compiled with: jaxpar/xla_presets.py)} and, when
 `--hardware` names a device, `mfu` (model FLOP/s over the devices' peak). A model with mixture-of-experts
 layers adds its router statistics, each averaged over the MoE layers (models/moe.py): `moe_aux_loss`
 (the load-balancing loss, 1 when balanced), `moe_z_loss`, `moe_dropped_fraction` (token copies over

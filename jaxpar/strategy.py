@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.inputs import read_toml, table
+from jaxpar.xla_presets import NAMES as XLA_PRESETS
 
 # Canonical order, outermost (slowest links) to innermost (fastest links).
 AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "context", "expert", "tensor")
@@ -65,6 +66,9 @@ class Options:
                                    "interleaved with partial matmuls; _bidir uses both ring directions "
                                    "(needs tensor > 1 and sequence_parallel)",
                            ("none", "collective_matmul", "collective_matmul_bidir"))
+    xla_preset: str = _option("none", "compiler scheduling preset (jaxpar/xla_presets.py): XLA options that let "
+                                      "collectives run asynchronously behind compute on GPU or TPU; the "
+                                      "partitioning and the bytes are unchanged", XLA_PRESETS)
     pp_stages: str = _option("", "pipeline: layer units per stage chunk, comma-separated in execution order "
                                  "(S values for gpipe, S*v for circular; default: even, or the first and last "
                                  "chunks one unit lighter when S*v does not divide the units)")

@@ -27,6 +27,7 @@ from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
+from jaxpar.xla_presets import compiler_options
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.moe import AUX_FIELDS
@@ -105,11 +106,14 @@ class Trainer:
         self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, replicated)
         self.batch_sharding = self.layout.activation("batch", "seq")
         self.abstract_params = abstract_params
+        self.compiler_options = compiler_options(self.strategy.options.xla_preset, self.mesh.devices.flat[0].platform)
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
-                             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+                             out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+                             compiler_options=self.compiler_options)
         self._grads = jax.jit(lambda p, b: self._loss_and_grads(p, b)[::2],
                               in_shardings=(self.param_shardings, self.batch_sharding),
-                              out_shardings=(replicated, self.param_shardings))
+                              out_shardings=(replicated, self.param_shardings),
+                              compiler_options=self.compiler_options)
 
     def check_host_memory(self) -> None:
         """Refuse, before allocating, a run that cannot fit this host when its devices are simulated CPU

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import validate
-from jaxpar.analysis import hlo_text, tally
+from jaxpar.analysis import hlo_text, overlap, tally
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
@@ -151,63 +151,33 @@ def test_model_matches_one_device_more_layouts(model, mesh, devices, options):
     harness.assert_matches_one_device(model, mesh, devices, **options)
 
 
-def _dot_ops(module: hlo_text.Module) -> set[str]:
-    """Names of the instructions that compute a matmul: dots, and fusions (XLA:CPU wraps dots in
-    them) whose computation holds one."""
-    comps = module.computations
-
-    def holds_dot(name: str) -> bool:
-        return any(i.opcode in ("dot", "convolution")
-                   or any(holds_dot(c) for c in re.findall(r"calls=%?([\w.\-]+)", i.text)) for i in comps[name])
-
-    return {i.name for instrs in comps.values() for i in instrs
-            if i.opcode == "dot" or (i.opcode == "fusion" and holds_dot(re.search(r"calls=%?([\w.\-]+)", i.text)[1]))}
-
-
-def _near(start: str, step, targets: set[str], hops: int = 3) -> bool:
-    """Whether a target is within `hops` edges of `start` along `step` (name -> neighbours)."""
-    frontier = {start}
-    for _ in range(hops):
-        frontier = {n for name in frontier for n in step(name)}
-        if frontier & targets:
-            return True
-    return False
-
-
 def test_compiled_step_decomposes_the_collectives():
     """Inside the layer loop (forward and backward bodies): no all-gather, reduce-scatter or activation
     all-reduce; (tensor-1) collective-permutes per ring, 4 rings per layer (q/k/v, o, up/gate, down)
     each way; every permute sends a chunk that a dot then reads (all-gather ring) or a partial sum
-    that a dot just produced (reduce-scatter ring), within a few element-wise or copy ops."""
+    that a dot just produced (reduce-scatter ring), within a few element-wise or copy ops: the
+    `decomposed` part of `jaxpar comm`'s overlap report (jaxpar/analysis/overlap.py), which also says
+    that XLA:CPU made no collective asynchronous."""
     mesh, tensor, d = MESH, 4, parse_model(MODEL).d_model
     module = hlo_text.parse_module(harness.compiled_text(MODEL, mesh, 8, **OPTION))
     layout_mesh = harness.trainer(MODEL, mesh, 8, **OPTION).mesh
     positions = np.arange(layout_mesh.size).reshape(tuple(layout_mesh.shape.values()))
     over_tensor = {op.name: op for op in tally.collective_ops(module, layout_mesh.axis_names, positions)
                    if "tensor" in op.axes}
-    dots = _dot_ops(module)
-    bodies = [name for name, instrs in module.computations.items()
-              if name != module.entry and any(i.opcode == "collective-permute" for i in instrs)]
+    report = overlap.overlap_report(module, layout_mesh.axis_names, positions)
+    assert not report["asynchronous"]
+    bodies = {d_["computation"]: d_ for d_ in report["decomposed"]}
     assert len(bodies) == 2, bodies   # the layer scan's forward and backward loop bodies
-    for name in bodies:
-        instrs = module.computations[name]
-        by_name = {i.name: i for i in instrs}
-        users: dict[str, list[str]] = {}
-        for i in instrs:
-            for op in i.operands:
-                users.setdefault(op, []).append(i.name)
-        tensor_ops = [over_tensor[i.name] for i in instrs if i.name in over_tensor]
+    layers = parse_model(MODEL).layers
+    for name, body in bodies.items():
+        assert name != module.entry and body["runs"] == layers and body["axes"] == ["tensor"]
+        tensor_ops = [over_tensor[i.name] for i in module.computations[name] if i.name in over_tensor]
         assert not [op for op in tensor_ops if op.kind in ("all-gather", "reduce-scatter")], name
         # the one all-reduce over tensor left in a body sums the norm scales' gradients ([d] floats each)
         assert all(op.kind == "collective-permute" or (op.kind == "all-reduce" and op.bytes <= 4 * 2 * d)
                    for op in tensor_ops), (name, tensor_ops)
-        permutes = [i for i in instrs if i.opcode == "collective-permute"]
-        assert len(permutes) == 4 * (tensor - 1), (name, len(permutes))
-        not_permutes = lambda names: [n for n in names if n not in by_name or by_name[n].opcode != "collective-permute"]
-        for p in permutes:
-            feeds_dot = _near(p.name, lambda n: not_permutes(users.get(n, [])), dots)
-            fed_by_dot = _near(p.name, lambda n: not_permutes(by_name[n].operands if n in by_name else []), dots)
-            assert feeds_dot or fed_by_dot, (name, p.name)
+        assert body["permutes"] == 4 * (tensor - 1), body
+        assert body["permutes_at_matmul"] == body["permutes"] and body["matmuls"] > body["permutes"], body
 
 
 # ---- constraints -------------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def test_compare_trains_and_plots(tmp_path, capsys):
     assert [r["name"] for r in data["reports"]] == ["dp8", "fsdp4-tp2-sp"]
     for r in data["reports"]:
         assert r["run"]["steps"] == 2 and r["run"]["loss_diff"] < 1e-4 and r["run"]["step_time_s"] > 0
-        assert {"collectives", "totals", "flops_per_device", "memory", "compile_seconds"} <= r.keys()
+        assert {"collectives", "totals", "flops_per_device", "memory", "compile_seconds", "overlap"} <= r.keys()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -73,6 +73,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from jaxpar.analysis.overlap import overlap_report
 from jaxpar.analysis.patterns import dot_flops, scatter_like_all_reduces
 from jaxpar.analysis.tally import tally_compiled
 from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
@@ -100,7 +101,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     Pass ``compiler_options=None`` to compile the executable a run would use (``compare_strategies``)."""
     lowered = trainer.lower_step()
     t0 = time.perf_counter()
-    compiled = lowered.compile(compiler_options)
+    compiled = lowered.compile(compiler_options)   # (merged with the step's own: its xla_preset)
     report = analyze_compiled(compiled, trainer.mesh, trainer.model_cfg.name, time.perf_counter() - t0)
     report["warnings"] += _moe_notes(tally_compiled(compiled, trainer.mesh), trainer)
     return report
@@ -111,6 +112,7 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
     decode steps for `comm --phase`)."""
     text = compiled.as_text()
     tally = tally_compiled(compiled, mesh)
+    positions = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
     flops, flops_note = flops_per_device(compiled, text)
     return {
         "model": model_name,
@@ -121,6 +123,7 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
         "flops_per_device": flops,
         "memory": memory_per_device(compiled),
         "compile_seconds": round(compile_seconds, 3),
+        "overlap": overlap_report(text, mesh.axis_names, positions),
         "warnings": list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh),
     }
 
