@@ -47,12 +47,14 @@ DATA_AXES = ("data", "fsdp", "expert")  # the axes a batch is split over
 
 
 def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = False) -> Rules:
-    """The table for `purpose` in {"params", "optimizer", "activations"}.
+    """The table for `purpose` in {"params", "optimizer", "activations", "compute"}.
 
     - params:      `embed` on fsdp under ZeRO-3, replicated otherwise.
     - optimizer:   Adam moments follow the params, except ZeRO-1 which shards them (and the
                    gradient entering the update) on `embed` over data x fsdp.
     - activations: sequence parallelism adds `tensor` to the residual stream's sequence dim.
+    - compute:     the layout a weight is gathered to for its matmuls: the params table without fsdp
+                   (FSDP's all-gather target; jaxpar/ops/fsdp_prefetch.py gathers to it explicitly).
 
     `replicate_kv_heads` is Megatron's rule for tensor > kv_heads (used by inference: jaxpar/generate.py):
     the K/V projections and their activations are replicated over `tensor` (every rank computes every
@@ -63,8 +65,8 @@ def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = Fa
     if replicate_kv_heads:
         rules["kv_heads"] = rules["act_kv_heads"] = ()
     zero = strategy.zero
-    if purpose in ("params", "optimizer"):
-        rules["embed"] = ("fsdp",) if zero == 3 else ()
+    if purpose in ("params", "optimizer", "compute"):
+        rules["embed"] = ("fsdp",) if zero == 3 and purpose != "compute" else ()
         if purpose == "optimizer" and zero == 1:
             rules["embed"] = ("data", "fsdp")
     elif purpose == "activations":

@@ -66,6 +66,9 @@ class Options:
                                    "interleaved with partial matmuls; _bidir uses both ring directions "
                                    "(needs tensor > 1 and sequence_parallel)",
                            ("none", "collective_matmul", "collective_matmul_bidir"))
+    fsdp_prefetch: bool = _option(False, "FSDP: gather the next layer's weights while this layer computes, "
+                                         "forward and backward (jaxpar/ops/fsdp_prefetch.py; needs zero=3 and "
+                                         "remat=full; holds two layers' gathered weights at a time)")
     xla_preset: str = _option("none", "compiler scheduling preset (jaxpar/xla_presets.py): XLA options that let "
                                       "collectives run asynchronously behind compute on GPU or TPU; the "
                                       "partitioning and the bytes are unchanged", XLA_PRESETS)

@@ -68,7 +68,8 @@ def run_config(strategy: Strategy) -> RunConfig:
     """How the model executes under `strategy`: the one place strategy options reach the model."""
     o = strategy.options
     return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention,
-                     ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap)
+                     ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap,
+                     fsdp_prefetch=o.fsdp_prefetch)
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:

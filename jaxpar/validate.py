@@ -85,6 +85,8 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         _divides("context x tensor", cp * tp, "seq", seq)
     if o.overlap != "none":
         check_overlap(model, strategy, seq)
+    if o.fsdp_prefetch:
+        check_fsdp_prefetch(strategy)
 
     # --- context parallelism ------------------------------------------------------------------
     if model.has_attention and (cp > 1 or o.attention != "dense"):
@@ -125,6 +127,21 @@ def check_overlap(model: ModelConfig, strategy: Strategy, seq: int) -> None:
 
 
 # ---- context parallelism -------------------------------------------------------------------------
+
+def check_fsdp_prefetch(strategy: Strategy) -> None:
+    """fsdp_prefetch (jaxpar/ops/fsdp_prefetch.py) gathers sharded weights one layer ahead inside the layer
+    scan, and recomputes each layer in its hand-written backward pass."""
+    o = strategy.options
+    if strategy.zero != 3:
+        raise ConfigError(f"fsdp_prefetch gathers FSDP-sharded weights ahead of use, but zero={strategy.zero} keeps "
+                          "them whole: it needs fsdp > 1 (zero=3)")
+    if o.remat != "full":
+        raise ConfigError(f"fsdp_prefetch saves each layer's input and recomputes the layer in the backward pass "
+                          f"(remat=full), so remat={o.remat} cannot be honoured: set remat=full")
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"fsdp_prefetch with pipeline={strategy.size('pipeline')}: the pipeline gathers its "
+                          "stage weights once per step already (jaxpar/pipeline.py)")
+
 
 def check_token_layout(seq_len: int, context: int, layout: str) -> None:
     """A token layout along a sequence split over `context` shards (jaxpar.ops.attention)."""

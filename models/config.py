@@ -304,3 +304,5 @@ class RunConfig:
                                   # context axis: jaxpar/ops/mamba_cp.py)
     overlap: str = "none"         # none | collective_matmul | collective_matmul_bidir: the attention and
                                   # MLP projections as ring collective matmuls (jaxpar/ops/collective_matmul.py)
+    fsdp_prefetch: bool = False   # the layer scan gathers the next unit's weights during this unit's compute
+                                  # (jaxpar/ops/fsdp_prefetch.py)

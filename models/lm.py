@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.ops.fsdp_prefetch import prefetched_scan
 from jaxpar.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
@@ -97,7 +98,10 @@ class LM(nnx.Module):
     def apply_stack_aux(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks)."""
         graphdef, stacked = nnx.split(self.units)
-        x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
+        if self.run.fsdp_prefetch:  # (remat = "full": the prefetched scan recomputes each unit backward)
+            x, aux = prefetched_scan(lambda h, unit: nnx.merge(graphdef, unit)(h, positions), x, stacked)
+        else:
+            x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
         return x, None if aux is None else jnp.sum(aux, axis=0)
 
     def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
