@@ -311,6 +311,50 @@ def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
     assert number(long_big["MFU"]) > number(long_small["MFU"]) + 0.05, (long_big, long_small)
 
 
+def check_study_blocks(out: pathlib.Path, stdout: str) -> None:
+    """Per block, the compiled HLO's collective bytes and weights equal the model's within 2%, and its
+    matmul FLOPs too (Mamba-2 under CP excepted: the model leaves out the chunk-state hand-over); the
+    crossovers against hand counts: the KV cache (2 x 8 KV heads x 128 x 2 bytes per token) outgrows
+    the Mamba-2 state (128 heads x 64 x 128 SSM + 3 x 10,240 conv values, 2 bytes) at ceil(state / kv)."""
+    text = read_results(out, "study_blocks")
+    rows = table(text, "block", "layout", "mesh")
+    assert rows
+    for r in rows:
+        assert abs(number(r["comm error"])) < 0.02, r
+        assert number(r["weights KiB (model)"]) == pytest.approx(number(r["weights KiB (compiled)"]), rel=0.02), r
+        if (r["block"], r["layout"]) != ("mamba2", "CP"):
+            assert abs(number(r["FLOPs error"])) < 0.02, r
+        if r["layout"] in ("TP", "SP", "CP") and r["block"] != "mlp" or r["layout"] in ("TP", "SP"):
+            assert number(r["comm KiB (compiled)"]) > 0, r
+    state = (128 * 64 * 128 + 3 * (8192 + 2 * 8 * 128)) * 2
+    kv = 2 * 8 * 128 * 2
+    assert f"the KV cache outgrows the Mamba-2 state from {-(-state // kv):,} tokens" in text
+    flop_x = int(re.search(r"attention costs more per token from ([\d,]+) tokens", text)[1].replace(",", ""))
+    cross = table(text, "seq", "attention MFLOP/token")
+    for r in cross:  # the grid agrees with the crossover: attention cheaper below it, dearer above
+        seq = number(r["seq"])
+        assert (number(r["attention MFLOP/token"]) > number(r["Mamba-2 MFLOP/token"])) == (seq >= flop_x), (r, flop_x)
+
+
+def check_study_inference(out: pathlib.Path, stdout: str) -> None:
+    """Decoding at batch 1 is HBM-bound and tensor=8 answers fastest; the node's throughput grows with the
+    batch; the KV cache per sequence and device is the hand count layers x 2 x context x KV heads / 8 x
+    128 x 2 bytes (llama3-70b: 80 layers, 8 KV heads)."""
+    text = read_results(out, "study_inference")
+    rows = table(text, "model", "hardware", "layout", "batch")
+    first = {(r["model"], r["layout"]): r for r in rows if r["batch"] == "1"}
+    for (model, layout), r in first.items():
+        assert r["bound"] == "memory bandwidth", r
+        assert number(first[(model, "tensor=8")]["latency ms/token"]) <= number(r["latency ms/token"]), r
+    for key in first:
+        speeds = [number(r["tokens/s"]) for r in rows if (r["model"], r["layout"]) == key]
+        assert speeds == sorted(speeds), (key, speeds)
+    for r in table(text, "model", "hardware", "context"):
+        if r["model"] == "llama3-70b":
+            hand = 80 * 2 * number(r["context"]) * 1 * 128 * 2 / 2**30  # 8 KV heads over tensor=8: 1 per device
+            assert number(r["KV cache GiB/sequence"]) == pytest.approx(hand, abs=1e-3), r
+
+
 CHECKS = {
     "demo": check_demo,
     "bench_comm": check_bench_comm,
@@ -321,6 +365,8 @@ CHECKS = {
     "bench_moe": check_bench_moe,
     "bench_overlap": check_bench_overlap,
     "bench_pipeline": check_bench_pipeline,
+    "study_blocks": check_study_blocks,
+    "study_inference": check_study_inference,
     "study_long_context": check_study_long_context,
     "study_mfu_map": check_study_mfu_map,
     "study_scaling_ladder": check_study_scaling_ladder,
