@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
                     help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
+    pl.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
+                    help="search training layouts (default), or inference layouts for a prefill of --global-batch "
+                         "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/plan_inference.py)")
+    pl.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
     add_software_flag(pl)
 
     analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "

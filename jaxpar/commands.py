@@ -208,7 +208,7 @@ def comm_generation(args, model, strategy, devices) -> dict:
     gen = Generator(model, strategy, [[0] * prompt] * batch, args.gen_len, devices=devices[:strategy.num_devices])
     t0 = time.perf_counter()
     steps = dict(zip(("prefill", "decode"), gen.compiled_steps()))
-    report = analyze_compiled(steps[args.phase], gen.mesh, f"{model.name} {args.phase} (batch {batch}, prompt "
+    report = analyze_compiled(steps[args.phase], gen.phase(args.phase).mesh, f"{model.name} {args.phase} (batch {batch}, prompt "
                               f"{prompt}, cache {prompt + args.gen_len - 1})", time.perf_counter() - t0)
     report["phase"] = args.phase
     return report
@@ -265,7 +265,7 @@ def cmd_generate(args) -> int:
         params, source = gen.init_params(args.param_seed), f"parameters: fresh initialisation (seed {args.param_seed})"
     kv = f"; K/V heads x{gen.kv_copies} across tensor ranks" if gen.kv_copies > 1 else ""
     print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
-    print(f"strategy {gen.strategy.describe()}{kv}; {source}")
+    print(f"strategy {gen.describe()}{kv}; {source}")
     print(f"compiled prefill and decode in {gen.compile():.1f} s")
     result = gen.generate(params, prompts)
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens.tolist())):
@@ -274,8 +274,11 @@ def cmd_generate(args) -> int:
                else "no decode step (--max-new-tokens 1)")
     print(f"time to first token {result.time_to_first_token_s * 1e3:.1f} ms  {latency}  "
           f"{result.tokens_per_s:.0f} tokens/s ({result.tokens.size} tokens, batch {len(prompts)})")
+    if gen.resharded:
+        print(f"resharded weights and cache from the prefill to the decode layout in {result.reshard_s * 1e3:.1f} ms")
     if args.json:
         report = {"model": model.name, "mesh": dict(gen.strategy.sizes), "devices": gen.mesh.size,
+                  "prefill_mesh": dict(gen.prefill.strategy.sizes), "decode_mesh": dict(gen.decode.strategy.sizes),
                   "batch": len(prompts), "prompt_lengths": [len(p) for p in prompts],
                   "max_new_tokens": args.max_new_tokens, "sampling": dataclasses.asdict(sampling),
                   "kv_head_copies": gen.kv_copies, "params": source, **result.to_json()}

@@ -48,7 +48,9 @@ def estimate_inference(args, model, strategy, defaults) -> int:
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
     from jaxpar.cost.inference import format_inference, inference_estimate  # noqa: PLC0415
 
-    validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len)
+    validate.check_phases(strategy)
+    strategy = strategy.phase(args.phase)  # a mesh file's [prefill] / [decode] layout, if it gives one
+    validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len, args.phase)
     est = inference_estimate(model, strategy, args.hardware, args.global_batch, args.seq, args.gen_len, args.phase,
                              SOFTWARE[args.software])
     print(f"software {args.software}; options {strategy.describe_options()}")
@@ -66,6 +68,8 @@ def cmd_plan(args) -> int:
 
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
 
+    if getattr(args, "phase", "train") != "train":
+        return plan_inference(args)
     results, considered, valid = planner.plan(model_from(args.model), args.hardware, args.devices,
                                               args.seq, args.global_batch, args.top, SOFTWARE[args.software],
                                               args.objective)
@@ -99,3 +103,22 @@ def verify_plans(args, model, results) -> None:
         print(format_checks(i, describe(st), checks, report))
     print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else
           f"verify: every figure within {TOLERANCE:.0%}")
+
+
+def plan_inference(args) -> int:
+    """`plan --phase prefill|decode`: jaxpar/plan_inference.py's search, printed as a table."""
+    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
+    from jaxpar.plan_inference import format_inference_plan, plan_inference as search  # noqa: PLC0415
+
+    for flag in ("verify", "write"):
+        if getattr(args, flag):
+            raise ConfigError(f"plan --{flag} is for training layouts; not with --phase {args.phase}")
+    results, considered, valid = search(model_from(args.model), args.hardware, args.devices, args.phase,
+                                        args.global_batch, args.seq, args.gen_len, args.top, SOFTWARE[args.software])
+    print(format_inference_plan(results, considered, valid, args.phase, args.software))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"considered": considered, "valid": valid,
+                       "plans": [est.to_json() | {"mesh": dict(st.mesh), "attention": st.options.attention}
+                                 for est, st in results]}, f, indent=1)
+    return 0

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import validate
 from jaxpar.mesh import make_mesh
+from jaxpar.ops.attention import token_permutation
 from jaxpar.sharding import Layout, param_shardings, spec_for, use_layout
 from jaxpar.strategy import Strategy
 from jaxpar.models import decode
@@ -86,6 +87,7 @@ class Result:
     decode_step_s: tuple[float, ...]      # each decode step's latency (max_new_tokens - 1 of them)
     compile_s: float
     logits: np.ndarray | None = None
+    reshard_s: float = 0.0                # prefill layout -> decode layout (weights and cache), when they differ
 
     @property
     def per_token_latency_s(self) -> float:
@@ -95,7 +97,7 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         """Every generated token over the whole run (prefill included)."""
-        return self.tokens.size / (self.time_to_first_token_s + sum(self.decode_step_s))
+        return self.tokens.size / (self.time_to_first_token_s + self.reshard_s + sum(self.decode_step_s))
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,48 +111,118 @@ class Result:
         return {"tokens": self.tokens.tolist(), "time_to_first_token_s": self.time_to_first_token_s,
                 "per_token_latency_s": self.per_token_latency_s if decoded else None,
                 "decode_step_s": list(self.decode_step_s), "tokens_per_s": self.tokens_per_s,
-                "decode_tokens_per_s": self.decode_tokens_per_s if decoded else None, "compile_s": self.compile_s}
+                "decode_tokens_per_s": self.decode_tokens_per_s if decoded else None, "compile_s": self.compile_s,
+                "reshard_s": self.reshard_s}
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseLayout:
+    """Where one phase runs: its resolved strategy, mesh and layout, and the shardings of the
+    parameters, the cache, the token rows [b, s] and the one-token vectors [b] on that mesh."""
+    name: str
+    strategy: Strategy
+    mesh: Any
+    layout: Layout
+    params: Any
+    cache: Any
+    rows: NamedSharding
+    vector: NamedSharding
+
+
+def kv_copies(model: ModelConfig, *tensors: int) -> int:
+    """How many copies of each K/V head the cache holds so that every layout's tensor ranks each find
+    the head they read: tensor/kv_heads when tensor > kv_heads (Megatron's rule), the least common
+    multiple over the phases' layouts."""
+    if not model.has_attention:
+        return 1
+    return math.lcm(*(t // model.kv_heads if t > model.kv_heads else 1 for t in tensors))
+
+
+def prompt_width(model: ModelConfig, strategy: Strategy, longest: int) -> int:
+    """The padded prompt width P: the longest prompt, rounded up so that a context-parallel prefill
+    splits it into equal pieces (2 per context rank under zigzag), each at least the conv halo
+    (d_conv - 1 tokens) long for Mamba-2 (jaxpar.validate.check_mamba). The extra columns are left
+    pads, identity steps for every layer."""
+    cp = strategy.size("context")
+    if cp == 1:
+        return longest
+    pieces = cp * (2 if strategy.options.cp_layout == "zigzag" else 1)
+    width = -(-longest // pieces) * pieces
+    if "M" in model.pattern:
+        width = max(width, pieces * (model.d_conv - 1))
+    return width
 
 
 class Generator:
     """The prefill and decode steps of one model under one strategy, for `batch` prompts left-padded
-    to `prompt_len` and `max_new_tokens` new tokens each, validated and compiled once."""
+    to `prompt_len` and `max_new_tokens` new tokens each, validated and compiled once.
+
+    The strategy's [prefill] and [decode] layouts (jaxpar/strategy.py) may differ: the prefill then
+    runs on its mesh, and the weights and the filled cache are resharded onto the decode layout
+    (jax.device_put with the decode shardings) before the first decode step. Parameters are given
+    to `generate` in the prefill layout (`init_params`, `place_params`, `restore_params`)."""
 
     def __init__(self, model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int,
                  sampling: Sampling = Sampling(), devices: list | None = None):
         devices = list(jax.devices() if devices is None else devices)
+        validate.check_phases(strategy)
         self.strategy = strategy.resolved(len(devices))
         validate.check_generate(model, self.strategy, prompts, max_new_tokens)
         self.model_cfg, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
-        self.batch, self.prompt_len = len(prompts), max(len(p) for p in prompts)
-        self.run = RunConfig(dtype=self.strategy.options.dtype)
-        tp = self.strategy.size("tensor")
-        replicate = model.has_attention and tp > model.kv_heads
-        self.mesh = make_mesh(self.strategy, devices)
-        self.layout = Layout(self.mesh, self.strategy, replicate_kv_heads=replicate)
-        self.kv_copies = tp // model.kv_heads if replicate else 1
+        pre, dec = self.strategy.phase("prefill"), self.strategy.phase("decode")
+        self.batch, self.prompt_len = len(prompts), prompt_width(model, pre, max(len(p) for p in prompts))
+        self.run = RunConfig(dtype=dec.options.dtype)
+        self.prefill_run = RunConfig(dtype=pre.options.dtype)
+        self.kv_copies = kv_copies(model, pre.size("tensor"), dec.size("tensor"))
+        cp = pre.size("context")
+        self.order = (token_permutation(self.prompt_len, cp, pre.options.cp_layout)
+                      if cp > 1 and pre.options.cp_layout != "contiguous" else None)
 
         abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(0)))
         self.graphdef, self.abstract_params = nnx.split(abstract)
-        self.param_shardings = param_shardings(self.abstract_params, self.layout)
+        self.prefill_graphdef = nnx.graphdef(nnx.eval_shape(lambda: LM(model, self.prefill_run, rngs=nnx.Rngs(0))))
         length = self.prompt_len + max_new_tokens - 1  # the last new token is never fed back
         self.cache_layout = decode.cache_layout(model, self.run, self.batch, length, self.kv_copies)
-        rules = self.layout.rules("activations")
-        self.cache_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, spec_for(s.names, rules, self.mesh)),
-                                            self.cache_layout, is_leaf=decode.is_slot)
-        self.rows = self.layout.activation("batch", None)       # tokens, positions [b, s]
-        self.vector = self.layout.activation("batch")           # one token per sequence [b]
-        logits = self.layout.activation("batch", "act_vocab")
-        replicated = NamedSharding(self.mesh, P())
-        cache_args = dict(out_shardings=(self.vector, logits, self.cache_shardings), donate_argnums=1)
-        self._prefill = jax.jit(self._prefill_step, in_shardings=(
-            self.param_shardings, self.cache_shardings, self.rows, self.rows, replicated), **cache_args)
+        self.prefill = self._phase("prefill", pre, devices)
+        same = (dec.mesh, dec.options, dec.dcn) == (pre.mesh, pre.options, pre.dcn)
+        self.decode = self.prefill if same else self._phase("decode", dec, devices)
+        self.resharded = self.decode is not self.prefill
+        # the layout the parameters are given in, and the cache's (as the decode step wants it)
+        self.mesh, self.layout = self.decode.mesh, self.decode.layout
+        self.param_shardings, self.cache_shardings = self.prefill.params, self.decode.cache
+
+        replicated = lambda ph: NamedSharding(ph.mesh, P())  # noqa: E731
+        out = lambda ph: dict(out_shardings=(ph.vector, ph.layout.activation("batch", "act_vocab"), ph.cache),  # noqa: E731
+                              donate_argnums=1)
+        p, d = self.prefill, self.decode
+        self._prefill = jax.jit(self._prefill_step, in_shardings=(p.params, p.cache, p.rows, p.rows, replicated(p)),
+                                **out(p))
         self._decode = jax.jit(self._decode_step, in_shardings=(
-            self.param_shardings, self.cache_shardings, self.vector, self.vector, replicated, replicated),
-            **cache_args)
-        self._new_cache = jax.jit(lambda: decode.init_cache(self.cache_layout), out_shardings=self.cache_shardings)
+            d.params, d.cache, d.vector, d.vector, replicated(d), replicated(d)), **out(d))
+        self._new_cache = jax.jit(lambda: decode.init_cache(self.cache_layout), out_shardings=p.cache)
         self._compiled: tuple | None = None
         self.compile_s = 0.0
+
+    def _phase(self, name: str, strategy: Strategy, devices: list) -> PhaseLayout:
+        mesh = make_mesh(strategy, devices)
+        layout = Layout(mesh, strategy, replicate_kv_heads=self.model_cfg.has_attention
+                        and strategy.size("tensor") > self.model_cfg.kv_heads)
+        rules = layout.rules("activations")
+        cache = jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.names, rules, mesh)),
+                             self.cache_layout, is_leaf=decode.is_slot)
+        return PhaseLayout(name, strategy, mesh, layout, param_shardings(self.abstract_params, layout), cache,
+                           layout.activation("batch", None), layout.activation("batch"))
+
+    def phase(self, name: str) -> PhaseLayout:
+        """The prefill or decode layout."""
+        return {"prefill": self.prefill, "decode": self.decode}[name]
+
+    def describe(self) -> str:
+        """The layouts, as the report prints them."""
+        if not self.resharded:
+            return self.strategy.describe()
+        return (f"prefill on {self.prefill.strategy.describe()}, decode on {self.decode.strategy.describe()} "
+                "(weights and cache resharded between them)")
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_params(self, seed: int = 0):
@@ -174,20 +246,22 @@ class Generator:
         return unflatten(template, flat).params, message
 
     # ---- the steps ------------------------------------------------------------------------------
-    def _model(self, params) -> LM:
-        dt = jnp.dtype(self.run.dtype)
+    def _model(self, params, prefill: bool) -> LM:
+        run, graphdef = (self.prefill_run, self.prefill_graphdef) if prefill else (self.run, self.graphdef)
+        dt = jnp.dtype(run.dtype)
         if dt != jnp.float32:
             params = jax.tree.map(lambda p: p.astype(dt), params)
-        return nnx.merge(self.graphdef, params)
+        return nnx.merge(graphdef, params)
 
     def _prefill_step(self, params, cache, tokens, positions, key):
-        with use_layout(self.layout):
-            logits, cache = decode.forward(self._model(params), tokens, positions, cache, 0, prefill=True)
+        with use_layout(self.prefill.layout):
+            logits, cache = decode.forward(self._model(params, True), tokens, positions, cache, 0,
+                                           prefill=True, order=self.order)
             return sample(logits, jax.random.fold_in(key, 0), self.sampling), logits, cache
 
     def _decode_step(self, params, cache, token, position, index, key):
-        with use_layout(self.layout):
-            logits, cache = decode.forward(self._model(params), token[:, None], position[:, None], cache, index,
+        with use_layout(self.decode.layout):
+            logits, cache = decode.forward(self._model(params, False), token[:, None], position[:, None], cache, index,
                                            prefill=False)
             return sample(logits, jax.random.fold_in(key, index), self.sampling), logits, cache
 
@@ -197,14 +271,16 @@ class Generator:
             t0 = time.perf_counter()
             sds = lambda tree, sh: jax.tree.map(  # noqa: E731
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-            params = sds(jax.eval_shape(lambda: self.abstract_params), self.param_shardings)
-            cache = sds(jax.eval_shape(lambda: decode.init_cache(self.cache_layout)), self.cache_shardings)
-            rows = jax.ShapeDtypeStruct((self.batch, self.prompt_len), jnp.int32, sharding=self.rows)
-            vector = jax.ShapeDtypeStruct((self.batch,), jnp.int32, sharding=self.vector)
+            p, d = self.prefill, self.decode
+            params = jax.eval_shape(lambda: self.abstract_params)
+            cache = jax.eval_shape(lambda: decode.init_cache(self.cache_layout))
+            rows = jax.ShapeDtypeStruct((self.batch, self.prompt_len), jnp.int32, sharding=p.rows)
+            vector = jax.ShapeDtypeStruct((self.batch,), jnp.int32, sharding=d.vector)
             key = jax.eval_shape(lambda: jax.random.key(0))
             index = jax.ShapeDtypeStruct((), jnp.int32)
-            self._compiled = (self._prefill.lower(params, cache, rows, rows, key).compile(),
-                              self._decode.lower(params, cache, vector, vector, index, key).compile())
+            self._compiled = (self._prefill.lower(sds(params, p.params), sds(cache, p.cache), rows, rows, key).compile(),
+                              self._decode.lower(sds(params, d.params), sds(cache, d.cache), vector, vector, index,
+                                                 key).compile())
             self.compile_s = time.perf_counter() - t0
         return self.compile_s
 
@@ -224,8 +300,10 @@ class Generator:
         self.compile()
         prefill, step = self._compiled
         tokens, positions = pad_prompts(prompts, self.prompt_len)
+        if self.order is not None:  # the prefill's token layout (decode.forward finds the last token)
+            tokens, positions = tokens[:, self.order], positions[:, self.order]
         lengths = np.array([len(p) for p in prompts], np.int32)
-        tokens, positions = (jax.device_put(a, self.rows) for a in (tokens, positions))
+        tokens, positions = (jax.device_put(a, self.prefill.rows) for a in (tokens, positions))
         key = jax.random.key(self.sampling.seed if seed is None else seed)  # step t draws with fold_in(key, its cache slot)
         cache = self._new_cache()
         jax.block_until_ready((key, cache))
@@ -235,14 +313,21 @@ class Generator:
         out = [np.asarray(token)]
         ttft = time.perf_counter() - t0
         kept = [np.asarray(logits)] if keep_logits else []
+        reshard_s = 0.0
+        if self.resharded and self.max_new_tokens > 1:  # onto the decode layout: weights, cache, token
+            t0 = time.perf_counter()
+            params, cache, token = jax.device_put((params, cache, token),
+                                                  (self.decode.params, self.decode.cache, self.decode.vector))
+            jax.block_until_ready((params, cache, token))
+            reshard_s = time.perf_counter() - t0
         steps = []
         for t in range(self.max_new_tokens - 1):
             t0 = time.perf_counter()
-            position = jax.device_put(lengths + t, self.vector)
+            position = jax.device_put(lengths + t, self.decode.vector)
             token, logits, cache = step(params, cache, token, position, np.int32(self.prompt_len + t), key)
             out.append(np.asarray(token))
             steps.append(time.perf_counter() - t0)
             if keep_logits:
                 kept.append(np.asarray(logits))
         return Result(np.stack(out, axis=1), ttft, tuple(steps), self.compile_s,
-                      np.stack(kept, axis=1) if keep_logits else None)
+                      np.stack(kept, axis=1) if keep_logits else None, reshard_s)

@@ -95,6 +95,9 @@ class Strategy:
     options: Options = Options()
     description: str = ""
     dcn: tuple[tuple[str, int], ...] = ()  # across-host part of each axis (multi-host layouts)
+    # generate's own layouts for its two phases, (("prefill", Strategy), ("decode", Strategy)): a mesh
+    # file's [prefill] / [decode] tables; a phase not given runs on this strategy (`phase`)
+    phases: tuple[tuple[str, "Strategy"], ...] = ()
 
     # Derived once per instance (the cost model reads them a few dozen times per estimate); a frozen
     # dataclass's fields never change, and dataclasses.replace makes a new instance.
@@ -140,12 +143,19 @@ class Strategy:
         if product != num_devices:
             desc = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
             raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}")
-        return dataclasses.replace(self, mesh=tuple(sizes.items()))
+        return dataclasses.replace(self, mesh=tuple(sizes.items()),
+                                   phases=tuple((p, st.resolved(num_devices)) for p, st in self.phases))
+
+    def phase(self, name: str) -> "Strategy":
+        """The layout generate uses for `name` (prefill | decode): its own table's, else this one."""
+        return dict(self.phases).get(name, self)
 
     def with_options(self, **overrides: Any) -> "Strategy":
+        """These options changed (None: unchanged), in the phases' layouts too (a flag wins over a file)."""
         overrides = {k: v for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, options=make_options(dataclasses.asdict(self.options) | overrides,
-                                                              self.name))
+                                                              self.name),
+                                   phases=tuple((p, st.with_options(**overrides)) for p, st in self.phases))
 
     def describe(self) -> str:
         axes = " x ".join(f"{a}={s}" for a, s in self.mesh if s != 1) or "1 device"
@@ -217,22 +227,47 @@ def parse_inline(spec: str) -> Strategy:
     return Strategy(name=spec, mesh=_mesh_sizes(raw, f"mesh {spec!r}"))
 
 
+PHASES = ("prefill", "decode")  # generate's phases, each of which a mesh file may lay out itself
+
+
 def load_toml(path: pathlib.Path) -> Strategy:
+    """A mesh file: [mesh] (with an optional [mesh.dcn]), [options], a description, and optionally
+    [prefill] / [decode] tables for `jaxpar generate`, each with its own [<phase>.mesh] (replacing the
+    top-level mesh: axes it does not name are 1) and/or [<phase>.options] (over the top-level
+    options). jaxpar.validate.check_phases checks the phases against each other."""
     data = read_toml(path, "mesh")
     where = str(path)
-    unknown = set(data) - {"description", "mesh", "options"}
+    unknown = set(data) - {"description", "mesh", "options", *PHASES}
     if unknown:
-        raise ConfigError(f"{where}: unknown table(s) {', '.join(sorted(unknown))}; expected description, [mesh], [options]")
+        raise ConfigError(f"{where}: unknown table(s) {', '.join(sorted(unknown))}; expected description, [mesh], "
+                          "[options], [prefill], [decode]")
+    if not isinstance(data.get("description", ""), str):
+        raise ConfigError(f"{where}: description must be a string, got {data['description']!r}")
+    top = _from_tables(path.stem, data, where)
+    phases = []
+    for phase in PHASES:
+        if phase not in data:
+            continue
+        raw = table(data, phase, where)
+        extra = set(raw) - {"mesh", "options"}
+        if extra or not raw:
+            raise ConfigError(f"{where}: [{phase}] takes a [{phase}.mesh] and/or a [{phase}.options] table"
+                              + (f", not {', '.join(sorted(extra))}" if extra else ""))
+        merged = {"mesh": raw.get("mesh", data.get("mesh", {})),
+                  "options": dict(table(data, "options", where)) | dict(table(raw, "options", f"{where} [{phase}]"))}
+        phases.append((phase, _from_tables(f"{path.stem}[{phase}]", merged, f"{where} [{phase}]")))
+    return dataclasses.replace(top, description=str(data.get("description", "")), phases=tuple(phases))
+
+
+def _from_tables(name: str, data: dict, where: str) -> Strategy:
+    """A Strategy from a [mesh] table (with an optional [mesh.dcn]) and an [options] table."""
     mesh = dict(table(data, "mesh", where))
     if not mesh:
         raise ConfigError(f"{where}: needs a [mesh] table with axis sizes")
     dcn = table(mesh, "dcn", where) if "dcn" in mesh else {}
     mesh.pop("dcn", None)
-    if not isinstance(data.get("description", ""), str):
-        raise ConfigError(f"{where}: description must be a string, got {data['description']!r}")
-    return Strategy(name=path.stem, mesh=_mesh_sizes(mesh, where),
+    return Strategy(name=name, mesh=_mesh_sizes(mesh, where),
                     options=make_options(dict(table(data, "options", where)), where),
-                    description=str(data.get("description", "")),
                     dcn=tuple((a, s) for a, s in _mesh_sizes(dcn, where + " [mesh.dcn]") if s != 1) if dcn else ())
 
 

@@ -292,7 +292,8 @@ def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
 
 def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Generating `max_new_tokens` after each prompt (a list of token ids) on a resolved strategy
-    (jaxpar/generate.py, models/decode.py): the prompts' tokens, then `check_generation`."""
+    (jaxpar/generate.py, models/decode.py): the prompts' tokens, then `check_phases` and
+    `check_generation` for the prefill and the decode layouts."""
     if not prompts:
         raise ConfigError("generate needs at least one prompt")
     for i, prompt in enumerate(prompts):
@@ -301,30 +302,65 @@ def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[in
         bad = [t for t in prompt if not 0 <= t < model.vocab]
         if bad:
             raise ConfigError(f"prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {model.vocab})")
-    check_generation(model, strategy, len(prompts), max(len(p) for p in prompts), max_new_tokens)
+    check_phases(strategy)
+    for phase in ("prefill", "decode"):
+        layout = strategy.phase(phase)
+        try:
+            check_generation(model, layout, len(prompts), max(len(p) for p in prompts), max_new_tokens, phase)
+        except ConfigError as e:
+            if not strategy.phases:
+                raise
+            raise ConfigError(f"the {phase} layout {layout.describe()}: {e}") from None
 
 
-def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest: int, max_new_tokens: int) -> None:
-    """A generation run's sizes and layout (also what `estimate --phase prefill|decode` costs). Prompts
-    are left-padded to the longest, so the longest prompt plus the new tokens must fit the model's
-    max_seq. K/V heads are sharded over `tensor` when it divides kv_heads, and replicated across tensor
-    ranks (Megatron's rule) when tensor is a multiple of kv_heads."""
+def check_phases(strategy: Strategy) -> None:
+    """A strategy's [prefill] and [decode] layouts (jaxpar.strategy.load_toml): generate runs both on
+    the same devices and reshards the weights and the cache between them, so their meshes must hold
+    the same number of devices (a -1 axis is filled from the device count, so it always does)."""
+    counts = {p: strategy.phase(p).num_devices for p in ("prefill", "decode")}
+    if min(counts.values()) > 0 and counts["prefill"] != counts["decode"]:
+        raise ConfigError(f"mesh {strategy.name}: the prefill layout {strategy.phase('prefill').describe()} has "
+                          f"{counts['prefill']} devices and the decode layout {strategy.phase('decode').describe()} "
+                          f"{counts['decode']}: generate reshards between them on the same devices, so both "
+                          "meshes need the same device count")
+
+
+def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest: int, max_new_tokens: int,
+                     phase: str = "decode") -> None:
+    """A generation run's sizes and one phase's layout (also what `estimate --phase prefill|decode`
+    costs). Prompts are left-padded to the longest, so the longest prompt plus the new tokens must fit
+    the model's max_seq. K/V heads are sharded over `tensor` when it divides kv_heads, and replicated
+    across tensor ranks (Megatron's rule) when tensor is a multiple of kv_heads. A prefill may split
+    the prompt over `context` (the prompt is padded to a multiple of the pieces: jaxpar/generate.py);
+    a decode step on a context > 1 mesh repeats its work on every context rank."""
     model.validate()
     s, o = strategy.sizes, strategy.options
-    tp = s["tensor"]
+    tp, cp = s["tensor"], s["context"]
     if "E" in model.pattern:
-        raise ConfigError(f"generate has no decode path for mixture-of-experts blocks yet (model {model.name}, "
-                          f"pattern={model.pattern!r})")
-    for axis, why in (("pipeline", "pipelined decoding"), ("context", "context-parallel prefill")):
-        if s[axis] > 1:
-            raise ConfigError(f"generate: {axis}={s[axis]}: {why} is not implemented yet; use the data, fsdp "
-                              "and tensor axes")
+        if model.capacity_factor > 0:
+            raise ConfigError(f"generate: capacity_factor={model.capacity_factor} drops tokens by their order within "
+                              "a sequence, so a one-token decode step would route differently from the full "
+                              f"forward (model {model.name}); generate needs dropless routing (capacity_factor=0)")
+        check_moe(model, strategy)
+        if cp > 1 and phase == "decode":
+            raise ConfigError(f"generate: a decode step on context={cp} with mixture-of-experts layers is not "
+                              "supported: the expert kernel splits each sequence over context, and a decode step "
+                              "has one token per sequence; give the mesh file a [decode] layout without context")
+    if s["pipeline"] > 1:
+        raise ConfigError(f"generate: pipeline={s['pipeline']}: pipelined decoding is not implemented yet; use the "
+                          "data, fsdp, context (prefill) and tensor axes")
     if o.sequence_parallel:
         raise ConfigError("generate: sequence_parallel shards the sequence over tensor, but a decode step has one "
                           "token per sequence; drop --sequence-parallel")
-    if o.attention != "dense":
-        raise ConfigError(f"generate: attention={o.attention} is a context-parallel kernel; generation uses dense "
-                          "attention (context=1)")
+    if cp > 1 and phase == "prefill" and model.has_attention:
+        if o.attention == "dense":
+            raise ConfigError(f"generate: a context-parallel prefill (context={cp}) needs a context-parallel "
+                              "attention kernel: attention=dense cannot shard the sequence; use --attention ring "
+                              "or allgather")
+        if tp > model.kv_heads:
+            raise ConfigError(f"generate: a context-parallel prefill (context={cp}) with tensor={tp} > "
+                              f"kv_heads={model.kv_heads} is not supported: the ring and all-gather kernels shard "
+                              "K/V heads like the query heads; keep tensor <= kv_heads in the prefill layout")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if longest + max_new_tokens > model.max_seq:

@@ -32,11 +32,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jaxpar.ops.attention import dense_attention
+from jaxpar.ops import mamba_cp
+from jaxpar.ops.attention import context_attention, dense_attention
 from jaxpar.ops.ssd import causal_conv, ssd
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, current_layout
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import dtype_of
 from jaxpar.models.lm import LM
@@ -62,7 +64,7 @@ def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_c
     u, dt = cfg.units, str(dtype_of(run))
     blocks = []
     for kind in cfg.pattern:
-        if kind == "A":
+        if kind in ("A", "E"):  # attention, then a dense or a mixture-of-experts MLP
             kv = Slot((u, batch, length, cfg.kv_heads * kv_copies, cfg.head_dim), dt, KV_NAMES)
             blocks.append({"k": kv, "v": kv})
         elif kind == "M":
@@ -92,47 +94,70 @@ def init_cache(layout: dict) -> dict:
 
 # ---- blocks --------------------------------------------------------------------------------------
 
-def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool):
+def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool, cp: str | None = None):
     """AttentionBlock with a K/V cache: x [b, s, d] at `positions` [b, s]; the new k, v are written
-    at cache slots [index, index + s). A prefill (empty cache) attends over its own k, v; a decode
-    step over the whole cache, whose positions are `cache_pos` [b, S]."""
+    at cache slots [index, index + s). A prefill (empty cache) attends over its own k, v -- with the
+    context-parallel kernel `cp` (ring | allgather) when the sequence is split over `context` -- and
+    a decode step over the whole cache, whose positions are `cache_pos` [b, S]."""
     h = constrain(block.attn_norm(x), ("batch", "seq", "act_embed"))
     q, k, v = block.attn.project(h, positions)
+    if cp:  # the kernel takes the K/V heads as projected (sharded like the query heads)
+        out = context_attention(q, k, v, positions, impl=cp, causal=True)
     copies = cache["k"].shape[2] // k.shape[2]
     if copies > 1:  # tensor > kv_heads: each tensor rank keeps a copy of the one head it reads
         k, v = (jnp.repeat(t, copies, axis=2) for t in (k, v))
     k, v = (constrain(t, ("cache_batch", "cache_seq", "cache_kv_heads", "head_dim")) for t in (k, v))
     ck, cv = (jax.lax.dynamic_update_slice_in_dim(c, t.astype(c.dtype), index, axis=1)
               for c, t in ((cache["k"], k), (cache["v"], v)))
-    if prefill:
+    if prefill and not cp:
         out = dense_attention(q, k, v, positions, positions, causal=True)
-    else:
+    elif not prefill:
         out = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, causal=True)
     x = constrain(x + block.attn.output(out), RESIDUAL)
     h = constrain(block.mlp_norm(x), ("batch", "seq", "act_embed"))
-    return constrain(x + block.mlp(h), RESIDUAL), {"k": ck, "v": cv}
+    # an E block's MoE (models/moe.py: router, experts over `expert`, shared experts); its auxiliary
+    # router losses are for training. Dropless routing (capacity_factor=0) treats each token alone,
+    # so one token per step routes as it does in the full forward (jaxpar.validate.check_generation)
+    y = block.moe(h)[0] if hasattr(block, "moe") else block.mlp(h)
+    return constrain(x + y, RESIDUAL), {"k": ck, "v": cv}
 
 
-def mamba_block(block, x, valid, cache):
+def mamba_block(block, x, valid, cache, tail=None):
     """MambaBlock from a cached state: x [b, s, d]; `valid` [b, s] is False at pads (identity steps).
     The conv sees the cached window before its input, SSD starts from the cached state, and both
-    are replaced by their values after the last of the s tokens."""
+    are replaced by their values after the last of the s tokens.
+
+    `tail` (a context-parallel prefill, from an empty cache): the columns of the last d_conv-1
+    tokens in sequence order (the token layout may permute them). The conv and SSD then run on the
+    sequence split over `context` (jaxpar/ops/mamba_cp.py: halo exchange, state passing, and the
+    final state the cache keeps)."""
     cfg, dt_ = block.cfg, dtype_of(block.run)
     h = constrain(block.norm(x), ("batch", "seq", "act_embed"))
     z, xs, B, C, dt = block.in_proj(h)
     keep = valid[:, :, None, None]
     new = {}
-    conved = []
+    convs = []
     for key, u, w, b, names in (("conv_x", xs, block.conv_x, block.conv_x_bias, HEADS),
                                 ("conv_B", B, block.conv_B, block.conv_B_bias, GROUPS),
                                 ("conv_C", C, block.conv_C, block.conv_C_bias, GROUPS)):
         u = jnp.where(keep, u, jnp.zeros((), u.dtype))
         window = cache[key].astype(u.dtype)
-        conved.append(constrain(jax.nn.silu(causal_conv(u, w[...], b[...], halo=window)), names))
-        new[key] = jnp.concatenate([window, u], axis=1)[:, u.shape[1]:].astype(cache[key].dtype)
-    xs, B, C = conved
+        if tail is None:
+            new[key] = jnp.concatenate([window, u], axis=1)[:, u.shape[1]:].astype(cache[key].dtype)
+        else:
+            new[key] = u[:, tail].astype(cache[key].dtype)
+        convs.append((u, w[...], b[...], names, window))
+    layout = current_layout()
+    if tail is None:
+        conved = [causal_conv(u, w, b, halo=window) for u, w, b, _, window in convs]
+    else:
+        conved = mamba_cp.causal_conv_cp([c[:4] for c in convs], layout)
+    xs, B, C = (constrain(jax.nn.silu(c), names) for c, (_, _, _, names, _) in zip(conved, convs))
     dt = jnp.where(valid[:, :, None], jax.nn.softplus(dt.astype(jnp.float32) + block.dt_bias[...]), 0.0)
-    y, new["ssm"] = ssd(xs, dt, -jnp.exp(block.A_log[...]), B, C, cfg.chunk, initial_state=cache["ssm"])
+    if tail is None:
+        y, new["ssm"] = ssd(xs, dt, -jnp.exp(block.A_log[...]), B, C, cfg.chunk, initial_state=cache["ssm"])
+    else:
+        y, new["ssm"] = mamba_cp.ssd_cp(xs, dt, -jnp.exp(block.A_log[...]), B, C, cfg.chunk, layout, with_state=True)
     y = y + xs * block.D[...].astype(dt_)[:, None]
     y = constrain(gated_rms_norm(y, z, block.gate_norm[...], cfg.ngroups, cfg.norm_eps), HEADS)
     out = jnp.einsum("bshp,hpd->bsd", y, block.w_out[...].astype(dt_))
@@ -142,11 +167,23 @@ def mamba_block(block, x, valid, cache):
 # ---- the model -----------------------------------------------------------------------------------
 
 def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, index, *,
-            prefill: bool) -> tuple[jax.Array, dict]:
+            prefill: bool, order: np.ndarray | None = None) -> tuple[jax.Array, dict]:
     """Run `tokens` [b, s] at `positions` [b, s] (PAD_POSITION at pads) through the model, writing
-    their state at cache slots [index, index + s). Returns (float32 logits of the last column
-    [b, vocab], sharded on `act_vocab`; the updated cache). A prefill has index 0 and an empty cache."""
+    their state at cache slots [index, index + s). Returns (float32 logits of the last token
+    [b, vocab], sharded on `act_vocab`; the updated cache). A prefill has index 0 and an empty cache.
+
+    A prefill under a layout whose `seq` axes split the sequence (context parallelism) runs attention
+    with the strategy's context kernel and Mamba-2 through jaxpar/ops/mamba_cp.py. `order` is then
+    the token layout (jaxpar.ops.attention.token_permutation: column j holds token order[j]); K/V
+    are cached in that order with their positions (attention reads the cache in any order, the mask
+    compares positions), while the last token and the conv window are found through it."""
     cfg = model.cfg
+    layout = current_layout()
+    cp = prefill and layout is not None and layout.size("seq") > 1
+    impl = layout.strategy.options.attention if cp else None
+    s = tokens.shape[1]
+    where = np.argsort(order) if order is not None else np.arange(s)   # where[t]: the column of token t
+    tail = where[s - (cfg.d_conv - 1):] if cp else None
     x = model.embed(tokens)
     valid = positions < PAD_POSITION
     cache_pos = (jax.lax.dynamic_update_slice_in_dim(cache["pos"], positions.astype(jnp.int32), index, axis=1)
@@ -159,19 +196,19 @@ def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, ind
         new = []
         for kind, block, c in zip(cfg.pattern, unit.blocks, unit_cache):
             if kind == "M":
-                x, c = mamba_block(block, x, valid, c)
+                x, c = mamba_block(block, x, valid, c, tail)
             else:
-                x, c = attention_block(block, x, positions, c, cache_pos, index, prefill)
+                x, c = attention_block(block, x, positions, c, cache_pos, index, prefill, impl)
             new.append(c)
         return x, new
 
     x, units = jax.lax.scan(unit_step, x, (stacked, cache["units"]))
-    return last_logits(model, x), {"pos": cache_pos, "units": units}
+    return last_logits(model, x, int(where[-1])), {"pos": cache_pos, "units": units}
 
 
-def last_logits(model: LM, x: jax.Array) -> jax.Array:
-    """float32 logits [b, vocab] of the last column of the residual stream x [b, s, d]."""
-    h = constrain(model.final_norm(x[:, -1]), ("batch", "act_embed"))
+def last_logits(model: LM, x: jax.Array, column: int = -1) -> jax.Array:
+    """float32 logits [b, vocab] of one column (default the last) of the residual stream x [b, s, d]."""
+    h = constrain(model.final_norm(x[:, column]), ("batch", "act_embed"))
     w = model.embedding[...].T if model.cfg.tie_embeddings else model.head[...]
     return constrain((h @ w.astype(h.dtype)).astype(jnp.float32), ("batch", "act_vocab"))
 

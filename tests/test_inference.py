@@ -227,7 +227,7 @@ BASE = ["generate", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--pro
     (["--prompt", ""], ["argument --prompt", "empty prompt"]),
     (["--prompt", "1,x"], ["argument --prompt", "not a comma-separated list"]),
     (["--prompt", "1,256"], ["prompt 2 has token id 256", "[0, 256)"]),
-    ({"--model": "moe-tiny"}, ["no decode path for mixture-of-experts"]),
+    ({"--model": "moe-tiny:capacity_factor=1.25"}, ["capacity_factor=1.25", "dropless"]),
     ({"--mesh": "data=2,pipeline=2,tensor=2"}, ["pipeline=2", "not implemented yet"]),
     ({"--mesh": "data=2,context=2,tensor=2"}, ["context=2", "context-parallel prefill"]),
     (["--sequence-parallel"], ["sequence_parallel", "one token per sequence"]),

@@ -24,10 +24,30 @@ jaxpar.generate sizes it; a decode step is costed at the full cache, its slowest
                    activations and float32 logits
 Critical batch: the batch at which a decode step's matmul time reaches its HBM time (weights are read
 once per step whatever the batch; each sequence adds FLOPs and its own KV bytes).
+
+Context-parallel prefill (context > 1 in the prefill layout): the prompt's tokens, their FLOPs and
+activations are split over context too; the cache is replicated over context (decode reads it whole).
+Its collectives (ring or all-gather K/V, Mamba-2 halos and states, the cache fill) are not costed.
+
+Mixture of experts. A device holds E / expert experts (each split over tensor), and jaxpar's kernel
+(jaxpar/ops/moe.py) runs them as one batched matmul over its local experts, so a step reads all of
+them. A kernel that reads only the experts some token was routed to (a grouped GEMM) reads, per MoE
+layer, the expected number of distinct experts T tokens touch when each picks k of E experts
+uniformly without replacement: a given expert is missed by one token with probability 1 - k/E, by all
+T independently with (1 - k/E)^T, so
+
+    E[distinct experts] = E x (1 - (1 - k/E)^T)
+
+(the classical occupancy expectation, Feller, "An Introduction to Probability Theory and Its
+Applications" vol. 1, ch. II; uniform routing is what the load-balancing loss aims for). T is the
+tokens one expert group routes per step: batch / (data x fsdp) in decode (the expert axis shares its
+tokens through the all-to-all). `routed_weights_bytes` is that read per device (the shared weights
+plus the touched local experts); at T = 1 it is k experts, and it tends to all E as T grows.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import flops, params
@@ -64,6 +84,8 @@ class InferenceEstimate:
     predicted: tuple[tuple, ...]  # (kind, axes, phase, count, bytes), as cost/comm.py's
     critical_batch: float | None  # decode: the batch where the step turns compute-bound (None: never)
     mesh_sizes: tuple = ()        # the strategy's ((axis, size), ...), for the records' wire bytes
+    routed_weights_bytes: float | None = None  # MoE: the weights a routed kernel reads per step (docstring)
+    experts_touched: float | None = None       # MoE: expected distinct experts per layer per expert group
 
     @property
     def step_s(self) -> float:
@@ -99,6 +121,8 @@ class InferenceEstimate:
                 "memory": {"weights": self.weights_bytes, "cache": self.cache_bytes,
                            "activations": self.activation_bytes, "total": self.memory_total},
                 "fits": self.fits, "critical_batch": self.critical_batch,
+                "moe": None if self.experts_touched is None else {
+                    "experts_touched": self.experts_touched, "routed_weights_bytes": self.routed_weights_bytes},
                 "collectives": [{"kind": c.kind, "axes": list(c.axes), "count": c.count, "bytes": c.bytes}
                                 for c in self.collectives]}
 
@@ -119,6 +143,17 @@ def cache_bytes(m: ModelConfig, st: Strategy, batch: int, slots: int) -> float:
     ssm = heads / t * m.ssm_head_dim * m.d_state * 4
     states = m.mamba_layers * b * (conv + ssm) if m.mamba_layers else 0.0
     return kv + states + (b * slots * 4 if m.has_attention else 0.0)  # + the slots' int32 positions
+
+
+def expected_experts_touched(experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts `tokens` tokens route to, each picking `top_k` of `experts` uniformly
+    without replacement (module docstring)."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def expert_params(m: ModelConfig) -> int:
+    """Routed experts' parameters over every MoE layer (models/moe.py's w_gate, w_up, w_down)."""
+    return m.moe_layers * m.experts * 3 * m.d_model * m.moe_mlp_dim
 
 
 def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
@@ -169,12 +204,19 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
     slots = prompt + generate - 1
     q_len, keys = (prompt, prompt) if phase == "prefill" else (1, slots)
     dp = sz["data"] * sz["fsdp"] * sz["expert"]
-    tp = sz["tensor"]
-    matmul = _forward_matmul(m, batch * q_len, batch, q_len, keys) / (dp * tp)
-    weights = params.total_params(m) / tp * software.serve_weight_bytes  # data axes hold a full copy
+    tp, ep = sz["tensor"], sz["expert"]
+    cp = sz["context"] if phase == "prefill" else 1  # a decode step repeats on every context rank
+    matmul = _forward_matmul(m, batch * q_len, batch, q_len, keys) / (dp * tp * cp)
+    experts = expert_params(m)
+    shared = (params.total_params(m) - experts) / tp * software.serve_weight_bytes  # data axes hold a full copy
+    weights = shared + experts / (tp * ep) * software.serve_weight_bytes
+    touched = routed = None
+    if m.moe_layers:
+        touched = expected_experts_touched(m.experts, m.top_k, batch / (sz["data"] * sz["fsdp"]) * q_len)
+        routed = shared + experts / m.experts * touched / (tp * ep) * software.serve_weight_bytes
     cache = cache_bytes(m, st, batch, slots)
     act = DTYPE_BYTES[st.options.dtype]
-    acts = batch / dp * q_len * (m.d_model * 4 + m.mlp_dim / tp * 2) * act + batch / dp * m.vocab / tp * 4
+    acts = batch / dp * q_len / cp * (m.d_model * 4 + m.mlp_dim / tp * 2) * act + batch / dp * m.vocab / tp * 4
     hbm = weights + cache + acts  # decode reads the cache; prefill writes it (same bytes)
     matmul_s = matmul / (hw.peak_flops * hw.matmul_efficiency)
     memory_s = hbm / hw.hbm_bw
@@ -190,7 +232,8 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
                              prompt=prompt, generate=generate, devices=n, matmul_flops=matmul, hbm_bytes=hbm,
                              matmul_s=matmul_s, memory_s=memory_s, comm_s=comm, weights_bytes=weights,
                              cache_bytes=cache, activation_bytes=acts, hbm_capacity=hw.hbm_bytes,
-                             predicted=predicted, critical_batch=critical, mesh_sizes=st.mesh)
+                             predicted=predicted, critical_batch=critical, mesh_sizes=st.mesh,
+                             routed_weights_bytes=routed, experts_touched=touched)
 
 
 def format_inference(e: InferenceEstimate) -> str:
@@ -204,6 +247,10 @@ def format_inference(e: InferenceEstimate) -> str:
     if e.phase == "decode":
         lines.append(f"  critical batch (decode turns compute-bound): "
                      + (f"{e.critical_batch:,.0f} sequences" if e.critical_batch else "never (the KV cache grows with it)"))
+    if e.experts_touched is not None:
+        lines.append(f"  MoE: {e.experts_touched:.2f} distinct experts touched per layer per step (uniform routing); "
+                     f"a routed kernel would read {human_bytes(e.routed_weights_bytes)} of weights per device "
+                     f"(jaxpar's batched experts read {human_bytes(e.weights_bytes)})")
     lines += [f"  memory per device: weights {human_bytes(e.weights_bytes)}, cache {human_bytes(e.cache_bytes)}, "
               f"activations {human_bytes(e.activation_bytes)}: {human_bytes(e.memory_total)} "
               f"({'fits' if e.fits else 'does NOT fit'} in {human_bytes(e.hbm_capacity)})"]

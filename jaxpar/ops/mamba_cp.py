@@ -116,14 +116,19 @@ def causal_conv_cp(inputs, layout: Layout):
 # ---- SSD with state passing ----------------------------------------------------------------------
 
 def ssd_cp(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, chunk: int,
-           layout: Layout) -> jax.Array:
-    """`jaxpar.ops.ssd.ssd` (outputs only) with the sequence sharded over the layout's `seq` axes."""
+           layout: Layout, *, with_state: bool = False):
+    """`jaxpar.ops.ssd.ssd` with the sequence sharded over the layout's `seq` axes: its outputs, or
+    (outputs, final state [b, h, p, n] float32) with `with_state` (a context-parallel prefill fills
+    the decode cache with it: jaxpar/models/decode.py). The final state is the same combine one
+    segment past the last, h_S = sum_j exp(a_{j+1} + ... + a_{S-1}) S_j, identical on every shard."""
     seq_axes = layout.axes("seq")
     n, m = layout.size("seq"), _segments(layout)
     order = _segment_order(n, m)
     in_specs = (_spec(layout, HEADS), _spec(layout, HEADS[:3]), _spec(layout, ("ssm_heads",)),
                 _spec(layout, GROUPS), _spec(layout, GROUPS))
     out_spec = _spec(layout, HEADS)
+    # the final state leaves the shard_map stacked over the seq shards (every copy equal)
+    state_spec = P(seq_axes if len(seq_axes) > 1 else seq_axes[0], *_spec(layout, ("batch", "ssm_heads")))
 
     def body(x, dt, A, B, C):
         x, dt, B, C = (_split(t, m) for t in (x, dt, B, C))
@@ -144,7 +149,14 @@ def ssd_cp(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
         weights = jnp.exp(jnp.take(seg, mine, axis=2))                       # [b, h, m, S]
         h0 = jnp.einsum("bhjs,bhspn->bjhpn", weights, finals).reshape(bm, h, p, ns)
         y = y.astype(jnp.float32) + initial_state_output(C, dt, A, h0)
-        return _merge(y.astype(x.dtype), m)
+        if not with_state:
+            return _merge(y.astype(x.dtype), m)
+        last = jnp.exp(seg[:, :, -1])                                        # row S: after every segment
+        return _merge(y.astype(x.dtype), m), jnp.einsum("bhs,bhspn->bhpn", last, finals)[None]
 
-    fn = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_spec)
-    return fn(x, dt, A, B, C)
+    fn = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
+                       out_specs=(out_spec, state_spec) if with_state else out_spec)
+    if not with_state:
+        return fn(x, dt, A, B, C)
+    y, states = fn(x, dt, A, B, C)
+    return y, states[-1]
