@@ -113,7 +113,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         if not force and (self.every <= 0 or step % self.every):
             return False
-        flat = flatten(state)
+        flat = flatten(trainer.stored_state(state, inverse=True))   # layer order under every strategy
         meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
                 "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size,
                 "checksums": checksums(flat)}  # every process takes part (one all-gather)
@@ -179,7 +179,7 @@ class Checkpointer:
             note = ""
         else:
             note = " (written without checksums: not verified)"
-        state = unflatten(abstract, flat)
+        state = trainer.stored_state(unflatten(abstract, flat))
         now = trainer.strategy.describe()
         if meta.get("strategy") != now or meta.get("devices") != trainer.mesh.size:
             msg = (f"restored step {step} from {self.dir}, resharded from {meta.get('strategy')} on "

@@ -7,10 +7,13 @@ and last chunks lighter, or `pp_stages`). Every chunk runs in k = max(split) uni
 chunk's last slots are padding: zero weights whose output is discarded (`where(valid, unit(h), h)`),
 so they are the identity, the real weights' gradients are unchanged and nothing flows into padding.
 The stacked weights [U, ...] are viewed as [S, v, k, ...] (chunks sliced, padded, stage dim first),
-sharded on `stages` (= pipeline). At rest the weights keep the model's [U, ...] layout: `layers`
-on `pipeline` when the split is even; otherwise `pipeline` shards the next dim it divides
-(schedule.stored_spec: jit needs even shards), and the view moves each stage's units to it once
-per step (an all-to-all per weight leaf, its gradient back the same way).
+sharded on `stages` (= pipeline). An even split is stored stage-major (jaxpar/pipeline_order.py: the
+trainer's state holds unit (r*S + s)*k + j at position s*v*k + r*k + j; checkpoints and the gradients
+that `Trainer.loss_and_grads` returns are in layer order), so `layers` on `pipeline` puts each stage's
+chunks on it and the view is a reshape: no weight moves, GPipe or circular. An uneven split cannot
+be sharded evenly on `layers`: `pipeline` shards the next dim it divides (schedule.stored_spec: jit
+needs even shards), and the view moves each stage's units to it once per step (an all-to-all per
+weight leaf, its gradient back the same way).
 
 Activations live in two stage-sharded buffers, the stage state [S, mb, s, d] and `buf`
 [S, M, mb, s, d], and one `lax.scan` runs T = v*M + S - 1 iterations. At iteration t stage s
@@ -42,21 +45,22 @@ Micro-batch m takes rows m, m+M, m+2M, ... (as gradient accumulation in jaxpar.t
 split is a reshape that keeps every row on the devices of the `batch` axes that already hold it.
 
 FSDP inside the stages: the stage view is all-gathered over `fsdp` once per step, before the loop
-(it is loop-invariant), not in every iteration. The backward still reduces the weights' gradient
-over `fsdp` in every iteration and unit slot (XLA transposes the gather into per-use reductions; a
-per-device accumulator would make it one reduce-scatter per step: not done yet). Memory: each device holds
-its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for the
-whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
+(it is loop-invariant), not in every iteration. The gathered weights are then broadcast to one copy
+per fsdp shard, [S, F, v, k, ...] sharded on `fsdp` too (each device keeps what it already holds), and
+a second vmap, over the fsdp shards (spmd_axis_name fsdp), runs each shard's rows with its own copy.
+So the weight gradient accumulates per device through the loop (the scan's cotangent carry is
+[S, F, ...], nothing to reduce there) and the broadcast's transpose reduces it over `fsdp` once per
+step; without the copy, XLA reduces every iteration's contribution in the loop. Memory: each device
+holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for
+the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
 (Dubey et al. 2024, 3.3.2: no re-shard after the forward).
 
 Communication per step, over `pipeline`: T collective-permutes of the stage state [mb, s, d]
 (its per-device shard) forward and T backward; one all-to-all of the output [M', mb, s, d] forward
 and one of its cotangent backward; the input's cotangent all-reduced backward (every stage's `buf`
-copy began as the input); the head's and final norm's gradients reduced. The circular schedule's
-[S, v, k] view of weights stored contiguously as [U] over `pipeline` is a transpose across stages:
-per weight leaf one all-to-all (plus one collective-permute when v < S) forward, and the same for
-its gradient backward (GPipe's even view is free). Avoiding that would need the stacked weights
-stored in stage-major order. Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019;
+copy began as the input); the head's and final norm's gradients reduced. An uneven split adds one
+all-to-all per weight leaf forward and one for its gradient backward (the view, above); an even one
+moves no weights. Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019;
 circular/interleaved: Narayanan et al. 2021, v model chunks per device).
 """
 from __future__ import annotations
@@ -69,7 +73,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.schedule import Schedule, schedule_of
-from jaxpar.sharding import Layout, constrain, spec_for
+from jaxpar.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.strategy import Strategy
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
@@ -126,13 +130,12 @@ def _merge(a: jax.Array) -> jax.Array:
 
 
 def _stage_view(a: jax.Array, sched: Schedule, sharded, names) -> jax.Array:
-    """A stacked weight [U, ...] as [S, v, k, ...]: chunk r*S + s at [s, r], padded with zeros to k."""
+    """A stacked weight [U, ...] in stored order as [S, v, k, ...]: chunk r*S + s at [s, r], padded with
+    zeros to k. Even splits are stored stage-major (jaxpar/pipeline_order.py): a reshape, each stage's
+    block already on it."""
     S, v, k = sched.stages, sched.repeats, sched.per_chunk
     if sched.even:
-        a = a.reshape(v, S, k, *a.shape[1:])
-        if v > 1 and v % S == 0:   # [U] on `pipeline` is [v, S, k] with v on `pipeline`: say so,
-            a = sharded(a, ("stages", None, None) + names)   # so the gradient's way back is too
-        return sharded(jnp.swapaxes(a, 0, 1), ("stages", None, None) + names)
+        return sharded(a.reshape(S, v, k, *a.shape[1:]), ("stages", None, None) + names)
     # stage-major order straight away (a [v, S] -> [S, v] swap would split a sharded dim backward)
     starts = np.cumsum((0,) + sched.split)
     pad = jnp.zeros((k - min(sched.split),) + a.shape[1:], a.dtype)
@@ -175,6 +178,24 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
 
     views = [_stage_view(a, sched, sharded, n) for a, n in zip(arrays, w_names)]
     weights = [sharded(w, ("stages", None, None) + n, drop=("fsdp",)) for w, n in zip(views, w_names)]
+    # FSDP: one copy of the gathered weights per fsdp shard, [S, F, v, k, ...] (a broadcast: each device
+    # keeps what it holds), so each shard's weight gradient accumulates on its own device through the
+    # loop and is reduced (the broadcast's transpose) once after it (module docstring).
+    batch_axes = layout.axes("batch")
+    F = mesh.shape["fsdp"] if "fsdp" in batch_axes else 1
+    if F > 1:
+        def per_shard(w, n):
+            spec = tuple(spec_for(("stages", None, None) + n, rules, mesh))
+            spec = (spec + (None,) * w.ndim)[:w.ndim]
+            spec = P(spec[0], "fsdp", *(_without(d, ("fsdp",)) if isinstance(d, (str, tuple)) else d
+                                        for d in spec[1:]))
+            w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
+            return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
+        weights = [per_shard(w, n) for w, n in zip(weights, w_names)]
+        before = 1
+        for a in batch_axes[:batch_axes.index("fsdp")]:
+            before *= mesh.shape[a]
+        inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
     valid = None if sched.even else jnp.asarray(_valid_slots(sched))
 
     # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
@@ -199,8 +220,16 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
                 return jnp.where(real, y, h), aux
             return jax.lax.scan(slot, h, (chunk, ok))[0]
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
-        return jax.vmap(one_stage, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
+        if F > 1:   # each fsdp shard its rows with its own copy of the weights
+            per_stage = one_stage
+
+            def one_stage(ws, ok, r, h, pos):
+                with use_layout(inner_layout):
+                    return jax.vmap(per_stage, in_axes=(0, None, None, 0, 0), spmd_axis_name="fsdp")(
+                        ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
+        y = jax.vmap(one_stage, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
             weights, valid, repeat, h, pos)
+        return _fsdp_merge(y, before) if F > 1 else y
 
     stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
                                 prevent_cse=False)
@@ -230,6 +259,29 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     buf = constrain(jnp.broadcast_to(xs, (S,) + xs.shape), buf_names)
     (_, buf), _ = jax.lax.scan(iteration, (shifted, buf), jnp.arange(T))
     return constrain(buf, buf_names)
+
+
+class _WithoutFsdpBatch(Layout):
+    """The layout inside the pipeline's vmap over fsdp shards: the vmapped dim is the batch's fsdp share."""
+
+    def rules(self, purpose: str):
+        rules = dict(super().rules(purpose))
+        rules["batch"] = tuple(a for a in rules["batch"] if a != "fsdp")
+        return type(super().rules(purpose))(rules)
+
+
+def _fsdp_split(a: jax.Array, F: int, before: int) -> jax.Array:
+    """[B, ...] with B sharded over (axes of size `before`, fsdp, the rest) -> [F, B/F, ...]: each fsdp
+    shard's rows (a reshape that moves no row between devices)."""
+    a = a.reshape(before, F, a.shape[0] // (before * F), *a.shape[1:])
+    return jnp.swapaxes(a, 0, 1).reshape(F, a.shape[0] * a.shape[2], *a.shape[3:])
+
+
+def _fsdp_merge(a: jax.Array, before: int) -> jax.Array:
+    """Inverse of `_fsdp_split` under the stage dim: [S, F, B/F, ...] -> [S, B, ...]."""
+    S, F, rows = a.shape[:3]
+    a = a.reshape(S, F, before, rows // before, *a.shape[3:])
+    return jnp.swapaxes(a, 1, 2).reshape(S, F * rows, *a.shape[4:])
 
 
 def _without(dim, drop: tuple[str, ...]):

@@ -9,6 +9,7 @@ Follow one parameter from the model to the devices:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ from jaxpar.cost.flops import step_flops
 from jaxpar.inputs import check_host_memory
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
+from jaxpar.pipeline_order import reorder, stacked_paths, unit_order
 from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
 from jaxpar.xla_presets import compiler_options
@@ -96,6 +98,9 @@ class Trainer:
         self.layout = Layout(self.mesh, self.strategy)
         self.optimizer = make_optimizer(tc)
         self.order = token_order(self.strategy, tc.seq)
+        # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline_order.py)
+        self.unit_order = unit_order(self.strategy, model.units)
+        self.stacked = stacked_paths(abstract_params)
 
         self.param_shardings = param_shardings(abstract_params, self.layout)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
@@ -115,6 +120,9 @@ class Trainer:
                               in_shardings=(self.param_shardings, self.batch_sharding),
                               out_shardings=(replicated, self.param_shardings),
                               compiler_options=self.compiler_options)
+        self._stored = {inverse: jax.jit(functools.partial(self.reorder, inverse=inverse),
+                                         in_shardings=(self.state_shardings,), out_shardings=self.state_shardings)
+                        for inverse in (False, True)}
 
     def check_host_memory(self) -> None:
         """Refuse, before allocating, a run that cannot fit this host when its devices are simulated CPU
@@ -135,15 +143,18 @@ class Trainer:
         model, run, seed = self.model_cfg, self.run, self.tc.seed
 
         def init():
-            params = nnx.state(LM(model, run, rngs=nnx.Rngs(seed)))
+            params = self.reorder(nnx.state(LM(model, run, rngs=nnx.Rngs(seed))))
             return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
 
         return jax.jit(init, out_shardings=self.state_shardings)()
 
     def state_from_params(self, params) -> TrainState:
         """A fresh train state around given parameters (host or device arrays), placed in this
-        strategy's shardings; the optimizer state is created directly in its shards."""
+        strategy's shardings and the stored order of the stacked units (jaxpar/pipeline_order.py); the
+        optimizer state is created directly in its shards."""
         params = jax.device_put(params, self.param_shardings)
+        if self.unit_order is not None:
+            params = jax.jit(self.reorder, out_shardings=self.param_shardings)(params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
         return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step))
 
@@ -218,8 +229,26 @@ class Trainer:
         return self._step(state, batch)
 
     def loss_and_grads(self, params, batch):
-        """Loss and gradients of one batch (no update) — what the equivalence tests compare."""
-        return self._grads(params, batch)
+        """Loss and gradients of one batch (no update) from a state's (stored-order) parameters, the
+        gradients in layer order — what the equivalence tests compare."""
+        loss, grads = self._grads(params, batch)
+        return loss, self.reorder(grads, inverse=True)
+
+    @property
+    def stored_loss_and_grads(self):
+        """The jitted (loss, gradients) of the step itself: parameters and gradients in stored order."""
+        return self._grads
+
+    def reorder(self, tree, inverse: bool = False):
+        """Parameters, gradients, optimizer or train state from layer order into the stored order of the
+        stacked units (`inverse`: back); the identity but under a circular pipeline
+        (jaxpar/pipeline_order.py)."""
+        return reorder(tree, self.stacked, self.unit_order, inverse)
+
+    def stored_state(self, state: TrainState, inverse: bool = False) -> TrainState:
+        """A train state in this strategy's shardings moved into (`inverse`: out of) the stored order, for
+        checkpoints: they hold layer order, whatever the strategy."""
+        return state if self.unit_order is None else self._stored[inverse](state)
 
     def lower_step(self):
         """The step lowered for analysis, from shapes and shardings only (no arrays allocated)."""

@@ -298,9 +298,9 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     the input) and the head's and final norm's gradients (each stage's partial sum over its
     micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
     and final norm's reduction over the data axes is one op apart from the embedding's (with the
-    per-micro-batch losses, ceil(M/S) floats). Weights viewed as [S, v, k] per step (circular, or any
-    uneven split): per weight array one all-to-all (plus one permute when the circular even view has
-    v < S) forward, and the same for its gradient backward."""
+    per-micro-batch losses, ceil(M/S) floats). An uneven split's weights are viewed as [S, v, k] per
+    step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
+    circular included, is stored stage-major: jaxpar/pipeline_order.py, no weight moves)."""
     sp, sizes = st.options.sequence_parallel, st.sizes
     split = sp or (scatter_gather is True)
     x = shape.mb * shape.s_loc * m.d_model * act
@@ -322,15 +322,12 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
         data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
         if cc.combine and data:
             out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
-        units = shape.per_chunk * shape.stages * shape.repeats
-        if shape.repeats > 1 or units != m.units:
+        units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
+        if units != m.units:   # uneven: the weights move to their stages
             h = held(m, st)   # moved before the fsdp gather: ZeRO-3 shards of the sharded part
             unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
             arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
-            even = units == m.units
-            moves = (A2A, PERMUTE) if even and shape.repeats < shape.stages else (A2A,)
-            for kind in moves:
-                out += site(cc, kind, ax, 1, arrays, "forward") + site(cc, kind, ax, 1, arrays, "backward")
+            out += site(cc, A2A, ax, 1, arrays, "forward") + site(cc, A2A, ax, 1, arrays, "backward")
     return out
 
 

@@ -130,7 +130,8 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     update, `gather_bytes` per element (jaxpar gathers its float32 masters; Megatron's distributed
     optimizer the bf16 model weights).
     ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
-    over fsdp; then the shards all-reduced over the remaining data-like axes.
+    over fsdp (under a pipeline once per accumulation step, each stage's v*k unit slots at once:
+    jaxpar/pipeline.py); then the shards all-reduced over the remaining data-like axes.
     Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
     norm's gradients are reduce-scattered one by one (not combined).
     Routed experts (MoE under expert > 1) are split over `expert`: their gradients are reduced as above
@@ -176,7 +177,12 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * GRAD_BYTES, sharded.unit_arrays)
                     + [b * GRAD_BYTES for b in (head, norm) if b and dense], "backward")
     else:
-        in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
+        if shape.stages > 1:   # jaxpar/pipeline.py: each fsdp shard accumulates its stage's v*k unit slots, reduced once
+            slots = shape.repeats * shape.per_chunk
+            in_loop = site(cc, RS, shard, shape.accum, equal_buffers(sharded.unit * slots * GRAD_BYTES,
+                                                                     sharded.unit_arrays), "backward")
+        else:
+            in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
         if not cc.hoist:
             for group in groups(axes):
                 in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
