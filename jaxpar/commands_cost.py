@@ -74,6 +74,9 @@ def cmd_plan(args) -> int:
                                               args.seq, args.global_batch, args.top, SOFTWARE[args.software],
                                               args.objective)
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
+    if note := planner.scores_note(model_from(args.model), results, SOFTWARE[args.software], args.global_batch,
+                                   args.seq):
+        print(note)
     if args.verify:
         verify_plans(args, model_from(args.model), results)
     if args.write:

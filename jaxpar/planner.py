@@ -20,7 +20,7 @@ import itertools
 import math
 
 from jaxpar import validate
-from jaxpar.cost import estimate
+from jaxpar.cost import estimate, memory
 from jaxpar.cost.estimate import check_modelled
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
@@ -158,6 +158,37 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
     if not results:
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
     return "\n".join(lines)
+
+
+def scores_note(model: ModelConfig, results, software: Software, global_batch: int, seq: int) -> str | None:
+    """Why context or tensor parallelism may win in jaxpar's own program: its dense attention keeps each
+    layer's [heads, s, s] scores, their exponentials and probabilities for the backward pass, so at long
+    sequences a plain data-parallel layout fits only with rematerialisation, while splitting the scores
+    (context splits the queries' rows under ring attention, tensor the heads) buys remat=none. Measured
+    on the model: the top plan's options with every device on `fsdp`, one sequence per device per
+    accumulation step and remat=none, with and without
+    the score entries of the activation inventory (jaxpar.cost.memory.activation_bytes, score_keys=0)."""
+    if not results or not software.jax_activations or not model.has_attention:
+        return None
+    est, st = results[0]
+    split = st.size("context") * st.size("tensor")
+    if split == 1:
+        return None
+    n = st.num_devices
+    per_device = max(1, global_batch // n)   # one sequence per device per accumulation step: the least memory
+    plain = Strategy(name=f"fsdp{n}", mesh=tuple((a, n if a == "fsdp" else 1) for a in AXES),
+                     options=dataclasses.replace(st.options, zero=3, remat="none", sequence_parallel=False,
+                                                 attention="dense", overlap="none", grad_accum=per_device))
+    kept = memory.activation_bytes(model, plain, global_batch, seq, jax_program=True)
+    scores = kept - memory.activation_bytes(model, plain, global_batch, seq, jax_program=True, score_keys=0)
+    if scores < 0.5 * kept:
+        return None
+    gib = 2 ** 30
+    return (f"note: jaxpar's dense attention keeps every layer's [heads, s, s] scores for the backward pass: "
+            f"{scores / gib:.1f} of the {kept / gib:.1f} GiB of activations per device with all {n} devices on fsdp, "
+            f"one sequence each at a time and remat=none (model state aside), so data-parallel layouts need "
+            f"recomputation to fit; context and tensor parallelism split the scores (top plan: context x tensor = "
+            f"{split}). A fused attention kernel (--software megatron-core) never stores them.")
 
 
 def to_toml(st: Strategy, est) -> str:

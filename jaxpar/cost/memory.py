@@ -292,7 +292,8 @@ def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False) -> float:
+                     one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False,
+                     score_keys: float | None = None) -> float:
     """Activation bytes per device at the peak of the backward pass.
 
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
@@ -304,7 +305,10 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
              boolean causal mask, once (dense attention; hoisted out of the layer loop)
            + float32 logits of one accumulation step, b*s*V/t*4 bytes (jaxpar's pipeline: of its stage's
              ceil(M/S) micro-batches)
-           + the int32 batch (`batch_bytes`)."""
+           + the int32 batch (`batch_bytes`).
+    `score_keys` (jaxpar's program, dense attention): the keys each query's stored scores span (default
+    `seq`); 0 leaves the [heads, s, s] scores out, so the difference is what they cost
+    (jaxpar.planner.scores_note)."""
     sz, o = st.sizes, st.options
     act = DTYPE_BYTES[o.dtype]
     t, stages = sz["tensor"], sz["pipeline"]
@@ -315,10 +319,11 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     na, nm, ne = block_counts(m)
     ring = o.attention == "ring" and sz["context"] > 1
     rows = expert_rows(m, seq, sz["context"], padded=jax_program)
+    keys = seq if score_keys is None else score_keys
     if jax_program:
-        attn = jax_attention_inventory(m, seq, sz["context"] if ring else 0) if na else ()
+        attn = jax_attention_inventory(m, keys, sz["context"] if ring else 0) if na else ()
         mamba = jax_mamba_inventory(m) if nm else ()
-        moe = jax_moe_inventory(m, seq, sz["context"] if ring else 0, rows) if ne else ()
+        moe = jax_moe_inventory(m, keys, sz["context"] if ring else 0, rows) if ne else ()
     else:
         attn = attention_inventory(m, keys_per_query(st, seq, fused_attention), dropout) if na else ()
         mamba = mamba_inventory(m) if nm else ()
@@ -331,7 +336,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
         transient = tokens * max(inventory_bytes(inv, act, t, sp, "none") for inv in (attn, mamba, moe))
     scores = 0.0
     if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
-        scores = tokens * m.heads / t * seq * (F32 + BOOL)
+        scores = tokens * m.heads / t * keys * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
     if jax_program and stages > 1:  # jaxpar/pipeline.py: each stage the head of ceil(M/S) micro-batches
         logits *= -(-micro // stages) / micro
