@@ -107,10 +107,9 @@ def test_pipeline_permutes_per_iteration(schedule, v, iters):
     a2a = recs["all-to-all", ("pipeline",), "forward"]
     assert ("all-reduce", ("pipeline",), "forward") not in recs
     assert recs["all-reduce", ("pipeline",), "backward"].bytes == out + 4 * (TINY.vocab * 64 + 64)
-    if schedule == "circular":  # the [U] -> [v, S, k] weight view: per weight array an all-to-all each way
-        assert a2a.count == 1 + 9 and a2a.bytes == pytest.approx(out + 4 * 4 * LAYER / 2)
-    else:
-        assert a2a.count == 1 and a2a.bytes == out
+    # an even split keeps its weights at rest in stage order (jaxpar/pipeline_order.py): the circular
+    # [S, v, k] view is a reshape, so no weight all-to-all under either schedule
+    assert a2a.count == 1 and a2a.bytes == out
     assert recs["all-to-all", ("pipeline",), "backward"].bytes == a2a.bytes
 
 
