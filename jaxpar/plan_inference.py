@@ -21,21 +21,18 @@ from jaxpar.cost.inference import PHASES, InferenceEstimate, inference_estimate
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
+from jaxpar.planner import divisors
 from jaxpar.strategy import AXES, Options, Strategy
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(model: ModelConfig, devices: int, phase: str, max_tensor: int) -> list[Strategy]:
     """The layouts searched (module docstring), as resolved strategies named like `plan`'s."""
     out = []
-    for tensor in _divisors(devices):
+    for tensor in divisors(devices):
         if tensor > max_tensor:
             continue
-        for context in _divisors(devices // tensor) if phase == "prefill" else [1]:
-            for expert in _divisors(devices // (tensor * context)) if model.moe_layers else [1]:
+        for context in divisors(devices // tensor) if phase == "prefill" else [1]:
+            for expert in divisors(devices // (tensor * context)) if model.moe_layers else [1]:
                 sizes = {"data": devices // (tensor * context * expert), "context": context, "expert": expert,
                          "tensor": tensor}
                 name = "-".join(f"{a}{sizes[a]}" for a in AXES if sizes.get(a, 1) > 1) or "single"
