@@ -17,17 +17,20 @@ jaxpar.generate sizes it; a decode step is costed at the full cache, its slowest
                    overlapped): a roofline per step, the hardware profile's calibration constants
     collectives    under tensor: the vocab-parallel embedding's sum, two row-parallel sums per
                    attention layer and one per Mamba-2 layer, of [b, s, d] (s = 1 in decode), and the
-                   sampling's all-gathers of each rank's best (value, id) (greedy); the batch axes
-                   need none (no gradients)
+                   sampling's all-gathers of each rank's best (value, id) (greedy); under expert: each
+                   MoE layer's two dispatch all-to-alls (training's forward ones, cost/comm.py
+                   expert_parallel, a group being one sequence's step tokens); the batch axes need
+                   none (no gradients)
     memory         weights + KV cache (layers x 2 x b x S x kv heads per device x head_dim, K/V heads
                    replicated across tensor ranks when tensor > kv_heads) + Mamba-2 states + the step's
                    activations and float32 logits
 Critical batch: the batch at which a decode step's matmul time reaches its HBM time (weights are read
 once per step whatever the batch; each sequence adds FLOPs and its own KV bytes).
 
-Context-parallel prefill (context > 1 in the prefill layout): the prompt's tokens, their FLOPs and
-activations are split over context too; the cache is replicated over context (decode reads it whole).
-Its collectives (ring or all-gather K/V, Mamba-2 halos and states, the cache fill) are not costed.
+Context-parallel prefill (context > 1 in the prefill layout): the prompt's tokens, their FLOPs,
+activations and tensor-parallel sums are split over context too; the cache is replicated over context
+(decode reads it whole). Its own collectives (ring or all-gather K/V, Mamba-2 halos and states, the
+cache fill's all-gather, the last token's sum over context) are not costed yet.
 
 Mixture of experts. A device holds E / expert experts (each split over tensor), and jaxpar's kernel
 (jaxpar/ops/moe.py) runs them as one batched matmul over its local experts, so a step reads all of
@@ -51,7 +54,8 @@ import math
 
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import flops, params
-from jaxpar.cost.compiler import AG, AR, COMPILERS, Compiler, site
+from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, Compiler, site
+from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.memory import DTYPE_BYTES
 from jaxpar.cost.software import JAXPAR, Software
@@ -173,18 +177,25 @@ def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, key
     return total + 2.0 * batch * m.d_model * m.vocab  # the head, on the last position of each sequence
 
 
-def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler) -> tuple[tuple, ...]:
-    """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`."""
+def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler,
+                 software_padded: bool = True) -> tuple[tuple, ...]:
+    """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`
+    (`software_padded`: MoE dispatch into static buffers, Software.moe_padded)."""
     t = st.sizes["tensor"]
-    if t == 1:
-        return ()
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]
     b = batch / (st.sizes["data"] * st.sizes["fsdp"] * st.sizes["expert"])
-    x = b * q_len * m.d_model * act
+    x = b * q_len / st.sizes["context"] * m.d_model * act   # a context-parallel prefill splits the tokens
     ax = ("tensor",)
-    ops = site(cc, AR, ax, 1, [x], "forward")                                         # embedding (vocab-parallel)
-    ops += site(cc, AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
-    ops += site(cc, AG, ax, 2, [b * 4 * t], "forward")                                 # argmax: (value, id) per rank
+    ops = []
+    if t > 1:
+        ops += site(cc, AR, ax, 1, [x], "forward")                                      # embedding (vocab-parallel)
+        ops += site(cc, AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
+        ops += site(cc, AG, ax, 2, [b * 4 * t], "forward")                              # argmax: (value, id) per rank
+    if m.moe_layers and st.sizes["expert"] > 1:
+        # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm.py
+        # expert_parallel): E x C_loc rows per sequence, a group being one sequence's q_len tokens
+        buf = expert_rows(m, q_len, 1, software_padded) * q_len * b * m.d_model * act
+        ops += site(cc, A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in ops:
         acc = merged.setdefault((kind, axes, phase), [0.0, 0.0])
@@ -220,7 +231,7 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
     hbm = weights + cache + acts  # decode reads the cache; prefill writes it (same bytes)
     matmul_s = matmul / (hw.peak_flops * hw.matmul_efficiency)
     memory_s = hbm / hw.hbm_bw
-    predicted = _collectives(m, st, batch, q_len, cc)
+    predicted = _collectives(m, st, batch, q_len, cc, software.moe_padded)
     comm = sum(comm_seconds(predicted, st, hw).values())
     critical = None
     if phase == "decode":
