@@ -30,7 +30,7 @@ once per step whatever the batch; each sequence adds FLOPs and its own KV bytes)
 Context-parallel prefill (context > 1 in the prefill layout): the prompt's tokens, their FLOPs,
 activations and tensor-parallel sums are split over context too; the cache is replicated over context
 (decode reads it whole). Its own collectives (ring or all-gather K/V, Mamba-2 halos and states, the
-cache fill's all-gather, the last token's sum over context) are not costed yet.
+cache fill's all-gather, the last token's sum over context): `_context_prefill`.
 
 Mixture of experts. A device holds E / expert experts (each split over tensor), and jaxpar's kernel
 (jaxpar/ops/moe.py) runs them as one batched matmul over its local experts, so a step reads all of
@@ -54,10 +54,12 @@ import math
 
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import flops, params
-from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, Compiler, site
+from jaxpar.cost.comm import context_parallel
+from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, PERMUTE, Compiler, site
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.memory import DTYPE_BYTES
+from jaxpar.cost.shape import step_shape
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.cost.time import comm_seconds
 from jaxpar.strategy import Strategy
@@ -177,6 +179,32 @@ def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, key
     return total + 2.0 * batch * m.d_model * m.vocab  # the head, on the last position of each sequence
 
 
+def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, act: int, cc: Compiler) -> list[tuple]:
+    """A prefill split over `context` (models/decode.py): attention's K/V exchange and Mamba-2's halos
+    and states are training's forward ones (cost/comm.py context_parallel, on this prompt's shape);
+    then each attention layer's K and V are all-gathered over context into the cache (it is
+    replicated over context: a decode step reads it whole), and the last token's hidden state [b, d]
+    is sliced out of the context-sharded stream: XLA's partitioner moves it to the first context
+    shard (a permute) unless that shard holds it, as under zigzag, and sums it over context.
+    Checked against the compiled prefill at context 2 (tests/test_inference_layouts.py). Not modelled:
+    at context > 2 XLA:CPU leaves the key positions' ring permutes inside the layer loop ((c-1) x
+    layers small int32 permutes instead of c-1), and a Mamba-2 layer's cache fill (its conv window's
+    last columns and its final SSM state, taken off the shard that holds them: a permute and an
+    all-reduce per layer)."""
+    sz, c = st.sizes, st.sizes["context"]
+    sh = step_shape(m, st, batch, prompt)
+    ops = [op for op in context_parallel(m, st, sh, act, cc) if op[4] == "forward"]
+    e = m.attention_layers + m.moe_layers
+    if e:
+        full = sh.mb * prompt * m.kv_heads * m.head_dim / min(sz["tensor"], m.kv_heads) * act  # K or V, all slots
+        ops += site(cc, AG, ("context",), e, [full, full], "forward")
+    row = sh.mb * m.d_model * act
+    if st.options.cp_layout != "zigzag":  # the last token sits on the last shard
+        ops += site(cc, PERMUTE, ("context",), 1, [row], "forward")
+    ops += site(cc, AR, ("context",), 1, [row], "forward")
+    return ops
+
+
 def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler,
                  software_padded: bool = True) -> tuple[tuple, ...]:
     """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`
@@ -191,6 +219,9 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
         ops += site(cc, AR, ax, 1, [x], "forward")                                      # embedding (vocab-parallel)
         ops += site(cc, AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
         ops += site(cc, AG, ax, 2, [b * 4 * t], "forward")                              # argmax: (value, id) per rank
+    c = st.sizes["context"]
+    if c > 1:  # a context-parallel prefill (a decode step never splits its one token)
+        ops += _context_prefill(m, st, batch, q_len, act, cc)
     if m.moe_layers and st.sizes["expert"] > 1:
         # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm.py
         # expert_parallel): E x C_loc rows per sequence, a group being one sequence's q_len tokens
