@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar import validate
 from jaxpar.mesh import make_mesh
 from jaxpar.ops.attention import token_permutation
-from jaxpar.sharding import Layout, param_shardings, spec_for, use_layout
+from jaxpar.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
 from jaxpar.strategy import Strategy
 from jaxpar.models import decode
 from jaxpar.models.config import ModelConfig, RunConfig
@@ -205,8 +205,7 @@ class Generator:
 
     def _phase(self, name: str, strategy: Strategy, devices: list) -> PhaseLayout:
         mesh = make_mesh(strategy, devices)
-        layout = Layout(mesh, strategy, replicate_kv_heads=self.model_cfg.has_attention
-                        and strategy.size("tensor") > self.model_cfg.kv_heads)
+        layout = model_layout(mesh, strategy, self.model_cfg.kv_heads, self.model_cfg.has_attention)
         rules = layout.rules("activations")
         cache = jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.names, rules, mesh)),
                              self.cache_layout, is_leaf=decode.is_slot)

@@ -11,7 +11,8 @@ Search space limits, stated: tensor parallelism stays inside a node (<= devices_
 a batch axis for the other layers); pipeline micro-batches M = 4 * stages or one sequence each, when the
 batch allows it and M >= stages; schedules GPipe and circular with one unit per chunk; gradient
 accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
-uses ring attention (all-gather and zigzag are not searched).
+uses ring attention (all-gather and zigzag are not searched); tensor stays <= kv_heads (a run replicates
+K/V heads beyond that, which the cost model does not count yet: cost.estimate.check_modelled_layout).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import math
 
 from jaxpar import validate
 from jaxpar.cost import estimate, memory
-from jaxpar.cost.estimate import check_modelled
+from jaxpar.cost.estimate import check_modelled, check_modelled_layout
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
@@ -103,6 +104,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
             try:
                 validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True)
+                check_modelled_layout(model, st)
             except ConfigError:
                 continue
             valid += 1

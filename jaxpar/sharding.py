@@ -57,6 +57,12 @@ class Layout:
         return NamedSharding(self.mesh, spec_for(names, self.rules("activations"), self.mesh))
 
 
+def model_layout(mesh: Mesh, strategy: Strategy, kv_heads: int, has_attention: bool = True) -> Layout:
+    """A model's layout: K/V heads replicated across tensor ranks when tensor exceeds the model's
+    kv_heads (Megatron's rule; jaxpar.rules.rules_for), for training and generation alike."""
+    return Layout(mesh, strategy, replicate_kv_heads=has_attention and strategy.size("tensor") > kv_heads)
+
+
 _CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxpar_layout", default=None)
 
 

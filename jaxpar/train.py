@@ -27,7 +27,7 @@ from jaxpar.inputs import check_host_memory
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.pipeline_order import reorder, stacked_paths, unit_order
-from jaxpar.sharding import Layout, optimizer_shardings, param_shardings, use_layout
+from jaxpar.sharding import Layout, model_layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
 from jaxpar.xla_presets import compiler_options
 from jaxpar.models.config import ModelConfig, RunConfig
@@ -95,7 +95,7 @@ class Trainer:
         self.model_cfg, self.tc = model, tc
         self.extra_metrics = AUX_FIELDS if "E" in model.pattern else ()  # what `_loss` reports beside the loss
         self.mesh = make_mesh(self.strategy, devices)
-        self.layout = Layout(self.mesh, self.strategy)
+        self.layout = model_layout(self.mesh, self.strategy, model.kv_heads, model.has_attention)
         self.optimizer = make_optimizer(tc)
         self.order = token_order(self.strategy, tc.seq)
         # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline_order.py)

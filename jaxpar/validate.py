@@ -72,7 +72,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     _divides("tensor", tp, "vocab", model.vocab)
     if model.has_attention:
         _divides("tensor", tp, "heads", model.heads)
-        _divides("tensor", tp, "kv_heads", model.kv_heads)
+        check_kv_heads(model, tp)
     if "A" in model.pattern:
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
     if "E" in model.pattern:
@@ -96,6 +96,17 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
 
     # --- pipeline -----------------------------------------------------------------------------
     check_pipeline(model, strategy)
+
+
+def check_kv_heads(model: ModelConfig, tensor: int) -> None:
+    """K/V heads over `tensor`: sharded when tensor divides kv_heads; replicated across tensor ranks
+    (Megatron's rule, jaxpar.sharding.model_layout) when tensor is a multiple of kv_heads, so each rank
+    computes every K/V head and its query heads read theirs."""
+    if tensor > model.kv_heads and tensor % model.kv_heads:
+        raise ConfigError(f"tensor={tensor} > kv_heads={model.kv_heads} replicates K/V heads across tensor ranks, "
+                          "which needs tensor to be a multiple of kv_heads")
+    if tensor <= model.kv_heads:
+        _divides("tensor", tensor, "kv_heads", model.kv_heads)
 
 
 # ---- collective matmul ---------------------------------------------------------------------------
@@ -383,10 +394,6 @@ def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest
     if model.has_attention:
         _divides("tensor", tp, "heads", model.heads)
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
-        if tp > model.kv_heads and tp % model.kv_heads:
-            raise ConfigError(f"tensor={tp} > kv_heads={model.kv_heads} replicates K/V heads across tensor ranks, "
-                              "which needs tensor to be a multiple of kv_heads")
-        if tp <= model.kv_heads:
-            _divides("tensor", tp, "kv_heads", model.kv_heads)
+        check_kv_heads(model, tp)
     if "M" in model.pattern:
         check_mamba(model, tensor=tp, context=1, seq=1)

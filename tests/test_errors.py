@@ -25,7 +25,9 @@ def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
 
 @pytest.mark.parametrize("model, mesh, batch, seq, message", [
     ("llama-tiny", "data=2,tensor=2", 16, 32, "axis product 4 (data=2 x tensor=2) != device count 8"),
-    ("llama-tiny:kv_heads=4,heads=8", "tensor=8", 16, 32, "tensor=8 does not divide kv_heads=4"),
+    ("llama-tiny:kv_heads=3,heads=12", "data=2,tensor=4", 16, 32,
+     "tensor=4 > kv_heads=3 replicates K/V heads across tensor ranks, which needs tensor to be a multiple of kv_heads"),
+    ("llama-tiny:kv_heads=6,heads=12", "data=2,tensor=4", 16, 32, "tensor=4 does not divide kv_heads=6"),
     ("llama-tiny:heads=4,kv_heads=4", "data=2,tensor=8", 16, 32, "axis product 16"),  # product error first
     ("llama-tiny:heads=6,kv_heads=2", "data=2,tensor=4", 16, 32, "tensor=4 does not divide heads=6"),
     ("llama-tiny:mlp_dim=102", "data=2,tensor=4", 16, 32, "tensor=4 does not divide mlp_dim=102"),

@@ -45,3 +45,16 @@ def test_training_trajectory_matches_one_device(mesh):
     got, _ = harness.trajectory(model, mesh)
     assert ref[-1] < ref[0]  # the reference itself learns
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tensor_beyond_kv_heads_replicates_them_and_matches_one_device():
+    """tensor=8 > kv_heads=2 (llama-tiny:kv_heads=2): K/V heads replicated across tensor ranks
+    (Megatron's rule, jaxpar.sharding.model_layout) instead of refused; loss and gradients equal one
+    device's, and the K/V projection weights are indeed whole on every tensor rank."""
+    model = "llama-tiny:kv_heads=2"
+    harness.assert_matches_one_device(model, "tensor=8")
+    tr = harness.trainer(model, "tensor=8")
+    specs = {harness.jax.tree_util.keystr(p): s.spec for p, s in
+             harness.jax.tree_util.tree_leaves_with_path(tr.param_shardings)}
+    wk = next(spec for path, spec in specs.items() if "'wk'" in path)
+    assert "tensor" not in str(wk), wk

@@ -294,10 +294,10 @@ def state_bytes_per_device(trainer, strategy: Strategy) -> int:
     import jax  # noqa: PLC0415
     from jax.sharding import AbstractMesh, AxisType  # noqa: PLC0415
 
-    from jaxpar.sharding import Layout, optimizer_shardings, param_shardings  # noqa: PLC0415
+    from jaxpar.sharding import model_layout, optimizer_shardings, param_shardings  # noqa: PLC0415
 
     mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    layout = Layout(mesh, strategy)
+    layout = model_layout(mesh, strategy, trainer.model_cfg.kv_heads, trainer.model_cfg.has_attention)
     params = trainer.abstract_params
     opt = jax.eval_shape(trainer.optimizer.init, params)
     total = 0

@@ -126,6 +126,19 @@ def check_modelled(model: ModelConfig) -> None:
                           f"(pattern={model.pattern!r})")
 
 
+def check_modelled_layout(model: ModelConfig, strategy: Strategy) -> None:
+    """Layouts a run takes that the training cost model does not count yet, refused rather than
+    mispriced: tensor > kv_heads, where K/V heads are replicated across tensor ranks (jaxpar.sharding.
+    model_layout): their weights, FLOPs and gradient reductions (dK and dV summed over the ranks that
+    share a head, then gathered) differ from the sharded case the model counts. Inference costs it
+    (jaxpar/cost/inference.py)."""
+    t = strategy.sizes["tensor"]
+    if model.has_attention and t > model.kv_heads:
+        raise ConfigError(f"tensor={t} > kv_heads={model.kv_heads}: K/V heads replicated across tensor ranks train, "
+                          "but the training cost model does not count the replication yet; estimate "
+                          f"tensor <= {model.kv_heads}")
+
+
 def fl_experts(fl: flops.StepFlops) -> float:
     """The routed experts' model FLOPs of a step (flops.StepFlops.by_block)."""
     return sum(mm for name, mm, _ in fl.by_block if name == "moe experts")
@@ -140,6 +153,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path; jaxpar's
     static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
     check_modelled(model)
+    check_modelled_layout(model, strategy)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     st, m = strategy, model
     dropout, causal = software.dropout, software.causal
