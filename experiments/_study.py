@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar import planner, validate  # noqa: E402
+from jaxpar import planner  # noqa: E402
 from jaxpar.cost import estimate  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.strategy import AXES, Strategy  # noqa: E402
@@ -84,7 +84,8 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
            key=lambda st: 0, max_tensor: int | None = None) -> dict:
     """Best fitting (estimate, strategy) by tokens/s for each `key(strategy)`, over the planner's
     candidates (jaxpar.planner: meshes, remat x accumulation x ZeRO x micro-batches x schedule; `options`
-    adds interleaved schedules) whose sizes pass `keep`. Layouts that jaxpar.validate refuses are skipped (counted under 'refused');
+    adds interleaved schedules) whose sizes pass `keep`. Layouts the planner does not rank (planner.check_plannable:
+    refused by jaxpar.validate, or not costed) are skipped (counted under 'refused');
     best["valid"][k] counts the valid candidates under key k, whether they fit or not."""
     max_tensor = max_tensor or min(hw.devices_per_node, devices)
     best, counts, valid = {}, {"considered": 0, "refused": 0, "fit": 0}, {}
@@ -97,7 +98,7 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
             st = Strategy(name="-".join(f"{a}{sizes[a]}" for a in AXES if sizes[a] > 1) or "single",
                           mesh=tuple((a, sizes[a]) for a in AXES), options=opts)
             try:
-                validate.check(model, st, batch=batch, seq=seq, padded_zero=True)
+                planner.check_plannable(model, st, batch, seq)
             except ConfigError:
                 counts["refused"] += 1
                 continue

@@ -3,8 +3,15 @@
     python experiments/bench_pipeline.py [--batch 64] [--seq 64] [--repeats 5] [--out DIR]
     python experiments/bench_pipeline.py --quick       # smoke test: a few seconds
 
-llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe and circular (v=2)
+llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe, circular (v=2) and 1F1B
 schedules with M = 4, 8, 16, 32 micro-batches, and the same batch without a pipeline (data=8).
+(jaxpar's 1F1B runs M + 2(S-1) lockstep ticks of a forward and a backward: bubble 2(S-1)/(M+2(S-1)),
+jaxpar/pipeline_1f1b.py.)
+
+Memory: the compiled loss-and-gradients program's temp bytes per device (XLA's memory analysis) for
+GPipe and 1F1B side by side at M = 4, 8, 16 with the micro-batch held fixed (one row per data shard
+and micro-batch, batch = 2M): GPipe keeps all M micro-batches' activations for its backward, 1F1B at
+most 2S-1 stashed stage inputs, so its figure stays flat while GPipe's grows.
 
 Every stage computes in every one of the T = v*M + S - 1 iterations, bubbles included, and the
 simulated devices share this host's cores, so a step's time tracks the total work: T iterations of
@@ -15,7 +22,8 @@ data=8 step time, each the fastest of --repeats steps taken round robin over the
 the same contention on a shared host). Writes experiments/results/bench_pipeline.md (+ .png when
 matplotlib is installed), or into --out DIR.
 
---quick: the same path with M = 4 only (GPipe and circular), batch 8 x seq 16, 1 repeat, and
+--quick: the same path with M = 4 only (timing GPipe and circular; memory GPipe and 1F1B), batch 8 x
+seq 16, 1 repeat, and
 XLA's backend optimisations off (compiles faster, runs slower: quick timings mean nothing).
 Options given explicitly still win.
 """
@@ -48,7 +56,7 @@ from jaxpar.models.config import parse_model  # noqa: E402
 
 MODEL = "llama-tiny:layers=8"
 RESULTS = ROOT / "experiments" / "results"
-QUICK = dict(batch=8, seq=16, repeats=1, microbatches=[4])
+QUICK = dict(batch=8, seq=16, repeats=1, microbatches=[4], schedules=["gpipe", "circular"], memory_microbatches=[4])
 
 
 def host_params(trainer: Trainer):
@@ -88,6 +96,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"])
+    parser.add_argument("--memory-microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--quick", action="store_true", help="smoke test: M=4 only, small batch, a few seconds")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="where bench_pipeline.md and .png go")
     args = parser.parse_args()
@@ -97,7 +107,8 @@ def main() -> None:
     tc = TrainConfig(batch=args.batch, seq=args.seq)
 
     specs = [("data=8", {}, "data=8")]
-    for schedule, extra in (("gpipe", {}), ("circular", {"pp_repeats": 2})):
+    for schedule in args.schedules:
+        extra = {"pp_repeats": 2} if schedule == "circular" else {}
         for m in args.microbatches:
             options = dict(microbatches=m, pp_schedule=schedule, **extra)
             specs.append(("pipeline=4,data=2", options, f"{schedule} M={m}"))
@@ -121,6 +132,7 @@ def main() -> None:
         lines.append(f"| {r['mesh']} | {r['schedule']} | {r['M']} | {r['T']} | {r['bubble']:.1%} | {predicted:.2f} "
                      f"| {r['step_s'] / base:.2f} | {r['step_s'] * 1e3:.0f} | {r['temp_mib']:.1f} "
                      f"| {r['compile_s']:.1f} |")
+    lines += ["", memory_table(args.seq, args.memory_microbatches)]
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +144,31 @@ def main() -> None:
         print(f"\nwritten to {args.out / 'bench_pipeline.md'} and bench_pipeline.png")
 
 
+def temp_bytes(schedule: str, microbatches: int, seq: int) -> int:
+    """Compiled temp bytes per device of loss + gradients, pipeline=4 x data=2, one row per data shard and
+    micro-batch (the micro-batch fixed, the batch 2M)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule)
+    tc = TrainConfig(batch=2 * microbatches, seq=seq)
+    tr = Trainer(parse_model(MODEL), strategy, tc, devices=jax.devices()[:8])
+    params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tr.abstract_params,
+                          tr.param_shardings)
+    batch = {k: jax.ShapeDtypeStruct((tc.batch, tc.seq), jnp.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "labels", "positions")}
+    return tr.stored_loss_and_grads.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def memory_table(seq: int, microbatches: list[int]) -> str:
+    """GPipe vs 1F1B compiled temp memory at M = 4, 8, 16 (S = 4), fixed micro-batch."""
+    lines = [f"Compiled temp memory per device, loss + gradients, pipeline=4 x data=2, seq={seq}, one row per "
+             "data shard and micro-batch (batch = 2M)", "", "| M | GPipe bytes | 1F1B bytes | GPipe / 1F1B |",
+             "|---|---|---|---|"]
+    for m in microbatches:
+        g, f = temp_bytes("gpipe", m, seq), temp_bytes("1f1b", m, seq)
+        lines.append(f"| {m} | {g} | {f} | {g / f:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     """PNG: measured step time over the data=8 step time against M, beside 1 / (1 - bubble)."""
     import matplotlib  # noqa: PLC0415
@@ -141,7 +178,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
     base = rows[0]["step_s"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for schedule in ("gpipe", "circular"):
+    for schedule in ("gpipe", "circular", "1f1b"):
         sel = [r for r in rows if r["schedule"] == schedule]
         ms = [r["M"] for r in sel]
         ax.plot(ms, [r["step_s"] / base for r in sel], "o-", label=f"{schedule}: measured")

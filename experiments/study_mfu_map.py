@@ -17,7 +17,7 @@ layout; an empty cell means nothing fits (or the batch has fewer sequences than 
 Assumptions. h100-sxm (calibrated on the Megatron-Core H100 rows), software megatron-core (fused
 attention; TP, DP and PP communication overlapped). Mamba-2 2.7B with max_seq raised to 131,072 (the
 checkpoint was trained at 2,048; the shapes do not depend on it). The planner's limits apply: no
-pipeline x context (jaxpar.validate), no pipeline with MoE layers, context parallelism by ring attention.
+pipeline x context (jaxpar.planner.check_plannable), no pipeline with MoE layers, context parallelism by ring attention.
 Writes experiments/results/study_mfu_map.md and .png.
 """
 from __future__ import annotations

@@ -50,7 +50,10 @@ per fsdp shard, [S, F, v, k, ...] sharded on `fsdp` too (each device keeps what 
 a second vmap, over the fsdp shards (spmd_axis_name fsdp), runs each shard's rows with its own copy.
 So the weight gradient accumulates per device through the loop (the scan's cotangent carry is
 [S, F, ...], nothing to reduce there) and the broadcast's transpose reduces it over `fsdp` once per
-step; without the copy, XLA reduces every iteration's contribution in the loop. Memory: each device
+step; without the copy, XLA reduces every iteration's contribution in the loop. With `data` > 1 too the
+copies are per data x fsdp shard (the data copies of the fsdp-sharded view made first, so the transpose
+scatters over fsdp before it sums the shards over data): otherwise every iteration all-reduced the
+gathered weights' gradient over data. Memory: each device
 holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for
 the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
 (Dubey et al. 2024, 3.3.2: no re-shard after the forward).
@@ -92,13 +95,13 @@ def _axis_name(axes: tuple[str, ...]):
     return axes[0] if len(axes) == 1 else axes
 
 
-def _shift_fn(mesh, axes: tuple[str, ...]):
-    """y[s] -> y[s+1], the last stage's to stage 0: one collective-permute over the stage axes
-    (a ppermute, whose transpose is the reverse permute: one more backward)."""
+def _shift_fn(mesh, axes: tuple[str, ...], step: int = 1):
+    """y[s] -> y[s+step] cyclically (step 1: the last stage's to stage 0): one collective-permute over
+    the stage axes (a ppermute, whose transpose is the reverse permute: one more backward)."""
     n = 1
     for a in axes:
         n *= mesh.shape[a]
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    perm = [(i, (i + step) % n) for i in range(n)]
     name = _axis_name(axes)
     return jax.shard_map(lambda y: jax.lax.ppermute(y, name, perm), mesh=mesh, in_specs=P(name),
                          out_specs=P(name), axis_names=set(axes))
@@ -151,17 +154,19 @@ def _valid_slots(sched: Schedule) -> np.ndarray:
     return np.arange(k)[None, None, :] < sizes[:, :, None]
 
 
-def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout) -> jax.Array:
-    """The schedule's loop: returns `buf` [S, M, mb, s, d], whose stage-0 row holds the stack's
-    output of every micro-batch."""
+def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True):
+    """(weights, chunk, valid): the stacked units viewed per stage and what one stage runs.
+
+    weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] under FSDP: one gathered copy per fsdp
+    shard), gathered over fsdp here, once per step (module docstring); differentiable in the units.
+    chunk(ws, ok, r, h, pos): one stage's k unit slots of repeat r applied to h [mb, s, d] (its rows run
+    per fsdp shard with that shard's copy), ws and ok that stage's slices of `weights` and `valid`.
+    valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
+    per_shard=False: no fsdp copies (weights [S, v, k, ...] gathered over fsdp, chunk on whatever rows
+    it is given), for a caller that makes its own (jaxpar/pipeline_1f1b.py)."""
     from jaxpar.models.lm import unit_step  # noqa: PLC0415
-    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
 
-    S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
-    stage_axes = layout.axes("stages")
-    state_names = ("stages",) + RESIDUAL
-
-    # Weights: [U, ...] -> [S, v, k, ...], gathered over fsdp here, once per step (module docstring).
+    S, v = sched.stages, sched.repeats
     graphdef, stacked = nnx.split(model.units)
     variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
     arrays, treedef = jax.tree.flatten(stacked)
@@ -182,21 +187,71 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     # keeps what it holds), so each shard's weight gradient accumulates on its own device through the
     # loop and is reduced (the broadcast's transpose) once after it (module docstring).
     batch_axes = layout.axes("batch")
-    F = mesh.shape["fsdp"] if "fsdp" in batch_axes else 1
+    # With `data` too, the copies are per data x fsdp shard (nothing reduced over `data` in the loop
+    # either), made as data copies of the fsdp-sharded view first, so that the gradient is summed over
+    # fsdp into its shards (a reduce-scatter) before the shards are summed over data (found by
+    # `plan --verify`: otherwise every iteration all-reduced the gathered weights' gradient over data).
+    copies = tuple(a for a in batch_axes if a in _COPY_AXES) if "fsdp" in batch_axes and per_shard else ()
+    F = int(np.prod([mesh.shape[a] for a in copies])) if copies else 1
     if F > 1:
-        def per_shard(w, n):
+        def per_shard(w, view, n):
             spec = tuple(spec_for(("stages", None, None) + n, rules, mesh))
             spec = (spec + (None,) * w.ndim)[:w.ndim]
-            spec = P(spec[0], "fsdp", *(_without(d, ("fsdp",)) if isinstance(d, (str, tuple)) else d
-                                        for d in spec[1:]))
-            w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
+            rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
+            if copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view, gathered per copy
+                D = F // mesh.shape["fsdp"]
+                view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
+                view = jax.lax.with_sharding_constraint(
+                    view, jax.sharding.NamedSharding(mesh, P(spec[0], "data", *spec[1:])))
+                w = jnp.broadcast_to(view[:, :, None], (S, D, F // D) + view.shape[2:])
+                w = w.reshape((S, F) + w.shape[3:])
+            else:
+                w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
+            spec = P(spec[0], _axis_name(copies), *rest)
             return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
-        weights = [per_shard(w, n) for w, n in zip(weights, w_names)]
+        weights = [per_shard(w, view, n) for w, view, n in zip(weights, views, w_names)]
         before = 1
-        for a in batch_axes[:batch_axes.index("fsdp")]:
+        for a in batch_axes[:batch_axes.index(copies[0])]:
             before *= mesh.shape[a]
         inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
     valid = None if sched.even else jnp.asarray(_valid_slots(sched))
+
+    def chunk(ws, ok, r, h, pos):
+        ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
+        ws = checkpoint_name(ws, WEIGHTS_NAME)
+        units = jax.tree.unflatten(treedef, ws)
+        step = unit_step(graphdef, "none", pos)
+        if ok is None:
+            return jax.lax.scan(step, h, units)[0]
+        ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if v > 1 else ok[0]
+
+        def slot(h, unit):                       # a padding slot is the identity
+            w, real = unit
+            y, aux = step(h, w)
+            return jnp.where(real, y, h), aux
+        return jax.lax.scan(slot, h, (units, ok))[0]
+
+    if F == 1:
+        return weights, chunk, valid
+
+    def sharded_chunk(ws, ok, r, h, pos):        # each fsdp shard its rows with its own copy of the weights
+        with use_layout(inner_layout):
+            y = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=_axis_name(copies))(
+                ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
+        return _fsdp_merge(y[None], before)[0]
+    return weights, sharded_chunk, valid
+
+
+def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout) -> jax.Array:
+    """The schedule's loop: returns `buf` [S, M, mb, s, d], whose stage-0 row holds the stack's
+    output of every micro-batch."""
+    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
+
+    S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
+    stage_axes = layout.axes("stages")
+    state_names = ("stages",) + RESIDUAL
+    mesh = layout.mesh
+    weights, chunk, valid = stage_chunks(model, sched, layout)
 
     # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
     # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
@@ -205,31 +260,9 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
 
     def stage_work(weights, valid, repeat, h, pos):
         """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
-        def one_stage(ws, ok, r, h, pos):
-            ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
-            ws = checkpoint_name(ws, WEIGHTS_NAME)
-            chunk = jax.tree.unflatten(treedef, ws)
-            step = unit_step(graphdef, "none", pos)
-            if ok is None:
-                return jax.lax.scan(step, h, chunk)[0]
-            ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if v > 1 else ok[0]
-
-            def slot(h, unit):                       # a padding slot is the identity
-                w, real = unit
-                y, aux = step(h, w)
-                return jnp.where(real, y, h), aux
-            return jax.lax.scan(slot, h, (chunk, ok))[0]
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
-        if F > 1:   # each fsdp shard its rows with its own copy of the weights
-            per_stage = one_stage
-
-            def one_stage(ws, ok, r, h, pos):
-                with use_layout(inner_layout):
-                    return jax.vmap(per_stage, in_axes=(0, None, None, 0, 0), spmd_axis_name="fsdp")(
-                        ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
-        y = jax.vmap(one_stage, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
+        return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
             weights, valid, repeat, h, pos)
-        return _fsdp_merge(y, before) if F > 1 else y
 
     stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
                                 prevent_cse=False)
@@ -261,12 +294,15 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     return constrain(buf, buf_names)
 
 
+_COPY_AXES = ("data", "fsdp")   # the batch axes that FSDP inside the stages makes weight copies over
+
+
 class _WithoutFsdpBatch(Layout):
-    """The layout inside the pipeline's vmap over fsdp shards: the vmapped dim is the batch's fsdp share."""
+    """The layout inside the pipeline's vmap over fsdp (x data) shards: the vmapped dim is their batch share."""
 
     def rules(self, purpose: str):
         rules = dict(super().rules(purpose))
-        rules["batch"] = tuple(a for a in rules["batch"] if a != "fsdp")
+        rules["batch"] = tuple(a for a in rules["batch"] if a not in _COPY_AXES)
         return type(super().rules(purpose))(rules)
 
 

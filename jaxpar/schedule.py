@@ -3,7 +3,9 @@
 The arithmetic that jaxpar/pipeline.py runs, jaxpar/validate.py checks, jaxpar/cost/shape.py costs and
 `jaxpar train` prints, kept apart from the schedule's code so that checking a configuration imports no
 model or kernel. Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with v = 1; the circular /
-interleaved schedule (Narayanan et al. 2021) with v model chunks per device.
+interleaved schedule (Narayanan et al. 2021) with v model chunks per device. jaxpar's 1F1B runs
+M + 2(S-1) lockstep ticks of one forward and one backward each (jaxpar/pipeline_1f1b.py says why):
+bubble 2(S-1)/(M + 2(S-1)).
 
 The split: the U stacked layer units are cut into S*v chunks in execution order (chunk c = r*S + s is
 stage s's chunk in repeat r), of sizes `split`. Every chunk runs in k = max(split) unit slots (the
@@ -50,7 +52,7 @@ def parse_split(text, units: int, chunks: int, what: str) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The shape of a pipeline schedule."""
-    kind: str            # gpipe | circular
+    kind: str            # gpipe | circular | 1f1b
     stages: int          # S, the pipeline axis size
     repeats: int         # v, chunks per stage (1 for GPipe)
     microbatches: int    # M
@@ -83,13 +85,16 @@ class Schedule:
 
     @property
     def iterations(self) -> int:
-        """T = v*M + S - 1."""
+        """T = v*M + S - 1; 1F1B: M + 2(S-1) ticks, each a forward and a backward
+        (jaxpar/pipeline_1f1b.py)."""
+        if self.kind == "1f1b":
+            return self.microbatches + 2 * (self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of every stage: (S-1) / (v*M + S-1)."""
-        return (self.stages - 1) / self.iterations
+        """Idle fraction of every stage: (S-1) / (v*M + S-1); 1F1B in lockstep ticks 2(S-1) / (M + 2(S-1))."""
+        return (self.iterations - self.repeats * self.microbatches) / self.iterations
 
     @property
     def head_microbatches(self) -> int:
@@ -115,8 +120,10 @@ def schedule_summary(strategy: Strategy, units: int) -> str:
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.kind == "circular" else f"{s.stages} stages"
     split = "+".join(map(str, s.split))
     pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
+    formula = "2(S-1)/(M+2(S-1))" if s.kind == "1f1b" else "(S-1)/(v*M+S-1)"
+    idle = s.iterations - s.repeats * s.microbatches
     return (f"pipeline: {s.kind}, {chunks}, units per chunk {split} = {s.units}{pad}, {s.microbatches} "
-            f"micro-batches: {s.iterations} iterations, bubble (S-1)/(v*M+S-1) = {s.stages - 1}/{s.iterations} "
+            f"micro-batches: {s.iterations} iterations, bubble {formula} = {idle}/{s.iterations} "
             f"= {s.bubble:.1%}")
 
 

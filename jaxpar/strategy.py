@@ -57,7 +57,7 @@ class Options:
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
                              ("contiguous", "zigzag"))
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")
-    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular"))
+    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"))
     pp_repeats: int = _option(1, "circular schedule: layer chunks per stage (v)")
     grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step")
     overlap: str = _option("none", "hide tensor parallelism's collectives behind matmuls: collective_matmul "

@@ -182,11 +182,22 @@ class Trainer:
         MoE layers: jaxpar.validate refuses them), and the MoE layers' auxiliary vector or None."""
         return model.apply_stack_aux(x, positions)
 
+    def _value_and_grad(self, params, batch):
+        """((loss, extra metrics), gradients) of one batch: jax.value_and_grad of `_loss`, but under the
+        1F1B pipeline schedule, which computes its own backward (jaxpar/pipeline_1f1b.py)."""
+        if self.strategy.size("pipeline") > 1 and self.strategy.options.pp_schedule == "1f1b":
+            from jaxpar.pipeline_1f1b import loss_and_grads  # noqa: PLC0415
+            with use_layout(self.layout):
+                loss, grads = loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
+                                             self.run.dtype)
+            return (loss, {}), grads
+        return jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+
     def _loss_and_grads(self, params, batch):
         """(loss, extra metrics, gradients); under accumulation each is the micro-batches' mean."""
         accum = self.strategy.options.grad_accum
         if accum == 1:
-            (loss, extra), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+            (loss, extra), grads = self._value_and_grad(params, batch)
             return loss, extra, grads
 
         # Micro-batch k takes rows k, k+A, k+2A, ...: a reshape that keeps each micro-batch's
@@ -196,7 +207,7 @@ class Trainer:
 
         def body(carry, micro):
             loss_sum, extra_sum, grad_sum = carry
-            (loss, extra), grads = jax.value_and_grad(self._loss, has_aux=True)(params, micro)
+            (loss, extra), grads = self._value_and_grad(params, micro)
             return (loss_sum + loss, jax.tree.map(jnp.add, extra_sum, extra),
                     jax.tree.map(jnp.add, grad_sum, grads)), None
 

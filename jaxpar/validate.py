@@ -1,7 +1,7 @@
 """Every constraint between a model, a strategy and a batch, checked in one place before compiling.
 
 Each failure raises ConfigError with a message naming the constraint and the values, e.g.
-"tensor=4 does not divide kv_heads=2". `check` runs them all; the kernels call the pieces they rely
+"tensor=4 does not divide heads=6". `check` runs them all; the kernels call the pieces they rely
 on (`check_token_layout`), never the reverse. Constraints internal to one config live with it:
 `ModelConfig.validate` (model fields) and `jaxpar.strategy.make_options` (option types and choices).
 This module imports no model or kernel code (see docs/design.md, "Layers").
@@ -241,15 +241,15 @@ def check_expert_parallel(experts: int, expert_axis: int) -> None:
 # ---- pipeline ------------------------------------------------------------------------------------
 
 def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
-    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved).
-
-    The batch's divisibility by data-parallel size x micro-batches is checked with the other batch
-    constraints in `check`. Any unit count runs on any stage count (jaxpar/schedule.py: the split,
+    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved; the batch
+    is checked in `check`). Any unit count runs on any stage count (jaxpar/schedule.py: the split,
     uneven chunks padded with identity slots) as long as every chunk gets a unit; an explicit split
     (`pp_stages`) lists one positive count per chunk and sums to the units. The circular schedule
     needs M >= S: stage 0 wants micro-batch m for its next repeat M iterations after it took it for
     this one, and the micro-batch needs S iterations to come back through the S stages. M % S == 0
-    is not needed (the head's micro-batches are padded to a multiple of S, jaxpar/pipeline.py).
+    is not needed (the head's micro-batches are padded to a multiple of S, jaxpar/pipeline.py). 1F1B
+    (jaxpar/pipeline_1f1b.py) runs one chunk per stage (pp_repeats=1) and any M. Context parallelism
+    runs inside the stages for attention (ring or all-gather, contiguous or zigzag), not yet Mamba-2.
     """
     o = strategy.options
     pp = strategy.size("pipeline")
@@ -263,9 +263,10 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
         return
     if o.pp_repeats > 1 and o.pp_schedule != "circular":
         raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular (gpipe runs one chunk per stage)")
-    if strategy.size("context") > 1:
-        raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet: the "
-                          "context-parallel shard_map kernels fail check_vma inside the pipeline's vmap over stages")
+    if strategy.size("context") > 1 and "M" in model.pattern:
+        raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet for Mamba-2 "
+                          f"blocks (pattern={model.pattern!r}): only attention's context-parallel kernels are "
+                          "checked inside the pipeline's vmap over stages")
     units = model.units
     repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
     if units < pp * repeats:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, gathered, lookup
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
@@ -85,7 +85,7 @@ class LM(nnx.Module):
 
     # ---- the three stages ----------------------------------------------------------------------
     def embed(self, tokens: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.run))
+        x = lookup(self.embedding[...], tokens, ("vocab", "embed")).astype(dtype_of(self.run))
         # vocab-parallel lookup first (each tensor rank holds part of the vocab: partial rows summed
         # by an all-reduce), then the residual layout; constraining straight to a sequence-sharded
         # residual (SP) would make XLA gather the whole table instead.
@@ -111,7 +111,7 @@ class LM(nnx.Module):
         sharded), so no device ever holds the full [b, s, vocab] logits."""
         x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
         w = self.embedding[...].T if self.cfg.tie_embeddings else self.head[...]
-        logits = (x @ w.astype(x.dtype)).astype(jnp.float32)
+        logits = (x @ gathered(w, ("embed", "vocab"), x.dtype)).astype(jnp.float32)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
         lse = jax.nn.logsumexp(logits, axis=-1)
         one_hot = jax.nn.one_hot(labels, self.cfg.vocab, dtype=jnp.float32)

@@ -188,6 +188,19 @@ def check_bench_moe(out: pathlib.Path, stdout: str) -> None:
     assert number(rows["ep8"]["params+optimizer MiB / device"]) < number(rows["dp8"]["params+optimizer MiB / device"])
 
 
+def check_bench_floor(out: pathlib.Path, stdout: str) -> None:
+    """The ratio is compiled / floor; the cost model (XLA:CPU) equals the compiled bytes; the floor is
+    no more than the GPU prediction; dp8 is at its floor."""
+    rows = {r["strategy"]: r for r in table(read_results(out, "bench_floor", figure=False), "strategy")}
+    assert set(rows) == {"dp8", "tp8"}
+    for r in rows.values():
+        wire, floor = number(r["compiled wire B"]), number(r["floor B"])
+        assert number(r["compiled / floor"]) == pytest.approx(wire / floor, abs=1e-3)
+        assert number(r["CPU model B"]) == pytest.approx(wire, rel=0.01)
+        assert floor <= number(r["GPU model B"]) * (1 + 1e-6)
+    assert number(rows["dp8"]["compiled / floor"]) <= 1.05
+
+
 def check_bench_overlap(out: pathlib.Path, stdout: str) -> None:
     """The option turns the layers' gathers and scatters over tensor into permutes; the cost model's wire
     bytes equal the compiled step's, with and without it."""
@@ -204,16 +217,18 @@ def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
     rows = table(text, "mesh")
     assert rows[0]["mesh"] == "data=8" and number(rows[0]["measured"]) == 1.0, rows[0]
     schedules = {r["schedule"] for r in rows[1:]}
-    assert schedules == {"gpipe", "circular"}, rows
+    assert schedules == {"gpipe", "circular"}, rows   # --quick; the full run adds 1f1b
     stages = 4
     for r in rows[1:]:
         v, m = (2 if r["schedule"] == "circular" else 1), int(r["M"])
-        iterations = v * m + stages - 1
-        bubble = (stages - 1) / iterations
+        iterations = m + 2 * (stages - 1) if r["schedule"] == "1f1b" else v * m + stages - 1
+        bubble = (iterations - v * m) / iterations
         assert int(r["T"]) == iterations, r
         assert number(r["ideal bubble"]) == pytest.approx(bubble, abs=5e-4), r
         assert number(r["predicted time / no-pipeline"]) == pytest.approx(1 / (1 - bubble), abs=5e-3), r
         assert number(r["measured"]) > 0 and number(r["temp MiB/device"]) > 0, r
+    memory = table(text, "M", "GPipe bytes")
+    assert memory and all(int(r["1F1B bytes"]) < int(r["GPipe bytes"]) for r in memory), memory
 
 
 # ---- the design guide's analytic studies (experiments/study_*.py, experiments/README.md) -----------
@@ -241,6 +256,12 @@ def check_study_scaling_ladder(out: pathlib.Path, stdout: str) -> None:
     assert all(rows[("llama3-405b", "64")][k] == "OOM" for k in rungs)
     published = table(text, "seq", "GPUs", "layout", "published MFU")
     assert number(published[0]["published MFU"]) == pytest.approx(430 / 989, abs=5e-4), published[0]
+    # the compiled confirmation: the 64-GPU winner's collectives as the model predicts them, per axis group
+    confirmed = table(text, "devices", "layout", "what", "predicted", "compiled", "error")
+    assert confirmed and all(r["layout"] == small["best layout"] for r in confirmed if r["devices"] == "64")
+    for r in confirmed:
+        if r["what"].startswith("bytes"):
+            assert number(r["compiled"]) == pytest.approx(number(r["predicted"]), rel=0.02, abs=0.002), r
 
 
 def check_study_zero_stages(out: pathlib.Path, stdout: str) -> None:
@@ -432,6 +453,7 @@ CHECKS = {
     "bench_comm": check_bench_comm,
     "bench_context_parallel": check_bench_context_parallel,
     "bench_estimate": check_bench_estimate,
+    "bench_floor": check_bench_floor,
     "bench_inference": check_bench_inference,
     "bench_mamba": check_bench_mamba,
     "bench_moe": check_bench_moe,

@@ -1,4 +1,5 @@
-"""Pipeline parallelism (jaxpar/pipeline.py): GPipe and circular schedules, even and uneven stage splits,
+"""Pipeline parallelism (jaxpar/pipeline.py, jaxpar/pipeline_1f1b.py): GPipe, circular and 1F1B schedules,
+even and uneven stage splits,
 compute what one device computes, communicate what the schedule (and jaxpar.cost.comm) says, run the
 head once per step, gather FSDP-sharded stage weights once per step, and bad configurations fail
 before compiling.
@@ -51,6 +52,13 @@ CASES = {
                                      dict(microbatches=8, pp_stages="1,3,3,1", **CIRCULAR)),
     "mamba-U5-S2-M4-gpipe-tp2-dp2": (MAMBA, "pipeline=2,tensor=2,data=2", dict(microbatches=4)),
     "S4-M4-circular-fsdp2": (LLAMA, "pipeline=4,fsdp=2", dict(microbatches=4, **CIRCULAR)),
+    # 1F1B (jaxpar/pipeline_1f1b.py: its own backward, not jax.grad): uneven with fsdp, even with tensor + SP
+    "U10-S4-M4-1f1b-fsdp2": (UNEVEN, "pipeline=4,fsdp=2", dict(microbatches=4, pp_schedule="1f1b")),
+    "S2-M8-1f1b-tp2-sp-dp2": (LLAMA, "pipeline=2,tensor=2,data=2",
+                              dict(microbatches=8, pp_schedule="1f1b", sequence_parallel=True)),
+    # context parallelism inside the stages: ring attention on the zigzag token layout
+    "S2-M2-gpipe-cp2-ring-zigzag": (LLAMA, "pipeline=2,context=2,data=2",
+                                    dict(microbatches=2, attention="ring", cp_layout="zigzag")),
 }
 
 
@@ -114,13 +122,14 @@ def _pipeline_ops(ops, axes: tuple[str, ...] = ("pipeline",)) -> dict[str, list[
 @pytest.mark.parametrize("case", CASES)
 def test_pipeline_collectives_as_predicted(case):
     """T = v*M + S - 1 shifts of the stage state forward and their transposes backward (one op each
-    way); and every collective over `pipeline` (the head's all-to-all, the uneven or circular weight
+    way; 1F1B: M + 2(S-1) ticks, each shifting the state up and the cotangent down); and every collective over `pipeline` (the head's all-to-all, the uneven or circular weight
     view's all-to-alls, the input's and head's gradient sums) is what jaxpar.cost.comm predicts for
     XLA:CPU: bytes within 1%, counts exact (but the all-reduces': below)."""
     tr, _, _, tally, ops, _ = compiled_case(case)
     sched = schedule_of(tr.strategy, tr.model_cfg.units)
     rows = harness.TC.batch // tr.layout.size("batch") // sched.microbatches   # per device and micro-batch
     seq = harness.TC.seq // (tr.strategy.size("tensor") if tr.strategy.options.sequence_parallel else 1)
+    seq //= tr.strategy.size("context")
     state_bytes = rows * seq * tr.model_cfg.d_model * 4
     for phase in ("forward", "backward"):
         permutes = [c for c in tally if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.phase == phase]
@@ -172,7 +181,9 @@ def test_fsdp_gathers_stage_weights_once_per_step():
     gathers = [op for op in ops if op.kind == "all-gather" and op.axes == ("fsdp",)]
     assert gathers and all(op.times == 1 for op in gathers), [(op.name, op.times) for op in gathers]
     m, st = tr.model_cfg, tr.strategy
-    # the weights' gathers (the embedding lookup's token-id gather is a permute here: not compared)
+    # the weights' gathers; the embedding lookup's token ids (int32 [B, s], gathered over fsdp by
+    # jaxpar.sharding.lookup) are not a weight: not compared
+    gathers = [op for op in gathers if op.bytes != harness.TC.batch * harness.TC.seq * 4]
     want = _fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
     assert sum(count for *_, count, _, _ in want) == len(gathers)
     assert sum(count * nbytes for *_, count, nbytes, _ in want) == pytest.approx(sum(op.bytes for op in gathers), rel=0.01)
@@ -259,6 +270,9 @@ def test_schedule_summary():
     text = schedule_summary(circ, 8)
     assert "circular" in text and "2 repeats" in text and "11 iterations" in text and "27.3%" in text
     assert "units per chunk 2+3+3+2 = 10 (k=3 slots per chunk, 2 padding)" in schedule_summary(gpipe, 10)
+    one_f = parse_strategy("pipeline=4,data=2").with_options(microbatches=8, pp_schedule="1f1b")
+    assert schedule_of(one_f, 8).iterations == 8 + 2 * 3 and schedule_of(one_f, 8).repeats == 1
+    assert "1f1b" in schedule_summary(one_f, 8) and "2(S-1)/(M+2(S-1)) = 6/14 = 42.9%" in schedule_summary(one_f, 8)
     assert schedule_summary(parse_strategy("data=8"), 8) == "pipeline: none (pipeline=1)"
 
 
@@ -297,11 +311,13 @@ def test_uneven_weights_stored_off_the_layers_dim():
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(microbatches=2, **CIRCULAR),
      "the circular schedule needs microbatches >= pipeline: microbatches=2 < pipeline=4"),
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2), "pp_repeats=2 needs pp_schedule=circular"),
+    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2, pp_schedule="1f1b"),
+     "pp_repeats=2 needs pp_schedule=circular"),
     ("llama-tiny", "data=8", dict(microbatches=4), "microbatches=4 needs a pipeline axis > 1"),
     ("llama-tiny", "data=8", dict(pp_stages="1,1"), "option pp_stages='1,1' splits layers over pipeline stages, "
                                                      "but the mesh has pipeline=1"),
-    ("llama-tiny:layers=8", "pipeline=2,context=2,data=2", dict(attention="ring"),
-     "pipeline=2 with context=2 is not supported yet"),
+    ("hybrid-tiny:layers=8", "pipeline=2,context=2,data=2", dict(attention="ring"),
+     "pipeline=2 with context=2 is not supported yet for Mamba-2 blocks"),
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_stages="2,2,4"),
      "option pp_stages='2,2,4' lists 3 chunk(s), gpipe runs 4"),
     ("llama-tiny:layers=8", "pipeline=2,data=4", dict(pp_stages="3,3,1,2", **CIRCULAR),
@@ -320,3 +336,30 @@ def test_bad_pipeline_configs(model, mesh, options, message):
 def test_good_pipeline_configs_pass():
     for model, mesh, options in CASES.values():
         check_pipeline(parse_model(model), parse_strategy(mesh).with_options(**options).resolved(8))
+
+
+def _temp_bytes(schedule: str, microbatches: int) -> int:
+    """Compiled temp bytes per device of loss + gradients at S = 4 (pipeline=4, data=2), one row per data
+    shard and micro-batch: the batch grows with M, the micro-batch stays."""
+    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+    strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule)
+    tc = TrainConfig(batch=2 * microbatches, seq=16)
+    tr = Trainer(parse_model("llama-tiny:layers=4"), strategy, tc, devices=jax.devices()[:8])
+    params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tr.abstract_params,
+                          tr.param_shardings)
+    batch = {k: jax.ShapeDtypeStruct((tc.batch, tc.seq), jnp.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "labels", "positions")}
+    return tr.stored_loss_and_grads.lower(params, batch).compile(FAST_COMPILE).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow   # four compiles; experiments/bench_pipeline.py prints the same figures for M = 4, 8, 16
+def test_1f1b_memory_flat_in_microbatches():
+    """At a fixed micro-batch size, GPipe keeps every micro-batch's stage inputs and inventories for its
+    backward (T = M + S - 1 iterations' worth), 1F1B at most 2S-1 stashed stage inputs: from M = 4 to 16
+    GPipe's compiled temp memory grows by more than its M = 4 figure, 1F1B's by less than a tenth of GPipe's
+    growth (what it still grows by is the batch itself: embedding output and its cotangent)."""
+    gpipe = [_temp_bytes("gpipe", m) for m in (4, 16)]
+    one_f = [_temp_bytes("1f1b", m) for m in (4, 16)]
+    assert gpipe[1] - gpipe[0] > gpipe[0]
+    assert one_f[1] - one_f[0] < 0.1 * (gpipe[1] - gpipe[0])
+    assert one_f[1] < gpipe[0]

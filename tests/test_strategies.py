@@ -10,6 +10,7 @@ import pytest
 
 from jaxpar.strategy import catalogue, parse_strategy
 from tests import harness
+from tests.test_cost_vs_hlo import CATALOGUE, _param, assert_prediction_matches
 
 MODEL = "llama-tiny"
 PIPELINE_MODEL = "llama-tiny:layers=8"  # stages x repeats must divide the layer units
@@ -45,6 +46,15 @@ def test_training_trajectory_matches_one_device(mesh):
     got, _ = harness.trajectory(model, mesh)
     assert ref[-1] < ref[0]  # the reference itself learns
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", [_param(s) for s in CATALOGUE])
+def test_catalogue_strategy_prediction_equals_hlo(mesh):
+    """tests/test_cost_vs_hlo.py's walk of the catalogue (its docstring says what is compared; strict
+    xfails name what is not modelled), run here so that each strategy's step compiles once for the
+    trajectory above and this comparison."""
+    strategy = parse_strategy(mesh)
+    assert_prediction_matches(model_for(mesh), mesh, strategy.num_devices)
 
 
 def test_tensor_beyond_kv_heads_replicates_them_and_matches_one_device():

@@ -16,8 +16,9 @@ states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes 
 from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, equal_buffers, held
-from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site, together
+from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel
+from jaxpar.cost.comm_pipeline import pipeline_parallel
+from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
@@ -63,16 +64,37 @@ def tp_rings(cc: Compiler, st: Strategy, execs: float, xr: float, forward: int, 
             + site(cc, PERMUTE, ("tensor",), execs * back, ring, "backward"))
 
 
-def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float) -> list[tuple]:
+def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) -> tuple[int, int]:
+    """(SP gathers, row-parallel sums) of an attention layer that run again in its backward pass.
+    Outside a pipeline, or in another program's (`jaxpar_pipeline` False: Megatron's recomputes per
+    layer): remat `full` reruns both gathers and the attention sum (the MLP's is the layer's output:
+    dead), the `dots` policies the gathers only (no dot outputs).
+    Inside jaxpar's pipeline (jaxpar/pipeline.py) each iteration's stage work is rematerialised under the
+    policy, and its vmap over the stages (and over the fsdp shards) gives every weight dot a batch dim,
+    so `dots_no_batch` saves none of them and recomputes as `full` does: both sums when a stage runs
+    k > 1 unit slots per iteration (a slot's output feeds the next slot), one when k = 1 (the chunk's
+    output is dead; XLA drops the one-trip slot loop); `dots` keeps every dot output (no sum again).
+    Gathers: any policy but `none` reruns both; and without fsdp inside the stages the iteration's
+    saved norm outputs stay sequence-sharded and are gathered again for the weight gradients (two more
+    under every policy; with fsdp the per-shard vmap keeps them gathered). XLA:CPU counts, checked
+    per policy, k and fsdp in tests/test_verify_scale.py and test_cost_vs_hlo.py's remat cases."""
+    remat = st.options.remat
+    if shape.stages == 1 or not jaxpar_pipeline:
+        return (2 if remat != "none" else 0), (1 if remat == "full" else 0)
+    sums = (2 if shape.per_chunk > 1 else 1) if remat in ("full", "dots_no_batch") else 0
+    return 2 * (remat != "none") + 2 * (st.sizes["fsdp"] == 1), sums
+
+
+def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
+                 jaxpar_pipeline: bool = True) -> list[tuple]:
     """Per attention-layer execution (x: the residual activation, xr: as all-reduced).
     Forward: after o-proj and after the MLP down-proj an all-reduce (SP: all-gather of the norm output
     before each, reduce-scatter after). Recompute (remat `full`): the attention one again (the MLP's is
     dead: a layer's output is not needed for its own gradient; SP: both gathers and the attention
     reduce-scatter; under the `dots` policies too the gathers run again, their outputs being no dot
-    outputs). Backward: the input gradients of q,k,v and of gate,up are all-reduced, one sum
-    each with reassociation, one per projection without it (SP: reduce-scattered; the gathers'
-    transposes are reduce-scatters and the reduce-scatters' are all-gathers). A pipeline iteration
-    is rematerialised as a whole, so under SP its two gathers run again backward.
+    outputs; under a pipeline: `recomputed_tp`). Backward: the input gradients of q,k,v and of gate,up
+    are all-reduced, one sum each with reassociation, one per projection without it (SP:
+    reduce-scattered; the gathers' transposes are reduce-scatters and the reduce-scatters' are all-gathers).
     Under overlap=collective_matmul the gathers and scatters are rings (`tp_rings`): q/k/v's gather,
     o's scatter, gate/up's gather and down's scatter; remat recomputes all but down's (dead)."""
     e, sp, out = shape.exec_attention, st.options.sequence_parallel, []
@@ -85,14 +107,10 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
         if sp:
             out += site(cc, AG, ax, e, [x], "forward")
         out += site(cc, fwd_kind, ax, e, [fwd_x], "forward")
-    if sp and (st.options.remat != "none" or shape.stages > 1):  # a gathered input is no dot output
-        out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
-    if st.options.remat == "full":
-        out += site(cc, fwd_kind, ax, e, [fwd_x], "backward")
-    if sp and shape.stages > 1 and st.options.remat in ("dots", "dots_no_batch"):
-        # the iteration's rematerialisation and the policy's, nested: both sub-blocks' gathers and
-        # scatters once more (XLA:CPU, tests/test_cost_vs_hlo.py remat cases)
-        out += site(cc, AG, ax, e, [x], "backward") * 2 + site(cc, fwd_kind, ax, e, [fwd_x], "backward") * 2
+    gathers, sums = recomputed_tp(st, shape, jaxpar_pipeline)
+    if sp:
+        out += site(cc, AG, ax, e, [x], "backward") * gathers
+    out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") * sums
     if sp:
         out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
     if cc.reassociate:
@@ -186,18 +204,23 @@ def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:
         reps = (na * attention_block_params(m).replicated + nm * mamba_block_params(m).replicated
                 + m.moe_layers * 2 * d)
         return [(AR, ax, 1, (reps / shape.stages + d) * GRAD_BYTES, "backward")]
-    tokens = shape.b_loc / shape.accum * shape.s_loc
+    tokens = shape.b_loc / shape.accum * shape.s_loc   # the label logits': a pipeline stage's head micro-batches
+    if shape.stages > 1:
+        tokens = shape.head_micro * shape.mb * shape.s_loc
     out = site(cc, AR, ax, shape.exec_attention + shape.exec_moe, [d * GRAD_BYTES] * 2, "backward")
     out += site(cc, AR, ax, shape.exec_mamba, [d * GRAD_BYTES], "backward")
     final = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
     return out + site(cc, AR, ax, 1, final, "optimizer")
 
 
-def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
-    """Attention layer: 2 per pass (after o-proj, after MLP down); Mamba-2 layer: 1 (after out_proj)."""
+def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
+                    jaxpar_pipeline: bool = True) -> list[tuple]:
+    """Attention layer: 2 per pass (after o-proj, after MLP down); Mamba-2 layer: 1 (after out_proj).
+    `jaxpar_pipeline`: a pipeline is jaxpar's own (jaxpar/pipeline.py), as `pipeline_parallel`'s
+    scatter_gather None says."""
     x = shape.mb * shape.s_loc * m.d_model * act
     xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)
-    out = tp_attention(cc, st, shape, x, xr) if shape.exec_attention else []
+    out = tp_attention(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_attention else []
     out += tp_mamba(cc, st, shape, x, xr) if shape.exec_mamba else []
     out += tp_moe(cc, st, shape, m, x, xr) if shape.exec_moe else []
     out += tp_vocab(cc, st, shape, m, act)
@@ -284,53 +307,6 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     return out
 
 
-# ---- pipeline parallelism -------------------------------------------------------------------------
-
-def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
-                      scatter_gather: bool | None = None, cc: Compiler = GPU) -> list[tuple]:
-    """jaxpar/pipeline.py. One collective-permute of the stage state (a micro-batch's residual stream)
-    per schedule iteration forward, and its transpose backward (GPipe M+S-1, circular v*M+S-1
-    iterations). The state is split over `tensor` under SP; with Megatron's scatter/gather (Narayanan
-    2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival.
-    jaxpar's own pipeline (scatter_gather None) also, per accumulation step: the output, padded to
-    M' = S*ceil(M/S) micro-batches, is spread over the stages for the head by one all-to-all [M', mb, s, d]
-    forward and its transpose backward; backward the input's cotangent (every stage's buffer began as
-    the input) and the head's and final norm's gradients (each stage's partial sum over its
-    micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
-    and final norm's reduction over the data axes is one op apart from the embedding's (with the
-    per-micro-batch losses, ceil(M/S) floats). An uneven split's weights are viewed as [S, v, k] per
-    step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
-    circular included, is stored stage-major: jaxpar/pipeline_order.py, no weight moves)."""
-    sp, sizes = st.options.sequence_parallel, st.sizes
-    split = sp or (scatter_gather is True)
-    x = shape.mb * shape.s_loc * m.d_model * act
-    n = shape.iterations * shape.accum
-    sent = x / sizes["tensor"] if split else x
-    ax = ("pipeline",)
-    out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n, sent, "backward")]
-    if split and not sp and sizes["tensor"] > 1:
-        out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
-    if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
-        t = sizes["tensor"] if sp else 1
-        spread = shape.stages * shape.head_micro * x / t
-        out += [(A2A, ax, shape.accum, spread, "forward"), (A2A, ax, shape.accum, spread, "backward")]
-        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act) / t
-        zero3 = sizes["fsdp"] if st.zero == 3 else 1   # FSDP: the head's gradient is summed in its shards
-        head = m.vocab * m.d_model / sizes["tensor"] / zero3 * ar_bytes(cc, act)
-        out += together(cc, site(cc, AR, ax, shape.accum, [y], "backward")
-                        + site(cc, AR, ax, shape.accum, [head, m.d_model * ar_bytes(cc, act)], "backward"))
-        data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
-        if cc.combine and data:
-            out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
-        units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
-        if units != m.units:   # uneven: the weights move to their stages
-            h = held(m, st)   # moved before the fsdp gather: ZeRO-3 shards of the sharded part
-            unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
-            arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
-            out += site(cc, A2A, ax, 1, arrays, "forward") + site(cc, A2A, ax, 1, arrays, "backward")
-    return out
-
-
 # ---- all of it ---------------------------------------------------------------------------------------
 
 def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
@@ -340,9 +316,9 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
     (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
     sz, cc = st.sizes, compiler
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
-    raw = data_parallel(m, st, shape, act, cc, gather_bytes)
+    raw = data_parallel(m, st, shape, act, cc, gather_bytes, pp_scatter_gather is None)
     if sz["tensor"] > 1:
-        raw += tensor_parallel(m, st, shape, act, cc)
+        raw += tensor_parallel(m, st, shape, act, cc, pp_scatter_gather is None)
     if sz["context"] > 1:
         raw += context_parallel(m, st, shape, act, cc)
     if sz["pipeline"] > 1:

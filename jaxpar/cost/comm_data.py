@@ -96,12 +96,15 @@ def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
     return out + site(cc, A2A, shard, shape.accum, [rows / shape.accum], "backward")
 
 
-def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
+def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+                  jaxpar_pipeline: bool = False) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
     and final norm gathered forward, the final norm again backward (the gathered head is kept).
     Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
-    only: per array of a unit, its v*k unit slots at once (jaxpar/pipeline.py)."""
+    only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_pipeline`) gathers the
+    stored float32 weights (its per-shard copies accumulate their gradients in float32) and casts them
+    in the layers (jaxpar/pipeline.py; the all-gather's operand is the float32 parameter in the HLO)."""
     t, out = st.sizes["tensor"], []
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if e:
@@ -110,7 +113,8 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
             if shape.stages > 1:
                 per_unit = e / (shape.accum * shape.iterations * shape.per_chunk)   # blocks per unit
                 slots = per_unit * shape.repeats * shape.per_chunk
-                out += site(cc, AG, ("fsdp",), shape.accum, [b * slots for b in arrays], "forward")
+                per = PARAM_BYTES / act if jaxpar_pipeline else 1.0
+                out += site(cc, AG, ("fsdp",), shape.accum, [b * slots * per for b in arrays], "forward")
                 continue
             out += site(cc, AG, ("fsdp",), e, arrays, "forward") + site(cc, AG, ("fsdp",), e, arrays, "backward")
     head, norm = _head_and_norm(m, t)
@@ -119,7 +123,7 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
-                  gather_bytes: int = PARAM_BYTES) -> list[tuple]:
+                  gather_bytes: int = PARAM_BYTES, jaxpar_pipeline: bool = True) -> list[tuple]:
     """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
     array; else per layer execution in the loop and once for embedding, head and final norm).
     ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
@@ -141,11 +145,11 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     if m.moe_layers and st.sizes["expert"] > 1:
         return (_data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
                 + _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes))
-    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes)
+    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, jaxpar_pipeline)
 
 
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
-                   experts: bool | None, gather_bytes: int) -> list[tuple]:
+                   experts: bool | None, gather_bytes: int, jaxpar_pipeline: bool = False) -> list[tuple]:
     """`data_parallel` for the weights `experts` selects (params.zero_split), reduced over `axes`; the
     embedding lookup, FSDP gathers and head reductions go with the non-expert weights."""
     sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
@@ -168,9 +172,11 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     if not shard:
         return [op for group in groups(axes) for op in grads(group, held(m, st, experts=experts), 1)]
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
+    copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline.py's per-shard copies
     rest = tuple(a for a in axes if a not in shard)
     head, norm = _head_and_norm(m, t)
-    out = _fsdp_gathers(m, st, shape, act, cc) + _embedding_lookup(m, st, shape, act, shard, cc) if zero == 3 and dense else []
+    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + _embedding_lookup(m, st, shape, act, shard, cc)
+           if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
     if cc.hoist and zero != 3:
@@ -187,7 +193,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
             for group in groups(axes):
                 in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
         out += together(cc, in_loop)
-        for nbytes in (head, norm):
+        for nbytes in (head, norm if not copies else 0.0):
             out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes and dense else []
     if zero == 1:
         out += _embedding_lookup(m, st, shape, act, shard, cc) if dense else []
@@ -196,8 +202,35 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         out += (grads(group, kept, 1) if cc.hoist
                 else site(cc, AR, group, 1, equal_buffers(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
     for group in groups(rest):
-        out += grads(group, sharded, sz["fsdp"] if zero == 3 else 1)
+        out += (_copies_grads(m, st, shape, cc, group, sharded, head, norm) if copies
+                else grads(group, sharded, sz["fsdp"] if zero == 3 else 1))
     return out
+
+
+def stage_copies(st: Strategy, shape: StepShape) -> bool:
+    """jaxpar/pipeline.py runs the stages with one copy of the gathered weights per data x fsdp shard
+    (FSDP inside the stages, with `data` the only other batch axis that is split)."""
+    sz = st.sizes
+    return (shape.stages > 1 and st.zero == 3 and sz["fsdp"] > 1 and sz["data"] > 1
+            and sz["context"] == 1 and sz["expert"] == 1)
+
+
+def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
+                  sharded: Held, head: float, norm: float) -> list[tuple]:
+    """The sums over `data` under `stage_copies`: once per accumulation step after the schedule's loop
+    (not per layer execution: each data x fsdp shard accumulates into its own copy), the stage's v*k unit
+    slots' fsdp shards (padding included) together with the embedding's shard; the head's fsdp shard over
+    data x pipeline at once (its stages' partial sums and the batch's are one reduction) and the final
+    norm over data x fsdp, un-sharded, with the per-micro-batch losses (XLA:CPU's grouping, checked in
+    tests/test_verify_scale.py)."""
+    f, slots = st.sizes["fsdp"], shape.repeats * shape.per_chunk
+    emb = sharded.emb - head - norm
+    execs = 1 if cc.hoist else shape.accum
+    out = site(cc, AR, group, execs, equal_buffers(sharded.unit * slots * GRAD_BYTES / f, sharded.unit_arrays)
+               + [emb * GRAD_BYTES / f], "backward")
+    out += site(cc, AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
+    losses = [shape.head_micro * 4] if cc.combine else []
+    return out + site(cc, AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
 
 
 def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:

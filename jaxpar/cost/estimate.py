@@ -164,7 +164,11 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     ring = st.options.attention == "ring" and st.sizes["context"] > 1
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
     # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
-    fl = flops.step_flops(m, st.options.remat, global_batch, seq, causal, ring or software.fused_attention,
+    remat = st.options.remat
+    jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and st.options.pp_schedule != "1f1b"
+    if remat == "dots_no_batch" and jaxpar_pipeline:
+        remat = "full"   # jaxpar/pipeline.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp)
+    fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
     # critical path per device: layers split over all devices; the head over the pipeline only where the
     # software spreads it (jaxpar: each stage ceil(M/S) micro-batches; Megatron: the last stage, all M);

@@ -1,0 +1,62 @@
+"""Pipeline parallelism's collectives in the cost model (jaxpar/pipeline.py, jaxpar/pipeline_1f1b.py):
+what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Records are (kind, axes,
+count, mean bytes per op, phase), as comm.py's."""
+from __future__ import annotations
+
+from jaxpar.cost.comm_data import DATA_LIKE, equal_buffers, held, stage_copies
+from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, Compiler, ar_bytes, site, together
+from jaxpar.cost.shape import StepShape
+from jaxpar.strategy import Strategy
+from jaxpar.models.config import ModelConfig
+
+
+def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
+                      scatter_gather: bool | None = None, cc: Compiler = GPU) -> list[tuple]:
+    """jaxpar/pipeline.py. One collective-permute of the stage state (a micro-batch's residual stream)
+    per schedule iteration forward, and its transpose backward (GPipe M+S-1, circular v*M+S-1
+    iterations). The state is split over `tensor` under SP; with Megatron's scatter/gather (Narayanan
+    2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival.
+    jaxpar's own pipeline (scatter_gather None) also, per accumulation step: the output, padded to
+    M' = S*ceil(M/S) micro-batches, is spread over the stages for the head by one all-to-all [M', mb, s, d]
+    forward and its transpose backward; backward the input's cotangent (every stage's buffer began as
+    the input) and the head's and final norm's gradients (each stage's partial sum over its
+    micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
+    and final norm's reduction over the data axes is one op apart from the embedding's (with the
+    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): M + 2(S-1) ticks, each
+    shifting the state up and the cotangent down (one permute each, the second labelled backward), no
+    spread, and the head's gradient summed whole (gathered over fsdp before the loop). An uneven split's weights are viewed as [S, v, k] per
+    step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
+    circular included, is stored stage-major: jaxpar/pipeline_order.py, no weight moves)."""
+    sp, sizes = st.options.sequence_parallel, st.sizes
+    split = sp or (scatter_gather is True)
+    x = shape.mb * shape.s_loc * m.d_model * act
+    n = shape.iterations * shape.accum
+    sent = x / sizes["tensor"] if split else x
+    ax = ("pipeline",)
+    out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n, sent, "backward")]
+    if split and not sp and sizes["tensor"] > 1:
+        out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
+    if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
+        t = sizes["tensor"] if sp else 1
+        one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline_1f1b.py: the head in every tick
+        spread = shape.stages * shape.head_micro * x / t
+        if not one_f_one_b:
+            out += [(A2A, ax, shape.accum, spread, "forward"), (A2A, ax, shape.accum, spread, "backward")]
+        y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act) / t
+        # FSDP: the head's gradient is summed in its shards (1F1B: gathered before its loop, summed whole)
+        zero3 = sizes["fsdp"] if st.zero == 3 else 1
+        head = m.vocab * m.d_model / sizes["tensor"] / (1 if one_f_one_b else zero3) * ar_bytes(cc, act)
+        copies = stage_copies(st, shape)   # the head's shard is summed over data x pipeline at once
+        out += together(cc, site(cc, AR, ax, shape.accum, [y], "backward")
+                        + site(cc, AR, ax, shape.accum, [0.0 if copies else head, m.d_model * ar_bytes(cc, act)],
+                               "backward"))
+        data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
+        if cc.combine and data and not copies:
+            out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
+        units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
+        if units != m.units:   # uneven: the weights move to their stages
+            h = held(m, st)   # moved before the fsdp gather: ZeRO-3 shards of the sharded part
+            unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
+            arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
+            out += site(cc, A2A, ax, 1, arrays, "forward") + site(cc, A2A, ax, 1, arrays, "backward")
+    return out
