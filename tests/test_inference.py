@@ -276,30 +276,36 @@ def test_generator_refuses_before_compiling():
         Generator(parse_model("llama-tiny"), parse_strategy("data=1"), [[1], []], 2, devices=jax.devices()[:1])
 
 
+def assert_collectives_as_estimated(compiled, mesh, est, what: str = "") -> dict:
+    """A compiled generation step's collectives (the HLO tally, scalars aside) equal an inference estimate's
+    per kind and axes: counts exact, bytes within 1%. Returns the compiled {(kind, axes): [count, bytes]}."""
+    from jaxpar.analysis import tally
+    ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+    got: dict = {}
+    for op in tally.collective_ops(compiled.as_text(), mesh.axis_names, ids):
+        if op.bytes > op.scalar_bytes:
+            acc = got.setdefault((op.kind, op.axes), [0, 0])
+            acc[0] += op.times
+            acc[1] += op.times * (op.bytes - op.scalar_bytes)
+    want = {(c.kind, c.axes): [c.count, c.bytes] for c in est.collectives}
+    assert want.keys() == got.keys(), (what, want, got)
+    for key, (count, nbytes) in got.items():
+        assert want[key][0] == count and want[key][1] == pytest.approx(nbytes, rel=0.01), (what, key, want, got)
+    return got
+
+
 @pytest.mark.parametrize("model, mesh", [("llama-tiny", "data=2,tensor=4"), ("hybrid-tiny:ngroups=8", "tensor=8")])
 def test_steps_collectives_and_cache_equal_the_cost_model(model, mesh):
     """jaxpar/cost/inference.py for XLA:CPU against the compiled prefill and decode steps (the HLO tally,
     scalars aside): counts exact, bytes within 1% per kind and axes; and the cache bytes per device it
     predicts are the generator's cache shards (K/V replicated x2 across tensor ranks in the hybrid)."""
-    import numpy as np_
-    from jaxpar.analysis import tally
     from jaxpar.cost.inference import inference_estimate
     gen, _, _ = generated(model, mesh)
-    ids = np_.arange(gen.mesh.size).reshape(tuple(gen.mesh.shape.values()))
     for phase, compiled in zip(("prefill", "decode"), gen._compiled):  # noqa: SLF001
         est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, phase,
                                  compiler="cpu")
-        got: dict = {}
-        for op in tally.collective_ops(compiled.as_text(), gen.mesh.axis_names, ids):
-            if op.bytes > op.scalar_bytes:
-                acc = got.setdefault((op.kind, op.axes), [0, 0])
-                acc[0] += op.times
-                acc[1] += op.times * (op.bytes - op.scalar_bytes)
-        want = {(c.kind, c.axes): [c.count, c.bytes] for c in est.collectives}
-        assert want.keys() == got.keys(), (phase, want, got)
-        for key, (count, nbytes) in got.items():
-            assert want[key][0] == count and want[key][1] == pytest.approx(nbytes, rel=0.01), (phase, key, want, got)
-    shards = sum(math.prod(sh.shard_shape(s.shape)) * np_.dtype(s.dtype).itemsize
+        assert_collectives_as_estimated(compiled, gen.mesh, est, phase)
+    shards = sum(math.prod(sh.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
                  for s, sh in zip(jax.tree.leaves(gen.cache_layout, is_leaf=decode.is_slot),
                                   jax.tree.leaves(gen.cache_shardings)))
     assert est.cache_bytes == pytest.approx(shards, rel=1e-9)

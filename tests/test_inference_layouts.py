@@ -23,7 +23,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.generate import Generator, prompt_width
 from jaxpar.models.config import parse_model
 from jaxpar.strategy import MESH_CONFIG_DIR, parse_strategy
-from tests.test_inference import NEW, PROMPTS, host_params, reference_logits
+from tests.test_inference import NEW, PROMPTS, assert_collectives_as_estimated, host_params, reference_logits
 
 SERVE = "infer-prefill-cp2-decode-tp4"
 
@@ -223,23 +223,12 @@ def test_moe_steps_collectives_equal_the_cost_model():
     within 1%), and the decode step's expert all-to-alls are the hand count: 2 per MoE layer, each a
     device's dispatch buffer of E=8 rows (dropless: a one-token group gives every expert a slot) x its
     2 sequences x d=64 float32."""
-    from jaxpar.analysis import tally
     from jaxpar.cost.inference import inference_estimate
     model = parse_model("moe-tiny")
     gen = Generator(model, parse_strategy("expert=2,tensor=4"), PROMPTS, NEW)
-    ids = np.arange(gen.mesh.size).reshape(tuple(gen.mesh.shape.values()))
     for phase, compiled in zip(("prefill", "decode"), gen.compiled_steps()):
-        got: dict = {}
-        for op in tally.collective_ops(compiled.as_text(), gen.mesh.axis_names, ids):
-            if op.bytes > op.scalar_bytes:
-                acc = got.setdefault((op.kind, op.axes), [0, 0])
-                acc[0] += op.times
-                acc[1] += op.times * (op.bytes - op.scalar_bytes)
         est = inference_estimate(model, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, phase, compiler="cpu")
-        want = {(c.kind, c.axes): [c.count, c.bytes] for c in est.collectives}
-        assert want.keys() == got.keys(), (phase, want, got)
-        for key, (count, nbytes) in got.items():
-            assert want[key][0] == count and want[key][1] == pytest.approx(nbytes, rel=0.01), (phase, key, want, got)
+        got = assert_collectives_as_estimated(compiled, gen.mesh, est, phase)
     assert got["all-to-all", ("expert",)] == [2 * model.moe_layers, 2 * model.moe_layers * 8 * 2 * 64 * 4]
 
 
@@ -250,7 +239,6 @@ def test_context_prefill_collectives_equal_the_cost_model(mesh):
     permutes, the key positions' ring, the cache fill's K/V all-gathers, the last token's slice and sum
     over context, the tensor sums over the context rank's share of the tokens) equals the cost model's, counts
     exact and bytes within 1%."""
-    from jaxpar.analysis import tally
     from jaxpar.cost.inference import inference_estimate
     model = parse_model("llama-tiny")
     strategy = parse_strategy(mesh)
@@ -258,15 +246,6 @@ def test_context_prefill_collectives_equal_the_cost_model(mesh):
         strategy = strategy.with_options(attention="ring")
     gen = Generator(model, strategy, PROMPTS, NEW)
     pre = gen.prefill
-    ids = np.arange(pre.mesh.size).reshape(tuple(pre.mesh.shape.values()))
-    got: dict = {}
-    for op in tally.collective_ops(gen.compiled_steps()[0].as_text(), pre.mesh.axis_names, ids):
-        if op.bytes > op.scalar_bytes:
-            acc = got.setdefault((op.kind, op.axes), [0, 0])
-            acc[0] += op.times
-            acc[1] += op.times * (op.bytes - op.scalar_bytes)
     est = inference_estimate(model, pre.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, "prefill", compiler="cpu")
-    want = {(c.kind, c.axes): [c.count, c.bytes] for c in est.collectives}
-    assert ("all-gather", ("context",)) in got and want.keys() == got.keys(), (want, got)
-    for key, (count, nbytes) in got.items():
-        assert want[key][0] == count and want[key][1] == pytest.approx(nbytes, rel=0.01), (key, want, got)
+    got = assert_collectives_as_estimated(gen.compiled_steps()[0], pre.mesh, est, "prefill")
+    assert ("all-gather", ("context",)) in got
