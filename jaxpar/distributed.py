@@ -141,6 +141,13 @@ def check_processes(expected: int | None = None) -> None:
         per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
     if len(set(per_process.values())) > 1:
         counts = ", ".join(f"process {p}: {n}" for p, n in sorted(per_process.items()))
+        # Every process reads the same list and leaves: together (jax.distributed's shutdown barrier, bounded
+        # by the heartbeat timeout), or the first to exit would read as a dead peer to the others, whose
+        # coordination agent then aborts them (SIGABRT) before they can say why.
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 - a peer already gone: leave anyway, with the reason
+            pass
         raise ConfigError(f"processes have different device counts ({counts}); every process must "
                           "bring the same number of devices")
 
