@@ -53,7 +53,9 @@ So the weight gradient accumulates per device through the loop (the scan's cotan
 step; without the copy, XLA reduces every iteration's contribution in the loop. With `data` > 1 too the
 copies are per data x fsdp shard (the data copies of the fsdp-sharded view made first, so the transpose
 scatters over fsdp before it sums the shards over data): otherwise every iteration all-reduced the
-gathered weights' gradient over data. Memory: each device
+gathered weights' gradient over data. Without fsdp (ZeRO-0/1) the copies are per data shard alike: the
+weights are replicated over data anyway, so each device's copy costs nothing, and the gradient is summed
+over data once per step (before, in every iteration: 8x the bytes at 2,048 devices, study (a)). Memory: each device
 holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for
 the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
 (Dubey et al. 2024, 3.3.2: no re-shard after the forward).
@@ -157,8 +159,8 @@ def _valid_slots(sched: Schedule) -> np.ndarray:
 def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True):
     """(weights, chunk, valid): the stacked units viewed per stage and what one stage runs.
 
-    weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] under FSDP: one gathered copy per fsdp
-    shard), gathered over fsdp here, once per step (module docstring); differentiable in the units.
+    weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] with F > 1 data x fsdp shards: one (gathered)
+    copy per shard), gathered over fsdp here, once per step (module docstring); differentiable in the units.
     chunk(ws, ok, r, h, pos): one stage's k unit slots of repeat r applied to h [mb, s, d] (its rows run
     per fsdp shard with that shard's copy), ws and ok that stage's slices of `weights` and `valid`.
     valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
@@ -191,14 +193,14 @@ def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True)
     # either), made as data copies of the fsdp-sharded view first, so that the gradient is summed over
     # fsdp into its shards (a reduce-scatter) before the shards are summed over data (found by
     # `plan --verify`: otherwise every iteration all-reduced the gathered weights' gradient over data).
-    copies = tuple(a for a in batch_axes if a in _COPY_AXES) if "fsdp" in batch_axes and per_shard else ()
+    copies = tuple(a for a in batch_axes if a in _COPY_AXES) if per_shard else ()
     F = int(np.prod([mesh.shape[a] for a in copies])) if copies else 1
     if F > 1:
         def per_shard(w, view, n):
             spec = tuple(spec_for(("stages", None, None) + n, rules, mesh))
             spec = (spec + (None,) * w.ndim)[:w.ndim]
             rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
-            if copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view, gathered per copy
+            if "fsdp" in copies and copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view
                 D = F // mesh.shape["fsdp"]
                 view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
                 view = jax.lax.with_sharding_constraint(

@@ -27,7 +27,7 @@ from jaxpar.inputs import check_host_memory
 from jaxpar.data import local_batch, process_indices, to_global
 from jaxpar.mesh import make_mesh
 from jaxpar.pipeline_order import reorder, stacked_paths, unit_order
-from jaxpar.sharding import Layout, model_layout, optimizer_shardings, param_shardings, use_layout
+from jaxpar.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.strategy import Strategy
 from jaxpar.xla_presets import compiler_options
 from jaxpar.models.config import ModelConfig, RunConfig

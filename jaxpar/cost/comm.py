@@ -74,15 +74,15 @@ def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) 
     so `dots_no_batch` saves none of them and recomputes as `full` does: both sums when a stage runs
     k > 1 unit slots per iteration (a slot's output feeds the next slot), one when k = 1 (the chunk's
     output is dead; XLA drops the one-trip slot loop); `dots` keeps every dot output (no sum again).
-    Gathers: any policy but `none` reruns both; and without fsdp inside the stages the iteration's
-    saved norm outputs stay sequence-sharded and are gathered again for the weight gradients (two more
-    under every policy; with fsdp the per-shard vmap keeps them gathered). XLA:CPU counts, checked
+    Gathers: any policy but `none` reruns both (before the pipeline's per-shard copies under `data`, the
+    iteration's saved norm outputs were gathered a second time for the weight gradients of data-parallel
+    layouts: no longer). XLA:CPU counts, checked
     per policy, k and fsdp in tests/test_verify_scale.py and test_cost_vs_hlo.py's remat cases."""
     remat = st.options.remat
     if shape.stages == 1 or not jaxpar_pipeline:
         return (2 if remat != "none" else 0), (1 if remat == "full" else 0)
     sums = (2 if shape.per_chunk > 1 else 1) if remat in ("full", "dots_no_batch") else 0
-    return 2 * (remat != "none") + 2 * (st.sizes["fsdp"] == 1), sums
+    return 2 * (remat != "none"), sums
 
 
 def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,

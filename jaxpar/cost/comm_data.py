@@ -169,10 +169,14 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
                 + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
 
-    if not shard:
-        return [op for group in groups(axes) for op in grads(group, held(m, st, experts=experts), 1)]
-    sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
     copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline.py's per-shard copies
+    if not shard:
+        h = held(m, st, experts=experts)
+        if copies and not cc.hoist:
+            return [op for group in groups(axes) for op in _replicated_copies_grads(m, st, shape, cc, group, h)]
+        return [op for group in groups(axes) for op in grads(group, h, 1)]
+    sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
+    copies = copies and fsdp_stage_copies(st, shape)
     rest = tuple(a for a in axes if a not in shard)
     head, norm = _head_and_norm(m, t)
     out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + _embedding_lookup(m, st, shape, act, shard, cc)
@@ -208,11 +212,41 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
 
 
 def stage_copies(st: Strategy, shape: StepShape) -> bool:
-    """jaxpar/pipeline.py runs the stages with one copy of the gathered weights per data x fsdp shard
-    (FSDP inside the stages, with `data` the only other batch axis that is split)."""
+    """jaxpar/pipeline.py runs the stages with one copy of the (gathered) stage weights per data (x fsdp)
+    shard, so that nothing is summed over `data` inside the schedule's loop (`data` > 1; context and
+    expert parallelism not modelled)."""
     sz = st.sizes
-    return (shape.stages > 1 and st.zero == 3 and sz["fsdp"] > 1 and sz["data"] > 1
-            and sz["context"] == 1 and sz["expert"] == 1)
+    return shape.stages > 1 and sz["data"] > 1 and sz["context"] == 1 and sz["expert"] == 1
+
+
+def fsdp_stage_copies(st: Strategy, shape: StepShape) -> bool:
+    """`stage_copies` of weights gathered over fsdp (FSDP inside the stages, `data` > 1 too)."""
+    return stage_copies(st, shape) and st.zero == 3 and st.sizes["fsdp"] > 1
+
+
+def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
+                             h: Held) -> list[tuple]:
+    """The sums over `group` of weights replicated over it (ZeRO-0) under `stage_copies`, XLA:CPU: once per
+    accumulation step after the schedule's loop, the stage's v*k unit slots (padding included) in one op
+    with the head's and final norm's partial sums and the per-micro-batch losses; the embedding's (its
+    lookup's scatter-add) apart (with gradient accumulation: in that op, per accumulation step). Under `tensor` the head's partial sums (vocab-sharded) are reduced
+    on their own, over `group` then over `pipeline` (`head_apart`: its weight gradient's dot contracts over
+    both; XLA:CPU's grouping, tests/test_verify_scale.py and the catalogue's pp2-tp2-dp2)."""
+    slots = shape.repeats * shape.per_chunk
+    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    losses = [shape.head_micro * 4] if cc.combine else []
+    apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
+    out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
+               + [(norm + (0.0 if apart else head)) * GRAD_BYTES] + losses + ([emb] if shape.accum > 1 else []),
+               "backward")
+    out += site(cc, AR, group, shape.accum, [head * GRAD_BYTES] if apart and head else [], "backward")
+    return out + site(cc, AR, group, 1, [emb] if shape.accum == 1 else [], "backward")
+
+
+def head_apart(st: Strategy, shape: StepShape) -> bool:
+    """Under `stage_copies` of replicated weights with `tensor` > 1, the combiner leaves the LM head's
+    gradient reductions (over the data axes, over `pipeline`) apart from the others (`_replicated_copies_grads`)."""
+    return stage_copies(st, shape) and st.zero != 3 and st.sizes["tensor"] > 1
 
 
 def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],

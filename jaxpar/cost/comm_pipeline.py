@@ -3,7 +3,7 @@ what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Record
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import DATA_LIKE, equal_buffers, held, stage_copies
+from jaxpar.cost.comm_data import DATA_LIKE, equal_buffers, fsdp_stage_copies, head_apart, held, stage_copies
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, Compiler, ar_bytes, site, together
 from jaxpar.cost.shape import StepShape
 from jaxpar.strategy import Strategy
@@ -46,12 +46,14 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
         # FSDP: the head's gradient is summed in its shards (1F1B: gathered before its loop, summed whole)
         zero3 = sizes["fsdp"] if st.zero == 3 else 1
         head = m.vocab * m.d_model / sizes["tensor"] / (1 if one_f_one_b else zero3) * ar_bytes(cc, act)
-        copies = stage_copies(st, shape)   # the head's shard is summed over data x pipeline at once
+        fsdp_copies = fsdp_stage_copies(st, shape)   # the head's shard is summed over data x pipeline at once
+        apart = head_apart(st, shape)
         out += together(cc, site(cc, AR, ax, shape.accum, [y], "backward")
-                        + site(cc, AR, ax, shape.accum, [0.0 if copies else head, m.d_model * ar_bytes(cc, act)],
-                               "backward"))
+                        + site(cc, AR, ax, shape.accum, [0.0 if fsdp_copies or apart else head,
+                                                         m.d_model * ar_bytes(cc, act)], "backward"))
+        out += site(cc, AR, ax, shape.accum, [head] if apart else [], "backward")
         data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
-        if cc.combine and data and not copies:
+        if cc.combine and data and not stage_copies(st, shape):   # (with the copies: in comm_data's sum)
             out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
         units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
         if units != m.units:   # uneven: the weights move to their stages

@@ -1,0 +1,197 @@
+"""The demo and every benchmark under experiments/ run end to end in their --quick mode and write what they
+should: the checks read the markdown tables (and figure) back and compare the numbers that have an
+independent reference: the demo's losses against the 1-device loss, the context balance against its closed
+form, the pipeline's iterations and bubble against T = v*M + S - 1, the cost model's configuration count
+against a count of factorisations, the Mamba bench's parameter counts against the model's own arrays.
+(The design guide's studies: tests/test_experiments_study.py.)
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import pathlib
+import re
+
+import pytest
+
+from tests.experiments_read import number, read_results, run_quick, table, tables
+
+
+def check_demo(out: pathlib.Path, stdout: str) -> None:
+    text = read_results(out, "demo")
+    batch, seq = map(int, re.search(r"batch (\d+) x seq (\d+)", text).groups())
+    rows = table(text, "strategy")
+    assert rows[0]["strategy"] == "1 device" and len(rows) >= 3, rows
+    ref = number(rows[0]["final loss"])
+    assert abs(ref - math.log(256)) < 1.0, f"llama-tiny (vocab 256) loss {ref} is far from ln 256 after a few steps"
+    for r in rows:
+        loss = number(r["final loss"])
+        assert abs(loss - ref) < 1e-4, f"{r['strategy']}: loss {loss} vs 1 device {ref}"
+        assert number(r["abs(loss - 1-device)"]) < 1e-4, r
+        ms = number(r["step time (ms)"])
+        assert ms > 0, r
+        # tokens/s is batch * seq over the step time (which the table rounds to 0.1 ms)
+        assert number(r["tokens/s"]) == pytest.approx(batch * seq / (ms / 1e3), rel=0.06, abs=1), r
+    assert "jaxpar launch" not in {r["strategy"] for r in rows}, "--quick should skip the 2-process row"
+
+
+def check_bench_comm(out: pathlib.Path, stdout: str) -> None:
+    text = read_results(out, "bench_comm")
+    assert "llama-tiny" in text.splitlines()[0]
+    (row,) = table(text, "devices")
+    assert number(row["devices"]) == 16
+    for column in ("wall s", "CPU s", "peak RSS GB", "collective bytes / device / step", "peak memory / device"):
+        assert number(row[column]) > 0, (column, row)
+    assert number(row["XLA compile s"]) <= number(row["wall s"]), row  # the compile runs inside the child
+
+
+def check_bench_context_parallel(out: pathlib.Path, stdout: str) -> None:
+    text = read_results(out, "bench_context_parallel")
+    memory = {r["strategy"]: r for r in table(text, "strategy")}
+    dense, ring, allgather = (memory[k] for k in ("dense, context=1", "ring, context=8", "allgather, context=8"))
+    assert number(dense["vs dense"]) == 1.0
+    assert 0 < number(ring["temp MiB / device"]) < number(allgather["temp MiB / device"]) \
+        < number(dense["temp MiB / device"]), memory
+    balance = {r["layout"]: r for r in table(text, "layout")}
+    seq = int(re.search(r"causal work balance over context=8, seq=(\d+)", text).group(1))
+    # Contiguous: device i holds tokens [iL, (i+1)L) and token t attends to t + 1 keys.
+    local = seq // 8
+    first = sum(t + 1 for t in range(local))
+    last = sum(t + 1 for t in range(7 * local, 8 * local))
+    assert number(balance["contiguous"]["unmasked max/min"]) == pytest.approx(last / first, abs=5e-4)
+    assert number(balance["zigzag"]["unmasked max/min"]) == 1.0  # pairs chunk i with chunk 2C-1-i
+    assert number(balance["zigzag"]["ring critical path (quarters)"]) \
+        < number(balance["contiguous"]["ring critical path (quarters)"])
+    assert balance["zigzag"]["ring total (quarters)"] == balance["contiguous"]["ring total (quarters)"]
+    for r in balance.values():
+        assert number(r["ring fwd+bwd s"]) > 0 and number(r["allgather fwd+bwd s"]) > 0, r
+
+
+def check_bench_estimate(out: pathlib.Path, stdout: str) -> None:
+    text = read_results(out, "bench_estimate", figure=False)
+    pows = [2 ** i for i in range(10)]
+    factorisations = sum(d * f * p * t == 512
+                         for d, f, p, t in itertools.product(pows, pows, [1, 2, 4, 8], [1, 2, 4, 8]))
+    assert f"{factorisations * 2 * 2} distinct configurations" in text  # x 2 option variants x 2 models
+    rows = {r["measure"].split(" (")[0]: r for r in table(text, "measure")}
+    assert set(rows) == {"single configuration, cold", "best block", "median block", "with to_json()"}, rows
+    for r in rows.values():
+        us = number(r["us per estimate"])
+        assert us > 0 and number(r["configurations/s"]) == pytest.approx(1e6 / us, rel=1e-2, abs=1), r
+    assert number(rows["best block"]["us per estimate"]) <= number(rows["median block"]["us per estimate"])
+
+
+def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:
+    import jax  # noqa: PLC0415  (the suite's 8 simulated devices; nothing compiles here)
+
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+    from jaxpar.strategy import parse_strategy  # noqa: PLC0415
+    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+
+    text = read_results(out, "bench_mamba")
+    params = table(text, "model", "parameters")
+    assert [r["model"].split(":")[0] for r in params] == ["mamba2-tiny", "llama-tiny"], params
+    for r in params:  # the analytic count against the model's own parameter arrays
+        tr = Trainer(parse_model(r["model"]), parse_strategy("data=1"), TrainConfig(batch=8, seq=64),
+                     devices=jax.devices()[:1])
+        assert number(r["parameters"]) == sum(math.prod(a.shape) for a in jax.tree.leaves(tr.abstract_params)), r
+    tokens = table(text, "model", "1 device", "dp8")
+    assert len(tokens) == 2, tokens
+    for r in tokens:
+        assert number(r["1 device"]) > 0 and number(r["dp8"]) > 0, r
+    growth = table(text, "seq")
+    assert len(growth) >= 2, growth
+    first = growth[0]
+    assert number(first["x"]) == 1.0 and number(first["mamba s"]) > 0, first
+    for r in growth:
+        assert number(r["mamba s"]) > 0, r
+        assert r["attention s"] == "skipped" or number(r["attention s"]) > 0, r
+
+
+def check_bench_inference(out: pathlib.Path, stdout: str) -> None:
+    """Greedy generation gives the same tokens under every layout; the model's decode tokens/s grows with
+    the batch; llama3-70b's bf16 weights (70.6e9 x 2 bytes = 131 GiB) cannot sit on one 80 GB GPU (data=8)."""
+    text = read_results(out, "bench_inference")
+    assert "same tokens under every layout: yes" in text
+    cpu = table(text, "layout", "time to first token ms")
+    assert {r["layout"] for r in cpu} == {"data=8", "tensor=8"}
+    rows = table(text, "model", "layout", "batch")
+    for model, layout in {(r["model"], r["layout"]) for r in rows}:
+        speeds = [number(r["decode tokens/s"]) for r in rows if (r["model"], r["layout"]) == (model, layout)]
+        assert speeds == sorted(speeds), (model, layout, speeds)
+    big = [r for r in rows if r["model"] == "llama3-70b" and r["layout"] == "data=8"]
+    assert big and all(r["fits"] == "no" and number(r["memory GiB / device"]) > 131 for r in big)
+
+
+def check_bench_moe(out: pathlib.Path, stdout: str) -> None:
+    """The cost model's wire bytes equal the compiled step's; only expert parallelism has all-to-alls;
+    it holds 1/8 of the experts (less state per device than replicating them)."""
+    rows = {r["layout"]: r for r in table(read_results(out, "bench_moe"), "layout")}
+    assert set(rows) == {"ep8", "dp8"}
+    for r in rows.values():
+        assert number(r["predicted wire B / token"]) == pytest.approx(number(r["wire B / token"]), rel=0.01)
+    assert number(rows["ep8"]["expert all-to-all B / token"]) > 0 == number(rows["dp8"]["expert all-to-all B / token"])
+    assert number(rows["ep8"]["params+optimizer MiB / device"]) < number(rows["dp8"]["params+optimizer MiB / device"])
+
+
+def check_bench_floor(out: pathlib.Path, stdout: str) -> None:
+    """The ratio is compiled / floor; the cost model (XLA:CPU) equals the compiled bytes; the floor is
+    no more than the GPU prediction; dp8 is at its floor."""
+    rows = {r["strategy"]: r for r in table(read_results(out, "bench_floor", figure=False), "strategy")}
+    assert set(rows) == {"dp8", "tp8"}
+    for r in rows.values():
+        wire, floor = number(r["compiled wire B"]), number(r["floor B"])
+        assert number(r["compiled / floor"]) == pytest.approx(wire / floor, abs=1e-3)
+        assert number(r["CPU model B"]) == pytest.approx(wire, rel=0.01)
+        assert floor <= number(r["GPU model B"]) * (1 + 1e-6)
+    assert number(rows["dp8"]["compiled / floor"]) <= 1.05
+
+
+def check_bench_overlap(out: pathlib.Path, stdout: str) -> None:
+    """The option turns the layers' gathers and scatters over tensor into permutes; the cost model's wire
+    bytes equal the compiled step's, with and without it."""
+    rows = {r["overlap"]: r for r in table(read_results(out, "bench_overlap", figure=False), "layout")}
+    assert set(rows) == {"none", "collective_matmul"}
+    for r in rows.values():
+        assert number(r["predicted wire B / token"]) == pytest.approx(number(r["wire B / token"]), rel=0.01)
+    assert number(rows["none"]["permutes over tensor"]) == 0 < number(rows["collective_matmul"]["permutes over tensor"])
+    assert number(rows["collective_matmul"]["AG/RS/AR over tensor"]) < number(rows["none"]["AG/RS/AR over tensor"])
+
+
+def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
+    text = read_results(out, "bench_pipeline")
+    rows = table(text, "mesh")
+    assert rows[0]["mesh"] == "data=8" and number(rows[0]["measured"]) == 1.0, rows[0]
+    schedules = {r["schedule"] for r in rows[1:]}
+    assert schedules == {"gpipe", "circular"}, rows   # --quick; the full run adds 1f1b
+    stages = 4
+    for r in rows[1:]:
+        v, m = (2 if r["schedule"] == "circular" else 1), int(r["M"])
+        iterations = m + 2 * (stages - 1) if r["schedule"] == "1f1b" else v * m + stages - 1
+        bubble = (iterations - v * m) / iterations
+        assert int(r["T"]) == iterations, r
+        assert number(r["ideal bubble"]) == pytest.approx(bubble, abs=5e-4), r
+        assert number(r["predicted time / no-pipeline"]) == pytest.approx(1 / (1 - bubble), abs=5e-3), r
+        assert number(r["measured"]) > 0 and number(r["temp MiB/device"]) > 0, r
+    memory = table(text, "M", "GPipe bytes")
+    assert memory and all(int(r["1F1B bytes"]) < int(r["GPipe bytes"]) for r in memory), memory
+
+
+CHECKS = {
+    "demo": check_demo,
+    "bench_comm": check_bench_comm,
+    "bench_context_parallel": check_bench_context_parallel,
+    "bench_estimate": check_bench_estimate,
+    "bench_floor": check_bench_floor,
+    "bench_inference": check_bench_inference,
+    "bench_mamba": check_bench_mamba,
+    "bench_moe": check_bench_moe,
+    "bench_overlap": check_bench_overlap,
+    "bench_pipeline": check_bench_pipeline,
+}
+
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_quick_mode(name, tmp_path):
+    run_quick(name, tmp_path, CHECKS[name])
