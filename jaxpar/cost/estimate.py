@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost import comm, energy, flops, memory, params, shape, time
+from jaxpar.cost import comm, energy, flops, memory, overlap, params, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
@@ -189,7 +189,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     opt_params = mem.optimizer / memory.ADAM_BYTES
     comm_s = time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance)
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, opt_params, hw,
-                       (software.tp_overlap, software.pp_overlap, software.dp_overlap))
+                       overlap.fractions(software, st, colls, hw, 1.0 if software.moe_padded else imbalance))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
