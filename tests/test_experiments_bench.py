@@ -156,6 +156,15 @@ def check_bench_overlap(out: pathlib.Path, stdout: str) -> None:
         assert number(r["predicted wire B / token"]) == pytest.approx(number(r["wire B / token"]), rel=0.01)
     assert number(rows["none"]["permutes over tensor"]) == 0 < number(rows["collective_matmul"]["permutes over tensor"])
     assert number(rows["collective_matmul"]["AG/RS/AR over tensor"]) < number(rows["none"]["AG/RS/AR over tensor"])
+    # the cost model's H100 figures: each option hides only its own class, the compute never moves
+    pred = {r["options"]: r for r in table(read_results(out, "bench_overlap", figure=False), "options", "step s")}
+    none, cm, pf = pred["none"], pred["collective_matmul"], pred["fsdp_prefetch"]
+    assert len({r["compute s"] for r in pred.values()}) == 1 and len({r["data total s"] for r in pred.values()}) == 1
+    assert number(cm["tensor exposed s"]) < number(none["tensor exposed s"]) and cm["data exposed s"] == none["data exposed s"]
+    assert number(pf["data exposed s"]) < number(none["data exposed s"]) and pf["tensor exposed s"] == none["tensor exposed s"]
+    assert all(number(pred["all three"]["step s"]) <= number(r["step s"]) for r in pred.values())
+    assert number(none["step s"]) == pytest.approx(number(none["compute s"]) + number(none["tensor exposed s"])
+                                                   + number(none["data exposed s"]), rel=0.01)
 
 
 def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
