@@ -154,10 +154,49 @@ def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None]) -> jax
     if not set(width_axes) & set(batch):
         return jnp.take(table, ids, axis=0)
     kept = tuple(a for a in batch if a not in width_axes)
+    last = max(batch.index(a) for a in width_axes)
+    if any(batch.index(a) > last for a in kept):
+        return _split_lookup(table, ids, batch, width_axes, width, acts[1])
     kept_dim = None if not kept else kept[0] if len(kept) == 1 else kept
     ids = jax.lax.with_sharding_constraint(ids, NamedSharding(mesh, P(kept_dim, acts[1])))
     rows = jnp.take(table, ids, axis=0)
     return jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P(kept_dim, acts[1], width)))
+
+
+def _split_lookup(table: jax.Array, ids: jax.Array, batch: tuple[str, ...], width_axes: tuple[str, ...],
+                  width, seq) -> jax.Array:
+    """`lookup` when a batch axis that keeps its split comes after one of the table's width axes in the
+    batch's order (fsdp x expert: the batch split fsdp-major, `embed` on fsdp). The device at (f, e)
+    holds batch block f*E + e; gathering over fsdp gives it blocks {e, E + e}, which no sharding of one
+    batch dim over `expert` describes (P(expert) means blocks 2e, 2e + 1). Left to that, the partitioner
+    moved the ids and rows by collective-permutes over fsdp x expert around the gather and the
+    all-to-all (and before the split form, replicated the rows: 'involuntary full rematerialization').
+    Here the batch dim is split into one dim per batch axis up to the last width axis, each sharded over
+    its axis, and the rest, split over the batch axes after it ([F, B/F] sharded (fsdp, expert)), so
+    that the gather over the width axes and the all-to-all back are the plain ones `lookup` describes
+    (checked against the compiled HLO: the catalogue's fsdp2-ep4, tests/test_strategies.py); the rows
+    leave in the batch layout (width dim whole, `seq` as the activations), and the reshape back to
+    [batch, seq, width] moves nothing."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    mesh = _CURRENT.get().mesh
+    last = max(batch.index(a) for a in width_axes) + 1
+    lead, after = batch[:last], batch[last:]           # one dim per leading axis, the rest split over `after`
+    sizes = tuple(mesh.shape[a] for a in lead)
+    b, s = ids.shape
+    n = 1
+    for k in sizes:
+        n *= k
+    tail = None if not after else after[0] if len(after) == 1 else after
+
+    def spec(gathered: tuple[str, ...], *rest) -> NamedSharding:
+        return NamedSharding(mesh, P(*(None if a in gathered else a for a in lead), tail, seq, *rest))
+
+    split = jax.lax.with_sharding_constraint(ids.reshape(*sizes, b // n, s), spec(()))
+    rows = jnp.take(table, jax.lax.with_sharding_constraint(split, spec(width_axes)), axis=0)
+    rows = jax.lax.with_sharding_constraint(rows, spec(width_axes, width))
+    rows = jax.lax.with_sharding_constraint(rows, spec((), None))
+    return rows.reshape(b, s, table.shape[1])
 
 
 # ---- parameters and optimizer state ------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, gathered
 from jaxpar.models.config import ModelConfig, RunConfig
 
 
@@ -42,13 +42,18 @@ def collective_matmul(run: RunConfig) -> dict | None:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, name: str = "act_embed"):
-        self.scale = param(rngs, (dim,), ("embed" if name == "act_embed" else name,), value=1.0)
+        self.names = ("embed" if name == "act_embed" else name,)
+        self.scale = param(rngs, (dim,), self.names, value=1.0)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The scale is gathered once where the norm reads it (`jaxpar.sharding.gathered`; left to the
+        SPMD partitioner, the product and the input gradient's transpose each gathered it over fsdp, and
+        under remat twice in the backward pass). Without remat the gathered scale (one vector) is saved
+        for the backward pass instead of gathered again."""
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return (y * gathered(self.scale[...], self.names, jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(d: int, theta: float, scaling: tuple[float, float, float, int] | None = None) -> np.ndarray:

@@ -53,7 +53,8 @@ def test_fsdp_gathers_each_layer_forward_and_backward():
     ids = 8 * 32 * 4                                             # the batch's token ids, int32
     # layers, head and final norm gathered forward; the table is not (ids gathered, rows all-to-all'd)
     assert fwd.bytes == pytest.approx(4 * (TOTAL - TABLE) + ids) and fwd.count == 2 * 9 + 2 + 1
-    assert bwd.bytes == pytest.approx(4 * (2 * LAYER + 64)) and bwd.count == 2 * 9 + 1  # head kept
+    # the head and the norm weights (2 a layer, the final one) kept gathered from forward (d = 64)
+    assert bwd.bytes == pytest.approx(4 * 2 * (LAYER - 2 * 64)) and bwd.count == 2 * 7
     assert rs.bytes == pytest.approx(4 * 2 * LAYER) and rs.count == 2 * 9      # in the layer loop
     # head and final norm: where the optimizer's sharding constraint asks for them
     late = recs["reduce-scatter", ("fsdp",), "optimizer"]

@@ -52,24 +52,11 @@ CATALOGUE = [s for s in harness.distinct(catalogue()) if s.num_devices <= 8]  # 
 TOO_BIG = [s.name for s in catalogue() if s.num_devices > 8]
 
 # Collectives the model does not predict, strategy by strategy, and why (strict xfails: a fix shows).
-# (The embedding lookup under fsdp x tensor now takes the predicted path, `jaxpar.sharding.lookup`: ids
-# gathered over fsdp, partial rows summed over tensor, one all-to-all over fsdp each way; what is left:)
-NOT_MODELLED = {
-    "dp2-fsdp2-tp2": "the LM head's fsdp shards are gathered twice, once per matmul that reads the head (logits "
-                     "forward, the head input's gradient backward: XLA does not merge collectives; under fsdp8 the "
-                     "partitioner reuses one), and the combiner splits the head / final-norm / norm gradient "
-                     "reductions into data, fsdp and data x fsdp groups. Constraining the head to its gathered "
-                     "layout in LM.loss gathers it once (tried) but then reduces its gradient over data x fsdp in "
-                     "one all-reduce; not modelled",
-    "fsdp4-tp2-sp": "under remat=full the backward loop gathers o-proj's weight and both norm weights over fsdp "
-                    "twice per layer (the rematerialised forward and the backward's transposes each gather their "
-                    "own): 6 gathers more than predicted, +33,792 bytes; everything else matches",
-    "fsdp2-ep4": "the embedding lookup with the table's model dim on fsdp and the batch on fsdp x expert (fsdp the "
-                 "outer batch axis): the SPMD partitioner does not take the looked-up rows back to batch sharding "
-                 "by the predicted all-to-all over fsdp; it replicates them ('involuntary full rematerialization') "
-                 "and reduces over fsdp x expert instead (dense models too; not modelled); the expert all-to-alls "
-                 "match",
-}
+# None left: the embedding lookup takes the predicted path under fsdp x tensor and fsdp x expert
+# (`jaxpar.sharding.lookup`), norms and o-proj are gathered once under remat (models/layers.py,
+# models/transformer.py), and the norms' and head's reductions under data x fsdp are modelled
+# (jaxpar/cost/comm_data.py `_without_norms`).
+NOT_MODELLED: dict[str, str] = {}
 
 # tests/test_mamba_model.py's strategies (model, mesh, devices, options, why not modelled). Under fsdp the
 # hybrid has two pattern units (layers=8), a layer loop as in any real model: with one, XLA drops the

@@ -9,7 +9,8 @@ import dataclasses
 
 from jaxpar.cost.compiler import A2A, AG, AR, BATCH_AXES, GPU, RS, Compiler, reductions, site, together
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
-from jaxpar.cost.params import BLOCKS, LAYER_BLOCKS, block_counts, block_params, per_model, zero_rules, zero_split
+from jaxpar.cost.params import (BLOCKS, LAYER_BLOCKS, block_counts, block_params, block_weights, per_model,
+                                zero_rules, zero_split)
 from jaxpar.cost.shape import StepShape
 from jaxpar.rules import BASE_RULES
 from jaxpar.strategy import AXES, Strategy
@@ -100,7 +101,14 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
                   jaxpar_pipeline: bool = False) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
-    and final norm gathered forward, the final norm again backward (the gathered head is kept).
+    and final norm gathered forward only: both are gathered once where they are read and the gathered
+    copy is saved for the backward pass (`jaxpar.sharding.gathered`: models/lm.py, models/layers.py's
+    RMSNorm). So are the layers' norm weights, so without remat they are not gathered again backward, nor
+    are the routed experts' weights (operands of the expert kernel's shard_map, jaxpar/ops/moe.py, whose
+    transpose reads the same gathered operands: XLA:CPU, moe-tiny fsdp=2,expert=4; a memory cost: every
+    layer's gathered experts live until the backward pass);
+    under remat each layer's norms and o-proj (models/transformer.py) are gathered once in the
+    recomputed forward for both their reads (the partitioner gathered them twice there).
     Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
     only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_pipeline`) gathers the
     stored float32 weights (its per-shard copies accumulate their gradients in float32) and casts them
@@ -116,10 +124,17 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
                 per = PARAM_BYTES / act if jaxpar_pipeline else 1.0
                 out += site(cc, AG, ("fsdp",), shape.accum, [b * slots * per for b in arrays], "forward")
                 continue
-            out += site(cc, AG, ("fsdp",), e, arrays, "forward") + site(cc, AG, ("fsdp",), e, arrays, "backward")
+            out += site(cc, AG, ("fsdp",), e, arrays, "forward")
+            if st.options.remat == "none":   # the gathered norm (and routed experts') weights are saved
+                elements, n = _norm_vectors(m, block)
+                if block == "moe":
+                    routed, _ = zero_split(m, block, 3, experts=True)
+                    elements, n = elements + routed.per_device(t, st.sizes["expert"]), n + routed.moved
+                arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act - elements * act,
+                                       sharded.moved - n)
+            out += site(cc, AG, ("fsdp",), e, arrays, "backward")
     head, norm = _head_and_norm(m, t)
-    out += site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
-    return out + site(cc, AG, ("fsdp",), shape.accum, [norm * act], "backward")
+    return out + site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
@@ -143,9 +158,29 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     expert kernel is transposed, in the layer loop)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
-        return (_data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
-                + _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes))
+        dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
+        experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes)
+        return _one_loop(cc, st, shape, m, dense, experts)
     return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, jaxpar_pipeline)
+
+
+def _one_loop(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, dense: list[tuple],
+              experts: list[tuple]) -> list[tuple]:
+    """`dense` and `experts` ops, the experts' in-loop sums over fsdp (the partitioner's reduce-scatters of
+    the gradients of the weights it gathered for the expert kernel) in the dense weights' op: the combiner
+    makes one op of a layer's sums over fsdp (XLA:CPU, moe-tiny fsdp=2,expert=4). The kernel's own sums
+    over the other data axes (shard_map's, at its transpose) stay apart."""
+    if not (cc.combine and not cc.hoist and st.zero == 3 and st.sizes["fsdp"] > 1):
+        return dense + experts
+    execs, loop = shape.exec_layers / len(m.pattern), (AR, ("fsdp",))
+    dense, out = list(dense), []
+    for op in experts:
+        i = next((i for i, d in enumerate(dense) if op[:3] == d[:3] == (*loop, execs) and d[4] == op[4]), None)
+        if i is None or op[:2] != loop:
+            out.append(op)
+        else:
+            dense[i] = (*dense[i][:3], dense[i][3] + op[3], dense[i][4])
+    return dense + out
 
 
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
@@ -179,6 +214,10 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     copies = copies and fsdp_stage_copies(st, shape)
     rest = tuple(a for a in axes if a not in shard)
     head, norm = _head_and_norm(m, t)
+    # ZeRO-3 over fsdp x other data axes: the norm weights' gradients are all-reduced whole (`_without_norms`)
+    vectors = zero == 3 and dense and bool(rest) and shape.stages == 1 and not copies
+    if vectors:
+        sharded, norms = _without_norms(m, sharded)
     out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + _embedding_lookup(m, st, shape, act, shard, cc)
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
@@ -193,21 +232,32 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
                                                                      sharded.unit_arrays), "backward")
         else:
             in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
+        if vectors and not cc.hoist:
+            in_loop += [op for group in groups(axes) for op in site(
+                cc, AR, group, execs, equal_buffers(norms.unit * GRAD_BYTES, norms.unit_arrays), "backward")]
         if not cc.hoist:
             for group in groups(axes):
                 in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
         out += together(cc, in_loop)
-        for nbytes in (head, norm if not copies else 0.0):
+        for nbytes in (head, norm if not (copies or vectors) else 0.0):
             out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes and dense else []
+        if vectors:   # hoisted: once per step, one per array, as the kept weights'
+            out += [op for group in groups(axes) for op in (
+                grads(group, norms, 1) if cc.hoist else site(cc, AR, group, 1, [norm * GRAD_BYTES], "backward"))]
     if zero == 1:
         out += _embedding_lookup(m, st, shape, act, shard, cc) if dense else []
         out += site(cc, AG, shard, 1, equal_buffers(sharded.full * gather_bytes, sharded.arrays), "optimizer")
     for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist
                 else site(cc, AR, group, 1, equal_buffers(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
+    # the head's shard on its own under `tensor` (XLA:CPU's grouping: `_without_norms` names the layouts checked)
+    apart = head if vectors and t > 1 and not cc.hoist else 0.0
+    if apart:
+        sharded = dataclasses.replace(sharded, emb=sharded.emb - head, emb_arrays=sharded.emb_arrays - 1)
     for group in groups(rest):
         out += (_copies_grads(m, st, shape, cc, group, sharded, head, norm) if copies
                 else grads(group, sharded, sz["fsdp"] if zero == 3 else 1))
+        out += site(cc, AR, group, 1, [apart * GRAD_BYTES / sz["fsdp"]] if apart else [], "backward")
     return out
 
 
@@ -265,6 +315,42 @@ def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, 
     out += site(cc, AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
     losses = [shape.head_micro * 4] if cc.combine else []
     return out + site(cc, AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
+
+
+def _norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
+    """(elements, arrays) of a `block`'s norm weights: those whose only dim is `embed`."""
+    vectors = [w for w in block_weights(m, block) if w.names == ("embed",)]
+    return sum(w.size for w in vectors), len(vectors)
+
+
+def unit_norms(m: ModelConfig) -> tuple[int, int]:
+    """(elements, arrays) of one pattern unit's norm weights (`_norm_vectors` of each of its blocks)."""
+    unit = arrays = 0
+    for kind in m.pattern:
+        elements, n = _norm_vectors(m, "mamba" if kind == "M" else "moe" if kind == "E" else "attention")
+        unit, arrays = unit + elements, arrays + n
+    return unit, arrays
+
+
+def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
+    """(`sharded` less the norm weights, the norm weights): the weights whose only dim is `embed` (a
+    pattern unit's pre-norms; the final norm among embedding and head).
+    Their gradient is a sum over the tokens (a reduce, no dot). Under ZeRO-3 with the batch over fsdp
+    and other data axes, the SPMD partitioner all-reduces the whole vector over all the batch axes at
+    once and slices the fsdp shard out afterwards, where a matrix's gradient is reduce-scattered over
+    fsdp and its shard all-reduced over the rest: per layer execution one op over data x fsdp (the
+    unit's norms, in the layer loop), the final norm's after it. Over fsdp alone the two forms are the
+    same op (ReduceScatterCreator turns the sliced all-reduce into a reduce-scatter). Checked on
+    XLA:CPU: the catalogue's dp2-fsdp2-tp2 and fsdp2-ep4 (expert a batch axis; tests/test_strategies.py),
+    llama-tiny data=2,fsdp=4 and data=4,fsdp=2 (tests/test_cost_vs_hlo_fsdp.py); jaxpar/pipeline.py's
+    stage copies have their own (`_copies_grads`).
+    In the same layouts under `tensor` the LM head's (vocab-sharded) fsdp shard is summed over the other
+    data axes in an op of its own, not with the embedding's shard (the combiner's grouping on XLA:CPU;
+    over data x fsdp alone the two share one op, as under ZeRO-0, where the head's gradient is whole)."""
+    unit, arrays = unit_norms(m)
+    norms = Held(unit=unit, unit_arrays=arrays, layers=unit * m.units, emb=float(m.d_model), emb_arrays=1)
+    return Held(sharded.unit - unit, sharded.unit_arrays - arrays, sharded.layers - norms.layers,
+                sharded.emb - norms.emb, sharded.emb_arrays - 1), norms
 
 
 def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:

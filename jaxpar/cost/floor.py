@@ -24,7 +24,8 @@ compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble ite
   backward (the weights are freed in between: that is the layout) and the gradients reduce-scattered,
   (n-1)/n each; under a pipeline a stage gathers its weights once per step and keeps them across its
   micro-batches (jaxpar/pipeline.py), forward only. Head and final norm: gathered once (they are used at
-  the forward's end and the backward's start). Embedding table: gathered + gradient reduce-scattered,
+  the forward's end and the backward's start); so are the layers' norm weights (a vector each: kept
+  gathered for the backward, models/layers.py). Embedding table: gathered + gradient reduce-scattered,
   or looked up where it lies (ids gathered, rows all-to-all'd forward and their gradients backward),
   whichever is fewer. Over the data-like axes beyond fsdp the shards' gradients are all-reduced.
 * tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): per attention layer one sum of x
@@ -52,7 +53,7 @@ compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble ite
 """
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, held
+from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, held, unit_norms
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims, zero_rules
 from jaxpar.cost.shape import StepShape
@@ -120,7 +121,9 @@ def _weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, experts: 
         return out
     gathers = 2 * shape.accum if s == 1 else 1
     others = z.emb / s - table   # head and final norm
-    out["fsdp"] = (_share(n) * (gathers * z.layers * act + z.layers * GRAD_BYTES
+    vectors = unit_norms(m)[0] * m.units / s if dense else 0.0   # the layers' norm weights: gathered once
+    once = shape.accum if s == 1 else 1
+    out["fsdp"] = (_share(n) * (gathers * (z.layers - vectors) * act + once * vectors * act + z.layers * GRAD_BYTES
                                 + others * (shape.accum * act + GRAD_BYTES))
                    + (min(_share(n) * table * (act + GRAD_BYTES), _lookup(m, shape, n, act, forward=True))
                       if dense else 0.0))
