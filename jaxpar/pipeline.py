@@ -60,6 +60,13 @@ holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype,
 the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
 (Dubey et al. 2024, 3.3.2: no re-shard after the forward).
 
+Mixture of experts inside the stages: the expert kernel's shard_map (jaxpar/ops/moe.py, its all-to-alls over
+`expert`) runs under the vmaps over stages and weight copies, which batch it over `pipeline` (and `data`).
+The router's auxiliary losses are per-layer functions of batch means (models/moe.py), so each item's router
+statistics (sums over its tokens) are added, bubbles masked, into an accumulator per stage, repeat and unit
+slot (= per layer) and the losses are made from the whole batch's sums after the loop: loss, gradients and
+router metrics equal one device's (tests/test_pipeline_moe.py). 1F1B does not carry them (refused).
+
 Communication per step, over `pipeline`: T collective-permutes of the stage state [mb, s, d]
 (its per-device shard) forward and T backward; one all-to-all of the output [M', mb, s, d] forward
 and one of its cotangent backward; the input's cotangent all-reduced backward (every stage's `buf`
@@ -74,15 +81,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.pipeline_stages import (WEIGHTS_NAME, _InStages, _axis_name, _valid_slots, _without,  # noqa: F401
+                                    stage_chunks)
 from jaxpar.schedule import Schedule, schedule_of
 from jaxpar.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.strategy import Strategy
-
-WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
-
 
 def _iteration_policy(policy: str):
     """jax.checkpoint policy of one iteration's stage work; never saves the weight slices."""
@@ -91,10 +96,6 @@ def _iteration_policy(policy: str):
         return named.save_anything_except_these_names(WEIGHTS_NAME)
     from jaxpar.models.lm import REMAT_POLICIES  # noqa: PLC0415
     return REMAT_POLICIES[policy]
-
-
-def _axis_name(axes: tuple[str, ...]):
-    return axes[0] if len(axes) == 1 else axes
 
 
 def _shift_fn(mesh, axes: tuple[str, ...], step: int = 1):
@@ -134,126 +135,22 @@ def _merge(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def _stage_view(a: jax.Array, sched: Schedule, sharded, names) -> jax.Array:
-    """A stacked weight [U, ...] in stored order as [S, v, k, ...]: chunk r*S + s at [s, r], padded with
-    zeros to k. Even splits are stored stage-major (jaxpar/pipeline_order.py): a reshape, each stage's
-    block already on it."""
-    S, v, k = sched.stages, sched.repeats, sched.per_chunk
-    if sched.even:
-        return sharded(a.reshape(S, v, k, *a.shape[1:]), ("stages", None, None) + names)
-    # stage-major order straight away (a [v, S] -> [S, v] swap would split a sharded dim backward)
-    starts = np.cumsum((0,) + sched.split)
-    pad = jnp.zeros((k - min(sched.split),) + a.shape[1:], a.dtype)
-    chunks = [jnp.concatenate([a[b:b + n], pad[:k - n]]) for b, n in zip(starts, sched.split)]
-    a = jnp.stack([chunks[r * S + s] for s in range(S) for r in range(v)])
-    return sharded(a.reshape(S, v, k, *a.shape[2:]), ("stages", None, None) + names)
 
+def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout):
+    """The schedule's loop: returns (`buf` [S, M, mb, s, d], whose stage-0 row holds the stack's output of
+    every micro-batch; the MoE layers' AUX_FIELDS summed over the layers, None without MoE blocks).
 
-def _valid_slots(sched: Schedule) -> np.ndarray:
-    """[S, v, k] bool: slot j of stage s's chunk in repeat r holds a unit (not padding)."""
-    S, v, k = sched.stages, sched.repeats, sched.per_chunk
-    sizes = np.asarray(sched.split).reshape(v, S).T          # [S, v]
-    return np.arange(k)[None, None, :] < sizes[:, :, None]
-
-
-def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True):
-    """(weights, chunk, valid): the stacked units viewed per stage and what one stage runs.
-
-    weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] with F > 1 data x fsdp shards: one (gathered)
-    copy per shard), gathered over fsdp here, once per step (module docstring); differentiable in the units.
-    chunk(ws, ok, r, h, pos): one stage's k unit slots of repeat r applied to h [mb, s, d] (its rows run
-    per fsdp shard with that shard's copy), ws and ok that stage's slices of `weights` and `valid`.
-    valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
-    per_shard=False: no fsdp copies (weights [S, v, k, ...] gathered over fsdp, chunk on whatever rows
-    it is given), for a caller that makes its own (jaxpar/pipeline_1f1b.py)."""
-    from jaxpar.models.lm import unit_step  # noqa: PLC0415
-
-    S, v = sched.stages, sched.repeats
-    graphdef, stacked = nnx.split(model.units)
-    variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
-    arrays, treedef = jax.tree.flatten(stacked)
-    assert len(variables) == len(arrays)
-    rules = layout.rules("params")
-    w_names = [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for var, a in
-               zip(variables, arrays)]
-    mesh = layout.mesh
-
-    def sharded(a, names, drop=()):
-        spec = spec_for(names, rules, mesh)
-        spec = P(*(d if not isinstance(d, (str, tuple)) else _without(d, drop) for d in spec))
-        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
-
-    views = [_stage_view(a, sched, sharded, n) for a, n in zip(arrays, w_names)]
-    weights = [sharded(w, ("stages", None, None) + n, drop=("fsdp",)) for w, n in zip(views, w_names)]
-    # FSDP: one copy of the gathered weights per fsdp shard, [S, F, v, k, ...] (a broadcast: each device
-    # keeps what it holds), so each shard's weight gradient accumulates on its own device through the
-    # loop and is reduced (the broadcast's transpose) once after it (module docstring).
-    batch_axes = layout.axes("batch")
-    # With `data` too, the copies are per data x fsdp shard (nothing reduced over `data` in the loop
-    # either), made as data copies of the fsdp-sharded view first, so that the gradient is summed over
-    # fsdp into its shards (a reduce-scatter) before the shards are summed over data (found by
-    # `plan --verify`: otherwise every iteration all-reduced the gathered weights' gradient over data).
-    copies = tuple(a for a in batch_axes if a in _COPY_AXES) if per_shard else ()
-    F = int(np.prod([mesh.shape[a] for a in copies])) if copies else 1
-    if F > 1:
-        def per_shard(w, view, n):
-            spec = tuple(spec_for(("stages", None, None) + n, rules, mesh))
-            spec = (spec + (None,) * w.ndim)[:w.ndim]
-            rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
-            if "fsdp" in copies and copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view
-                D = F // mesh.shape["fsdp"]
-                view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
-                view = jax.lax.with_sharding_constraint(
-                    view, jax.sharding.NamedSharding(mesh, P(spec[0], "data", *spec[1:])))
-                w = jnp.broadcast_to(view[:, :, None], (S, D, F // D) + view.shape[2:])
-                w = w.reshape((S, F) + w.shape[3:])
-            else:
-                w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
-            spec = P(spec[0], _axis_name(copies), *rest)
-            return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
-        weights = [per_shard(w, view, n) for w, view, n in zip(weights, views, w_names)]
-        before = 1
-        for a in batch_axes[:batch_axes.index(copies[0])]:
-            before *= mesh.shape[a]
-        inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
-    valid = None if sched.even else jnp.asarray(_valid_slots(sched))
-
-    def chunk(ws, ok, r, h, pos):
-        ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
-        ws = checkpoint_name(ws, WEIGHTS_NAME)
-        units = jax.tree.unflatten(treedef, ws)
-        step = unit_step(graphdef, "none", pos)
-        if ok is None:
-            return jax.lax.scan(step, h, units)[0]
-        ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if v > 1 else ok[0]
-
-        def slot(h, unit):                       # a padding slot is the identity
-            w, real = unit
-            y, aux = step(h, w)
-            return jnp.where(real, y, h), aux
-        return jax.lax.scan(slot, h, (units, ok))[0]
-
-    if F == 1:
-        return weights, chunk, valid
-
-    def sharded_chunk(ws, ok, r, h, pos):        # each fsdp shard its rows with its own copy of the weights
-        with use_layout(inner_layout):
-            y = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=_axis_name(copies))(
-                ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
-        return _fsdp_merge(y[None], before)[0]
-    return weights, sharded_chunk, valid
-
-
-def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout) -> jax.Array:
-    """The schedule's loop: returns `buf` [S, M, mb, s, d], whose stage-0 row holds the stack's
-    output of every micro-batch."""
+    MoE: each iteration's router statistics (sums over the tokens, models/moe.py) are added, unless the
+    item is a bubble, into an accumulator [S, v, k, R, n] per stage, repeat and unit slot (a layer), so
+    after the loop it holds every layer's sums over the whole batch: the same losses as one device's."""
     from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
 
     S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
     stage_axes = layout.axes("stages")
     state_names = ("stages",) + RESIDUAL
     mesh = layout.mesh
-    weights, chunk, valid = stage_chunks(model, sched, layout)
+    weights, chunk, valid = stage_chunks(model, sched, layout, with_aux=True)
+    moe = "E" in model.cfg.pattern
 
     # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
     # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
@@ -263,22 +160,30 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     def stage_work(weights, valid, repeat, h, pos):
         """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
-        return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
-            weights, valid, repeat, h, pos)
+        with use_layout(_InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):
+            return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
+                weights, valid, repeat, h, pos)
 
     stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
                                 prevent_cse=False)
     stage = jnp.arange(S)
 
     def iteration(carry, t):
-        shifted, buf = carry                     # [S, mb, s, d], [S, M, mb, s, d]
+        shifted, buf, acc = carry                # [S, mb, s, d], [S, M, mb, s, d], MoE: [S, v, k, R, n]
         item = t - stage
         # stage 0 takes micro-batch t % M from buf (the input in repeat 0, then the last stage's
         # output of the previous repeat), the others what their predecessor just produced.
         first = jax.lax.dynamic_index_in_dim(buf, t % M, 1, keepdims=False)
         h = constrain(jnp.where((stage == 0)[:, None, None, None], first, shifted), state_names)
         pos = constrain(jnp.take(ps, item % M, axis=0), ("stages", "batch", "seq"))
-        y = constrain(stage_work(weights, valid, jnp.clip(item // M, 0, v - 1), h, pos), state_names)
+        repeat = jnp.clip(item // M, 0, v - 1)
+        y = stage_work(weights, valid, repeat, h, pos)
+        if moe:                                  # this item's router statistics, unless a bubble
+            y, aux = y
+            real = (item >= 0) & (item < v * M)
+            at = real[:, None] & (jnp.arange(v)[None, :] == repeat[:, None])          # [S, v]
+            acc = acc + jnp.where(at[:, :, None, None, None], aux[:, None], 0.0)
+        y = constrain(y, state_names)
         shifted = constrain(shift(y), state_names)
         # slot 0 now holds the last stage's output of item t-S+1: keep it in buf unless it is
         # a bubble (then the slot still holds an input that stage 0 has yet to read).
@@ -286,45 +191,23 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
         old = jax.lax.dynamic_index_in_dim(buf, m_last, 1, keepdims=True)
         new = jnp.where(t >= S - 1, shifted[:, None], old)
         buf = jax.lax.dynamic_update_index_in_dim(buf, new, m_last, 1)
-        return (shifted, buf), None
+        return (shifted, buf, acc), None
 
     buf_names = ("stages", None) + RESIDUAL
     shift = _shift_fn(mesh, stage_axes)
     shifted = constrain(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_names)
     buf = constrain(jnp.broadcast_to(xs, (S,) + xs.shape), buf_names)
-    (_, buf), _ = jax.lax.scan(iteration, (shifted, buf), jnp.arange(T))
-    return constrain(buf, buf_names)
+    acc = None
+    if moe:                                      # the statistics' shape: one stage's chunk on one item
+        aux = jax.eval_shape(stage_work, weights, valid, jnp.zeros((S,), jnp.int32), shifted,
+                             jnp.zeros((S,) + ps.shape[1:], ps.dtype))[1]
+        acc = jnp.zeros((S, v) + aux.shape[1:], jnp.float32)
+    (_, buf, acc), _ = jax.lax.scan(iteration, (shifted, buf, acc), jnp.arange(T))
+    if not moe:
+        return constrain(buf, buf_names), None
+    from jaxpar.models.moe import aux_sum  # noqa: PLC0415
+    return constrain(buf, buf_names), aux_sum(model.cfg, jnp.sum(acc, axis=3))
 
-
-_COPY_AXES = ("data", "fsdp")   # the batch axes that FSDP inside the stages makes weight copies over
-
-
-class _WithoutFsdpBatch(Layout):
-    """The layout inside the pipeline's vmap over fsdp (x data) shards: the vmapped dim is their batch share."""
-
-    def rules(self, purpose: str):
-        rules = dict(super().rules(purpose))
-        rules["batch"] = tuple(a for a in rules["batch"] if a not in _COPY_AXES)
-        return type(super().rules(purpose))(rules)
-
-
-def _fsdp_split(a: jax.Array, F: int, before: int) -> jax.Array:
-    """[B, ...] with B sharded over (axes of size `before`, fsdp, the rest) -> [F, B/F, ...]: each fsdp
-    shard's rows (a reshape that moves no row between devices)."""
-    a = a.reshape(before, F, a.shape[0] // (before * F), *a.shape[1:])
-    return jnp.swapaxes(a, 0, 1).reshape(F, a.shape[0] * a.shape[2], *a.shape[3:])
-
-
-def _fsdp_merge(a: jax.Array, before: int) -> jax.Array:
-    """Inverse of `_fsdp_split` under the stage dim: [S, F, B/F, ...] -> [S, B, ...]."""
-    S, F, rows = a.shape[:3]
-    a = a.reshape(S, F, before, rows // before, *a.shape[3:])
-    return jnp.swapaxes(a, 1, 2).reshape(S, F * rows, *a.shape[4:])
-
-
-def _without(dim, drop: tuple[str, ...]):
-    axes = tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strategy, layout: Layout) -> jax.Array:
@@ -332,7 +215,7 @@ def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strateg
     replicated over `pipeline` (one all-reduce): computes `model.apply_stack(x, positions)`."""
     from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
     with jax.named_scope("pipeline"):
-        buf = _run(model, x, positions, schedule_of(strategy, model.cfg.units), strategy, layout)
+        buf, _ = _run(model, x, positions, schedule_of(strategy, model.cfg.units), strategy, layout)
         return constrain(_merge(constrain(buf[0], (None,) + RESIDUAL)), RESIDUAL)
 
 
@@ -340,13 +223,15 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
                    layout: Layout) -> jax.Array:
     """`model.loss(model.apply_stack(x, positions), labels)` with the stack pipelined and the final norm,
     head and loss of each micro-batch run on one stage (module docstring); called by Trainer under
-    `use_layout` with x the embedding output [B, s, d] and labels [B, s]."""
+    `use_layout` with x the embedding output [B, s, d] and labels [B, s]. Returns (loss, the MoE layers'
+    AUX_FIELDS summed over the layers, None without MoE blocks: models/moe.py), the loss with the MoE
+    layers' auxiliary losses, as `model.loss(..., aux=...)` adds them."""
     from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
     sched = schedule_of(strategy, model.cfg.units)
     S, M, h = sched.stages, sched.microbatches, sched.head_microbatches
     stage_axes = layout.axes("stages")
     with jax.named_scope("pipeline"):
-        buf = _run(model, x, positions, sched, strategy, layout)
+        buf, aux = _run(model, x, positions, sched, strategy, layout)
         buf = jnp.pad(buf, ((0, 0), (0, S * h - M)) + ((0, 0),) * (buf.ndim - 2))
         names = ("stages", None, None) + RESIDUAL
         buf = constrain(buf.reshape(S, S, h, *buf.shape[2:]), names)
@@ -361,4 +246,8 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
     def head_loss(x, labels):                          # one micro-batch: its mean token loss
         return nnx.merge(graphdef, state).loss(x, labels)
     per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=_axis_name(stage_axes))(out, ls)   # [S, h]
-    return jnp.sum(per_micro * weight) / M
+    loss = jnp.sum(per_micro * weight) / M
+    if aux is None:
+        return loss, None
+    from jaxpar.models.moe import aux_loss  # noqa: PLC0415
+    return loss + aux_loss(model.cfg, aux), aux

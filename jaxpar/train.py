@@ -169,17 +169,18 @@ class Trainer:
             x = model.embed(batch["inputs"])
             if self.strategy.size("pipeline") > 1:  # the head and loss run inside (spread over the stages)
                 from jaxpar.pipeline import pipelined_loss  # noqa: PLC0415
-                return pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout), {}
-            x, aux = self.apply_stack(model, x, batch["positions"])
-            loss = model.loss(x, batch["labels"], aux=aux)
+                loss, aux = pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout)
+            else:
+                x, aux = self.apply_stack(model, x, batch["positions"])
+                loss = model.loss(x, batch["labels"], aux=aux)
             if aux is None:
                 return loss, {}
             from jaxpar.models.moe import aux_metrics  # noqa: PLC0415
             return loss, aux_metrics(self.model_cfg, aux)
 
     def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.pipelined_loss`, with no
-        MoE layers: jaxpar.validate refuses them), and the MoE layers' auxiliary vector or None."""
+        """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.pipelined_loss`), and the MoE
+        layers' auxiliary vector or None."""
         return model.apply_stack_aux(x, positions)
 
     def _value_and_grad(self, params, batch):

@@ -8,9 +8,10 @@ pipeline splits the same stack across stages.
 The public pieces, so that pipeline parallelism can replace the middle:
     embed(tokens) -> x          apply_stack(x, positions) -> x          loss(x, labels) -> scalar
 
-MoE blocks also return their auxiliary losses and router statistics (models/moe.py: a float32
-vector per block). A unit sums its blocks' vectors; the scan emits one per unit as its per-iteration
-output (stacked [units, n], no carry), and `apply_stack_aux` sums them. `loss(x, labels, aux=...)`
+MoE blocks also return the sums their auxiliary losses and router statistics are made of (models/moe.py:
+a float32 vector per block). A unit concatenates its blocks' vectors; the scan emits one per unit as its
+per-iteration output (stacked [units, n], no carry), and `apply_stack_aux` turns them into the losses
+and statistics summed over the layers (moe.aux_sum). `loss(x, labels, aux=...)`
 adds the weighted auxiliary losses.
 """
 from __future__ import annotations
@@ -38,8 +39,8 @@ def block_class(kind: str):
 
 
 class Unit(nnx.Module):
-    """One repetition of the pattern: its blocks applied in order. Returns (x, the sum of its MoE
-    blocks' auxiliary vectors, or None when it has none)."""
+    """One repetition of the pattern: its blocks applied in order. Returns (x, its MoE blocks' statistics
+    vectors concatenated, or None when it has none)."""
 
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in cfg.pattern])
@@ -50,7 +51,7 @@ class Unit(nnx.Module):
             x = block(x, positions)
             if isinstance(x, tuple):  # a MoE block: (x, auxiliary vector)
                 x, a = x
-                aux = a if aux is None else aux + a
+                aux = a if aux is None else jnp.concatenate([aux, a])
         return x, aux
 
 
@@ -102,7 +103,10 @@ class LM(nnx.Module):
             x, aux = prefetched_scan(lambda h, unit: nnx.merge(graphdef, unit)(h, positions), x, stacked)
         else:
             x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
-        return x, None if aux is None else jnp.sum(aux, axis=0)
+        if aux is None:
+            return x, None
+        from jaxpar.models.moe import aux_sum  # noqa: PLC0415
+        return x, aux_sum(self.cfg, aux)
 
     def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
              aux: jax.Array | None = None) -> jax.Array:

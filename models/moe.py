@@ -17,10 +17,14 @@ Auxiliary losses, per MoE layer, over every token of the batch (so they do not d
         scores 1 whatever k) and p_e the mean router probability of e (sigmoid router: the scores
         normalised over the experts, as DeepSeek-V3's balance loss does);
     router z-loss (ST-MoE, Zoph et al. 2022, eq. 5)     mean over tokens of logsumexp(logits)^2.
-A block returns them with router statistics as one float32 vector (`AUX_FIELDS`); the layer scan
-sums the vectors of a unit's MoE blocks and stacks them over units (models/lm.py), `LM.loss` adds
-aux_loss_coef * mean(load balancing) + z_loss_coef * mean(z-loss) over the MoE layers, and the
-training step reports the means (`aux_metrics`).
+A block returns what they are made of as one float32 vector of sums over its tokens (`stats`: token
+copies per expert, router probabilities per expert, squared log-sum-exps, kept copies), which adds up
+over any split of the batch: a pipeline sums it over micro-batches (jaxpar/pipeline.py) and then gets
+the losses of the whole batch, exactly as one device does (a product of two batch means, the balance
+loss is not the mean of per-micro-batch losses). A unit concatenates its MoE blocks' vectors, the layer
+scan stacks them over units (models/lm.py), and `aux_sum` turns each layer's sums into the
+`AUX_FIELDS` and adds them over the layers; `LM.loss` adds aux_loss_coef * mean(load balancing) +
+z_loss_coef * mean(z-loss) over the MoE layers, and the training step reports the means (`aux_metrics`).
 """
 from __future__ import annotations
 
@@ -69,15 +73,41 @@ def top_k(scores: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1).astype(jnp.int32)
 
 
-def router_aux(logits, ids, probs, kept, experts: int) -> jax.Array:
-    """The AUX_FIELDS of one layer, over every token (float32 [len(AUX_FIELDS)])."""
-    copies = jnp.sum(jax.nn.one_hot(ids, experts, dtype=jnp.float32), axis=-2)       # [b, s, E]
-    load = jnp.mean(copies, axis=(0, 1)) / ids.shape[-1]                              # f_e, sums to 1
-    balance = experts * jnp.sum(jax.lax.stop_gradient(load) * jnp.mean(probs, axis=(0, 1)))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    stats = jax.lax.stop_gradient(jnp.stack([1.0 - jnp.mean(kept.astype(jnp.float32)),
-                                             experts * jnp.max(load), experts * jnp.min(load)]))
-    return jnp.concatenate([jnp.stack([balance, z]), stats])
+def stats_size(experts: int) -> int:
+    """Length of one MoE layer's statistics vector (`router_stats`)."""
+    return 2 * experts + 2
+
+
+def router_stats(logits, ids, probs, kept, experts: int) -> jax.Array:
+    """One layer's sums over its tokens (float32 [stats_size]): token copies per expert [E] (no gradient),
+    router probabilities per expert [E], sum of logsumexp(logits)^2, kept copies (no gradient). Sums,
+    so that the statistics of a batch are those of its parts added (module docstring)."""
+    copies = jax.nn.one_hot(ids, experts, dtype=jnp.float32).sum(axis=(0, 1, 2))
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    kept = jnp.sum(kept.astype(jnp.float32))
+    return jnp.concatenate([jax.lax.stop_gradient(copies), jnp.sum(probs, axis=(0, 1)), z[None],
+                            jax.lax.stop_gradient(kept)[None]])
+
+
+def layer_aux(stats: jax.Array, experts: int, top_k: int) -> jax.Array:
+    """The AUX_FIELDS of one layer from its `router_stats` summed over every token of the batch; zeros for
+    a layer that saw no token (a pipeline's padding slot)."""
+    copies, prob_sum, z_sum, kept = stats[:experts], stats[experts:2 * experts], stats[-2], stats[-1]
+    n = jnp.sum(copies)                                      # tokens * top_k
+    seen = n > 0
+    n = jnp.where(seen, n, 1.0)
+    tokens = n / top_k
+    load = copies / n                                        # f_e, sums to 1
+    balance = experts * jnp.sum(load * prob_sum) / tokens    # load carries no gradient (router_stats)
+    stats = jax.lax.stop_gradient(jnp.stack([1.0 - kept / n, experts * jnp.max(load), experts * jnp.min(load)]))
+    return jnp.where(seen, jnp.concatenate([jnp.stack([balance, z_sum / tokens]), stats]), 0.0)
+
+
+def aux_sum(cfg: ModelConfig, stats: jax.Array) -> jax.Array:
+    """AUX_FIELDS summed over the MoE layers, from their statistics in any array whose size is a multiple of
+    `stats_size` (the layer scan's [units, blocks * stats_size], a pipeline's [stages, repeats, slots, ...])."""
+    per_layer = stats.reshape(-1, stats_size(cfg.experts))
+    return jnp.sum(jax.vmap(lambda s: layer_aux(s, cfg.experts, cfg.top_k))(per_layer), axis=0)
 
 
 class MoE(nnx.Module):
@@ -103,11 +133,11 @@ class MoE(nnx.Module):
                               capacity_factor=cfg.capacity_factor)
         if cfg.shared_experts:
             y = y + self.shared(h)
-        return y, router_aux(logits, ids, probs, kept, cfg.experts)
+        return y, router_stats(logits, ids, probs, kept, cfg.experts)
 
 
 class MoEBlock(AttentionBlock):
-    """x + Attention(norm(x)), then + MoE(norm(.)); returns (residual stream, AUX_FIELDS vector)."""
+    """x + Attention(norm(x)), then + MoE(norm(.)); returns (residual stream, `router_stats` vector)."""
 
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
         self.init_attention(cfg, run, rngs)

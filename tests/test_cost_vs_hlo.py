@@ -84,6 +84,15 @@ MOE_CASES = [
     ("moe-tiny:shared_experts=1,capacity_factor=1.0", "data=2,expert=2,tensor=2", 8, {}, None),
     ("jamba-tiny:layers=8", "data=4,expert=2", 8, {}, None),
     ("moe-tiny", "data=2,context=2,expert=2", 8, {"attention": "ring"}, None),
+    # pipeline x expert (jaxpar/pipeline.py: the expert kernel inside the stages' vmap): the stage permutes,
+    # the head's spread, the expert all-to-alls per layer execution, the dense weights' gradient sums over
+    # `expert` in the loop and the router statistics' sums
+    ("moe-tiny:layers=4", "pipeline=2,expert=4", 8, {"microbatches": 4}, None),
+    ("moe-tiny:layers=4", "pipeline=2,expert=2,data=2", 8, {"microbatches": 4},
+     "the pipeline's per-data-shard weight copies under expert > 1 (comm_data.stage_copies: not modelled): "
+     "compiled, the dense weights' gradients are summed over `expert` per layer execution and over `data` once "
+     "per step with the experts' (2 ops over data, 30 over expert), predicted over data x expert per layer "
+     "execution (22 ops) and the experts' over data per layer execution (10)"),
 ]
 DEFAULT_MOE = {("moe-tiny", "data=4,tensor=2", ())}
 

@@ -41,7 +41,6 @@ def build(model="llama-tiny", mesh="data=8", batch=16, seq=32, devices=8):
     ("moe-tiny:expert_mlp_dim=0,mlp_dim=6", "data=2,tensor=4", 16, 32,
      "tensor=4 does not divide expert_mlp_dim (= mlp_dim)=6"),
     ("moe-tiny", "expert=8", 12, 32, "batch=12 is not divisible by the data-parallel size expert=8 (8)"),
-    ("moe-tiny", "pipeline=2,expert=4", 16, 32, "pipeline=2 with mixture-of-experts layers is not supported yet"),
 ])
 def test_strategy_constraints(model, mesh, batch, seq, message):
     raises_naming(message, build, model, mesh, batch, seq)

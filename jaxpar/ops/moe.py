@@ -36,7 +36,11 @@ combine (which is linear, so the psum moves [tokens, d], not the buffers). Under
 a sequence's queue spans the context shards: each shard all-gathers every shard's per-(choice,
 expert) counts (g*k*E integers) to place its copies in the sequence's queue. Autodiff transposes
 each all_to_all into an all_to_all backward; gradients of the experts replicated over data, fsdp or
-context are summed by shard_map (check_vma). ragged_all_to_all is not used (XLA:CPU lacks it).
+context are summed by shard_map (check_vma). Inside the pipeline's vmaps over stages and weight copies
+(jaxpar/pipeline.py: a layout with `in_vmap`) the shard_map is batched over those mesh axes, which its
+replication check does not follow (JAX 0.12 compares the unbatched out_specs with values varying over
+them): it runs unchecked there, whose transpose sums the replicated inputs' cotangents all the same
+(loss and gradients equal one device: tests/test_pipeline_moe.py). ragged_all_to_all is not used (XLA:CPU lacks it).
 """
 from __future__ import annotations
 
@@ -168,7 +172,8 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
                                           capacity=capacity, n=n, expert_axes=_dim(expert_axes),
                                           context_axes=seq_axes, tensor_axes=tensor_axes)
     return jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                         out_specs=(tokens, tokens), check_vma=True)(x, ids, weights, w_gate, w_up, w_down)
+                         out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))(
+        x, ids, weights, w_gate, w_up, w_down)
 
 
 def _varying(x: jax.Array, tensor_axes: tuple[str, ...]) -> jax.Array:
