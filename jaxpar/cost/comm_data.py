@@ -208,7 +208,8 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     if not shard:
         h = held(m, st, experts=experts)
         if copies and not cc.hoist:
-            return [op for group in groups(axes) for op in _replicated_copies_grads(m, st, shape, cc, group, h)]
+            return [op for group in groups(axes) for op in (  # the copies are per batch shard: `context` sums stay in the loop
+                _replicated_copies_grads(m, st, shape, cc, group, h) if "context" not in group else grads(group, h, 1))]
         return [op for group in groups(axes) for op in grads(group, h, 1)]
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
     copies = copies and fsdp_stage_copies(st, shape)
@@ -263,10 +264,10 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
 
 def stage_copies(st: Strategy, shape: StepShape) -> bool:
     """jaxpar/pipeline.py runs the stages with one copy of the (gathered) stage weights per data (x fsdp)
-    shard, so that nothing is summed over `data` inside the schedule's loop (`data` > 1; context and
-    expert parallelism not modelled)."""
+    shard, so that nothing is summed over `data` inside the schedule's loop (`data` > 1; under context
+    parallelism the sums over `context` stay in the loop; with expert > 1 not modelled)."""
     sz = st.sizes
-    return shape.stages > 1 and sz["data"] > 1 and sz["context"] == 1 and sz["expert"] == 1
+    return shape.stages > 1 and sz["data"] > 1 and sz["expert"] == 1
 
 
 def fsdp_stage_copies(st: Strategy, shape: StepShape) -> bool:
