@@ -16,7 +16,7 @@ states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes 
 from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel
+from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, moe_stage_copies
 from jaxpar.cost.comm_pipeline import pipeline_parallel
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
 from jaxpar.cost.flops import expert_rows
@@ -286,7 +286,10 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     copies, g x s_loc x k x d x act. Under `context` each shard all-gathers every shard's per-(choice,
     expert) queue counts (g*k*E int32). The balance loss needs each expert's load and mean router
     probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
-    `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring)."""
+    `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring), but inside
+    jaxpar's pipeline they are [1, 1] arrays (2E + 2 floats). With the pipeline's per-data-shard copies
+    (comm_data.moe_stage_copies) the sums run over the other axes in the loop, and the accumulated
+    statistics of the stage's v*k unit slots over `data` once per accumulation step."""
     sz, e = st.sizes, shape.exec_moe
     c = sz["context"]
     out = []
@@ -300,10 +303,12 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
         for phase in _passes(st):
             out += site(cc, AG, ("context",), e, [counts], phase)
     stats = tuple(a for a in DATA_LIKE if sz[a] > 1)
-    for group in reductions(cc, st, stats):
-        out += site(cc, AR, group, e, [2 * m.experts * 4], "forward")
-        if st.options.remat != "none":  # the balance loss's mean probabilities, recomputed for its gradient
-            out += site(cc, AR, group, e, [m.experts * 4], "backward")
+    per = (2 * m.experts + (2 if shape.stages > 1 else 0)) * 4
+    if moe_stage_copies(st, shape):
+        stats = tuple(a for a in stats if a != "data")
+        out += site(cc, AR, ("data",), shape.accum, [shape.repeats * shape.per_chunk * per], "forward")
+    for group in reductions(cc, st, stats):   # (the balance loss's gradient reads the summed probabilities:
+        out += site(cc, AR, group, e, [per], "forward")   # no sum again under remat, models/moe.py)
     return out
 
 

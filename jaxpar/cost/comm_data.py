@@ -158,6 +158,8 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     expert kernel is transposed, in the layer loop)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
+        if jaxpar_pipeline and moe_stage_copies(st, shape) and not cc.hoist:
+            return _moe_copies_grads(m, st, shape, cc)
         dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
         experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes)
         return _one_loop(cc, st, shape, m, dense, experts)
@@ -268,6 +270,33 @@ def stage_copies(st: Strategy, shape: StepShape) -> bool:
     parallelism the sums over `context` stay in the loop; with expert > 1 not modelled)."""
     sz = st.sizes
     return shape.stages > 1 and sz["data"] > 1 and sz["expert"] == 1
+
+
+def moe_stage_copies(st: Strategy, shape: StepShape) -> bool:
+    """`stage_copies` with the experts split over `expert` (ZeRO-0, no fsdp or context): `_moe_copies_grads`."""
+    sz = st.sizes
+    return (shape.stages > 1 and sz["data"] > 1 and sz["expert"] > 1 and st.zero == 0 and sz["fsdp"] == 1
+            and sz["context"] == 1)
+
+
+def _moe_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler) -> list[tuple]:
+    """ZeRO-0 gradient sums of a MoE model in jaxpar's pipeline with per-data-shard weight copies, XLA:CPU.
+    In the loop, per unit execution, the weights replicated over `expert` (all but the routed experts) are
+    summed over `expert` (its rows are split there too), the norm scales in an op of their own; after the
+    loop, once per accumulation step, each data shard's copy of the stage's v*k unit slots, experts
+    included, over `data` in one op, the head's and final norm's partial sums with the per-micro-batch
+    losses over data x expert, and the embedding's over data x expert (checked: moe-tiny:layers=4 on
+    pipeline=2 x expert=2 x data=2, tests/test_cost_vs_hlo.py)."""
+    dense, experts = held(m, st, experts=False), held(m, st, experts=True)
+    norms, norm_arrays = unit_norms(m)
+    execs, slots = shape.exec_layers / len(m.pattern), shape.repeats * shape.per_chunk
+    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    losses = [shape.head_micro * 4] if cc.combine else []
+    out = site(cc, AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
+    out += site(cc, AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
+    out += site(cc, AR, ("data",), shape.accum, [(dense.unit + experts.unit) * slots * GRAD_BYTES], "backward")
+    out += site(cc, AR, ("data", "expert"), shape.accum, [(head + norm) * GRAD_BYTES] + losses, "backward")
+    return out + site(cc, AR, ("data", "expert"), 1, [(dense.emb - head - norm) * GRAD_BYTES], "backward")
 
 
 def fsdp_stage_copies(st: Strategy, shape: StepShape) -> bool:

@@ -3,7 +3,8 @@ what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Record
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import DATA_LIKE, equal_buffers, fsdp_stage_copies, head_apart, held, stage_copies
+from jaxpar.cost.comm_data import (DATA_LIKE, equal_buffers, fsdp_stage_copies, head_apart, held, moe_stage_copies,
+                                   stage_copies)
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, Compiler, ar_bytes, site, together
 from jaxpar.cost.shape import StepShape
 from jaxpar.strategy import Strategy
@@ -53,7 +54,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
                                                          m.d_model * ar_bytes(cc, act)], "backward"))
         out += site(cc, AR, ax, shape.accum, [head] if apart else [], "backward")
         data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
-        if cc.combine and data and not stage_copies(st, shape):   # (with the copies: in comm_data's sum)
+        if cc.combine and data and not (stage_copies(st, shape) or moe_stage_copies(st, shape)):   # (else in comm_data's)
             out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
         units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
         if units != m.units:   # uneven: the weights move to their stages
