@@ -286,6 +286,9 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
         stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient)
     elif jax_program and stages > 1:
         stored, transient = jax_pipeline_bytes(m, st, tokens, per_layer, transient)
+    in_shard_map = sz["expert"] > 1 or sz["context"] > 1 or t > 1   # jaxpar.ops.moe.moe_experts
+    if jax_program and ne and remat == "none" and st.zero == 3 and sz["fsdp"] > 1 and stages == 1 and in_shard_map:
+        stored += ne * fsdp_experts_bytes(m, st)
     scores = 0.0
     if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
         scores = tokens * m.heads / t * keys * (F32 + BOOL)
@@ -293,6 +296,19 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     if jax_program and stages > 1:  # jaxpar/pipeline.py: each stage the head of ceil(M/S) micro-batches
         logits *= -(-micro // stages) / micro
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
+
+
+def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:
+    """Per MoE layer, jaxpar's program under ZeRO-3 without remat: the routed experts' weights gathered over
+    fsdp (float32, as stored) are the expert kernel's shard_map operands, which its transpose reads, so
+    every layer's gathered copy lives until the backward pass (seen in XLA's memory analysis: moe-tiny
+    d_model=128, fsdp=4 x expert=2; jaxpar/cost/comm_data._fsdp_gathers: not gathered again backward).
+    Dense weights, and the experts where the kernel runs without shard_map (fsdp alone), are gathered
+    again in the backward pass instead. (A program fix would re-gather them too: the gather happens where
+    the layer scan slices the stacked weights, outside any region a jax.checkpoint around the kernel
+    controls; tried, not done.)"""
+    routed, _ = zero_split(m, "moe", 3, experts=True)
+    return routed.per_device(st.sizes["tensor"], st.sizes["expert"]) * F32
 
 
 def batch_bytes(st: Strategy, global_batch: int, seq: int) -> float:
