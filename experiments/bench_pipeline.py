@@ -5,8 +5,8 @@
 
 llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe, circular (v=2) and 1F1B
 schedules with M = 4, 8, 16, 32 micro-batches, and the same batch without a pipeline (data=8).
-(jaxpar's 1F1B runs M + 2(S-1) lockstep ticks of a forward and a backward: bubble 2(S-1)/(M+2(S-1)),
-jaxpar/pipeline_1f1b.py.)
+(jaxpar's 1F1B runs M + 2(S-1) lockstep ticks, S-1 forwards only, M forward-and-backward, S-1 backwards
+only: GPipe's work and bubble (S-1)/(M+S-1), its backward recomputing each chunk, jaxpar/pipeline_1f1b.py.)
 
 Memory: the compiled loss-and-gradients program's temp bytes per device (XLA's memory analysis) for
 GPipe and 1F1B side by side at M = 4, 8, 16 with the micro-batch held fixed (one row per data shard

@@ -10,34 +10,30 @@ loop can order work that way, so this module writes the backward itself and hand
 and the gradients (Trainer._value_and_grads), instead of a loss for jax.grad.
 
 The schedule, one program on every device (`vmap` over the stage dim, spmd_axis_name = the pipeline
-axes, as jaxpar/pipeline.py). T = M + 2(S-1) ticks; in tick t stage s
+axes, as jaxpar/pipeline.py), M + 2(S-1) ticks in three loops. In tick t stage s
   1. forward: micro-batch i = t - s (valid when 0 <= i < M) through its chunk; stage 0 takes the
      embedding output of micro-batch t, stage s > 0 what stage s-1 produced in tick t-1. The chunk's
      input goes into the stage's stash, a ring of D = 2S-1 slots (slot t % D);
-  2. at the last stage, the final norm, head and loss of that output, and their vjp: the cotangent of
-     micro-batch i's stack output (seeded 1/M: the loss is the micro-batches' mean);
+  2. the last stage's output (micro-batch t - (S-1)) is spread over the stages by one all-to-all over
+     `pipeline`: stage p takes the p-th S-th of every device's local sequence and runs the final norm,
+     head and loss on it, and their vjp (seeded 1/(M S): the loss is the mean over micro-batches and
+     pieces); the cotangent goes back by the all-to-all's transpose: the head's FLOPs once per step in
+     all, as GPipe's spread head, not once per stage;
   3. backward: micro-batch j = t - 2(S-1) + s (valid when 0 <= j < M): the chunk recomputed from its
      stashed input (slot (t - 2(S-1-s)) % D) and its vjp taken with the cotangent that stage s+1 sent
      in tick t-1 (the last stage: step 2's, for j = i, the micro-batch it has just run forward). The
      weights' gradient is added to an accumulator in the loop's carry, the input's cotangent sent on;
-  4. the forward outputs shift one stage up and the input cotangents one stage down: two
-     collective-permutes over `pipeline` per tick (the second is the first's transpose).
+  4. the forward outputs shift one stage up and the input cotangents one stage down: a
+     collective-permute over `pipeline` each (the second is the first's transpose).
+The first S-1 ticks (warm-up) have no valid backward on any stage and the last S-1 (cool-down) no
+valid forward, so they run as their own loops, forward only and backward only: M + S - 1 forwards and
+as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) (jaxpar/schedule.py).
 Stage s stashes a micro-batch from its forward (tick i + s) to its backward (tick i + 2(S-1) - s):
 at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute (one chunk's
 activations) is transient. Stage 0's input cotangents are collected per micro-batch for the
-embedding's backward.
-
-Why the ticks pair a forward with a backward instead of running one or the other (the asynchronous
-1F1B's F and B slots): in one SPMD program every device runs every tick, so a tick costs the most
-expensive branch any stage takes. With a per-stage branch (lax.cond under shard_map) a tick of F-or-B
-costs B (about 2F, plus the recompute) on every device, 2(M+S-1) of them; masked under vmap it costs
-F + B. Pairing them, in the steady state both halves of every tick are real work: (M + 2(S-1)) (F + B)
-per step against GPipe's (M + S - 1) (F + B), a bubble of 2(S-1)/(M + 2(S-1)) (jaxpar/schedule.py),
-bought for the memory bound; the stash (2S-1 against the asynchronous schedule's S) is the price of
-one tick per hop in both directions. Bubble work is masked: a zero cotangent, so it adds exact zeros.
-
-The head runs in every stage's tick (vmap: one program), masked to the last stage's: S times the
-head's FLOPs of GPipe's spread head (jaxpar/pipeline.py), a cost this schedule does not avoid yet.
+embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
+per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
+exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/validate.py).
 
 Weight gradients are accumulated in the loop's carry, so they must not be reduced over the batch axes
 there (GSPMD would all-reduce every tick's contribution): the stage and head weights are gathered over
@@ -46,21 +42,28 @@ devices, a broadcast sharded on the batch axes: each device keeps its own copy),
 shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as jaxpar/pipeline.py
 does for fsdp alone. Around the loop one jax.vjp carries the gradients to the parameters: the
 embedding, the stage view (an uneven split's all-to-alls), the gathers and the copies, whose
-transposes reduce over the batch axes once per step. Communication per step over `pipeline`: T
-permutes of the stage state each way; the input's cotangent (only stage 0's is non-zero) and the
-head's gradients summed over the stages (all-reduces).
+transposes reduce over the batch axes once per step. Communication per step over `pipeline`: M + S - 1
+permutes of the stage state each way; M all-to-alls of the last stage's output forward and M of its
+cotangent backward; the input's cotangent (only stage 0's is non-zero) and the head's gradients summed
+over the stages (all-reduces).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.pipeline import _axis_name, _merge, _shift_fn, _split, _valid_slots, _without, stage_chunks
 from jaxpar.schedule import schedule_of
 from jaxpar.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.strategy import Strategy
+
+STATE = ("stages", "batch", None, "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
+LABELS = ("stages", "batch", None, "seq")                    # [S, N, rows, s]
 
 
 def _used_leaves(fn, leaves: list, *args) -> list[int]:
@@ -82,9 +85,31 @@ class _PerShard(Layout):
 
 def _spec(names, layout: Layout, lead: tuple, drop: tuple[str, ...]):
     """PartitionSpec of a parameter with logical `names` without the `drop` axes, after `lead` dims."""
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
     spec = tuple(spec_for(names, layout.rules("params"), layout.mesh))
     return P(*lead, *(_without(d, drop) if isinstance(d, (str, tuple)) else d for d in spec))
+
+
+def _pieces_fns(layout: Layout, S: int):
+    """(spread, piece): spread(y [S, N, rows, s, d]) -> [S, N, rows, s/S, d], stage p holding the p-th
+    S-th of the last stage's local sequence (one all-to-all over the stage axes; its transpose, one more,
+    backward); piece(labels [S, N, rows, s]) -> the labels of stage p's tokens, sharded as `seq` (the
+    head's layout: under SP a `seq` shard holds `sub` = tensor residual shards, whose p-th S-ths it
+    takes; no communication). Manual over every mesh axis, as jaxpar/pipeline.py's `_spread_fn`."""
+    name = _axis_name(layout.axes("stages"))
+    mesh, rules = layout.mesh, layout.rules("activations")
+    state, labels = spec_for(STATE, rules, mesh), spec_for(LABELS, rules, mesh)
+    sub = int(np.prod([mesh.shape[a] for a in layout.axes("res_seq") if a not in layout.axes("seq")]))
+
+    def spread(y):                                            # local [1, n, rows, s_l, d]
+        y = y.reshape(y.shape[:3] + (S, y.shape[3] // S) + y.shape[4:])
+        return jax.lax.all_to_all(y, name, 3, 3)[:, :, :, S - 1]   # [.., S (source), s_l/S, d]: the last's
+
+    def piece(l):                                             # local [1, n, rows, sub * s_l]
+        l = l.reshape(l.shape[:3] + (sub, S, l.shape[3] // (sub * S)))
+        l = jax.lax.dynamic_index_in_dim(l, jax.lax.axis_index(name), 4, keepdims=False)
+        return l.reshape(l.shape[:3] + (-1,))
+    return (jax.shard_map(spread, mesh=mesh, in_specs=state, out_specs=state),
+            jax.shard_map(piece, mesh=mesh, in_specs=labels, out_specs=labels))
 
 
 def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str):
@@ -110,7 +135,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     variables = jax.tree.leaves(rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
     rest_leaves, rest_def = jax.tree.flatten(rest)
 
-    def head_loss(leaves, y, labels):                 # one micro-batch's mean token loss
+    def head_loss(leaves, y, labels):                 # one piece's mean token loss
         return nnx.merge(head_def, units_state, jax.tree.unflatten(rest_def, leaves)).loss(y, labels)
 
     mb = batch["labels"].shape[0] // M
@@ -147,6 +172,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     chunk = box["chunk"]
     valid = None if sched.even else jnp.asarray(_valid_slots(sched))
     consts = list(cast(rest_leaves))
+    seed = 1.0 / (M * N * S)          # every piece's share of the batch's mean loss
 
     def head_of(hw, y, labels):
         leaves = list(consts)
@@ -154,73 +180,96 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
             leaves[i] = w
         return head_loss(leaves, y, labels)
 
-    def shards(a, lead_names):
-        """[..., mb, rest] (mb on the batch axes) -> [..., N, mb/N, rest]: each shard's rows, in place."""
-        k = len(lead_names)
-        a = a.reshape(a.shape[:k] + (N, a.shape[k] // N) + a.shape[k + 1:])
-        return constrain(a, lead_names + ("batch", None) + (None,) * (a.ndim - k - 2))
+    def shards(a, names):
+        """[M, mb, rest] (mb on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: each shard's
+        rows, in place."""
+        a = constrain(_split(a, M), (None, "batch") + names)
+        a = a.reshape((M, N, a.shape[1] // N) + a.shape[2:])
+        return constrain(a, (None, "batch", None) + names)
 
-    state = ("stages", "batch", None, "res_seq", "act_embed")
-    xs = shards(constrain(_split(x, M), (None,) + RESIDUAL), (None,))          # [M, N, rows, s, d]
-    ps = shards(constrain(_split(batch["positions"], M), (None, "batch", "seq")), (None,))
-    ls = shards(constrain(_split(batch["labels"], M), (None, "batch", "seq")), (None,))
+    xs = shards(x, RESIDUAL[1:])                                                # [M, N, rows, s, d]
+    ps = shards(batch["positions"], ("seq",))
+    ls = shards(batch["labels"], ("seq",))
     stage = jnp.arange(S)
+    last = (stage == S - 1).reshape((S,) + (1,) * (xs.ndim - 1))
     shift_up = _shift_fn(mesh, stage_axes)
+    spread, piece = _pieces_fns(layout, S)
 
-    def tick_shard(ws, ok, s, fwd_in, bwd_in, stash, hw, x_t, t, pos_f, pos_b, labels):
-        """One batch shard of stage s's tick: forward of micro-batch t - s, backward of t - 2(S-1) + s."""
-        i_f, i_b = t - s, t - 2 * (S - 1) + s
-        f_ok, b_ok = (i_f >= 0) & (i_f < M), (i_b >= 0) & (i_b < M)
-        h = jnp.where(s == 0, x_t, fwd_in)
-        stash = jax.lax.dynamic_update_index_in_dim(stash, h, t % D, 0)
-        y = chunk(ws, ok, 0, h, pos_f)
-        loss, head_vjp = jax.vjp(lambda hw, y: head_of(hw, y, labels), hw, y)
-        seed = jnp.where((s == S - 1) & f_ok, 1.0 / (M * N), 0.0).astype(loss.dtype)
-        d_hw, dy = head_vjp(seed)
-        g = jnp.where(b_ok, jnp.where(s == S - 1, dy, bwd_in), jnp.zeros_like(bwd_in))
-        h_b = jax.lax.dynamic_index_in_dim(stash, (t - 2 * (S - 1 - s)) % D, 0, keepdims=False)
-        _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, 0, h, pos_b), ws, h_b)
+    # One batch shard of one stage: its forward, its head piece, its backward (module docstring).
+    def forward(ws, ok, s, h_in, stash, x_t, t, pos):
+        h = jnp.where(s == 0, x_t, h_in)
+        return chunk(ws, ok, 0, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % D, 0)
+
+    def head(hw, z, labels):
+        loss, head_vjp = jax.vjp(lambda hw, z: head_of(hw, z, labels), hw, z)
+        d_hw, dz = head_vjp(jnp.asarray(seed, loss.dtype))
+        return loss * seed, d_hw, dz
+
+    def backward(ws, ok, s, g, stash, t, pos):
+        j = t - 2 * (S - 1) + s
+        g = jnp.where((j >= 0) & (j < M), g, jnp.zeros_like(g))
+        h = jax.lax.dynamic_index_in_dim(stash, (t - 2 * (S - 1 - s)) % D, 0, keepdims=False)
+        _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, 0, h, pos), ws, h)
         d_ws, d_h = chunk_vjp(g)
-        return y, d_h, stash, d_ws, d_hw, loss * seed
+        return d_h, d_ws
 
-    def tick_stage(ws, ok, s, fwd_in, bwd_in, stash, hw, x_t, t, pos_f, pos_b, labels):
-        with use_layout(inner):
-            return jax.vmap(tick_shard, in_axes=(0, None, None, 0, 0, 0, 0, 0, None, 0, 0, 0),
-                            spmd_axis_name=bspec)(ws, ok, s, fwd_in, bwd_in, stash, hw, x_t, t, pos_f, pos_b,
-                                                  labels)
+    def staged(fn, stage_axes_in, shard_axes_in):
+        """fn over the stages (spmd: the pipeline axes) and, in each, over the batch shards."""
+        def per_stage(*args):
+            with use_layout(inner):
+                return jax.vmap(fn, in_axes=shard_axes_in, spmd_axis_name=bspec)(*args)
+        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=_axis_name(stage_axes))
 
-    in_axes = (0, None if valid is None else 0, 0, 0, 0, 0, None, None, None, 0, 0, 0)
-    tick_all = jax.vmap(tick_stage, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))
+    ok_axis = None if valid is None else 0
+    forward_all = staged(forward, (0, ok_axis, 0, 0, 0, None, None, 0), (0, None, None, 0, 0, 0, None, 0))
+    head_all = staged(head, (None, 0, 0), (0, 0, 0))
+    backward_all = staged(backward, (0, ok_axis, 0, 0, 0, None, 0), (0, None, None, 0, 0, None, 0))
 
-    def tick(carry, t):
+    def tick(carry, t, fwd_on: bool, bwd_on: bool):
+        """Tick t: forward (fwd_on), the head (both: the last stage's forward is a real micro-batch in
+        exactly those ticks), backward (bwd_on)."""
         fwd, bwd, stash, d_w, d_head, d_xs, loss = carry
-        x_t = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, M - 1), 0, keepdims=False)
-        i_f, i_b = t - stage, t - 2 * (S - 1) + stage
-        pos_f = constrain(jnp.take(ps, i_f % M, axis=0), ("stages", "batch", None, "seq"))
-        pos_b = constrain(jnp.take(ps, i_b % M, axis=0), ("stages", "batch", None, "seq"))
-        labels = constrain(jnp.take(ls, i_f % M, axis=0), ("stages", "batch", None, "seq"))
-        y, d_h, stash, dws, dhw, li = tick_all(weights, valid, stage, fwd, bwd, stash, head_w, x_t, t,
-                                                pos_f, pos_b, labels)
-        d_w = [a + g.astype(a.dtype) for a, g in zip(d_w, dws)]
-        d_head = [a + g.astype(a.dtype) for a, g in zip(d_head, dhw)]
-        # stage 0's input cotangent is micro-batch t - 2(S-1)'s: kept for the embedding's backward
-        j = t - 2 * (S - 1)
-        keep = ((stage == 0) & (j >= 0)).reshape((S,) + (1,) * (d_xs.ndim - 1))
-        old = jax.lax.dynamic_index_in_dim(d_xs, jnp.clip(j, 0, M - 1), 1, keepdims=True)
-        d_xs = jax.lax.dynamic_update_index_in_dim(d_xs, jnp.where(keep, d_h[:, None], old),
-                                                   jnp.clip(j, 0, M - 1), 1)
-        fwd = constrain(shift_up(constrain(y, state)), state)
-        # stage s+1's input cotangent to stage s: the up-shift's transpose (one permute, phase "backward")
-        bwd = jax.linear_transpose(shift_up, y)(constrain(d_h, state))[0]
-        return (fwd, constrain(bwd, state), stash, d_w, d_head, d_xs, loss + li), None
+        g = bwd
+        if fwd_on:
+            x_t = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, M - 1), 0, keepdims=False)
+            pos = constrain(jnp.take(ps, (t - stage) % M, axis=0), ("stages", "batch", None, "seq"))
+            y, stash = forward_all(weights, valid, stage, fwd, stash, x_t, t, pos)
+            y = constrain(y, STATE)
+            if bwd_on:                  # the last stage's output, micro-batch t - (S-1), through the head
+                labels = jax.lax.dynamic_index_in_dim(ls, (t - (S - 1)) % M, 0, keepdims=False)
+                labels = piece(constrain(jnp.broadcast_to(labels, (S,) + labels.shape), LABELS))
+                z, spread_back = jax.vjp(spread, y)
+                li, d_hw, dz = head_all(head_w, constrain(z, STATE), labels)
+                g = jnp.where(last, spread_back(constrain(dz, STATE))[0], bwd)
+                d_head = [a + b.astype(a.dtype) for a, b in zip(d_head, d_hw)]
+                loss = loss + li
+            fwd = constrain(shift_up(y), STATE)
+        if bwd_on:
+            pos = constrain(jnp.take(ps, (t - 2 * (S - 1) + stage) % M, axis=0), ("stages", "batch", None, "seq"))
+            d_h, d_ws = backward_all(weights, valid, stage, constrain(g, STATE), stash, t, pos)
+            d_w = [a + b.astype(a.dtype) for a, b in zip(d_w, d_ws)]
+            # stage 0's input cotangent is micro-batch t - 2(S-1)'s: kept for the embedding's backward
+            j = t - 2 * (S - 1)
+            keep = ((stage == 0) & (j >= 0)).reshape((S,) + (1,) * (d_xs.ndim - 1))
+            old = jax.lax.dynamic_index_in_dim(d_xs, jnp.clip(j, 0, M - 1), 1, keepdims=True)
+            d_xs = jax.lax.dynamic_update_index_in_dim(d_xs, jnp.where(keep, d_h[:, None], old),
+                                                       jnp.clip(j, 0, M - 1), 1)
+            # stage s+1's input cotangent to stage s: the up-shift's transpose (one permute, phase "backward")
+            bwd = constrain(jax.linear_transpose(shift_up, d_h)(constrain(d_h, STATE))[0], STATE)
+        return (fwd, bwd, stash, d_w, d_head, d_xs, loss), None
 
-    zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), state)
-    stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt), ("stages", "batch", None, None) + state[3:])
-    d_xs = constrain(jnp.zeros((S,) + xs.shape, dt), ("stages", None) + state[1:])
+    zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), STATE)
+    stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt), ("stages", "batch", None, None) + STATE[3:])
+    d_xs = constrain(jnp.zeros((S,) + xs.shape, dt), ("stages", None) + STATE[1:])
     d_w = [jnp.zeros(w.shape, jnp.float32) for w in weights]
     d_head = [jnp.zeros((S,) + w.shape, jnp.float32) for w in head_w]
     carry = (zeros, zeros, stash, d_w, d_head, d_xs, jnp.zeros((S, N), jnp.float32))
-    (_, _, _, d_w, d_head, d_xs, loss), _ = jax.lax.scan(tick, carry, jnp.arange(T))
+    # warm-up (forwards only), steady state (forward, head, backward), cool-down (backwards only)
+    for first, end, fwd_on, bwd_on in ((0, S - 1, True, False), (S - 1, M + S - 1, True, True),
+                                       (M + S - 1, T, False, True)):
+        carry, _ = jax.lax.scan(functools.partial(tick, fwd_on=fwd_on, bwd_on=bwd_on), carry,
+                                jnp.arange(first, end))
+    _, _, _, d_w, d_head, d_xs, loss = carry
 
     d_x = jnp.sum(d_xs, axis=0)                                       # [M, N, rows, s, d]
     d_x = constrain(d_x.reshape((M, mb) + d_x.shape[3:]), (None,) + RESIDUAL)
@@ -228,4 +277,3 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(d_head, head_w)]
     (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(d_w, weights)], d_head))
     return jnp.sum(loss), grads
-

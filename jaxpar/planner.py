@@ -9,7 +9,7 @@ memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimat
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
 <= 16); the expert axis is searched for MoE models only (sizes that divide the expert count; it doubles as
 a batch axis for the other layers); pipeline micro-batches M = 4 * stages or one sequence each, when the
-batch allows it and M >= stages; schedules GPipe and circular with one unit per chunk; gradient
+batch allows it and M >= stages; schedules GPipe, 1F1B and circular with one unit per chunk; gradient
 accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
 uses ring attention (all-gather and zigzag are not searched); tensor stays <= kv_heads (a run replicates
 K/V heads beyond that, which the cost model does not count yet: cost.estimate.check_modelled_layout);
@@ -59,14 +59,15 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
 def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
     """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO
     (0 or 1 on `data` without fsdp; padded flat shards where the size does not divide) x pipeline
-    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, and the circular (interleaved)
-    schedule with one unit per chunk, v = units / stages (the smallest bubble, the most sends)."""
+    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, 1F1B (remat none: it recomputes
+    each chunk in its backward tick under any policy), and the circular (interleaved) schedule with one unit
+    per chunk, v = units / stages (the smallest bubble, the most sends)."""
     stages = sizes["pipeline"]
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
     micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
     zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
-    schedules = [("gpipe", 1)]
+    schedules = [("gpipe", 1)] + ([("1f1b", 1)] if stages > 1 else [])
     if stages > 1 and units % stages == 0 and units // stages > 1:
         schedules.append(("circular", units // stages))
     for micro in micros:
@@ -74,6 +75,8 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
         for remat, accum, zero, (kind, v) in itertools.product(("none", "dots_no_batch", "full"), accums, zeros,
                                                                schedules):
+            if kind == "1f1b" and remat != "none":   # jaxpar/pipeline_1f1b.py recomputes its chunk anyway
+                continue
             yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
                           attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
                           grad_accum=accum, pp_schedule=kind, pp_repeats=v)
@@ -138,7 +141,8 @@ def describe(st: Strategy) -> str:
     if st.size("context") > 1:
         flags.append(f"attention={o.attention}")
     if st.size("pipeline") > 1:
-        flags.append(f"M={o.microbatches}" + (f", circular v={o.pp_repeats}" if o.pp_schedule == "circular" else ""))
+        flags.append(f"M={o.microbatches}" + (f", circular v={o.pp_repeats}" if o.pp_schedule == "circular"
+                                                   else ", 1F1B" if o.pp_schedule == "1f1b" else ""))
     flags.append(f"zero={st.zero}")
     return f"{st.name} ({', '.join(flags)})"
 

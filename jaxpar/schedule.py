@@ -4,8 +4,9 @@ The arithmetic that jaxpar/pipeline.py runs, jaxpar/validate.py checks, jaxpar/c
 `jaxpar train` prints, kept apart from the schedule's code so that checking a configuration imports no
 model or kernel. Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with v = 1; the circular /
 interleaved schedule (Narayanan et al. 2021) with v model chunks per device. jaxpar's 1F1B runs
-M + 2(S-1) lockstep ticks of one forward and one backward each (jaxpar/pipeline_1f1b.py says why):
-bubble 2(S-1)/(M + 2(S-1)).
+M + 2(S-1) lockstep ticks: S-1 of forwards only, M of a forward and a backward, S-1 of backwards only
+(jaxpar/pipeline_1f1b.py), so each stage runs M + S - 1 forwards and as many backwards, GPipe's bubble
+(S-1)/(M+S-1) (Narayanan et al. 2021, 2.2.1: 1F1B's bubble equals GPipe's; it bounds the memory).
 
 The split: the U stacked layer units are cut into S*v chunks in execution order (chunk c = r*S + s is
 stage s's chunk in repeat r), of sizes `split`. Every chunk runs in k = max(split) unit slots (the
@@ -85,15 +86,13 @@ class Schedule:
 
     @property
     def iterations(self) -> int:
-        """T = v*M + S - 1; 1F1B: M + 2(S-1) ticks, each a forward and a backward
-        (jaxpar/pipeline_1f1b.py)."""
-        if self.kind == "1f1b":
-            return self.microbatches + 2 * (self.stages - 1)
+        """T = v*M + S - 1 stage forwards per step (and as many backwards); 1F1B: M + S - 1 of its
+        M + 2(S-1) ticks run a forward (jaxpar/pipeline_1f1b.py)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of every stage: (S-1) / (v*M + S-1); 1F1B in lockstep ticks 2(S-1) / (M + 2(S-1))."""
+        """Idle fraction of every stage: (S-1) / (v*M + S-1), 1F1B's (v = 1) as GPipe's."""
         return (self.iterations - self.repeats * self.microbatches) / self.iterations
 
     @property
@@ -120,10 +119,12 @@ def schedule_summary(strategy: Strategy, units: int) -> str:
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.kind == "circular" else f"{s.stages} stages"
     split = "+".join(map(str, s.split))
     pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
-    formula = "2(S-1)/(M+2(S-1))" if s.kind == "1f1b" else "(S-1)/(v*M+S-1)"
+    formula = "(S-1)/(M+S-1)" if s.kind in ("1f1b", "gpipe") else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches
+    steps = (f"{s.microbatches + 2 * (s.stages - 1)} ticks, {s.iterations} forwards and {s.iterations} backwards "
+             "per stage" if s.kind == "1f1b" else f"{s.iterations} iterations")
     return (f"pipeline: {s.kind}, {chunks}, units per chunk {split} = {s.units}{pad}, {s.microbatches} "
-            f"micro-batches: {s.iterations} iterations, bubble {formula} = {idle}/{s.iterations} "
+            f"micro-batches: {steps}, bubble {formula} = {idle}/{s.iterations} "
             f"= {s.bubble:.1%}")
 
 

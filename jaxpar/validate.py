@@ -96,6 +96,12 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
 
     # --- pipeline -----------------------------------------------------------------------------
     check_pipeline(model, strategy)
+    pp, sp = strategy.size("pipeline"), o.sequence_parallel
+    piece = seq // (cp * (tp if sp else 1))   # jaxpar/pipeline_1f1b.py spreads it over the stages for the head
+    if pp > 1 and o.pp_schedule == "1f1b" and piece % pp:
+        raise ConfigError(f"pp_schedule=1f1b spreads each device's sequence piece over the stages for the head: seq={seq} "
+                          f"/ ({'context x tensor' if sp else 'context'} = {cp * (tp if sp else 1)}) = {piece} tokens "
+                          f"must be divisible by pipeline={pp}")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:
@@ -246,11 +252,9 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     uneven chunks padded with identity slots) as long as every chunk gets a unit; an explicit split
     (`pp_stages`) lists one positive count per chunk and sums to the units. The circular schedule
     needs M >= S: stage 0 wants micro-batch m for its next repeat M iterations after it took it for
-    this one, and the micro-batch needs S iterations to come back through the S stages. M % S == 0
-    is not needed (the head's micro-batches are padded to a multiple of S, jaxpar/pipeline.py). 1F1B
-    (jaxpar/pipeline_1f1b.py) runs one chunk per stage (pp_repeats=1) and any M. Context parallelism
-    runs inside the stages for attention (ring or all-gather, contiguous or zigzag), not yet Mamba-2.
-    """
+    this one, and the micro-batch needs S iterations to come back through the S stages; any M otherwise
+    (the head's micro-batches padded to a multiple of S). 1F1B runs one chunk per stage (pp_repeats=1).
+    Context parallelism runs inside the stages for attention, not yet Mamba-2."""
     o = strategy.options
     pp = strategy.size("pipeline")
     if pp == 1:
@@ -303,9 +307,8 @@ def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
 # ---- generation ----------------------------------------------------------------------------------
 
 def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Generating `max_new_tokens` after each prompt (a list of token ids) on a resolved strategy
-    (jaxpar/generate.py, models/decode.py): the prompts' tokens, then `check_phases` and
-    `check_generation` for the prefill and the decode layouts."""
+    """Generating `max_new_tokens` after each prompt (token ids) on a resolved strategy (jaxpar/generate.py):
+    the prompts' tokens, then `check_phases` and `check_generation` for the prefill and decode layouts."""
     if not prompts:
         raise ConfigError("generate needs at least one prompt")
     for i, prompt in enumerate(prompts):
@@ -326,9 +329,8 @@ def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[in
 
 
 def check_phases(strategy: Strategy) -> None:
-    """A strategy's [prefill] and [decode] layouts (jaxpar.strategy.load_toml): generate runs both on
-    the same devices and reshards the weights and the cache between them, so their meshes must hold
-    the same number of devices (a -1 axis is filled from the device count, so it always does)."""
+    """A strategy's [prefill] and [decode] layouts (jaxpar.strategy.load_toml) run on the same devices
+    (generate reshards weights and cache between them): equal device counts (a -1 axis always fits)."""
     counts = {p: strategy.phase(p).num_devices for p in ("prefill", "decode")}
     if min(counts.values()) > 0 and counts["prefill"] != counts["decode"]:
         raise ConfigError(f"mesh {strategy.name}: the prefill layout {strategy.phase('prefill').describe()} has "
@@ -341,10 +343,8 @@ def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest
                      phase: str = "decode") -> None:
     """A generation run's sizes and one phase's layout (also what `estimate --phase prefill|decode`
     costs). Prompts are left-padded to the longest, so the longest prompt plus the new tokens must fit
-    the model's max_seq. K/V heads are sharded over `tensor` when it divides kv_heads, and replicated
-    across tensor ranks (Megatron's rule) when tensor is a multiple of kv_heads. A prefill may split
-    the prompt over `context` (the prompt is padded to a multiple of the pieces: jaxpar/generate.py);
-    a decode step on a context > 1 mesh repeats its work on every context rank."""
+    the model's max_seq. K/V heads as in training (`check_kv_heads`). A prefill may split the prompt
+    over `context` (padded to a multiple of the pieces); a decode step repeats on every context rank."""
     model.validate()
     s, o = strategy.sizes, strategy.options
     tp, cp = s["tensor"], s["context"]

@@ -117,6 +117,26 @@ OVERLAP_CASES = [
 ]
 DEFAULT_OVERLAP = {("llama-tiny", "data=2,tensor=4", tuple(sorted(CM.items())))}
 
+# 1F1B (jaxpar/pipeline_1f1b.py): per steady tick the head's spread (an all-to-all over `pipeline` each way)
+# and its tensor-parallel sums on 1/S of the tokens, and every backward tick's chunk recompute (its gathers
+# and sums again, whatever the remat policy); the gradients summed after the loop. By default tensor x SP
+# with data (all of these at once); `-m slow` the rest.
+ONE_F = {"pp_schedule": "1f1b"}
+ONE_F_ONE_B_CASES = [
+    ("llama-tiny:layers=8", "data=2,pipeline=2,tensor=2", 8, {**ONE_F, "microbatches": 4, "sequence_parallel": True},
+     None),
+    ("llama-tiny:layers=8", "data=2,pipeline=2,tensor=2", 8, {**ONE_F, "microbatches": 4}, None),
+    ("llama-tiny:layers=8", "pipeline=2,tensor=4", 8,
+     {**ONE_F, "microbatches": 2, "sequence_parallel": True, "remat": "full"}, None),
+    ("mamba2-tiny:layers=4", "pipeline=2,tensor=2,data=2", 8,
+     {**ONE_F, "microbatches": 2, "sequence_parallel": True}, None),
+    ("llama-tiny:layers=10", "pipeline=4,fsdp=2", 8, {**ONE_F, "microbatches": 4},
+     "XLA:CPU's combiner splits the fsdp gradient sums among the optimizer's norm partials: 5 ops over fsdp, "
+     "predicted 3 (bytes equal)"),
+]
+DEFAULT_ONE_F_ONE_B = {("llama-tiny:layers=8", "data=2,pipeline=2,tensor=2",
+                        tuple(sorted({**ONE_F, "microbatches": 4, "sequence_parallel": True}.items())))}
+
 # Compiling all eight costs ~2.5 minutes on 2 cores: by default only mamba2-tiny under data x tensor (Mamba
 # TP over heads, ~10 s) runs; `pytest -m slow` runs the rest, among them context parallelism's conv-halo
 # permutes and SSD state gathers (mamba2-tiny context=4, hybrid-tiny context=2,tensor=2 ring).
@@ -225,6 +245,12 @@ def test_collective_matmul_prediction_equals_hlo(model, mesh, devices, options):
 @pytest.mark.parametrize("model, mesh, devices, options",
                          [_case_param(*case, default=DEFAULT_REMAT) for case in REMAT_CASES])
 def test_remat_policies_prediction_equals_hlo(model, mesh, devices, options):
+    assert_prediction_matches(model, mesh, devices, **options)
+
+
+@pytest.mark.parametrize("model, mesh, devices, options",
+                         [_case_param(*case, default=DEFAULT_ONE_F_ONE_B) for case in ONE_F_ONE_B_CASES])
+def test_one_f_one_b_prediction_equals_hlo(model, mesh, devices, options):
     assert_prediction_matches(model, mesh, devices, **options)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, moe_stage_copies
-from jaxpar.cost.comm_pipeline import pipeline_parallel
+from jaxpar.cost.comm_pipeline import one_f_one_b_head, one_f_one_b_recomputed, pipeline_parallel
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
@@ -79,6 +79,8 @@ def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) 
     layouts: no longer). XLA:CPU counts, checked
     per policy, k and fsdp in tests/test_verify_scale.py and test_cost_vs_hlo.py's remat cases."""
     remat = st.options.remat
+    if shape.stages > 1 and jaxpar_pipeline and st.options.pp_schedule == "1f1b":
+        return one_f_one_b_recomputed(st, shape)
     if shape.stages == 1 or not jaxpar_pipeline:
         return (2 if remat != "none" else 0), (1 if remat == "full" else 0)
     sums = (2 if shape.per_chunk > 1 else 1) if remat in ("full", "dots_no_batch") else 0
@@ -120,18 +122,22 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
     return out
 
 
-def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float) -> list[tuple]:
+def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
+             jaxpar_pipeline: bool = True) -> list[tuple]:
     """Per Mamba-layer execution: all-reduce after out_proj forward (SP: gather before in_proj,
     reduce-scatter after out_proj), and of in_proj's input gradient backward (in_proj is one packed
     matmul, so one partial sum; SP: the transposes). Recompute adds nothing live (the out_proj sum
-    is the layer's output)."""
+    is the layer's output), but 1F1B's chunk recompute (jaxpar/pipeline_1f1b.py) with k > 1 slots."""
     e, sp, ax = shape.exec_mamba, st.options.sequence_parallel, ("tensor",)
+    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
+    again = site(cc, RS if sp else AR, ax, e, [(x if cc.reduce_scatter else xr) if sp else xr], "backward")
+    again = again if one_f and shape.per_chunk > 1 else []   # 1F1B's recompute: live when a slot feeds the next
     if not sp:
-        return site(cc, AR, ax, e, [xr], "forward") + site(cc, AR, ax, e, [xr], "backward")
+        return site(cc, AR, ax, e, [xr], "forward") + site(cc, AR, ax, e, [xr], "backward") + again
     rs = x if cc.reduce_scatter else xr
-    regather = site(cc, AG, ax, e, [x], "backward") if st.options.remat != "none" else []  # no dot output
+    regather = site(cc, AG, ax, e, [x], "backward") if st.options.remat != "none" or one_f else []  # no dot output
     return (site(cc, AG, ax, e, [x], "forward") + site(cc, RS, ax, e, [rs], "forward")
-            + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward") + regather)
+            + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward") + regather + again)
 
 
 def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: float, xr: float) -> list[tuple]:
@@ -193,11 +199,12 @@ def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: 
     return out
 
 
-def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:
+def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool = True) -> list[tuple]:
     """Under SP the norm weights see sequence shards: their gradients are summed over `tensor`.
     Hoisted: once per step; else in the layer loop, per layer execution, and the final norm's
-    after it (with the combiner, together with the label-logit sum). An MoE block's two norms count as
-    an attention block's (its router sees the gathered norm output: replicated, nothing to sum)."""
+    after it (with the combiner, together with the label-logit sum; `final` False: the final norm's sum
+    is elsewhere, 1F1B's per tick). An MoE block's two norms count as an attention block's (its router
+    sees the gathered norm output: replicated, nothing to sum)."""
     ax, d = ("tensor",), m.d_model
     na, nm = layer_counts(m)
     if cc.hoist:
@@ -209,8 +216,8 @@ def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:
         tokens = shape.head_micro * shape.mb * shape.s_loc
     out = site(cc, AR, ax, shape.exec_attention + shape.exec_moe, [d * GRAD_BYTES] * 2, "backward")
     out += site(cc, AR, ax, shape.exec_mamba, [d * GRAD_BYTES], "backward")
-    final = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
-    return out + site(cc, AR, ax, 1, final, "optimizer")
+    last = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
+    return out + (site(cc, AR, ax, 1, last, "optimizer") if final else [])
 
 
 def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
@@ -221,11 +228,12 @@ def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     x = shape.mb * shape.s_loc * m.d_model * act
     xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)
     out = tp_attention(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_attention else []
-    out += tp_mamba(cc, st, shape, x, xr) if shape.exec_mamba else []
+    out += tp_mamba(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_mamba else []
     out += tp_moe(cc, st, shape, m, x, xr) if shape.exec_moe else []
-    out += tp_vocab(cc, st, shape, m, act)
+    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
+    out += one_f_one_b_head(cc, st, shape, m, act) if one_f else tp_vocab(cc, st, shape, m, act)
     if st.options.sequence_parallel:
-        out += sp_norms(cc, m, shape)
+        out += sp_norms(cc, m, shape, final=not one_f)
     return out
 
 

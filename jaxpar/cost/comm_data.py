@@ -309,13 +309,17 @@ def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc:
     """The sums over `group` of weights replicated over it (ZeRO-0) under `stage_copies`, XLA:CPU: once per
     accumulation step after the schedule's loop, the stage's v*k unit slots (padding included) in one op
     with the head's and final norm's partial sums and the per-micro-batch losses; the embedding's (its
-    lookup's scatter-add) apart (with gradient accumulation: in that op, per accumulation step). Under `tensor` the head's partial sums (vocab-sharded) are reduced
+    lookup's scatter-add) apart (with gradient accumulation: in that op, per accumulation step). 1F1B under
+    `tensor`: the stage's slots alone, the head's and final norm's with the embedding's. Under `tensor` the head's partial sums (vocab-sharded) are reduced
     on their own, over `group` then over `pipeline` (`head_apart`: its weight gradient's dot contracts over
     both; XLA:CPU's grouping, tests/test_verify_scale.py and the catalogue's pp2-tp2-dp2)."""
     slots = shape.repeats * shape.per_chunk
     head, norm = _head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
     apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
+    if st.options.pp_schedule == "1f1b" and st.sizes["tensor"] > 1:   # the head's and norm's with the embedding's
+        out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays), "backward")
+        return out + site(cc, AR, group, shape.accum, [emb + (head + norm) * GRAD_BYTES], "backward")
     out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
                + [(norm + (0.0 if apart else head)) * GRAD_BYTES] + losses + ([emb] if shape.accum > 1 else []),
                "backward")
@@ -326,7 +330,7 @@ def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc:
 def head_apart(st: Strategy, shape: StepShape) -> bool:
     """Under `stage_copies` of replicated weights with `tensor` > 1, the combiner leaves the LM head's
     gradient reductions (over the data axes, over `pipeline`) apart from the others (`_replicated_copies_grads`)."""
-    return stage_copies(st, shape) and st.zero != 3 and st.sizes["tensor"] > 1
+    return stage_copies(st, shape) and st.zero != 3 and st.sizes["tensor"] > 1 and st.options.pp_schedule != "1f1b"
 
 
 def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],

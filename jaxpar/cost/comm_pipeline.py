@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from jaxpar.cost.comm_data import (DATA_LIKE, equal_buffers, fsdp_stage_copies, head_apart, held, moe_stage_copies,
                                    stage_copies)
-from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, Compiler, ar_bytes, site, together
+from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, RS, Compiler, ar_bytes, site, together
+from jaxpar.cost.memory import GRAD_BYTES
 from jaxpar.cost.shape import StepShape
 from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -23,9 +24,11 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     the input) and the head's and final norm's gradients (each stage's partial sum over its
     micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
     and final norm's reduction over the data axes is one op apart from the embedding's (with the
-    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): M + 2(S-1) ticks, each
-    shifting the state up and the cotangent down (one permute each, the second labelled backward), no
-    spread, and the head's gradient summed whole (gathered over fsdp before the loop). An uneven split's weights are viewed as [S, v, k] per
+    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): M + S - 1 ticks shift
+    the state up and as many the cotangent down (one permute each, the second labelled backward); in the
+    M steady ticks the last stage's output is spread over the stages for the head by one all-to-all of
+    the state and its cotangent comes back by another; the head's gradient is summed whole (gathered
+    over fsdp before the loop). An uneven split's weights are viewed as [S, v, k] per
     step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
     circular included, is stored stage-major: jaxpar/pipeline_order.py, no weight moves)."""
     sp, sizes = st.options.sequence_parallel, st.sizes
@@ -34,14 +37,19 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     n = shape.iterations * shape.accum
     sent = x / sizes["tensor"] if split else x
     ax = ("pipeline",)
-    out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n, sent, "backward")]
+    # 1F1B at S = 2: the cool-down is one tick, a loop XLA unrolls, and the cotangent it sends is unused
+    dead = shape.accum if st.options.pp_schedule == "1f1b" and shape.stages == 2 and scatter_gather is None else 0
+    out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n - dead, sent, "backward")]
     if split and not sp and sizes["tensor"] > 1:
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
     if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
         t = sizes["tensor"] if sp else 1
-        one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline_1f1b.py: the head in every tick
+        one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline_1f1b.py: the head spread per tick
         spread = shape.stages * shape.head_micro * x / t
-        if not one_f_one_b:
+        if one_f_one_b:
+            out += [(A2A, ax, shape.micro * shape.accum, x / t, "forward"),
+                    (A2A, ax, shape.micro * shape.accum, x / t, "backward")]
+        else:
             out += [(A2A, ax, shape.accum, spread, "forward"), (A2A, ax, shape.accum, spread, "backward")]
         y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act) / t
         # FSDP: the head's gradient is summed in its shards (1F1B: gathered before its loop, summed whole)
@@ -62,4 +70,39 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
             unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
             arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
             out += site(cc, A2A, ax, 1, arrays, "forward") + site(cc, A2A, ax, 1, arrays, "backward")
+    return out
+
+
+# ---- 1F1B's tensor-parallel collectives (jaxpar/pipeline_1f1b.py) -----------------------------------
+
+def one_f_one_b_recomputed(st: Strategy, shape: StepShape) -> tuple[int, int]:
+    """(SP gathers, row-parallel sums) of an attention layer run again in 1F1B's backward: every backward
+    tick recomputes its chunk from the stashed input (jax.vjp of the chunk), so both gathers, and both
+    sums when the chunk runs k > 1 unit slots (a slot's output feeds the next), one when k = 1 (the
+    chunk's output is dead); whatever the remat policy, as comm.recomputed_tp's pipeline `full`."""
+    return 2 * (st.sizes["tensor"] > 1 and st.options.sequence_parallel), 2 if shape.per_chunk > 1 else 1
+
+
+def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int) -> list[tuple]:
+    """The vocab-sharded embedding and head under 1F1B, in place of comm.tp_vocab. Per accumulation step
+    the embedding output is summed over `tensor` (SP: reduce-scattered) and, under SP, its gradient
+    gathered. The head runs in each of the M steady ticks on its 1/S of the last stage's output
+    (h = mb x s_loc / S tokens per device): under SP its input gathered; the softmax max and sum-exp
+    all-reduced (h x 4 bytes each); backward the label logit's sum (h x 4, needed by the loss value
+    only) with, in one op under the combiner, the input gradient's sum (SP: its reduce-scatter apart,
+    and the final norm's weight gradient instead: its partial sum over the tick's sequence shard,
+    accumulated replicated)."""
+    sp, ax, n, d = st.options.sequence_parallel, ("tensor",), shape.accum, m.d_model
+    tokens = shape.b_loc / shape.accum * shape.s_loc
+    x, xr = tokens * d * act, tokens * d * ar_bytes(cc, act)
+    ticks, h = shape.micro * shape.accum, shape.mb * shape.s_loc / shape.stages
+    hx, hxr = h * d * act, h * d * ar_bytes(cc, act)
+    out = site(cc, RS if sp else AR, ax, n, [(x if cc.reduce_scatter else xr) if sp else xr], "forward")
+    out += site(cc, AG, ax, n, [x], "backward") if sp else []
+    out += site(cc, AG, ax, ticks, [hx], "forward") if sp else []
+    out += site(cc, AR, ax, ticks, [h * 4], "forward") + site(cc, AR, ax, ticks, [h * 4], "forward")
+    if sp:   # (a reduce-scatter: apart, XLA:CPU's too)
+        out += site(cc, RS, ax, ticks, [hx if cc.reduce_scatter else hxr], "backward")
+    grads = site(cc, AR, ax, ticks, [d * GRAD_BYTES] if sp else [hxr], "backward")
+    out += together(cc, site(cc, AR, ax, ticks, [h * 4], "backward") + grads)
     return out

@@ -165,9 +165,11 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
     # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
     remat = st.options.remat
-    jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and st.options.pp_schedule != "1f1b"
-    if remat == "dots_no_batch" and jaxpar_pipeline:
-        remat = "full"   # jaxpar/pipeline.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp)
+    one_f = sh.stages > 1 and software.pp_scatter_gather is None and st.options.pp_schedule == "1f1b"
+    jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and not one_f
+    if (remat == "dots_no_batch" and jaxpar_pipeline) or one_f:
+        remat = "full"   # jaxpar/pipeline.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp);
+        #                  jaxpar/pipeline_1f1b.py recomputes its chunk in every backward tick
     fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
     # critical path per device: layers split over all devices; the head over the pipeline only where the
@@ -175,6 +177,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)
     experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
     head = sh.head_micro * sh.stages / sh.micro if (software.pp_head_spread and sh.stages > 1) else sh.stages
+    head = 1.0 if one_f else head   # jaxpar's 1F1B: each tick's head spread over the stages, 1/S each
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
     hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention,
                                 head / sh.stages)

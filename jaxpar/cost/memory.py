@@ -183,8 +183,9 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
                          ) -> tuple[float, float]:
     """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline_1f1b.py): stored
     are its 2S-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is) and the embedding output
-    and its cotangent ([b, s, d] each, the batch's own); transient the recomputed chunk's inventory in a
-    tick's backward: its k unit slots' layers, remat "none" inside the chunk."""
+    and its cotangent ([b, s, d] each, the batch's own), and with FSDP the gathered stage weights
+    (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
+    slots' layers, remat "none" inside the chunk."""
     sz = st.sizes
     act = DTYPE_BYTES[st.options.dtype]
     stages = sz["pipeline"]
@@ -192,7 +193,23 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     tokens = b_loc / st.options.microbatches * seq / sz["context"]
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
     stored = (2 * stages - 1) * tokens * residual + 2 * b_loc * seq / sz["context"] * residual
-    return stored, layer_transient * sched_k * len(m.pattern)
+    return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
+
+
+def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
+    """With FSDP inside a jaxpar pipeline's stages: each device's gathered copy of its stage's v*k unit slots
+    (compute dtype, its tensor shard) and its float32 gradient accumulator, alive the whole step."""
+    from jaxpar.schedule import schedule_of  # noqa: PLC0415
+    sz = st.sizes
+    if sz["fsdp"] == 1:
+        return 0.0
+    sched = schedule_of(st, m.units)
+    unit = 0.0
+    for block, n in zip(("attention", "mamba", "moe"), block_counts(m)):
+        if n:
+            sharded, kept = zero_split(m, block, 3)
+            unit += n / m.units * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
+    return sched.repeats * sched.per_chunk * unit * (DTYPE_BYTES[st.options.dtype] + GRAD_BYTES)
 
 
 def _per_chunk(m: ModelConfig, st: Strategy) -> int:
@@ -220,15 +237,7 @@ def jax_pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: f
         stored = sched.iterations * tokens * m.d_model * act / (sz["tensor"] if o.sequence_parallel else 1)
     else:
         stored = per_layer * tokens * sched.iterations / sched.repeats
-    if sz["fsdp"] > 1:
-        unit = 0.0
-        for block, n in zip(("attention", "mamba", "moe"), block_counts(m)):
-            if n:
-                sharded, kept = zero_split(m, block, 3)
-                unit += n / m.units * (sharded.per_device(sz["tensor"], sz["expert"])
-                                       + kept.per_device(sz["tensor"], sz["expert"]))
-        stored += sched.repeats * sched.per_chunk * unit * (act + GRAD_BYTES)
-    return stored, layer_transient * sched.per_chunk * len(m.pattern)
+    return stored + fsdp_stage_bytes(m, st), layer_transient * sched.per_chunk * len(m.pattern)
 
 
 def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:
@@ -294,7 +303,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
         scores = tokens * m.heads / t * keys * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
     if jax_program and stages > 1:  # jaxpar/pipeline.py: each stage the head of ceil(M/S) micro-batches
-        logits *= -(-micro // stages) / micro
+        logits *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
 
 
