@@ -229,8 +229,9 @@ def check_moe(model: ModelConfig, strategy: Strategy) -> None:
              model.moe_mlp_dim)
     if strategy.size("pipeline") > 1 and strategy.options.pp_schedule == "1f1b":
         raise ConfigError(f"pp_schedule=1f1b with pipeline={strategy.size('pipeline')} and mixture-of-experts layers "
-                          f"(model {model.name}, pattern={model.pattern!r}) is not supported yet: 1F1B's own backward "
-                          "does not carry the router's auxiliary losses; use pp_schedule=gpipe or circular")
+                          f"(model {model.name}, pattern={model.pattern!r}): the balance loss's gradient needs the "
+                          "whole batch's routed fractions, which 1F1B has not seen when its first backward runs "
+                          "(per-micro-batch losses would differ from one device's); use pp_schedule=gpipe or circular")
     if model.capacity_factor > 0 and strategy.size("context") > 1 and strategy.options.cp_layout == "zigzag":
         raise ConfigError(f"capacity_factor={model.capacity_factor} with cp_layout=zigzag: capacity drops tokens in "
                           "sequence order, and the zigzag layout permutes the sequence, so other tokens would be "
@@ -307,8 +308,7 @@ def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
 # ---- generation ----------------------------------------------------------------------------------
 
 def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Generating `max_new_tokens` after each prompt (token ids) on a resolved strategy (jaxpar/generate.py):
-    the prompts' tokens, then `check_phases` and `check_generation` for the prefill and decode layouts."""
+    """`max_new_tokens` after each prompt (token ids): the tokens, `check_phases`, `check_generation`."""
     if not prompts:
         raise ConfigError("generate needs at least one prompt")
     for i, prompt in enumerate(prompts):

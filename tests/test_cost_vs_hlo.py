@@ -137,6 +137,20 @@ ONE_F_ONE_B_CASES = [
 DEFAULT_ONE_F_ONE_B = {("llama-tiny:layers=8", "data=2,pipeline=2,tensor=2",
                         tuple(sorted({**ONE_F, "microbatches": 4, "sequence_parallel": True}.items())))}
 
+# Pipeline x context: the ring's K/V permutes per layer execution (1F1B: again in its chunk recompute), the
+# positions per schedule iteration (1F1B: per tick, per layer with a ring of more than one hop), the weights'
+# sums over `context` in the loop (their norm scales apart beside the data copies), the head's after it
+# (1F1B: per steady tick). By default 1F1B with data (all of these); `-m slow` GPipe and context=4.
+PP_CP_CASES = [
+    ("llama-tiny:layers=8", "pipeline=2,context=2,data=2", 8, {**ONE_F, "microbatches": 4, "attention": "ring"}, None),
+    ("llama-tiny:layers=8", "pipeline=2,context=2,data=2", 8,
+     {"microbatches": 2, "attention": "ring", "cp_layout": "zigzag"}, None),
+    ("llama-tiny:layers=8", "pipeline=2,context=4", 8, {"microbatches": 2, "attention": "allgather"}, None),
+    ("llama-tiny:layers=8", "pipeline=2,context=4", 8, {**ONE_F, "microbatches": 2, "attention": "ring"}, None),
+]
+DEFAULT_PP_CP = {("llama-tiny:layers=8", "pipeline=2,context=2,data=2",
+                  tuple(sorted({**ONE_F, "microbatches": 4, "attention": "ring"}.items())))}
+
 # Compiling all eight costs ~2.5 minutes on 2 cores: by default only mamba2-tiny under data x tensor (Mamba
 # TP over heads, ~10 s) runs; `pytest -m slow` runs the rest, among them context parallelism's conv-halo
 # permutes and SSD state gathers (mamba2-tiny context=4, hybrid-tiny context=2,tensor=2 ring).
@@ -251,6 +265,12 @@ def test_remat_policies_prediction_equals_hlo(model, mesh, devices, options):
 @pytest.mark.parametrize("model, mesh, devices, options",
                          [_case_param(*case, default=DEFAULT_ONE_F_ONE_B) for case in ONE_F_ONE_B_CASES])
 def test_one_f_one_b_prediction_equals_hlo(model, mesh, devices, options):
+    assert_prediction_matches(model, mesh, devices, **options)
+
+
+@pytest.mark.parametrize("model, mesh, devices, options",
+                         [_case_param(*case, default=DEFAULT_PP_CP) for case in PP_CP_CASES])
+def test_pipeline_context_prediction_equals_hlo(model, mesh, devices, options):
     assert_prediction_matches(model, mesh, devices, **options)
 
 

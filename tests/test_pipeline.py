@@ -59,6 +59,8 @@ CASES = {
     # context parallelism inside the stages: ring attention on the zigzag token layout
     "S2-M2-gpipe-cp2-ring-zigzag": (LLAMA, "pipeline=2,context=2,data=2",
                                     dict(microbatches=2, attention="ring", cp_layout="zigzag")),
+    "S2-M4-1f1b-cp2-ring": (LLAMA, "pipeline=2,context=2,data=2", dict(microbatches=4, attention="ring",
+                                                                      pp_schedule="1f1b")),
 }
 
 

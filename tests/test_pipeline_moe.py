@@ -66,7 +66,7 @@ def test_1f1b_with_moe_is_refused():
     from jaxpar.validate import check  # noqa: PLC0415
     st = parse_strategy("pipeline=2,expert=4").with_options(microbatches=4, pp_schedule="1f1b").resolved(8)
     with pytest.raises(ConfigError, match=r"pp_schedule=1f1b with pipeline=2 and mixture-of-experts layers "
-                                          r"\(model moe-tiny:layers=4, pattern='E'\) is not supported yet"):
+                                          r"\(model moe-tiny:layers=4, pattern='E'\): the balance loss's gradient needs the whole batch's"):
         check(parse_model("moe-tiny:layers=4"), st, batch=16, seq=32)
 
 

@@ -111,12 +111,8 @@ def test_data_pipeline_reduces_over_data_once_and_equals_one_device(zero):
 
 def test_context_pipeline_sums_over_data_once():
     """data=2 x pipeline=2 x context=2 (ring): the per-data-shard copies hold under context parallelism too,
-    so the weights' gradients cross `data` once per step, as predicted (bytes and ops); over `context` they
-    are summed in the loop (bytes as predicted; the combiner's op counts and the ring's position permutes
-    are not modelled, pipeline x context being outside the planner: jaxpar.planner.check_plannable)."""
+    so the weights' gradients cross `data` once per step; over `context` they are summed in the loop (norm
+    scales apart) and the ring's positions travel per schedule iteration: every collective as predicted
+    (counts exact, bytes within 1%)."""
     mesh, options = "data=2,pipeline=2,context=2", dict(attention="ring", microbatches=4)
-    got, want = _compare(mesh, **options)
-    for key in [k for k in want if k[1] in (("data",), ("pipeline",))]:
-        assert want[key][0] == got[key][0] and want[key][1] == pytest.approx(got[key][1], rel=0.01), (key, got, want)
-    ctx = ("all-reduce", ("context",))
-    assert want[ctx][1] == pytest.approx(got[ctx][1], rel=0.01)
+    _assert_equal(*_compare(mesh, **options), mesh)

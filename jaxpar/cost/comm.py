@@ -37,10 +37,11 @@ def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase:
     return Collective(kind, axes, round(count), round(total), total * wire_factor(kind, n), phase)
 
 
-def _cp_passes(st: Strategy) -> tuple[str, ...]:
+def _cp_passes(st: Strategy, one_f: bool = False) -> tuple[str, ...]:
     """Passes of the context-parallel kernels' collectives: their outputs (moved K/V blocks, halos,
-    states) are no dot outputs, so every remat policy recomputes them in the backward pass."""
-    return ("forward", "backward") if st.options.remat != "none" else ("forward",)
+    states) are no dot outputs, so every remat policy recomputes them in the backward pass (and 1F1B's
+    chunk recompute, `one_f`, whatever the policy)."""
+    return ("forward", "backward") if st.options.remat != "none" or one_f else ("forward",)
 
 
 def _passes(st: Strategy) -> tuple[str, ...]:
@@ -239,7 +240,8 @@ def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
 
 # ---- context parallelism --------------------------------------------------------------------------
 
-def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU) -> list[tuple]:
+def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
+                     jaxpar_pipeline: bool = True) -> list[tuple]:
     """Attention (jaxpar/ops/context_parallel.py), per layer execution and pass: ring (Liu et al.
     2023): context-1 hops, each a permute of K and one of V (2 ops of the local block's half each),
     and of dK, dV backward; the key positions travel the ring once per step (c-1 int32 permutes);
@@ -248,26 +250,36 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
     Mamba-2 (jaxpar/ops/mamba_cp.py): per pass one permute of the packed conv halo ((d_conv-1)
     tokens x conv channels; zigzag: two, one from each neighbour) and one all-gather of every
     segment's final SSM state and log-decay (b*m*heads/t*(head_dim*d_state + 1) float32 per shard,
-    m = 1 or 2 segments); their transposes backward."""
+    m = 1 or 2 segments); their transposes backward. In jaxpar's pipelines the positions travel per
+    schedule iteration, a micro-batch's each (1F1B: per backward tick, and per forward tick with a
+    one-hop ring, per layer execution with a longer one)."""
     c, t = st.sizes["context"], st.sizes["tensor"]
     ax, out = ("context",), []
+    piped = jaxpar_pipeline and shape.stages > 1
+    one_f = piped and st.options.pp_schedule == "1f1b"
+    if piped:   # 1F1B's forward ticks: per layer execution when the ring is a loop (c > 2: XLA does not hoist it)
+        ticks = shape.iterations * shape.accum
+        forward = shape.exec_attention + shape.exec_moe if one_f and c > 2 else ticks
+        pos_execs, pos_one = forward + (ticks if one_f else 0), shape.mb * shape.s_loc * TOKEN_BYTES
+    else:
+        pos_execs, pos_one = shape.accum, shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES
     zigzag = st.options.cp_layout == "zigzag"
     if shape.exec_attention or shape.exec_moe:
         e = shape.exec_attention + shape.exec_moe  # an MoE block's attention half is an attention block's
         half = shape.mb * shape.s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act  # K or V
         pos = shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES
         ring = st.options.attention == "ring"
-        for phase in _cp_passes(st):
+        for phase in _cp_passes(st, one_f):
             out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
                     else site(cc, AG, ax, e, [half * c, half * c], phase))
         out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], "backward") if ring
                 else site(cc, RS, ax, e, [half * c, half * c], "backward", partitioner=False))
         if ring:
-            out += site(cc, PERMUTE, ax, (c - 1) * shape.accum, [pos], "forward")
+            out += site(cc, PERMUTE, ax, (c - 1) * pos_execs, [pos_one], "forward")
             if st.options.remat != "none":  # rematerialised per layer: the positions' ring again, layer by layer
                 out += site(cc, PERMUTE, ax, (c - 1) * e, [pos], "backward")
         else:
-            out += site(cc, AG, ax, shape.accum, [pos * c], "forward")
+            out += site(cc, AG, ax, pos_execs, [pos_one * c], "forward")
     if shape.exec_mamba:
         e, segs = shape.exec_mamba, 2 if zigzag else 1
         _, conv_dim, heads = mamba_dims(m)
@@ -333,7 +345,7 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
     if sz["tensor"] > 1:
         raw += tensor_parallel(m, st, shape, act, cc, pp_scatter_gather is None)
     if sz["context"] > 1:
-        raw += context_parallel(m, st, shape, act, cc)
+        raw += context_parallel(m, st, shape, act, cc, pp_scatter_gather is None)
     if sz["pipeline"] > 1:
         raw += pipeline_parallel(m, st, shape, act, pp_scatter_gather, cc)
     if shape.exec_moe:

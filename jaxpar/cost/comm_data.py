@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost.compiler import A2A, AG, AR, BATCH_AXES, GPU, RS, Compiler, reductions, site, together
+from jaxpar.cost.held import Held, _head_and_norm, _norm_vectors, equal_buffers, held, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
-from jaxpar.cost.params import (BLOCKS, LAYER_BLOCKS, block_counts, block_params, block_weights, per_model,
-                                zero_rules, zero_split)
+from jaxpar.cost.params import zero_rules, zero_split
 from jaxpar.cost.shape import StepShape
 from jaxpar.rules import BASE_RULES
 from jaxpar.strategy import AXES, Strategy
@@ -22,63 +22,6 @@ TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
 
 # ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
-    """Parameter elements per device (after the tensor and pipeline splits) and arrays of a set of
-    weights: one pattern unit (the layer stack is stacked over units, so its arrays are the unit's),
-    this stage's layer stack, and embedding + final norm + head."""
-    unit: float
-    unit_arrays: int
-    layers: float
-    emb: float
-    emb_arrays: int
-
-    @property
-    def full(self) -> float:
-        return self.layers + self.emb
-
-    @property
-    def arrays(self) -> int:
-        return self.unit_arrays + self.emb_arrays
-
-
-@per_model
-def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert: int = 1,
-          experts: bool | None = None) -> Held:
-    counts = block_counts(m)
-    unit = layers = 0.0
-    unit_arrays = 0
-    emb = None
-    for block in BLOCKS:
-        if part == "all" and experts is None:
-            p = block_params(m, block)
-        else:  # the ZeRO-sharded part of each block, or the rest; ZeRO-1 shards by the optimizer rules
-            sharded, kept = zero_split(m, block, zero, "optimizer" if zero == 1 else "params", experts)
-            p = sharded if part == "zero" else kept if part == "kept" else sharded + kept
-        if block == "embedding":
-            emb = p
-            continue
-        n = counts[LAYER_BLOCKS.index(block)]
-        per_unit = n // m.units if n else 0
-        unit += per_unit * p.per_device(tensor, expert)
-        unit_arrays += per_unit * p.tensors
-        layers += n * p.per_device(tensor, expert) / stages
-    return Held(unit=unit, unit_arrays=unit_arrays, layers=layers, emb=emb.per_device(tensor), emb_arrays=emb.tensors)
-
-
-def held(m: ModelConfig, st: Strategy, part: str = "all", experts: bool | None = None) -> Held:
-    """What one device holds of `part`: "all" weights, the ones the strategy's ZeRO stage shards over the
-    data axes ("zero": every weight with an `embed` dim), or the others ("kept": replicated over them);
-    `experts` True / False: only the routed experts' weights / only the others."""
-    sz = st.sizes
-    return _held(m, part, st.zero, sz["tensor"], sz["pipeline"], sz["expert"], experts)
-
-
-def equal_buffers(total: float, n: int) -> list[float]:
-    """`total` bytes as `n` equal buffers (none when n = 0)."""
-    return [total / n] * n if n else []
-
 
 def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
                       cc: Compiler) -> list[tuple]:
@@ -209,10 +152,12 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline.py's per-shard copies
     if not shard:
         h = held(m, st, experts=experts)
-        if copies and not cc.hoist:
-            return [op for group in groups(axes) for op in (  # the copies are per batch shard: `context` sums stay in the loop
-                _replicated_copies_grads(m, st, shape, cc, group, h) if "context" not in group else grads(group, h, 1))]
-        return [op for group in groups(axes) for op in grads(group, h, 1)]
+
+        def per_group(group):   # the copies are per batch shard: `context` sums stay in the loop
+            if "context" in group and dense and jaxpar_pipeline and shape.stages > 1 and not cc.hoist:
+                return _context_grads(m, st, shape, cc, group, h)
+            return _replicated_copies_grads(m, st, shape, cc, group, h) if copies and not cc.hoist else grads(group, h, 1)
+        return [op for group in groups(axes) for op in per_group(group)]
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
     copies = copies and fsdp_stage_copies(st, shape)
     rest = tuple(a for a in axes if a not in shard)
@@ -327,6 +272,25 @@ def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc:
     return out + site(cc, AR, group, 1, [emb] if shape.accum == 1 else [], "backward")
 
 
+def _context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
+                  h: Held) -> list[tuple]:
+    """ZeRO-0 gradient sums over a group with `context` in jaxpar's pipelines, XLA:CPU: per
+    layer execution in the loop, a unit's weights (with the per-data-shard copies, `stage_copies`, its
+    norm scales in an op of their own); the head's and final norm's (with the loss) once per accumulation
+    step (1F1B: per steady tick, and with the copies apart), and the embedding's apart (llama-tiny:layers=8 pipeline=2 x
+    context=2 x data=2, GPipe and 1F1B, pipeline=2 x context=4: tests/test_cost_vs_hlo.py)."""
+    execs = shape.exec_layers / len(m.pattern)
+    norms, norm_arrays = unit_norms(m) if stage_copies(st, shape) else (0, 0)
+    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    one_f = st.options.pp_schedule == "1f1b"
+    out = site(cc, AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
+               "backward")
+    out += site(cc, AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
+    ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and norms else [(head + norm) * GRAD_BYTES]
+    out += [op for b in ends for op in site(cc, AR, group, shape.accum * (shape.micro if one_f else 1), [b], "backward")]
+    return out + site(cc, AR, group, 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
+
+
 def head_apart(st: Strategy, shape: StepShape) -> bool:
     """Under `stage_copies` of replicated weights with `tensor` > 1, the combiner leaves the LM head's
     gradient reductions (over the data axes, over `pipeline`) apart from the others (`_replicated_copies_grads`)."""
@@ -351,21 +315,6 @@ def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, 
     return out + site(cc, AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
 
 
-def _norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
-    """(elements, arrays) of a `block`'s norm weights: those whose only dim is `embed`."""
-    vectors = [w for w in block_weights(m, block) if w.names == ("embed",)]
-    return sum(w.size for w in vectors), len(vectors)
-
-
-def unit_norms(m: ModelConfig) -> tuple[int, int]:
-    """(elements, arrays) of one pattern unit's norm weights (`_norm_vectors` of each of its blocks)."""
-    unit = arrays = 0
-    for kind in m.pattern:
-        elements, n = _norm_vectors(m, "mamba" if kind == "M" else "moe" if kind == "E" else "attention")
-        unit, arrays = unit + elements, arrays + n
-    return unit, arrays
-
-
 def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
     """(`sharded` less the norm weights, the norm weights): the weights whose only dim is `embed` (a
     pattern unit's pre-norms; the final norm among embedding and head).
@@ -387,6 +336,3 @@ def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
                 sharded.emb - norms.emb, sharded.emb_arrays - 1), norms
 
 
-def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:
-    """Elements per device of the LM head (0 when tied to the embedding) and the final norm."""
-    return (0.0 if m.tie_embeddings else m.vocab * m.d_model / tensor), float(m.d_model)

@@ -3,8 +3,8 @@ what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Record
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import (DATA_LIKE, equal_buffers, fsdp_stage_copies, head_apart, held, moe_stage_copies,
-                                   stage_copies)
+from jaxpar.cost.comm_data import DATA_LIKE, fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
+from jaxpar.cost.held import equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, RS, Compiler, ar_bytes, site, together
 from jaxpar.cost.memory import GRAD_BYTES
 from jaxpar.cost.shape import StepShape
@@ -62,7 +62,8 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
                                                          m.d_model * ar_bytes(cc, act)], "backward"))
         out += site(cc, AR, ax, shape.accum, [head] if apart else [], "backward")
         data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
-        if cc.combine and data and not (stage_copies(st, shape) or moe_stage_copies(st, shape)):   # (else in comm_data's)
+        if cc.combine and data and "context" not in data and not (stage_copies(st, shape) or moe_stage_copies(st, shape)):
+            # (else in comm_data's)
             out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
         units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
         if units != m.units:   # uneven: the weights move to their stages
@@ -106,3 +107,4 @@ def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfi
     grads = site(cc, AR, ax, ticks, [d * GRAD_BYTES] if sp else [hxr], "backward")
     out += together(cc, site(cc, AR, ax, ticks, [h * 4], "backward") + grads)
     return out
+
