@@ -4,7 +4,8 @@
     python experiments/bench_pipeline.py --quick       # smoke test: a few seconds
 
 llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe, circular (v=2) and 1F1B
-schedules with M = 4, 8, 16, 32 micro-batches, and the same batch without a pipeline (data=8).
+schedules, and interleaved 1F1B (v=2), with M = 4, 8, 16, 32 micro-batches, and the same batch without a
+pipeline (data=8).
 (jaxpar's 1F1B runs M + 2(S-1) lockstep ticks, S-1 forwards only, M forward-and-backward, S-1 backwards
 only: GPipe's work and bubble (S-1)/(M+S-1), its backward recomputing each chunk, jaxpar/pipeline_1f1b.py.)
 
@@ -17,12 +18,13 @@ Every stage computes in every one of the T = v*M + S - 1 iterations, bubbles inc
 simulated devices share this host's cores, so a step's time tracks the total work: T iterations of
 S stage chunks on B/M rows each, i.e. 1 / (1 - bubble) times the work of the batch itself, where
 bubble = (S-1) / (v*M + S-1). On real accelerators the bubble is idle time instead of extra work;
-the ratio is the same. The `predicted` column is that ratio; `measured` is the step time over the
+the ratio is the same. The `predicted` column is that ratio (1F1B's times 4/3: its backward reruns each
+chunk's forward, (F + F + B) / (F + B) with B = 2F); `measured` is the step time over the
 data=8 step time, each the fastest of --repeats steps taken round robin over the cases (so all see
 the same contention on a shared host). Writes experiments/results/bench_pipeline.md (+ .png when
 matplotlib is installed), or into --out DIR.
 
---quick: the same path with M = 4 only (timing GPipe and circular; memory GPipe and 1F1B), batch 8 x
+--quick: the same path with M = 4 only (timing GPipe and circular; memory GPipe, 1F1B, interleaved), batch 8 x
 seq 16, 1 repeat, and
 XLA's backend optimisations off (compiles faster, runs slower: quick timings mean nothing).
 Options given explicitly still win.
@@ -56,6 +58,7 @@ from jaxpar.models.config import parse_model  # noqa: E402
 
 MODEL = "llama-tiny:layers=8"
 RESULTS = ROOT / "experiments" / "results"
+RECOMPUTE = 4 / 3   # 1F1B reruns each chunk's forward in its backward: (F + F + B) / (F + B), B = 2F
 QUICK = dict(batch=8, seq=16, repeats=1, microbatches=[4], schedules=["gpipe", "circular"], memory_microbatches=[4])
 
 
@@ -79,7 +82,8 @@ class Case:
         self.times.clear()
         sched = schedule_of(tr.strategy, tr.model_cfg.units)
         piped = sched.stages > 1
-        self.row = {"mesh": mesh, "schedule": sched.kind if piped else "-", "M": sched.microbatches,
+        kind = sched.kind + (f" v={sched.repeats}" if sched.kind == "1f1b" and sched.repeats > 1 else "")
+        self.row = {"mesh": mesh, "schedule": kind if piped else "-", "M": sched.microbatches,
                     "T": sched.iterations if piped else 1, "bubble": sched.bubble if piped else 0.0,
                     "temp_mib": self.compiled.memory_analysis().temp_size_in_bytes / 2**20}
 
@@ -96,7 +100,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b", "1f1b-interleaved"])
     parser.add_argument("--memory-microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--quick", action="store_true", help="smoke test: M=4 only, small batch, a few seconds")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="where bench_pipeline.md and .png go")
@@ -108,9 +112,9 @@ def main() -> None:
 
     specs = [("data=8", {}, "data=8")]
     for schedule in args.schedules:
-        extra = {"pp_repeats": 2} if schedule == "circular" else {}
+        extra = {"pp_repeats": 2} if schedule in ("circular", "1f1b-interleaved") else {}
         for m in args.microbatches:
-            options = dict(microbatches=m, pp_schedule=schedule, **extra)
+            options = dict(microbatches=m, pp_schedule=schedule.removesuffix("-interleaved"), **extra)
             specs.append(("pipeline=4,data=2", options, f"{schedule} M={m}"))
     cases = []
     bar = tqdm(specs, unit="case", disable=not sys.stdout.isatty(), dynamic_ncols=True, leave=False)
@@ -128,7 +132,7 @@ def main() -> None:
     lines = [f"{MODEL}, batch={args.batch}, seq={args.seq}, float32, 8 simulated CPU devices "
              f"(fastest of {args.repeats} steps)", "", header, "|" + "---|" * 10]
     for r in rows:
-        predicted = 1 / (1 - r["bubble"])
+        predicted = 1 / (1 - r["bubble"]) * (RECOMPUTE if r["schedule"].startswith("1f1b") else 1.0)
         lines.append(f"| {r['mesh']} | {r['schedule']} | {r['M']} | {r['T']} | {r['bubble']:.1%} | {predicted:.2f} "
                      f"| {r['step_s'] / base:.2f} | {r['step_s'] * 1e3:.0f} | {r['temp_mib']:.1f} "
                      f"| {r['compile_s']:.1f} |")
@@ -144,11 +148,12 @@ def main() -> None:
         print(f"\nwritten to {args.out / 'bench_pipeline.md'} and bench_pipeline.png")
 
 
-def temp_bytes(schedule: str, microbatches: int, seq: int) -> int:
+def temp_bytes(schedule: str, microbatches: int, seq: int, repeats: int = 1) -> int:
     """Compiled temp bytes per device of loss + gradients, pipeline=4 x data=2, one row per data shard and
     micro-batch (the micro-batch fixed, the batch 2M)."""
     import jax.numpy as jnp  # noqa: PLC0415
-    strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule)
+    strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule,
+                                                                pp_repeats=repeats)
     tc = TrainConfig(batch=2 * microbatches, seq=seq)
     tr = Trainer(parse_model(MODEL), strategy, tc, devices=jax.devices()[:8])
     params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tr.abstract_params,
@@ -159,13 +164,14 @@ def temp_bytes(schedule: str, microbatches: int, seq: int) -> int:
 
 
 def memory_table(seq: int, microbatches: list[int]) -> str:
-    """GPipe vs 1F1B compiled temp memory at M = 4, 8, 16 (S = 4), fixed micro-batch."""
+    """GPipe vs 1F1B (and interleaved 1F1B, v = 2) compiled temp memory at M = 4, 8, 16 (S = 4), fixed
+    micro-batch."""
     lines = [f"Compiled temp memory per device, loss + gradients, pipeline=4 x data=2, seq={seq}, one row per "
-             "data shard and micro-batch (batch = 2M)", "", "| M | GPipe bytes | 1F1B bytes | GPipe / 1F1B |",
-             "|---|---|---|---|"]
+             "data shard and micro-batch (batch = 2M)", "",
+             "| M | GPipe bytes | 1F1B bytes | GPipe / 1F1B | interleaved 1F1B v=2 bytes |", "|---|---|---|---|---|"]
     for m in microbatches:
-        g, f = temp_bytes("gpipe", m, seq), temp_bytes("1f1b", m, seq)
-        lines.append(f"| {m} | {g} | {f} | {g / f:.1f} |")
+        g, f, i = temp_bytes("gpipe", m, seq), temp_bytes("1f1b", m, seq), temp_bytes("1f1b", m, seq, 2)
+        lines.append(f"| {m} | {g} | {f} | {g / f:.1f} | {i} |")
     return "\n".join(lines)
 
 
@@ -178,11 +184,13 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
     base = rows[0]["step_s"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for schedule in ("gpipe", "circular", "1f1b"):
+    for schedule in dict.fromkeys(r["schedule"] for r in rows[1:]):
         sel = [r for r in rows if r["schedule"] == schedule]
         ms = [r["M"] for r in sel]
-        ax.plot(ms, [r["step_s"] / base for r in sel], "o-", label=f"{schedule}: measured")
-        ax.plot(ms, [1 / (1 - r["bubble"]) for r in sel], "x--", label=f"{schedule}: 1/(1-bubble)")
+        line, = ax.plot(ms, [r["step_s"] / base for r in sel], "o-", label=f"{schedule}: measured")
+        extra = RECOMPUTE if schedule.startswith("1f1b") else 1.0
+        ax.plot(ms, [extra / (1 - r["bubble"]) for r in sel], "x--", color=line.get_color(),
+                label=f"{schedule}: predicted")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches M")

@@ -10,7 +10,7 @@ loop can order work that way, so this module writes the backward itself and hand
 and the gradients (Trainer._value_and_grads), instead of a loss for jax.grad.
 
 The schedule, one program on every device (`vmap` over the stage dim, spmd_axis_name = the pipeline
-axes, as jaxpar/pipeline.py), M + 2(S-1) ticks in three loops. In tick t stage s
+axes, as jaxpar/pipeline.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three loops; in tick t stage s
   1. forward: micro-batch i = t - s (valid when 0 <= i < M) through its chunk; stage 0 takes the
      embedding output of micro-batch t, stage s > 0 what stage s-1 produced in tick t-1. The chunk's
      input goes into the stage's stash, a ring of D = 2S-1 slots (slot t % D);
@@ -34,6 +34,17 @@ activations) is transient. Stage 0's input cotangents are collected per micro-ba
 embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
 per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
 exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/validate.py).
+
+Interleaved 1F1B (pp_repeats = v > 1; Narayanan et al. 2021, 2.2.2): stage s holds v chunks (chunk r*S + s
+in repeat r, stored stage-major as the circular schedule's, jaxpar/pipeline_order.py) and the micro-batches
+go round the stages v times in groups of S (M a multiple of S): forward item i = t - s is micro-batch
+(i // Sv) S + i % S in repeat (i // S) % v, and the last stage's output of repeat r < v-1 reaches stage 0
+exactly when it takes that micro-batch's next repeat (the up-shift is cyclic), so nothing waits in a
+buffer. Backward items run the repeats in reverse, B0 = vS - 1 ticks behind (the cotangent of stage 0
+in repeat r goes round to stage S-1 in repeat r-1 by the same cyclic down-shift), and the head runs in the
+S ticks of each group whose last-stage forward is a last repeat: an outer loop over the groups, each S
+head ticks and (v-1)S without. The stash holds D = 2vS-1 inputs; each stage runs vM + S - 1 chunk
+forwards and backwards, bubble (S-1)/(vM+S-1), as the circular schedule's and Megatron's interleaved one.
 
 Weight gradients are accumulated in the loop's carry, so they must not be reduced over the batch axes
 there (GSPMD would all-reduce every tick's contribution): the stage and head weights are gathered over
@@ -119,8 +130,8 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
 
     model = nnx.merge(graphdef, params)
     sched = schedule_of(strategy, model.cfg.units)
-    S, M = sched.stages, sched.microbatches
-    T, D = M + 2 * (S - 1), 2 * S - 1
+    S, M, v = sched.stages, sched.microbatches, sched.repeats
+    B0, D = v * S - 1, 2 * v * S - 1     # the first backward tick; stash slots
     mesh, stage_axes, batch_axes = layout.mesh, layout.axes("stages"), layout.axes("batch")
     N = int(np.prod([mesh.shape[a] for a in batch_axes]))       # batch shards: one weight copy each
     bspec = _axis_name(batch_axes) if batch_axes else None
@@ -195,10 +206,23 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     shift_up = _shift_fn(mesh, stage_axes)
     spread, piece = _pieces_fns(layout, S)
 
+    def forward_item(t, s):
+        """(valid, micro-batch, repeat) of stage s's forward in tick t: item i = t - s, in groups of S
+        micro-batches taken through the v repeats in turn (v = 1: micro-batch i)."""
+        i = t - s
+        return (i >= 0) & (i < v * M), (i // (S * v)) * S + i % S, (i // S) % v
+
+    def backward_item(t, s):
+        """(valid, micro-batch, repeat) of stage s's backward in tick t: the forward items in reverse
+        repeat order, B0 + S-1-s ticks later (the last stage's last repeat: in its head's tick)."""
+        b = t - B0 - (S - 1 - s)
+        return (b >= 0) & (b < v * M), (b // (S * v)) * S + b % S, v - 1 - (b // S) % v
+
     # One batch shard of one stage: its forward, its head piece, its backward (module docstring).
     def forward(ws, ok, s, h_in, stash, x_t, t, pos):
-        h = jnp.where(s == 0, x_t, h_in)
-        return chunk(ws, ok, 0, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % D, 0)
+        _, _, r = forward_item(t, s)
+        h = jnp.where((s == 0) & (r == 0), x_t, h_in)   # stage 0 in repeat 0: the embedding output
+        return chunk(ws, ok, r, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % D, 0)
 
     def head(hw, z, labels):
         loss, head_vjp = jax.vjp(lambda hw, z: head_of(hw, z, labels), hw, z)
@@ -206,10 +230,11 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         return loss * seed, d_hw, dz
 
     def backward(ws, ok, s, g, stash, t, pos):
-        j = t - 2 * (S - 1) + s
-        g = jnp.where((j >= 0) & (j < M), g, jnp.zeros_like(g))
-        h = jax.lax.dynamic_index_in_dim(stash, (t - 2 * (S - 1 - s)) % D, 0, keepdims=False)
-        _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, 0, h, pos), ws, h)
+        ok_b, _, r = backward_item(t, s)
+        g = jnp.where(ok_b, g, jnp.zeros_like(g))
+        # its input, stashed by the forward 2(vS - 1 - rS - s) ticks earlier
+        h = jax.lax.dynamic_index_in_dim(stash, (t - 2 * (v * S - 1 - r * S - s)) % D, 0, keepdims=False)
+        _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, r, h, pos), ws, h)
         d_ws, d_h = chunk_vjp(g)
         return d_h, d_ws
 
@@ -225,18 +250,18 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     head_all = staged(head, (None, 0, 0), (0, 0, 0))
     backward_all = staged(backward, (0, ok_axis, 0, 0, 0, None, 0), (0, None, None, 0, 0, None, 0))
 
-    def tick(carry, t, fwd_on: bool, bwd_on: bool):
-        """Tick t: forward (fwd_on), the head (both: the last stage's forward is a real micro-batch in
-        exactly those ticks), backward (bwd_on)."""
+    def tick(carry, t, fwd_on: bool, bwd_on: bool, head_on: bool = False):
+        """Tick t: forward (fwd_on), the head (head_on: in exactly the ticks where the last stage's
+        forward is a micro-batch's last repeat), backward (bwd_on)."""
         fwd, bwd, stash, d_w, d_head, d_xs, loss = carry
         g = bwd
         if fwd_on:
-            x_t = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, M - 1), 0, keepdims=False)
-            pos = constrain(jnp.take(ps, (t - stage) % M, axis=0), ("stages", "batch", None, "seq"))
+            x_t = jax.lax.dynamic_index_in_dim(xs, forward_item(t, 0)[1] % M, 0, keepdims=False)
+            pos = constrain(jnp.take(ps, forward_item(t, stage)[1] % M, axis=0), ("stages", "batch", None, "seq"))
             y, stash = forward_all(weights, valid, stage, fwd, stash, x_t, t, pos)
             y = constrain(y, STATE)
-            if bwd_on:                  # the last stage's output, micro-batch t - (S-1), through the head
-                labels = jax.lax.dynamic_index_in_dim(ls, (t - (S - 1)) % M, 0, keepdims=False)
+            if head_on:                 # the last stage's output through the head
+                labels = jax.lax.dynamic_index_in_dim(ls, forward_item(t, S - 1)[1] % M, 0, keepdims=False)
                 labels = piece(constrain(jnp.broadcast_to(labels, (S,) + labels.shape), LABELS))
                 z, spread_back = jax.vjp(spread, y)
                 li, d_hw, dz = head_all(head_w, constrain(z, STATE), labels)
@@ -245,18 +270,26 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
                 loss = loss + li
             fwd = constrain(shift_up(y), STATE)
         if bwd_on:
-            pos = constrain(jnp.take(ps, (t - 2 * (S - 1) + stage) % M, axis=0), ("stages", "batch", None, "seq"))
+            pos = constrain(jnp.take(ps, backward_item(t, stage)[1] % M, axis=0), ("stages", "batch", None, "seq"))
             d_h, d_ws = backward_all(weights, valid, stage, constrain(g, STATE), stash, t, pos)
             d_w = [a + b.astype(a.dtype) for a, b in zip(d_w, d_ws)]
-            # stage 0's input cotangent is micro-batch t - 2(S-1)'s: kept for the embedding's backward
-            j = t - 2 * (S - 1)
-            keep = ((stage == 0) & (j >= 0)).reshape((S,) + (1,) * (d_xs.ndim - 1))
-            old = jax.lax.dynamic_index_in_dim(d_xs, jnp.clip(j, 0, M - 1), 1, keepdims=True)
-            d_xs = jax.lax.dynamic_update_index_in_dim(d_xs, jnp.where(keep, d_h[:, None], old),
-                                                       jnp.clip(j, 0, M - 1), 1)
-            # stage s+1's input cotangent to stage s: the up-shift's transpose (one permute, phase "backward")
+            # stage 0's input cotangent in repeat 0 is the embedding output's: kept per micro-batch
+            ok0, j, r0 = backward_item(t, 0)
+            keep = ((stage == 0) & ok0 & (r0 == 0)).reshape((S,) + (1,) * (d_xs.ndim - 1))
+            old = jax.lax.dynamic_index_in_dim(d_xs, j % M, 1, keepdims=True)
+            d_xs = jax.lax.dynamic_update_index_in_dim(d_xs, jnp.where(keep, d_h[:, None], old), j % M, 1)
+            # stage s+1's input cotangent to stage s (stage 0's to S-1, its previous repeat): the
+            # up-shift's transpose (one permute, phase "backward")
             bwd = constrain(jax.linear_transpose(shift_up, d_h)(constrain(d_h, STATE))[0], STATE)
         return (fwd, bwd, stash, d_w, d_head, d_xs, loss), None
+
+    def ticks(carry, first, length, **flags):
+        return jax.lax.scan(functools.partial(tick, **flags), carry, first + jnp.arange(length))[0]
+
+    def group(carry, g):
+        """v > 1: S ticks with the head (the group's last repeat leaves the last stage), (v-1)S without."""
+        carry = ticks(carry, B0 + g * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
+        return ticks(carry, B0 + g * S * v + S, (v - 1) * S, fwd_on=True, bwd_on=True), None
 
     zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), STATE)
     stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt), ("stages", "batch", None, None) + STATE[3:])
@@ -265,10 +298,14 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     d_head = [jnp.zeros((S,) + w.shape, jnp.float32) for w in head_w]
     carry = (zeros, zeros, stash, d_w, d_head, d_xs, jnp.zeros((S, N), jnp.float32))
     # warm-up (forwards only), steady state (forward, head, backward), cool-down (backwards only)
-    for first, end, fwd_on, bwd_on in ((0, S - 1, True, False), (S - 1, M + S - 1, True, True),
-                                       (M + S - 1, T, False, True)):
-        carry, _ = jax.lax.scan(functools.partial(tick, fwd_on=fwd_on, bwd_on=bwd_on), carry,
-                                jnp.arange(first, end))
+    carry = ticks(carry, 0, B0, fwd_on=True, bwd_on=False)
+    if v == 1:
+        carry = ticks(carry, B0, M, fwd_on=True, bwd_on=True, head_on=True)
+    else:                                   # M/S groups, the last one's head ticks alone (then no forwards)
+        if M // S > 1:
+            carry, _ = jax.lax.scan(group, carry, jnp.arange(M // S - 1))
+        carry = ticks(carry, B0 + (M // S - 1) * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
+    carry = ticks(carry, B0 + v * M - (v - 1) * S, v * S - 1, fwd_on=False, bwd_on=True)
     _, _, _, d_w, d_head, d_xs, loss = carry
 
     d_x = jnp.sum(d_xs, axis=0)                                       # [M, N, rows, s, d]

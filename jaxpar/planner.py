@@ -9,7 +9,7 @@ memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimat
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
 <= 16); the expert axis is searched for MoE models only (sizes that divide the expert count; it doubles as
 a batch axis for the other layers); pipeline micro-batches M = 4 * stages or one sequence each, when the
-batch allows it and M >= stages; schedules GPipe, 1F1B and circular with one unit per chunk; gradient
+batch allows it and M >= stages; schedules GPipe, 1F1B, circular and interleaved 1F1B (one unit per chunk); gradient
 accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
 uses ring attention (all-gather and zigzag are not searched); tensor stays <= kv_heads (a run replicates
 K/V heads beyond that, which the cost model does not count yet: cost.estimate.check_modelled_layout);
@@ -60,16 +60,16 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
     """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO
     (0 or 1 on `data` without fsdp; padded flat shards where the size does not divide) x pipeline
     micro-batches (4 x stages, or one sequence each) x schedule: GPipe, 1F1B (remat none: it recomputes
-    each chunk in its backward tick under any policy), and the circular (interleaved) schedule with one unit
-    per chunk, v = units / stages (the smallest bubble, the most sends)."""
+    each chunk in its backward tick under any policy), and the circular and interleaved 1F1B schedules with
+    one unit per chunk, v = units / stages (the smallest bubble, the most sends)."""
     stages = sizes["pipeline"]
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
     micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
     zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
     schedules = [("gpipe", 1)] + ([("1f1b", 1)] if stages > 1 else [])
-    if stages > 1 and units % stages == 0 and units // stages > 1:
-        schedules.append(("circular", units // stages))
+    if stages > 1 and units % stages == 0 and units // stages > 1:   # (interleaved 1F1B: M a multiple of S)
+        schedules += [("circular", units // stages), ("1f1b", units // stages)]
     for micro in micros:
         local = rows // micro or 1
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
@@ -141,8 +141,8 @@ def describe(st: Strategy) -> str:
     if st.size("context") > 1:
         flags.append(f"attention={o.attention}")
     if st.size("pipeline") > 1:
-        flags.append(f"M={o.microbatches}" + (f", circular v={o.pp_repeats}" if o.pp_schedule == "circular"
-                                                   else ", 1F1B" if o.pp_schedule == "1f1b" else ""))
+        kind = {"circular": "circular", "1f1b": "1F1B"}.get(o.pp_schedule)
+        flags.append(f"M={o.microbatches}" + (f", {kind}" if kind else "") + (f" v={o.pp_repeats}" if o.pp_repeats > 1 else ""))
     flags.append(f"zero={st.zero}")
     return f"{st.name} ({', '.join(flags)})"
 

@@ -6,7 +6,8 @@ model or kernel. Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with
 interleaved schedule (Narayanan et al. 2021) with v model chunks per device. jaxpar's 1F1B runs
 M + 2(S-1) lockstep ticks: S-1 of forwards only, M of a forward and a backward, S-1 of backwards only
 (jaxpar/pipeline_1f1b.py), so each stage runs M + S - 1 forwards and as many backwards, GPipe's bubble
-(S-1)/(M+S-1) (Narayanan et al. 2021, 2.2.1: 1F1B's bubble equals GPipe's; it bounds the memory).
+(S-1)/(M+S-1) (Narayanan et al. 2021, 2.2.1: 1F1B's bubble equals GPipe's; it bounds the memory);
+interleaved 1F1B (pp_repeats = v) the circular schedule's (S-1)/(v*M+S-1).
 
 The split: the U stacked layer units are cut into S*v chunks in execution order (chunk c = r*S + s is
 stage s's chunk in repeat r), of sizes `split`. Every chunk runs in k = max(split) unit slots (the
@@ -104,7 +105,7 @@ class Schedule:
 def schedule_of(strategy: Strategy, units: int) -> Schedule:
     """The schedule of a resolved strategy (an explicit split is checked by jaxpar.validate first)."""
     o = strategy.options
-    repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
+    repeats = o.pp_repeats if o.pp_schedule in ("circular", "1f1b") else 1
     stages = strategy.size("pipeline")
     text = getattr(o, "pp_stages", "")
     split = parse_split(text, units, stages * repeats, o.pp_schedule) if text != "" else ()
@@ -116,12 +117,12 @@ def schedule_summary(strategy: Strategy, units: int) -> str:
     s = schedule_of(strategy, units)
     if s.stages == 1:
         return "pipeline: none (pipeline=1)"
-    chunks = f"{s.stages} stages x {s.repeats} repeats" if s.kind == "circular" else f"{s.stages} stages"
+    chunks = f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages"
     split = "+".join(map(str, s.split))
     pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
-    formula = "(S-1)/(M+S-1)" if s.kind in ("1f1b", "gpipe") else "(S-1)/(v*M+S-1)"
+    formula = "(S-1)/(M+S-1)" if s.repeats == 1 else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches
-    steps = (f"{s.microbatches + 2 * (s.stages - 1)} ticks, {s.iterations} forwards and {s.iterations} backwards "
+    steps = (f"{s.iterations + s.repeats * s.stages - 1} ticks, {s.iterations} forwards and {s.iterations} backwards "
              "per stage" if s.kind == "1f1b" else f"{s.iterations} iterations")
     return (f"pipeline: {s.kind}, {chunks}, units per chunk {split} = {s.units}{pad}, {s.microbatches} "
             f"micro-batches: {steps}, bubble {formula} = {idle}/{s.iterations} "

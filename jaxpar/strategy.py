@@ -58,7 +58,7 @@ class Options:
                              ("contiguous", "zigzag"))
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")
     pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"))
-    pp_repeats: int = _option(1, "circular schedule: layer chunks per stage (v)")
+    pp_repeats: int = _option(1, "circular or 1f1b schedule: layer chunks per stage (v; 1f1b: interleaved)")
     grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step")
     overlap: str = _option("none", "hide tensor parallelism's collectives behind matmuls: collective_matmul "
                                    "splits the all-gather before each column-parallel projection and the "
@@ -73,7 +73,7 @@ class Options:
                                       "collectives run asynchronously behind compute on GPU or TPU; the "
                                       "partitioning and the bytes are unchanged", XLA_PRESETS)
     pp_stages: str = _option("", "pipeline: layer units per stage chunk, comma-separated in execution order "
-                                 "(S values for gpipe, S*v for circular; default: even, or the first and last "
+                                 "(S values for gpipe, S*v for circular or 1f1b; default: even, or the first and last "
                                  "chunks one unit lighter when S*v does not divide the units)")
 
 

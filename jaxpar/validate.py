@@ -248,14 +248,11 @@ def check_expert_parallel(experts: int, expert_axis: int) -> None:
 # ---- pipeline ------------------------------------------------------------------------------------
 
 def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
-    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved; the batch
-    is checked in `check`). Any unit count runs on any stage count (jaxpar/schedule.py: the split,
-    uneven chunks padded with identity slots) as long as every chunk gets a unit; an explicit split
-    (`pp_stages`) lists one positive count per chunk and sums to the units. The circular schedule
-    needs M >= S: stage 0 wants micro-batch m for its next repeat M iterations after it took it for
-    this one, and the micro-batch needs S iterations to come back through the S stages; any M otherwise
-    (the head's micro-batches padded to a multiple of S). 1F1B runs one chunk per stage (pp_repeats=1).
-    Context parallelism runs inside the stages for attention, not yet Mamba-2."""
+    """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved; the batch in
+    `check`). Any unit count on any stage count (jaxpar/schedule.py) if every chunk gets a unit; `pp_stages`
+    lists one positive count per chunk summing to the units. Circular needs M >= S (a micro-batch takes S
+    iterations to come back to stage 0 for its next repeat); interleaved 1F1B (pp_repeats > 1) takes the
+    micro-batches in groups of S. Context parallelism runs inside the stages for attention, not Mamba-2."""
     o = strategy.options
     pp = strategy.size("pipeline")
     if pp == 1:
@@ -266,14 +263,17 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
             raise ConfigError(f"option pp_stages={o.pp_stages!r} splits layers over pipeline stages, but the mesh "
                               "has pipeline=1")
         return
-    if o.pp_repeats > 1 and o.pp_schedule != "circular":
-        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular (gpipe runs one chunk per stage)")
+    if o.pp_repeats > 1 and o.pp_schedule == "gpipe":
+        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular or 1f1b (gpipe runs one chunk per stage)")
+    if o.pp_repeats > 1 and o.pp_schedule == "1f1b" and o.microbatches % pp:
+        raise ConfigError(f"interleaved 1F1B (pp_repeats={o.pp_repeats}) takes micro-batches in groups of pipeline={pp}: "
+                          f"microbatches={o.microbatches} must be a multiple of {pp}")
     if strategy.size("context") > 1 and "M" in model.pattern:
         raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet for Mamba-2 "
                           f"blocks (pattern={model.pattern!r}): only attention's context-parallel kernels are "
                           "checked inside the pipeline's vmap over stages")
     units = model.units
-    repeats = o.pp_repeats if o.pp_schedule == "circular" else 1
+    repeats = o.pp_repeats if o.pp_schedule != "gpipe" else 1
     if units < pp * repeats:
         raise ConfigError(f"pipeline={pp} x repeats={repeats} = {pp * repeats} stage chunks need at least "
                           f"{pp * repeats} stacked layer units, the model has {units} (layers={model.layers}, "
@@ -290,9 +290,8 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
 def check_hosts(strategy: Strategy, hosts, axes: tuple[str, ...]) -> None:
     """Tensor-parallel groups stay inside one host unless `[mesh.dcn] tensor` asks otherwise.
 
-    Tensor parallelism all-reduces activations several times per layer: across hosts (InfiniBand,
-    DCN) that is far slower than inside one (NVLink, ICI). `hosts` holds each mesh position's host.
-    """
+    Tensor parallelism all-reduces activations several times per layer: across hosts far slower than
+    inside one. `hosts` holds each mesh position's host."""
     tp = strategy.size("tensor")
     if tp == 1 or dict(strategy.dcn).get("tensor", 1) > 1:
         return

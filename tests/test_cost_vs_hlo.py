@@ -130,6 +130,9 @@ ONE_F_ONE_B_CASES = [
      {**ONE_F, "microbatches": 2, "sequence_parallel": True, "remat": "full"}, None),
     ("mamba2-tiny:layers=4", "pipeline=2,tensor=2,data=2", 8,
      {**ONE_F, "microbatches": 2, "sequence_parallel": True}, None),
+    # interleaved (v = 2): uneven, tensor x SP
+    ("llama-tiny:layers=10", "pipeline=2,tensor=2,data=2", 8,
+     {**ONE_F, "microbatches": 4, "pp_repeats": 2, "sequence_parallel": True}, None),
     ("llama-tiny:layers=10", "pipeline=4,fsdp=2", 8, {**ONE_F, "microbatches": 4},
      "XLA:CPU's combiner splits the fsdp gradient sums among the optimizer's norm partials: 5 ops over fsdp, "
      "predicted 3 (bytes equal)"),

@@ -59,6 +59,10 @@ CASES = {
     # context parallelism inside the stages: ring attention on the zigzag token layout
     "S2-M2-gpipe-cp2-ring-zigzag": (LLAMA, "pipeline=2,context=2,data=2",
                                     dict(microbatches=2, attention="ring", cp_layout="zigzag")),
+    # interleaved 1F1B (v = 2 chunks per stage): even with data, uneven with tensor + SP
+    "S4-M8-1f1b-v2-dp2": (LLAMA, "pipeline=4,data=2", dict(microbatches=8, pp_schedule="1f1b", pp_repeats=2)),
+    "U10-S2-M4-1f1b-v2-tp2-sp": (UNEVEN, "pipeline=2,tensor=2,data=2", dict(microbatches=4, pp_schedule="1f1b",
+                                                                             pp_repeats=2, sequence_parallel=True)),
     "S2-M4-1f1b-cp2-ring": (LLAMA, "pipeline=2,context=2,data=2", dict(microbatches=4, attention="ring",
                                                                       pp_schedule="1f1b")),
 }
@@ -138,7 +142,8 @@ def test_pipeline_collectives_as_predicted(case):
         assert len(permutes) == 1, tally
         if sched.even or sched.repeats == 1:
             # 1F1B at S = 2: the cool-down's one tick is unrolled and its unused cotangent send removed
-            n = sched.iterations - (phase == "backward" and sched.kind == "1f1b" and sched.stages == 2)
+            n = sched.iterations - (phase == "backward" and sched.kind == "1f1b" and sched.stages == 2
+                                    and sched.repeats == 1)
             assert (permutes[0].count, permutes[0].bytes) == (n, n * state_bytes)
     m = tr.model_cfg
     want: dict[str, list[float]] = {}
@@ -300,6 +305,9 @@ def test_schedule_summary():
     assert schedule_of(one_f, 8).iterations == 8 + 3 and schedule_of(one_f, 8).repeats == 1
     text = schedule_summary(one_f, 8)
     assert "1f1b" in text and "14 ticks, 11 forwards" in text and "(S-1)/(M+S-1) = 3/11 = 27.3%" in text
+    interleaved = one_f.with_options(pp_repeats=2)   # 2 x 8 + 3 forwards, 7 more ticks of warm-up and cool-down
+    text = schedule_summary(interleaved, 8)
+    assert "4 stages x 2 repeats" in text and "26 ticks, 19 forwards" in text and "= 3/19 = 15.8%" in text
     assert schedule_summary(parse_strategy("data=8"), 8) == "pipeline: none (pipeline=1)"
 
 
@@ -337,9 +345,10 @@ def test_uneven_weights_stored_off_the_layers_dim():
      "pipeline=4 x repeats=2 = 8 stage chunks need at least 8 stacked layer units, the model has 6"),
     ("llama-tiny:layers=8", "pipeline=4,data=2", dict(microbatches=2, **CIRCULAR),
      "the circular schedule needs microbatches >= pipeline: microbatches=2 < pipeline=4"),
-    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2), "pp_repeats=2 needs pp_schedule=circular"),
-    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2, pp_schedule="1f1b"),
-     "pp_repeats=2 needs pp_schedule=circular"),
+    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2), "pp_repeats=2 needs pp_schedule=circular or 1f1b"),
+    ("llama-tiny:layers=8", "pipeline=4,data=2", dict(pp_repeats=2, pp_schedule="1f1b", microbatches=6),
+     "interleaved 1F1B (pp_repeats=2) takes micro-batches in groups of pipeline=4: microbatches=6 must be a "
+     "multiple of 4"),
     ("llama-tiny", "data=8", dict(microbatches=4), "microbatches=4 needs a pipeline axis > 1"),
     ("llama-tiny", "data=8", dict(pp_stages="1,1"), "option pp_stages='1,1' splits layers over pipeline stages, "
                                                      "but the mesh has pipeline=1"),

@@ -24,7 +24,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     the input) and the head's and final norm's gradients (each stage's partial sum over its
     micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
     and final norm's reduction over the data axes is one op apart from the embedding's (with the
-    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): M + S - 1 ticks shift
+    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): v*M + S - 1 ticks shift
     the state up and as many the cotangent down (one permute each, the second labelled backward); in the
     M steady ticks the last stage's output is spread over the stages for the head by one all-to-all of
     the state and its cotangent comes back by another; the head's gradient is summed whole (gathered
@@ -38,7 +38,8 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     sent = x / sizes["tensor"] if split else x
     ax = ("pipeline",)
     # 1F1B at S = 2: the cool-down is one tick, a loop XLA unrolls, and the cotangent it sends is unused
-    dead = shape.accum if st.options.pp_schedule == "1f1b" and shape.stages == 2 and scatter_gather is None else 0
+    dead = shape.accum if (st.options.pp_schedule == "1f1b" and shape.stages == 2 and shape.repeats == 1
+                           and scatter_gather is None) else 0
     out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n - dead, sent, "backward")]
     if split and not sp and sizes["tensor"] > 1:
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]

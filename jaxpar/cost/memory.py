@@ -182,7 +182,7 @@ def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
 def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float
                          ) -> tuple[float, float]:
     """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline_1f1b.py): stored
-    are its 2S-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is) and the embedding output
+    are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is) and the embedding output
     and its cotangent ([b, s, d] each, the batch's own), and with FSDP the gathered stage weights
     (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
     slots' layers, remat "none" inside the chunk."""
@@ -192,7 +192,8 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     sched_k = _per_chunk(m, st)
     tokens = b_loc / st.options.microbatches * seq / sz["context"]
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
-    stored = (2 * stages - 1) * tokens * residual + 2 * b_loc * seq / sz["context"] * residual
+    repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
+    stored = (2 * stages * repeats - 1) * tokens * residual + 2 * b_loc * seq / sz["context"] * residual
     return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
 
 
