@@ -86,7 +86,9 @@ def _used_leaves(fn, leaves: list, *args) -> list[int]:
 
 
 class _PerShard(Layout):
-    """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share."""
+    """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share
+    (`in_vmap`: shard_map kernels there run without their replication check, jaxpar/pipeline_stages.py)."""
+    in_vmap = True
 
     def rules(self, purpose: str):
         rules = dict(super().rules(purpose))

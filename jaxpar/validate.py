@@ -252,7 +252,7 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     `check`). Any unit count on any stage count (jaxpar/schedule.py) if every chunk gets a unit; `pp_stages`
     lists one positive count per chunk summing to the units. Circular needs M >= S (a micro-batch takes S
     iterations to come back to stage 0 for its next repeat); interleaved 1F1B (pp_repeats > 1) takes the
-    micro-batches in groups of S. Context parallelism runs inside the stages for attention, not Mamba-2."""
+    micro-batches in groups of S. Context parallelism runs inside the stages (attention and Mamba-2)."""
     o = strategy.options
     pp = strategy.size("pipeline")
     if pp == 1:
@@ -268,10 +268,6 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     if o.pp_repeats > 1 and o.pp_schedule == "1f1b" and o.microbatches % pp:
         raise ConfigError(f"interleaved 1F1B (pp_repeats={o.pp_repeats}) takes micro-batches in groups of pipeline={pp}: "
                           f"microbatches={o.microbatches} must be a multiple of {pp}")
-    if strategy.size("context") > 1 and "M" in model.pattern:
-        raise ConfigError(f"pipeline={pp} with context={strategy.size('context')} is not supported yet for Mamba-2 "
-                          f"blocks (pattern={model.pattern!r}): only attention's context-parallel kernels are "
-                          "checked inside the pipeline's vmap over stages")
     units = model.units
     repeats = o.pp_repeats if o.pp_schedule != "gpipe" else 1
     if units < pp * repeats:

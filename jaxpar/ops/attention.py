@@ -167,7 +167,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
     (and positions) its left neighbour held, then folds them in -- so nothing is sent after the
     last block, and only the hkv K/V heads travel, never the hq query heads (GQA).
 
-    Each fold is rematerialised (`jax.checkpoint`): the backward pass keeps only the per-step
+    Each fold is rematerialised (a custom VJP that reruns it): the backward pass keeps only the per-step
     carries (running m, l, acc and the K/V block, O(s_local x d)), never a block of scores.
 
     Under a causal mask the local sequence is split into two halves and each (q half, kv half)
@@ -193,8 +193,8 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
         acc = jnp.zeros(stats_shape + (d,), jnp.float32)
         return jax.lax.pcast((m, l, acc), varying, to="varying")
 
-    def fold_block(stats, kv):
-        """Fold one K/V block into every q piece's statistics (rematerialised in backward)."""
+    def fold(stats, kv, qs):
+        """Fold one K/V block into every q piece's statistics."""
         k, v, kv_pos = kv
         ks = [(k[:, j * piece:(j + 1) * piece], v[:, j * piece:(j + 1) * piece],
                kv_pos[:, j * piece:(j + 1) * piece]) for j in range(halves)]
@@ -210,15 +210,28 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
             out.append(st)
         return out
 
-    fold_block = jax.checkpoint(fold_block, prevent_cse=False)
-    stats = fold_block([init() for _ in range(halves)], (k, v, pos))
+    # Rematerialised in the backward pass, as jax.checkpoint with nothing saveable would, but as a custom
+    # VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline.py) does not reach into
+    # it, where it would overrule a nested checkpoint's and keep every block's scores.
+    @jax.custom_vjp
+    def fold_block(stats, kv, qs):
+        return fold(stats, kv, qs)
+
+    def fold_fwd(stats, kv, qs):
+        return fold(stats, kv, qs), (stats, kv, qs)
+
+    def fold_bwd(res, g):
+        return jax.vjp(fold, *res)[1](g)
+
+    fold_block.defvjp(fold_fwd, fold_bwd)
+    stats = fold_block([init() for _ in range(halves)], (k, v, pos), qs)
 
     perm = [(i, (i + 1) % size) for i in range(size)]  # send to the right, receive from the left
 
     def step(carry, _):
         stats, kv = carry
         kv = jax.lax.ppermute(kv, axis, perm)
-        return (fold_block(stats, kv), kv), None
+        return (fold_block(stats, kv, qs), kv), None
 
     (stats, _), _ = jax.lax.scan(step, (stats, (k, v, pos)), length=size - 1)
 

@@ -47,6 +47,12 @@ def _spec(layout: Layout, names) -> P:
     return spec_for(names, layout.rules("activations"), layout.mesh)
 
 
+def _checked(layout: Layout) -> bool:
+    """shard_map's replication check, off inside a pipeline's vmaps over stages (a layout with `in_vmap`,
+    jaxpar/pipeline_stages.py), whose batched mesh axes it cannot follow yet (as jaxpar/ops/moe.py)."""
+    return not getattr(layout, "in_vmap", False)
+
+
 def _segments(layout: Layout) -> int:
     """Contiguous pieces of the sequence each shard holds (1 contiguous, 2 zigzag)."""
     return 2 if layout.strategy.options.cp_layout == "zigzag" else 1
@@ -109,7 +115,7 @@ def causal_conv_cp(inputs, layout: Layout):
             start += wd
         return tuple(outs)
 
-    fn = jax.shard_map(body, mesh=layout.mesh, in_specs=flat_specs, out_specs=out_specs)
+    fn = jax.shard_map(body, mesh=layout.mesh, in_specs=flat_specs, out_specs=out_specs, check_vma=_checked(layout))
     return fn(*args)
 
 
@@ -155,7 +161,7 @@ def ssd_cp(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
         return _merge(y.astype(x.dtype), m), jnp.einsum("bhs,bhspn->bhpn", last, finals)[None]
 
     fn = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs,
-                       out_specs=(out_spec, state_spec) if with_state else out_spec)
+                       out_specs=(out_spec, state_spec) if with_state else out_spec, check_vma=_checked(layout))
     if not with_state:
         return fn(x, dt, A, B, C)
     y, states = fn(x, dt, A, B, C)
