@@ -150,6 +150,10 @@ PP_CP_CASES = [
      {"microbatches": 2, "attention": "ring", "cp_layout": "zigzag"}, None),
     ("llama-tiny:layers=8", "pipeline=2,context=4", 8, {"microbatches": 2, "attention": "allgather"}, None),
     ("llama-tiny:layers=8", "pipeline=2,context=4", 8, {**ONE_F, "microbatches": 2, "attention": "ring"}, None),
+    # Mamba-2's halo permutes and state gathers inside the stages (1F1B: recomputed in its backward ticks)
+    ("mamba2-tiny:layers=4", "pipeline=2,context=2,data=2", 8, {**ONE_F, "microbatches": 4, "cp_layout": "zigzag"}, None),
+    ("hybrid-tiny:layers=8", "pipeline=2,context=2,data=2", 8,
+     {"microbatches": 2, "attention": "ring", "cp_layout": "zigzag"}, None),
 ]
 DEFAULT_PP_CP = {("llama-tiny:layers=8", "pipeline=2,context=2,data=2",
                   tuple(sorted({**ONE_F, "microbatches": 4, "attention": "ring"}.items())))}

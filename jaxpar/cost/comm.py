@@ -285,7 +285,7 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
         _, conv_dim, heads = mamba_dims(m)
         halo = shape.mb * (m.d_conv - 1) * conv_dim / t * act
         state = shape.mb * segs * heads / t * (m.ssm_head_dim * m.d_state + 1) * 4 * c
-        for phase in _cp_passes(st):
+        for phase in _cp_passes(st, one_f):
             out += site(cc, PERMUTE, ax, e, [halo] * segs, phase) + site(cc, AG, ax, e, [state], phase)
         out += site(cc, PERMUTE, ax, e, [halo] * segs, "backward")
         out += site(cc, RS, ax, e, [state], "backward", partitioner=False)
