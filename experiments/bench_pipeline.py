@@ -21,7 +21,9 @@ bubble = (S-1) / (v*M + S-1). On real accelerators the bubble is idle time inste
 the ratio is the same. The `predicted` column is that ratio (1F1B's times 4/3: its backward reruns each
 chunk's forward, (F + F + B) / (F + B) with B = 2F); `measured` is the step time over the
 data=8 step time, each the fastest of --repeats steps taken round robin over the cases (so all see
-the same contention on a shared host). Writes experiments/results/bench_pipeline.md (+ .png when
+the same contention on a shared host). On a CPU host the step time also tracks memory traffic: the
+schedules with small working sets (1F1B: a few MiB of temp per device against GPipe's tens) run
+faster than their work predicts, so read the measured column for the trend in M, not as a GPU ranking. Writes experiments/results/bench_pipeline.md (+ .png when
 matplotlib is installed), or into --out DIR.
 
 --quick: the same path with M = 4 only (timing GPipe and circular; memory GPipe, 1F1B, interleaved), batch 8 x

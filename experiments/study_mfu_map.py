@@ -9,7 +9,7 @@ length), and what MFU does it reach?
 
 Method. `jaxpar plan` itself (jaxpar.planner.plan, top 1, ranked by tokens/s; its search space is in
 its docstring: data, fsdp, pipeline, context, expert for MoE models, tensor inside a node, ZeRO 0/1/3,
-remat, micro-batches, GPipe / interleaved) for every cell: devices in {8, 64, 512, 4,096} x sequence
+remat, micro-batches, GPipe / 1F1B / interleaved) for every cell: devices in {8, 64, 512, 4,096} x sequence
 length in {4k, 16k, 64k, 128k} (Mixtral's max_seq is 32k: its longest column is 32k), 16M tokens per
 step (Llama 3's batch: global batch = 16M / seq sequences). Each cell shows the winner's MFU and
 layout; an empty cell means nothing fits (or the batch has fewer sequences than any valid layout needs).

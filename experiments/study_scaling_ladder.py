@@ -10,7 +10,7 @@ lower rungs need data-parallel ranks), and what does each rung buy in MFU?
 
 Method. For each (model, hardware, sequence, devices) the planner's candidates (jaxpar/planner.py:
 every factorisation into data, fsdp, pipeline, context and tensor, with remat, gradient accumulation,
-ZeRO stage, micro-batches and GPipe / interleaved schedules) are sorted into the lowest rung whose
+ZeRO stage, micro-batches and GPipe / 1F1B / interleaved schedules) are sorted into the lowest rung whose
 axes they use; each rung's curve is the best fitting layout of that rung or any lower one (the rungs
 are nested), ranked by the analytic model's tokens/s (jaxpar.cost.estimate). Sweeps: seq 8,192 with
 2,048 sequences per step and seq 131,072 (llama3.1-*) with 128 sequences: 16M tokens per step in

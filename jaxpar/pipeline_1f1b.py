@@ -194,8 +194,8 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         return head_loss(leaves, y, labels)
 
     def shards(a, names):
-        """[M, mb, rest] (mb on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: each shard's
-        rows, in place."""
+        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches
+        (`_split`), then each batch shard's rows, in place."""
         a = constrain(_split(a, M), (None, "batch") + names)
         a = a.reshape((M, N, a.shape[1] // N) + a.shape[2:])
         return constrain(a, (None, "batch", None) + names)
