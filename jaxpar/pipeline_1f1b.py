@@ -169,7 +169,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         both gathered over fsdp and copied per batch shard [S, N, 1, k, ...] / [N, ...]."""
         model = nnx.merge(graphdef, cast(params))
         x = model.embed(batch["inputs"])
-        weights, chunk, _ = stage_chunks(model, sched, layout, per_shard=False)
+        weights, chunk, _ = stage_chunks(model, sched, layout, per_shard=False, policy=strategy.options.remat)
         box["chunk"] = chunk
         names = [tuple(v.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for v, a in
                  zip(jax.tree.leaves(nnx.split(model.units)[1], is_leaf=lambda a: isinstance(a, nnx.Variable)),

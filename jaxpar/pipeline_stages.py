@@ -50,7 +50,8 @@ def _valid_slots(sched: Schedule) -> np.ndarray:
     return np.arange(k)[None, None, :] < sizes[:, :, None]
 
 
-def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True, with_aux: bool = False):
+def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True, with_aux: bool = False,
+                 policy: str = "none"):
     """(weights, chunk, valid): the stacked units viewed per stage and what one stage runs.
 
     weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] with F > 1 data x fsdp shards: one (gathered)
@@ -60,6 +61,9 @@ def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True,
     valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
     per_shard=False: no fsdp copies (weights [S, v, k, ...] gathered over fsdp, chunk on whatever rows
     it is given), for a caller that makes its own (jaxpar/pipeline_1f1b.py).
+    policy: the remat policy of each unit inside the chunk ("none": the schedule rematerialises whole
+    iterations, jaxpar/pipeline.py; 1F1B passes the run's, so its backward tick's recompute keeps one
+    unit's activations at a time, not the chunk's k).
     with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
     shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,
     to be summed over R and micro-batches), or None for a model without MoE blocks."""
@@ -120,7 +124,7 @@ def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True,
         ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
         ws = checkpoint_name(ws, WEIGHTS_NAME)
         units = jax.tree.unflatten(treedef, ws)
-        step = unit_step(graphdef, "none", pos)
+        step = unit_step(graphdef, policy, pos)
         if ok is None:
             y, aux = jax.lax.scan(step, h, units)
         else:

@@ -59,9 +59,9 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
 def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
     """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO
     (0 or 1 on `data` without fsdp; padded flat shards where the size does not divide) x pipeline
-    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, 1F1B (remat none: it recomputes
-    each chunk in its backward tick under any policy), and the circular and interleaved 1F1B schedules with
-    one unit per chunk, v = units / stages (the smallest bubble, the most sends)."""
+    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, 1F1B, and the circular and
+    interleaved 1F1B schedules with one unit per chunk, v = units / stages (the smallest bubble, the most
+    sends)."""
     stages = sizes["pipeline"]
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
@@ -75,8 +75,6 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
         for remat, accum, zero, (kind, v) in itertools.product(("none", "dots_no_batch", "full"), accums, zeros,
                                                                schedules):
-            if kind == "1f1b" and remat != "none":   # jaxpar/pipeline_1f1b.py recomputes its chunk anyway
-                continue
             yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
                           attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
                           grad_accum=accum, pp_schedule=kind, pp_repeats=v)

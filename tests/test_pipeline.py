@@ -59,6 +59,8 @@ CASES = {
     # context parallelism inside the stages: ring attention on the zigzag token layout
     "S2-M2-gpipe-cp2-ring-zigzag": (LLAMA, "pipeline=2,context=2,data=2",
                                     dict(microbatches=2, attention="ring", cp_layout="zigzag")),
+    # 1F1B with the units' remat policy inside its chunks (jaxpar/pipeline_stages.py)
+    "S4-M4-1f1b-remat-full": (LLAMA, "pipeline=4,data=2", dict(microbatches=4, pp_schedule="1f1b", remat="full")),
     # interleaved 1F1B (v = 2 chunks per stage): even with data, uneven with tensor + SP
     "S4-M8-1f1b-v2-dp2": (LLAMA, "pipeline=4,data=2", dict(microbatches=8, pp_schedule="1f1b", pp_repeats=2)),
     "U10-S2-M4-1f1b-v2-tp2-sp": (UNEVEN, "pipeline=2,tensor=2,data=2", dict(microbatches=4, pp_schedule="1f1b",

@@ -40,8 +40,8 @@ def record(kind: str, axes: tuple[str, ...], count: float, nbytes: float, phase:
 def _cp_passes(st: Strategy, one_f: bool = False) -> tuple[str, ...]:
     """Passes of the context-parallel kernels' collectives: their outputs (moved K/V blocks, halos,
     states) are no dot outputs, so every remat policy recomputes them in the backward pass (and 1F1B's
-    chunk recompute, `one_f`, whatever the policy)."""
-    return ("forward", "backward") if st.options.remat != "none" or one_f else ("forward",)
+    chunk recompute, `one_f`, once more)."""
+    return ("forward",) + ("backward",) * (int(st.options.remat != "none") + int(one_f))
 
 
 def _passes(st: Strategy) -> tuple[str, ...]:
@@ -136,7 +136,7 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
     if not sp:
         return site(cc, AR, ax, e, [xr], "forward") + site(cc, AR, ax, e, [xr], "backward") + again
     rs = x if cc.reduce_scatter else xr
-    regather = site(cc, AG, ax, e, [x], "backward") if st.options.remat != "none" or one_f else []  # no dot output
+    regather = site(cc, AG, ax, e, [x], "backward") * (int(st.options.remat != "none") + int(one_f))  # no dot output
     return (site(cc, AG, ax, e, [x], "forward") + site(cc, RS, ax, e, [rs], "forward")
             + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward") + regather + again)
 
@@ -276,8 +276,9 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
                 else site(cc, RS, ax, e, [half * c, half * c], "backward", partitioner=False))
         if ring:
             out += site(cc, PERMUTE, ax, (c - 1) * pos_execs, [pos_one], "forward")
-            if st.options.remat != "none":  # rematerialised per layer: the positions' ring again, layer by layer
-                out += site(cc, PERMUTE, ax, (c - 1) * e, [pos], "backward")
+            if st.options.remat != "none" and not one_f:  # rematerialised: the positions' ring again, per
+                again = (shape.iterations * shape.accum, pos_one) if piped else (e, pos)   # iteration or layer
+                out += site(cc, PERMUTE, ax, (c - 1) * again[0], [again[1]], "backward")
         else:
             out += site(cc, AG, ax, pos_execs, [pos_one * c], "forward")
     if shape.exec_mamba:

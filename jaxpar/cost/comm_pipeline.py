@@ -81,8 +81,12 @@ def one_f_one_b_recomputed(st: Strategy, shape: StepShape) -> tuple[int, int]:
     """(SP gathers, row-parallel sums) of an attention layer run again in 1F1B's backward: every backward
     tick recomputes its chunk from the stashed input (jax.vjp of the chunk), so both gathers, and both
     sums when the chunk runs k > 1 unit slots (a slot's output feeds the next), one when k = 1 (the
-    chunk's output is dead); whatever the remat policy, as comm.recomputed_tp's pipeline `full`."""
-    return 2 * (st.sizes["tensor"] > 1 and st.options.sequence_parallel), 2 if shape.per_chunk > 1 else 1
+    chunk's output is dead), as comm.recomputed_tp's pipeline `full`; and the units' own remat policy
+    inside the chunk (jaxpar/pipeline_stages.py) reruns the gathers again (any policy: no dot outputs)
+    and, under `full`, the attention sum (the MLP's is the unit's output: dead)."""
+    sp, remat = st.sizes["tensor"] > 1 and st.options.sequence_parallel, st.options.remat
+    gathers = 2 * sp * (1 + (remat != "none"))
+    return gathers, (2 if shape.per_chunk > 1 else 1) + (remat == "full")
 
 
 def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int) -> list[tuple]:

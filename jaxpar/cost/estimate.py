@@ -172,6 +172,11 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
         #                  jaxpar/pipeline_1f1b.py recomputes its chunk in every backward tick
     fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
+    if one_f and st.options.remat != "none":   # and the units' own policy inside the chunk (in the stages'
+        inner = "full" if st.options.remat == "dots_no_batch" else st.options.remat   # vmap: no unbatched dots)
+        again = flops.recompute_flops(m, inner, global_batch, seq, causal, False, software.rerun_outputs)
+        fl = dataclasses.replace(fl, recompute=fl.recompute + again.matmul, hardware=fl.hardware + again.matmul,
+                                 elementwise=fl.elementwise + again.other)
     # critical path per device: layers split over all devices; the head over the pipeline only where the
     # software spreads it (jaxpar: each stage ceil(M/S) micro-batches; Megatron: the last stage, all M);
     # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)

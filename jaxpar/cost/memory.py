@@ -179,13 +179,14 @@ def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
     return min(microbatches, stages) if schedule == "1f1b" else microbatches
 
 
-def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float
-                         ) -> tuple[float, float]:
+def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float,
+                         stage_kept: float = 0.0) -> tuple[float, float]:
     """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline_1f1b.py): stored
     are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is) and the embedding output
     and its cotangent ([b, s, d] each, the batch's own), and with FSDP the gathered stage weights
     (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
-    slots' layers, remat "none" inside the chunk."""
+    slots' layers under remat "none", else what the units' policy keeps of them (`stage_kept`: the stage's
+    v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline_stages.py)."""
     sz = st.sizes
     act = DTYPE_BYTES[st.options.dtype]
     stages = sz["pipeline"]
@@ -194,7 +195,9 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
     repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
     stored = (2 * stages * repeats - 1) * tokens * residual + 2 * b_loc * seq / sz["context"] * residual
-    return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
+    if st.options.remat == "none":
+        return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
+    return stored + fsdp_stage_bytes(m, st), stage_kept / repeats + layer_transient
 
 
 def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
@@ -292,8 +295,11 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     transient = 0.0
     if remat == "full" or jax_program:
         transient = tokens * max(inventory_bytes(inv, act, t, sp, "none") for inv in (attn, mamba, moe))
-    if jax_program and stages > 1 and o.pp_schedule == "1f1b":
-        stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient)
+    if jax_program and stages > 1 and o.pp_schedule == "1f1b":   # the units' policy, in the stages' vmap
+        inner = "full" if remat == "dots_no_batch" else remat        # (no dot without a batch dim there)
+        kept = (na * inventory_bytes(attn, act, t, sp, inner) + nm * inventory_bytes(mamba, act, t, sp, inner)
+                + ne * inventory_bytes(moe, act, t, sp, inner)) / stages
+        stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient, kept * tokens)
     elif jax_program and stages > 1:
         stored, transient = jax_pipeline_bytes(m, st, tokens, per_layer, transient)
     in_shard_map = sz["expert"] > 1 or sz["context"] > 1 or t > 1   # jaxpar.ops.moe.moe_experts
