@@ -29,8 +29,9 @@ The first S-1 ticks (warm-up) have no valid backward on any stage and the last S
 valid forward, so they run as their own loops, forward only and backward only: M + S - 1 forwards and
 as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) (jaxpar/schedule.py).
 Stage s stashes a micro-batch from its forward (tick i + s) to its backward (tick i + 2(S-1) - s):
-at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute (one chunk's
-activations) is transient. Stage 0's input cotangents are collected per micro-batch for the
+at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute is transient:
+the chunk's k units' activations under remat none, its unit inputs and one unit's activations under
+remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline_stages.py). Stage 0's input cotangents are collected per micro-batch for the
 embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
 per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
 exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/validate.py).
