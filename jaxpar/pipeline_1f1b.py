@@ -69,7 +69,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import _axis_name, _merge, _shift_fn, _split, _valid_slots, _without, stage_chunks
+from jaxpar.pipeline import _axis_name, _shift_fn, _split, _valid_slots, _without, stage_chunks
 from jaxpar.schedule import schedule_of
 from jaxpar.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.strategy import Strategy
@@ -155,6 +155,10 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     mb = batch["labels"].shape[0] // M
     y0 = jax.ShapeDtypeStruct((mb,) + batch["labels"].shape[1:] + (model.cfg.d_model,), dt)
     used = _used_leaves(head_loss, rest_leaves, y0, jax.ShapeDtypeStruct(y0.shape[:2], jnp.int32))
+
+    def embed(leaves, ids):                           # the embedding output of token ids [rows, s]
+        return nnx.merge(head_def, units_state, jax.tree.unflatten(rest_def, leaves)).embed(ids)
+    embedding = _used_leaves(embed, rest_leaves, jax.ShapeDtypeStruct(y0.shape[:2], jnp.int32))
     drop = ("fsdp",) + tuple(batch_axes)
 
     def copies(a, names, lead, lead_spec):
@@ -169,7 +173,6 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         """Differentiable in the parameters: the embedding, the stage weights and the head's weights,
         both gathered over fsdp and copied per batch shard [S, N, 1, k, ...] / [N, ...]."""
         model = nnx.merge(graphdef, cast(params))
-        x = model.embed(batch["inputs"])
         weights, chunk, _ = stage_chunks(model, sched, layout, per_shard=False, policy=strategy.options.remat)
         box["chunk"] = chunk
         names = [tuple(v.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for v, a in
@@ -178,11 +181,34 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         stage_spec = _spec(("stages",), layout, (), ())[0]
         weights = [copies(w, (None, None) + n, 1, (stage_spec,)) for w, n in zip(weights, names)]
         leaves = jax.tree.leaves(nnx.split(model, nnx.PathContains("units"), ...)[2])
-        head = [copies(leaves[i], tuple(variables[i].get_metadata().get("out_sharding")
-                                       or (None,) * leaves[i].ndim), 0, ()) for i in used]
-        return x, weights, head
 
-    (x, weights, head_w), pull_back = jax.vjp(prologue, params)
+        def per_shard(i):
+            return copies(leaves[i], tuple(variables[i].get_metadata().get("out_sharding") or (None,) * leaves[i].ndim),
+                          0, ())
+        head = [per_shard(i) for i in used]
+
+        # The embedding per batch shard (its table copied, as the head's) and micro-batch by micro-batch
+        # (a loop): the vocab-parallel lookup's partial sums exist for one micro-batch at a time, and the
+        # table's gradient accumulates on each device, summed over the batch axes once (the copy's transpose).
+        def embed_shard(table, ids):                 # ids [M, rows, s] of one batch shard
+            own = list(leaves)
+            for i, w in zip(embedding, table):
+                own[i] = w
+            return jax.lax.map(lambda t: embed(own, t), ids)
+        with use_layout(inner):
+            x = jax.vmap(embed_shard, in_axes=(0, 1), out_axes=1, spmd_axis_name=bspec)(
+                [per_shard(i) for i in embedding], ids)
+        return constrain(x, (None, "batch", None) + RESIDUAL[1:]), weights, head
+
+    def shards(a, names):
+        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches
+        (`_split`), then each batch shard's rows, in place."""
+        a = constrain(_split(a, M), (None, "batch") + names)
+        a = a.reshape((M, N, a.shape[1] // N) + a.shape[2:])
+        return constrain(a, (None, "batch", None) + names)
+
+    ids = shards(batch["inputs"], ("seq",))                                     # [M, N, rows, s]
+    (xs, weights, head_w), pull_back = jax.vjp(prologue, params)                # xs [M, N, rows, s, d]
     chunk = box["chunk"]
     valid = None if sched.even else jnp.asarray(_valid_slots(sched))
     consts = list(cast(rest_leaves))
@@ -194,14 +220,6 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
             leaves[i] = w
         return head_loss(leaves, y, labels)
 
-    def shards(a, names):
-        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches
-        (`_split`), then each batch shard's rows, in place."""
-        a = constrain(_split(a, M), (None, "batch") + names)
-        a = a.reshape((M, N, a.shape[1] // N) + a.shape[2:])
-        return constrain(a, (None, "batch", None) + names)
-
-    xs = shards(x, RESIDUAL[1:])                                                # [M, N, rows, s, d]
     ps = shards(batch["positions"], ("seq",))
     ls = shards(batch["labels"], ("seq",))
     stage = jnp.arange(S)
@@ -311,9 +329,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     carry = ticks(carry, B0 + v * M - (v - 1) * S, v * S - 1, fwd_on=False, bwd_on=True)
     _, _, _, d_w, d_head, d_xs, loss = carry
 
-    d_x = jnp.sum(d_xs, axis=0)                                       # [M, N, rows, s, d]
-    d_x = constrain(d_x.reshape((M, mb) + d_x.shape[3:]), (None,) + RESIDUAL)
-    d_x = constrain(_merge(d_x), RESIDUAL)
+    d_x = constrain(jnp.sum(d_xs, axis=0), (None, "batch", None) + RESIDUAL[1:])   # as xs: [M, N, rows, s, d]
     d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(d_head, head_w)]
     (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(d_w, weights)], d_head))
     return jnp.sum(loss), grads

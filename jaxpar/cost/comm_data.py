@@ -166,7 +166,11 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     vectors = zero == 3 and dense and bool(rest) and shape.stages == 1 and not copies
     if vectors:
         sharded, norms = _without_norms(m, sharded)
-    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + _embedding_lookup(m, st, shape, act, shard, cc)
+    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"   # its table gathered
+    lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * act], "forward")
+              + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * GRAD_BYTES],
+                     "backward") if one_f else _embedding_lookup(m, st, shape, act, shard, cc))
+    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + lookup
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
@@ -287,8 +291,9 @@ def _context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler,
                "backward")
     out += site(cc, AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
     ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and norms else [(head + norm) * GRAD_BYTES]
-    out += [op for b in ends for op in site(cc, AR, group, shape.accum * (shape.micro if one_f else 1), [b], "backward")]
-    return out + site(cc, AR, group, 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
+    per_micro = shape.accum * (shape.micro if one_f else 1)   # 1F1B: head per tick, lookup per micro-batch
+    out += [op for b in ends for op in site(cc, AR, group, per_micro, [b], "backward")]
+    return out + site(cc, AR, group, per_micro if one_f else 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
 
 
 def head_apart(st: Strategy, shape: StepShape) -> bool:

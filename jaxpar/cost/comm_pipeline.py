@@ -90,9 +90,9 @@ def one_f_one_b_recomputed(st: Strategy, shape: StepShape) -> tuple[int, int]:
 
 
 def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int) -> list[tuple]:
-    """The vocab-sharded embedding and head under 1F1B, in place of comm.tp_vocab. Per accumulation step
-    the embedding output is summed over `tensor` (SP: reduce-scattered) and, under SP, its gradient
-    gathered. The head runs in each of the M steady ticks on its 1/S of the last stage's output
+    """The vocab-sharded embedding and head under 1F1B, in place of comm.tp_vocab. Per micro-batch (the
+    lookup's loop) the embedding output is summed over `tensor` (SP: reduce-scattered) and, under SP, its
+    gradient gathered. The head runs in each of the M steady ticks on its 1/S of the last stage's output
     (h = mb x s_loc / S tokens per device): under SP its input gathered; the softmax max and sum-exp
     all-reduced (h x 4 bytes each); backward the label logit's sum (h x 4, needed by the loss value
     only) with, in one op under the combiner, the input gradient's sum (SP: its reduce-scatter apart,
@@ -103,8 +103,9 @@ def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfi
     x, xr = tokens * d * act, tokens * d * ar_bytes(cc, act)
     ticks, h = shape.micro * shape.accum, shape.mb * shape.s_loc / shape.stages
     hx, hxr = h * d * act, h * d * ar_bytes(cc, act)
-    out = site(cc, RS if sp else AR, ax, n, [(x if cc.reduce_scatter else xr) if sp else xr], "forward")
-    out += site(cc, AG, ax, n, [x], "backward") if sp else []
+    per = shape.micro   # the embedding looked up micro-batch by micro-batch (jaxpar/pipeline_1f1b.py)
+    out = site(cc, RS if sp else AR, ax, ticks, [((x if cc.reduce_scatter else xr) if sp else xr) / per], "forward")
+    out += site(cc, AG, ax, ticks, [x / per], "backward") if sp else []
     out += site(cc, AG, ax, ticks, [hx], "forward") if sp else []
     out += site(cc, AR, ax, ticks, [h * 4], "forward") + site(cc, AR, ax, ticks, [h * 4], "forward")
     if sp:   # (a reduce-scatter: apart, XLA:CPU's too)

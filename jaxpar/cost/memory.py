@@ -182,8 +182,8 @@ def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
 def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float,
                          stage_kept: float = 0.0) -> tuple[float, float]:
     """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline_1f1b.py): stored
-    are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is) and the whole batch's
-    embedding lookup (`pipeline_embedding_bytes`), and with FSDP the gathered stage weights
+    are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is), the embedding output
+    and its cotangent (the batch's) and one micro-batch's lookup partial sums, and with FSDP the gathered stage weights
     (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
     slots' layers under remat "none", else what the units' policy keeps of them (`stage_kept`: the stage's
     v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline_stages.py)."""
@@ -194,7 +194,11 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     tokens = b_loc / st.options.microbatches * seq / sz["context"]
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
     repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
-    stored = (2 * stages * repeats - 1) * tokens * residual + pipeline_embedding_bytes(m, st, b_loc, seq)
+    # the embedding output and its cotangent, the whole batch's (split over tensor under SP), and one
+    # micro-batch's lookup partial sums at a time (jaxpar/pipeline_1f1b.py looks micro-batches up in turn)
+    embedding = 2 * b_loc * seq / sz["context"] * residual + pipeline_embedding_bytes(m, st, b_loc, seq) / (
+        2 * st.options.microbatches)
+    stored = (2 * stages * repeats - 1) * tokens * residual + embedding
     if st.options.remat == "none":
         return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
     return stored + fsdp_stage_bytes(m, st), stage_kept / repeats + layer_transient
@@ -205,7 +209,7 @@ def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: in
     vocab-parallel lookup's partial sums [b, s, d] before their reduction over `tensor` and, backward, the
     output gradient gathered for the table's scatter-add, each un-split over `tensor` (llama3-70b
     TP4 PP8 DP2, 128 sequences of 8k per device: two 32 GiB float32 buffers in XLA:CPU's peak, which
-    promotes the bf16 sums). A lookup per micro-batch would cut them M-fold: not done yet."""
+    promotes the bf16 sums). jaxpar/pipeline_1f1b.py looks the micro-batches up in turn instead."""
     return 2 * b_loc * seq / st.sizes["context"] * m.d_model * DTYPE_BYTES[st.options.dtype]
 
 
