@@ -86,6 +86,14 @@ def _used_leaves(fn, leaves: list, *args) -> list[int]:
     return [i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in used]
 
 
+def _replaced(leaves: list, at: list[int], new: list) -> list:
+    """`leaves` with leaves[at[j]] replaced by new[j]."""
+    out = list(leaves)
+    for i, w in zip(at, new):
+        out[i] = w
+    return out
+
+
 class _PerShard(Layout):
     """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share
     (`in_vmap`: shard_map kernels there run without their replication check, jaxpar/pipeline_stages.py)."""
@@ -191,9 +199,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         # (a loop): the vocab-parallel lookup's partial sums exist for one micro-batch at a time, and the
         # table's gradient accumulates on each device, summed over the batch axes once (the copy's transpose).
         def embed_shard(table, ids):                 # ids [M, rows, s] of one batch shard
-            own = list(leaves)
-            for i, w in zip(embedding, table):
-                own[i] = w
+            own = _replaced(leaves, embedding, table)
             return jax.lax.map(lambda t: embed(own, t), ids)
         with use_layout(inner):
             x = jax.vmap(embed_shard, in_axes=(0, 1), out_axes=1, spmd_axis_name=bspec)(
@@ -215,10 +221,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     seed = 1.0 / (M * N * S)          # every piece's share of the batch's mean loss
 
     def head_of(hw, y, labels):
-        leaves = list(consts)
-        for i, w in zip(used, hw):
-            leaves[i] = w
-        return head_loss(leaves, y, labels)
+        return head_loss(_replaced(consts, used, hw), y, labels)
 
     ps = shards(batch["positions"], ("seq",))
     ls = shards(batch["labels"], ("seq",))
@@ -271,6 +274,9 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
     head_all = staged(head, (None, 0, 0), (0, 0, 0))
     backward_all = staged(backward, (0, ok_axis, 0, 0, 0, None, 0), (0, None, None, 0, 0, None, 0))
 
+    def positions(item):             # each stage's micro-batch positions [S, N, rows, s] for its item
+        return constrain(jnp.take(ps, item[1] % M, axis=0), ("stages", "batch", None, "seq"))
+
     def tick(carry, t, fwd_on: bool, bwd_on: bool, head_on: bool = False):
         """Tick t: forward (fwd_on), the head (head_on: in exactly the ticks where the last stage's
         forward is a micro-batch's last repeat), backward (bwd_on)."""
@@ -278,8 +284,7 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
         g = bwd
         if fwd_on:
             x_t = jax.lax.dynamic_index_in_dim(xs, forward_item(t, 0)[1] % M, 0, keepdims=False)
-            pos = constrain(jnp.take(ps, forward_item(t, stage)[1] % M, axis=0), ("stages", "batch", None, "seq"))
-            y, stash = forward_all(weights, valid, stage, fwd, stash, x_t, t, pos)
+            y, stash = forward_all(weights, valid, stage, fwd, stash, x_t, t, positions(forward_item(t, stage)))
             y = constrain(y, STATE)
             if head_on:                 # the last stage's output through the head
                 labels = jax.lax.dynamic_index_in_dim(ls, forward_item(t, S - 1)[1] % M, 0, keepdims=False)
@@ -291,8 +296,8 @@ def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: La
                 loss = loss + li
             fwd = constrain(shift_up(y), STATE)
         if bwd_on:
-            pos = constrain(jnp.take(ps, backward_item(t, stage)[1] % M, axis=0), ("stages", "batch", None, "seq"))
-            d_h, d_ws = backward_all(weights, valid, stage, constrain(g, STATE), stash, t, pos)
+            d_h, d_ws = backward_all(weights, valid, stage, constrain(g, STATE), stash, t,
+                                     positions(backward_item(t, stage)))
             d_w = [a + b.astype(a.dtype) for a, b in zip(d_w, d_ws)]
             # stage 0's input cotangent in repeat 0 is the embedding output's: kept per micro-batch
             ok0, j, r0 = backward_item(t, 0)

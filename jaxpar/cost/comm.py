@@ -22,7 +22,7 @@ from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compi
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
-from jaxpar.cost.shape import StepShape
+from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -80,7 +80,7 @@ def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) 
     layouts: no longer). XLA:CPU counts, checked
     per policy, k and fsdp in tests/test_verify_scale.py and test_cost_vs_hlo.py's remat cases."""
     remat = st.options.remat
-    if shape.stages > 1 and jaxpar_pipeline and st.options.pp_schedule == "1f1b":
+    if one_f_one_b(st, shape, jaxpar_pipeline):
         return one_f_one_b_recomputed(st, shape)
     if shape.stages == 1 or not jaxpar_pipeline:
         return (2 if remat != "none" else 0), (1 if remat == "full" else 0)
@@ -130,7 +130,7 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
     matmul, so one partial sum; SP: the transposes). Recompute adds nothing live (the out_proj sum
     is the layer's output), but 1F1B's chunk recompute (jaxpar/pipeline_1f1b.py) with k > 1 slots."""
     e, sp, ax = shape.exec_mamba, st.options.sequence_parallel, ("tensor",)
-    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
+    one_f = one_f_one_b(st, shape, jaxpar_pipeline)
     again = site(cc, RS if sp else AR, ax, e, [(x if cc.reduce_scatter else xr) if sp else xr], "backward")
     again = again if one_f and shape.per_chunk > 1 else []   # 1F1B's recompute: live when a slot feeds the next
     if not sp:
@@ -231,7 +231,7 @@ def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     out = tp_attention(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_attention else []
     out += tp_mamba(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_mamba else []
     out += tp_moe(cc, st, shape, m, x, xr) if shape.exec_moe else []
-    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
+    one_f = one_f_one_b(st, shape, jaxpar_pipeline)
     out += one_f_one_b_head(cc, st, shape, m, act) if one_f else tp_vocab(cc, st, shape, m, act)
     if st.options.sequence_parallel:
         out += sp_norms(cc, m, shape, final=not one_f)
@@ -255,8 +255,7 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
     one-hop ring, per layer execution with a longer one)."""
     c, t = st.sizes["context"], st.sizes["tensor"]
     ax, out = ("context",), []
-    piped = jaxpar_pipeline and shape.stages > 1
-    one_f = piped and st.options.pp_schedule == "1f1b"
+    piped, one_f = jaxpar_pipeline and shape.stages > 1, one_f_one_b(st, shape, jaxpar_pipeline)
     if piped:   # 1F1B's forward ticks: per layer execution when the ring is a loop (c > 2: XLA does not hoist it)
         ticks = shape.iterations * shape.accum
         forward = shape.exec_attention + shape.exec_moe if one_f and c > 2 else ticks
@@ -267,7 +266,6 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
     if shape.exec_attention or shape.exec_moe:
         e = shape.exec_attention + shape.exec_moe  # an MoE block's attention half is an attention block's
         half = shape.mb * shape.s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act  # K or V
-        pos = shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES
         ring = st.options.attention == "ring"
         for phase in _cp_passes(st, one_f):
             out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
@@ -277,8 +275,8 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
         if ring:
             out += site(cc, PERMUTE, ax, (c - 1) * pos_execs, [pos_one], "forward")
             if st.options.remat != "none" and not one_f:  # rematerialised: the positions' ring again, per
-                again = (shape.iterations * shape.accum, pos_one) if piped else (e, pos)   # iteration or layer
-                out += site(cc, PERMUTE, ax, (c - 1) * again[0], [again[1]], "backward")
+                again = shape.iterations * shape.accum if piped else e   # pipeline iteration or layer
+                out += site(cc, PERMUTE, ax, (c - 1) * again, [pos_one], "backward")
         else:
             out += site(cc, AG, ax, pos_execs, [pos_one * c], "forward")
     if shape.exec_mamba:

@@ -11,7 +11,7 @@ from jaxpar.cost.compiler import A2A, AG, AR, BATCH_AXES, GPU, RS, Compiler, red
 from jaxpar.cost.held import Held, _head_and_norm, _norm_vectors, equal_buffers, held, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import zero_rules, zero_split
-from jaxpar.cost.shape import StepShape
+from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.rules import BASE_RULES
 from jaxpar.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
@@ -166,7 +166,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     vectors = zero == 3 and dense and bool(rest) and shape.stages == 1 and not copies
     if vectors:
         sharded, norms = _without_norms(m, sharded)
-    one_f = jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"   # its table gathered
+    one_f = one_f_one_b(st, shape, jaxpar_pipeline)   # its table gathered
     lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * act], "forward")
               + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * GRAD_BYTES],
                      "backward") if one_f else _embedding_lookup(m, st, shape, act, shard, cc))

@@ -165,7 +165,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
     # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
     remat = st.options.remat
-    one_f = sh.stages > 1 and software.pp_scatter_gather is None and st.options.pp_schedule == "1f1b"
+    one_f = shape.one_f_one_b(st, sh, software.pp_scatter_gather is None)
     jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and not one_f
     if (remat == "dots_no_batch" and jaxpar_pipeline) or one_f:
         remat = "full"   # jaxpar/pipeline.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp);

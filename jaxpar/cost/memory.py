@@ -196,8 +196,7 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
     # the embedding output and its cotangent, the whole batch's (split over tensor under SP), and one
     # micro-batch's lookup partial sums at a time (jaxpar/pipeline_1f1b.py looks micro-batches up in turn)
-    embedding = 2 * b_loc * seq / sz["context"] * residual + pipeline_embedding_bytes(m, st, b_loc, seq) / (
-        2 * st.options.microbatches)
+    embedding = 2 * b_loc * seq / sz["context"] * residual + tokens * m.d_model * act
     stored = (2 * stages * repeats - 1) * tokens * residual + embedding
     if st.options.remat == "none":
         return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
@@ -302,17 +301,17 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
         attn = attention_inventory(m, keys_per_query(st, seq, fused_attention), dropout) if na else ()
         mamba = mamba_inventory(m) if nm else ()
         moe = moe_inventory(m, keys_per_query(st, seq, fused_attention), rows, dropout) if ne else ()
-    per_layer = (na * inventory_bytes(attn, act, t, sp, remat) + nm * inventory_bytes(mamba, act, t, sp, remat)
-                 + ne * inventory_bytes(moe, act, t, sp, remat)) / stages
+    def stage_layers(policy: str) -> float:   # bytes per token this stage's layers keep under `policy`
+        return (na * inventory_bytes(attn, act, t, sp, policy) + nm * inventory_bytes(mamba, act, t, sp, policy)
+                + ne * inventory_bytes(moe, act, t, sp, policy)) / stages
+    per_layer = stage_layers(remat)
     stored = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, stages) * per_layer * tokens
     transient = 0.0
     if remat == "full" or jax_program:
         transient = tokens * max(inventory_bytes(inv, act, t, sp, "none") for inv in (attn, mamba, moe))
     if jax_program and stages > 1 and o.pp_schedule == "1f1b":   # the units' policy, in the stages' vmap
         inner = "full" if remat == "dots_no_batch" else remat        # (no dot without a batch dim there)
-        kept = (na * inventory_bytes(attn, act, t, sp, inner) + nm * inventory_bytes(mamba, act, t, sp, inner)
-                + ne * inventory_bytes(moe, act, t, sp, inner)) / stages
-        stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient, kept * tokens)
+        stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient, stage_layers(inner) * tokens)
     elif jax_program and stages > 1:
         stored, transient = jax_pipeline_bytes(m, st, tokens, per_layer, transient)
         stored += pipeline_embedding_bytes(m, st, b_loc, seq)

@@ -62,3 +62,9 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
                      accum=o.grad_accum, stages=stages, repeats=v, micro=micro, iterations=iters,
                      bubble=bubble, exec_attention=slots_per_unit * na, exec_mamba=slots_per_unit * nm,
                      exec_moe=slots_per_unit * ne, per_chunk=k, head_micro=head_micro)
+
+
+def one_f_one_b(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) -> bool:
+    """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline_1f1b.py): a pipeline, pp_schedule 1f1b,
+    and jaxpar's program (`jaxpar_pipeline`: not another software's pipeline, cost/software.py)."""
+    return jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
