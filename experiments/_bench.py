@@ -11,9 +11,9 @@ from jaxpar.analysis import comm as analysis_comm
 from jaxpar.analysis.tally import tally_compiled
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost.shape import step_shape
-from jaxpar.data import Synthetic
+from jaxpar.training.data import Synthetic
 from jaxpar.models.config import parse_model
-from jaxpar.train import TrainConfig, Trainer
+from jaxpar.training.trainer import TrainConfig, Trainer
 
 
 def host_params(trainer: Trainer):

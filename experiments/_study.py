@@ -20,10 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar import planner  # noqa: E402
+from jaxpar.planning import planner  # noqa: E402
 from jaxpar.cost import estimate  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.strategy import AXES, Strategy  # noqa: E402
+from jaxpar.core.strategy import AXES, Strategy  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 FIGURES = ROOT / "experiments" / "figures"
@@ -68,9 +68,9 @@ def layout(st: Strategy) -> str:
 
 
 def options(sizes: dict, batch: int, units: int):
-    """The planner's option candidates (jaxpar.planner.candidate_options) plus interleaved schedules it
+    """The planner's option candidates (jaxpar.planning.planner.candidate_options) plus interleaved schedules it
     does not try: v = 2, 4 and units // stages chunks per stage when the stages do not divide the units
-    (the planner tries v = units / stages only, when it is whole; uneven chunks: jaxpar/schedule.py)."""
+    (the planner tries v = units / stages only, when it is whole; uneven chunks: jaxpar/core/schedule.py)."""
     stages = sizes["pipeline"]
     for o in planner.candidate_options(sizes, batch, units):
         yield o
@@ -83,9 +83,9 @@ def options(sizes: dict, batch: int, units: int):
 def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda sizes: True,
            key=lambda st: 0, max_tensor: int | None = None) -> dict:
     """Best fitting (estimate, strategy) by tokens/s for each `key(strategy)`, over the planner's
-    candidates (jaxpar.planner: meshes, remat x accumulation x ZeRO x micro-batches x schedule; `options`
+    candidates (jaxpar.planning.planner: meshes, remat x accumulation x ZeRO x micro-batches x schedule; `options`
     adds interleaved schedules) whose sizes pass `keep`. Layouts the planner does not rank (planner.check_plannable:
-    refused by jaxpar.validate, or not costed) are skipped (counted under 'refused');
+    refused by jaxpar.core.validate, or not costed) are skipped (counted under 'refused');
     best["valid"][k] counts the valid candidates under key k, whether they fit or not."""
     max_tensor = max_tensor or min(hw.devices_per_node, devices)
     best, counts, valid = {}, {"considered": 0, "refused": 0, "fit": 0}, {}

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 def run_comm(model: str, devices: int, tmp: pathlib.Path) -> dict:
     """One `jaxpar comm --abstract` in a child process: seconds, peak RSS and its JSON report."""
     out = tmp / f"comm-{devices}.json"
-    cmd = [sys.executable, "-m", "jaxpar.cli", "comm", "--model", model, "--mesh", f"fsdp={devices // 8},tensor=8",
+    cmd = [sys.executable, "-m", "jaxpar.cli.main", "comm", "--model", model, "--mesh", f"fsdp={devices // 8},tensor=8",
            "--abstract", "--json", str(out)]
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -40,10 +40,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.core.mesh import make_mesh  # noqa: E402
 from jaxpar.ops.attention import LAYOUTS, context_attention, token_permutation  # noqa: E402
-from jaxpar.sharding import Layout, use_layout  # noqa: E402
-from jaxpar.strategy import parse_inline  # noqa: E402
+from jaxpar.core.sharding import Layout, use_layout  # noqa: E402
+from jaxpar.core.strategy import parse_inline  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BATCH = 16, 8, 8, 1  # llama-tiny attention widths
 RESULTS = ROOT / "experiments" / "results"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxpar.cost import estimate, load_hardware  # noqa: E402
 from jaxpar.models.config import from_preset, parse_model  # noqa: E402
-from jaxpar.strategy import parse_inline  # noqa: E402
+from jaxpar.core.strategy import parse_inline  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 QUICK = dict(n=500, cold=5)

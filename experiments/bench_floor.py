@@ -39,8 +39,8 @@ from jaxpar.cost import comm as cost_comm  # noqa: E402
 from jaxpar.cost.floor import KINDS, floor  # noqa: E402
 from jaxpar.cost.shape import step_shape  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import catalogue  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
+from jaxpar.core.strategy import catalogue  # noqa: E402
+from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 QUICK = ("dp8", "tp8")

@@ -3,7 +3,7 @@
     python experiments/bench_inference.py [--new 32] [--out DIR]
     python experiments/bench_inference.py --quick      # smoke test: a few seconds
 
-(a) `jaxpar.generate` on 8 simulated CPU devices: llama-tiny, 8 prompts of 32 tokens, --new greedy
+(a) `jaxpar.serving.generate` on 8 simulated CPU devices: llama-tiny, 8 prompts of 32 tokens, --new greedy
     tokens per layout; time to first token, per-token latency and decode tokens/s (CPU figures: the
     simulated devices share this host's cores), and whether every layout generated the same tokens
     (greedy decoding is exact under every layout: tests/test_inference.py).
@@ -41,7 +41,7 @@ from jaxpar.cost import MEGATRON_CORE  # noqa: E402
 from jaxpar.cost.inference import inference_estimate  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_inline  # noqa: E402
+from jaxpar.core.strategy import parse_inline  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 CPU_LAYOUTS = ["data=8", "data=2,tensor=4", "data=4,tensor=2", "tensor=8"]
@@ -51,7 +51,7 @@ QUICK = dict(new=4, layouts=["data=8", "tensor=8"], batches=[1, 64])
 
 def measured(layouts: list[str], new: int, bar) -> list[dict]:
     import jax  # noqa: PLC0415
-    from jaxpar.generate import Generator  # noqa: PLC0415
+    from jaxpar.serving.generate import Generator  # noqa: PLC0415
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 256, size=(8, 32)).tolist()
     rows = []
@@ -75,7 +75,7 @@ def modelled(batches: list[int], prompt: int, new: int) -> list[dict]:
             st = parse_inline(mesh).with_options(dtype="bfloat16")
             for b in batches:
                 try:
-                    from jaxpar.validate import check_generation  # noqa: PLC0415
+                    from jaxpar.core.validate import check_generation  # noqa: PLC0415
                     check_generation(m, st, b, prompt, new)
                 except ConfigError:
                     continue

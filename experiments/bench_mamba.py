@@ -37,10 +37,10 @@ from tqdm import tqdm  # noqa: E402
 
 from _bench import host_params  # noqa: E402 (experiments/_bench.py)
 from jaxpar.cost.params import total_params  # noqa: E402
-from jaxpar.data import Synthetic  # noqa: E402
+from jaxpar.training.data import Synthetic  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_strategy  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
+from jaxpar.core.strategy import parse_strategy  # noqa: E402
+from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 MAMBA = "mamba2-tiny:max_seq=16384"
 LLAMA = "llama-tiny:max_seq=16384,mlp_dim=64"    # about mamba2-tiny's parameter count

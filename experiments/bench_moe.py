@@ -43,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 from _bench import compiled_step  # noqa: E402 (experiments/_bench.py)
 from jaxpar.cost.params import total_params  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_strategy  # noqa: E402
+from jaxpar.core.strategy import parse_strategy  # noqa: E402
 
 MODEL = "moe-tiny:d_model=128,expert_mlp_dim=256,heads=8,kv_heads=4,head_dim=16"
 LAYOUTS = ("ep8", "dp8", "dp2-tp4", "ep4-tp2")

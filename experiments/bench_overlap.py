@@ -46,7 +46,7 @@ if "--quick" in sys.argv[1:]:  # before JAX starts: XLA reads its flags once
 simulate_cpu_devices(8)
 
 from _bench import compiled_step  # noqa: E402 (experiments/_bench.py)
-from jaxpar.strategy import parse_strategy  # noqa: E402
+from jaxpar.core.strategy import parse_strategy  # noqa: E402
 
 MODEL = "llama-tiny:d_model=256,heads=16,kv_heads=8,head_dim=16,mlp_dim=1024,layers=4"
 LAYOUTS = {"tp8-sp": "tensor=8", "dp2-tp4-sp": "data=2,tensor=4"}

@@ -7,7 +7,7 @@ llama-tiny:layers=8 on 8 simulated CPU devices, pipeline=4 x data=2, GPipe, circ
 schedules, and interleaved 1F1B (v=2), with M = 4, 8, 16, 32 micro-batches, and the same batch without a
 pipeline (data=8).
 (jaxpar's 1F1B runs M + 2(S-1) lockstep ticks, S-1 forwards only, M forward-and-backward, S-1 backwards
-only: GPipe's work and bubble (S-1)/(M+S-1), its backward recomputing each chunk, jaxpar/pipeline_1f1b.py.)
+only: GPipe's work and bubble (S-1)/(M+S-1), its backward recomputing each chunk, jaxpar/pipeline/one_f_one_b.py.)
 
 Memory: the compiled loss-and-gradients program's temp bytes per device (XLA's memory analysis) for
 GPipe and 1F1B side by side at M = 4, 8, 16 with the micro-batch held fixed (one row per data shard
@@ -52,10 +52,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar.schedule import schedule_of  # noqa: E402
-from jaxpar.strategy import parse_strategy  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
-from jaxpar.data import Synthetic  # noqa: E402
+from jaxpar.core.schedule import schedule_of  # noqa: E402
+from jaxpar.core.strategy import parse_strategy  # noqa: E402
+from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: E402
+from jaxpar.training.data import Synthetic  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
 
 MODEL = "llama-tiny:layers=8"

@@ -38,12 +38,12 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxpar import validate  # noqa: E402
-from jaxpar.data import Synthetic  # noqa: E402
+from jaxpar.core import validate  # noqa: E402
+from jaxpar.training.data import Synthetic  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import catalogue, parse_strategy  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer, gather, train  # noqa: E402
+from jaxpar.core.strategy import catalogue, parse_strategy  # noqa: E402
+from jaxpar.training.trainer import TrainConfig, Trainer, gather, train  # noqa: E402
 
 DEMO = ["dp8", "zero1-dp8", "fsdp8", "tp8", "dp2-fsdp2-tp2", "tp4-sp"]
 QUICK = dict(meshes=["fsdp8", "dp2-fsdp2-tp2"], steps=3, batch=8, seq=16, no_multiprocess=True)
@@ -66,7 +66,7 @@ def run_two_processes(model: str, mesh: str, tc: TrainConfig) -> dict:
     gives the 1-device initial parameters on any mesh)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = pathlib.Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
+        cmd = [sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2", "--devices-per-process", "4", "--",
                "train", "--model", model, "--mesh", mesh, "--steps", str(tc.steps), "--batch", str(tc.batch),
                "--seq", str(tc.seq), "--lr", str(tc.lr), "--warmup", str(tc.warmup), "--seed", str(tc.seed),
                "--no-progress", "--metrics", str(metrics)]

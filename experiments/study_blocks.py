@@ -53,8 +53,8 @@ from jaxpar.cost import flops  # noqa: E402
 from jaxpar.cost.hardware import load_hardware  # noqa: E402
 from jaxpar.cost.params import mamba_dims  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_inline  # noqa: E402
-from jaxpar.train import TrainConfig, Trainer  # noqa: E402
+from jaxpar.core.strategy import parse_inline  # noqa: E402
+from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: E402
 from models import transformer  # noqa: E402
 
 STEM = "study_blocks"

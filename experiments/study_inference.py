@@ -30,7 +30,7 @@ from jaxpar.cost.hardware import load_hardware  # noqa: E402
 from jaxpar.cost.inference import cache_bytes, inference_estimate  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_inline  # noqa: E402
+from jaxpar.core.strategy import parse_inline  # noqa: E402
 
 STEM = "study_inference"
 SETUPS = {("llama3-70b", "h100-sxm"): ("tensor=8", "data=2,tensor=4"),

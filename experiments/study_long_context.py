@@ -18,7 +18,7 @@ against the best with context > 1 (experiments/_study.py search over the planner
 (3) one node, seq 65,536, 8 sequences per step, each layout's best fitting remat.
 
 Assumptions. h100-sxm (calibrated), software megatron-core unless a row says jaxpar. Pipeline x context
-is refused by jaxpar.validate ("not supported yet"), so CP layouts here never pipeline. The cost model
+is refused by jaxpar.core.validate ("not supported yet"), so CP layouts here never pipeline. The cost model
 prices ring and all-gather CP alike in bytes ((c-1)/c of K and V either way) and hides both under the
 attention core; it counts attention as the full s x s (Megatron's formula), so the contiguous layout's
 causal imbalance is not in it: this study adds it for a kernel that skips masked blocks, from the
@@ -32,12 +32,12 @@ import dataclasses
 
 from _study import OKABE_ITO, arguments, finish, layout, md_table, pct, progress, search
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.cost import JAXPAR, MEGATRON_CORE, estimate, load_hardware
 from jaxpar.cost.flops import TRAIN_FACTOR, attention_core_flops
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 
 STEM = "study_long_context"
 HW = load_hardware("h100-sxm")
@@ -187,7 +187,7 @@ def main() -> None:
                  f"{NODE_BATCH} sequences per step, one per micro-batch", "",
                  "Contiguous CP rows include the causal imbalance (module docstring); zigzag rows are balanced. "
                  "Mamba-2 rows: no causal imbalance (a scan does the same work per token), and no TP: tensor must "
-                 "divide ngroups = 1 (jaxpar.validate).", "",
+                 "divide ngroups = 1 (jaxpar.core.validate).", "",
                  *md_table(["model", "layout", "tokens/s/GPU", "step s", "GiB/device", "activation GiB",
                             "comm GiB/device", "remat"], rows)]
     finish(args, STEM, "Study (c): long context", body, lambda plt: figure(plt, seqs, acts, cp_rows))

@@ -41,7 +41,7 @@ simulate_cpu_devices(8)
 from _bench import compiled_step  # noqa: E402
 from _study import arguments, finish, md_table, progress  # noqa: E402
 
-from jaxpar.strategy import catalogue  # noqa: E402
+from jaxpar.core.strategy import catalogue  # noqa: E402
 from tests.harness import distinct  # noqa: E402
 
 STEM = "study_measured"

@@ -7,7 +7,7 @@ Question. For a dense transformer (Llama 3.1 8B and 70B), a state-space model (M
 mixture of experts (Mixtral 8x7B), which layout should one rent at each (cluster size, sequence
 length), and what MFU does it reach?
 
-Method. `jaxpar plan` itself (jaxpar.planner.plan, top 1, ranked by tokens/s; its search space is in
+Method. `jaxpar plan` itself (jaxpar.planning.planner.plan, top 1, ranked by tokens/s; its search space is in
 its docstring: data, fsdp, pipeline, context, expert for MoE models, tensor inside a node, ZeRO 0/1/3,
 remat, micro-batches, GPipe / 1F1B / interleaved) for every cell: devices in {8, 64, 512, 4,096} x sequence
 length in {4k, 16k, 64k, 128k} (Mixtral's max_seq is 32k: its longest column is 32k), 16M tokens per
@@ -17,7 +17,7 @@ layout; an empty cell means nothing fits (or the batch has fewer sequences than 
 Assumptions. h100-sxm (calibrated on the Megatron-Core H100 rows), software megatron-core (fused
 attention; TP, DP and PP communication overlapped). Mamba-2 2.7B with max_seq raised to 131,072 (the
 checkpoint was trained at 2,048; the shapes do not depend on it). The planner's limits apply: no
-pipeline x context (jaxpar.planner.check_plannable), no pipeline with MoE layers, context parallelism by ring attention.
+pipeline x context (jaxpar.planning.planner.check_plannable), no pipeline with MoE layers, context parallelism by ring attention.
 Writes experiments/results/study_mfu_map.md and .png.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 from _study import arguments, finish, layout, md_table, pct, progress
 
-from jaxpar import planner
+from jaxpar.planning import planner
 from jaxpar.cost import MEGATRON_CORE, load_hardware
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model

@@ -22,7 +22,7 @@ beside the cost model's bytes for the same step (XLA:CPU traits).
 Assumptions. h100-sxm (8 GPUs per NVLink node). megatron-core overlaps tensor-parallel collectives with
 the GEMMs but leaves the expert all-to-alls exposed (jaxpar/cost/software.py); dropless routing with
 perfect balance (imbalance 1: a skewed router costs EP more). Qwen3's 4 KV heads forbid TP8
-(jaxpar.validate: tensor must divide kv_heads), so its TP-only column is empty by construction.
+(jaxpar.core.validate: tensor must divide kv_heads), so its TP-only column is empty by construction.
 Writes experiments/results/study_moe.md and .png.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from _study import arguments, finish, layout, md_table, pct, progress, search  #
 
 from jaxpar.cost import MEGATRON_CORE, load_hardware  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_strategy  # noqa: E402
+from jaxpar.core.strategy import parse_strategy  # noqa: E402
 
 STEM = "study_moe"
 HW = load_hardware("h100-sxm")

@@ -8,7 +8,7 @@ plain DP -> + ZeRO (ZeRO-1 or FSDP) -> + TP inside a node -> + PP across nodes -
 (memory wall: nothing on the lower rungs fits; batch wall: the batch has fewer sequences than the
 lower rungs need data-parallel ranks), and what does each rung buy in MFU?
 
-Method. For each (model, hardware, sequence, devices) the planner's candidates (jaxpar/planner.py:
+Method. For each (model, hardware, sequence, devices) the planner's candidates (jaxpar/planning/planner.py:
 every factorisation into data, fsdp, pipeline, context and tensor, with remat, gradient accumulation,
 ZeRO stage, micro-batches and GPipe / 1F1B / interleaved schedules) are sorted into the lowest rung whose
 axes they use; each rung's curve is the best fitting layout of that rung or any lower one (the rungs
@@ -21,7 +21,7 @@ compute: jaxpar/cost/software.py) on both devices. h100-sxm is calibrated on the
 rows (tests/test_cost_published.py); tpu-v5p is NOT calibrated (its efficiencies are copied from the
 A100: read its curves as shapes, not values). Tensor <= 8 on H100 (one NVLink node) and <= 16 on TPU
 v5p; data and fsdp are not combined (no HSDP); pipeline <= 32 stages, context <= 32; pipeline x context
-is not planned (it trains, but its compiled memory is not modelled yet: jaxpar.planner.check_plannable),
+is not planned (it trains, but its compiled memory is not modelled yet: jaxpar.planning.planner.check_plannable),
 so the +CP rung here never has PP, unlike Llama 3's long-context layout (TP8 CP16 PP16).
 
 Published points (405B panels): Dubey et al. 2024, table 4: 8,192 H100 TP8 PP16 DP64 at 430 TFLOP/s
@@ -29,7 +29,7 @@ per GPU, 16,384 H100 TP8 PP16 DP128 at 400, and at seq 131,072 TP8 CP16 PP16 DP8
 989 TFLOP/s dense bf16 peak). Writes experiments/results/study_scaling_ladder.md and .png.
 
 Compiled confirmation. The best layout for llama3-70b at seq 8,192 on 64, 512 and 2,048 H100 (quick: 64)
-is compiled from shapes on as many simulated CPU devices (jaxpar.verify, what `plan --verify` runs):
+is compiled from shapes on as many simulated CPU devices (jaxpar.planning.verify, what `plan --verify` runs):
 jaxpar's own program, so its collectives are compared with the model's prediction for that program on
 XLA:CPU, per mesh-axis group, with the memory per device beside XLA's peak. This checks the structure
 the curves rest on (which collectives a layout needs and how many bytes), not the megatron-core timing.
@@ -49,7 +49,7 @@ from _study import OKABE_ITO, SHORT, arguments, finish, layout, md_table, pct, p
 
 from jaxpar.cost import MEGATRON_CORE, load_hardware
 from jaxpar.models.config import parse_model
-from jaxpar.strategy import AXES
+from jaxpar.core.strategy import AXES
 
 STEM = "study_scaling_ladder"
 RUNGS = ("DP", "+ZeRO", "+TP", "+PP", "+CP")
@@ -102,7 +102,7 @@ def published(results) -> list[list]:
         mine = (found[0] if 0 in found else None)
         own = (f"{pct(mine[0].mfu)} ({mine[1].options.remat}, M={mine[1].options.microbatches}, "
                f"v={mine[1].options.pp_repeats})" if mine else "OOM" if found["valid"]
-               else "not planned (pipeline x context: jaxpar.planner.check_plannable)")
+               else "not planned (pipeline x context: jaxpar.planning.planner.check_plannable)")
         best = next((r["rungs"][-1] for r in results if r["model"] == name and r["devices"] == n
                      and r["hw"] == "h100-sxm"), None)
         rows.append([f"{seq:,}", f"{n:,}", " ".join(f"{SHORT[a]}{k}" for a, k in reversed(sizes.items()) if k > 1),
@@ -116,7 +116,7 @@ def confirm(results, sizes) -> tuple[list[list], float]:
     and the largest byte error (fraction) over all groups carrying at least 1% of a step's bytes."""
     import jax  # noqa: PLC0415
 
-    from jaxpar.verify import verify_plan  # noqa: PLC0415
+    from jaxpar.planning.verify import verify_plan  # noqa: PLC0415
     rows, worst = [], 0.0
     model = parse_model("llama3-70b")
     for n in sizes:
@@ -234,7 +234,7 @@ def main() -> None:
             *md_table(["seq", "GPUs", "layout", "published MFU", "predicted MFU, that layout",
                        "predicted MFU, best layout of the sweep"], published(results)),
             "", "## Compiled confirmation: llama3-70b, seq 8,192, the best layout at each size", "",
-            "jaxpar's program for that layout compiled from shapes on as many simulated devices (jaxpar.verify), "
+            "jaxpar's program for that layout compiled from shapes on as many simulated devices (jaxpar.planning.verify), "
             "bytes per device per step by mesh-axis group (GiB), predicted for XLA:CPU beside compiled; memory: "
             "the model's jaxpar-program figure beside XLA's peak.", ""]
     t1 = time.perf_counter()

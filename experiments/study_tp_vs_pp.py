@@ -22,7 +22,7 @@ Megatron's formula).
 
 Assumptions. Software megatron-core (TP communication overlapped with the GEMMs up to the compute
 there is: so TP costs nothing until its traffic outgrows the compute, which is what crossing the node
-boundary does); h100-sxm calibrated on those rows. Splits jaxpar.validate refuses are listed as such.
+boundary does); h100-sxm calibrated on those rows. Splits jaxpar.core.validate refuses are listed as such.
 Writes experiments/results/study_tp_vs_pp.md and .png.
 """
 from __future__ import annotations
@@ -32,12 +32,12 @@ import tomllib
 
 from _study import OKABE_ITO, ROOT, arguments, finish, md_table, pct, progress, search
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware
 from jaxpar.cost.time import axis_span
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
-from jaxpar.strategy import AXES, parse_inline
+from jaxpar.core.strategy import AXES, parse_inline
 
 STEM = "study_tp_vs_pp"
 HW = load_hardware("h100-sxm")

@@ -8,7 +8,7 @@ gradients and two Adam moments); ZeRO-1 shards the optimizer moments, FSDP every
 save, and what does it move?
 
 Method. (1) Measured: the training step of a small model compiled on 8 simulated CPU devices under
-dp8, zero1-dp8 and fsdp8 (jaxpar/train.py as `jaxpar comm` compiles it): XLA's memory analysis (the
+dp8, zero1-dp8 and fsdp8 (jaxpar/training/trainer.py as `jaxpar comm` compiles it): XLA's memory analysis (the
 arguments are the state and the batch) and the HLO tally's bytes per device, each beside the cost
 model's prediction (jaxpar/cost/memory.py, jaxpar/cost/comm.py for XLA:CPU). (2) Modelled:
 llama3-70b on 64 H100 (global batch 256 x 4096 in 4 accumulation steps, bf16, full recompute,
@@ -37,7 +37,7 @@ from _study import arguments, finish, md_table, progress  # noqa: E402
 
 from jaxpar.cost import estimate, memory  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
-from jaxpar.strategy import parse_inline, parse_strategy  # noqa: E402
+from jaxpar.core.strategy import parse_inline, parse_strategy  # noqa: E402
 
 STEM = "study_zero_stages"
 MEASURED = ("dp8", "zero1-dp8", "fsdp8")

@@ -19,7 +19,7 @@ import pathlib
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import read_toml
+from jaxpar.core.inputs import read_toml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ class ModelConfig:
         return self.d_inner // self.ssm_head_dim
 
     def validate(self) -> None:
-        """Constraints internal to the model (strategy constraints live in jaxpar.validate)."""
+        """Constraints internal to the model (strategy constraints live in jaxpar.core.validate)."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"model {self.name}: {msg}")

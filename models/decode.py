@@ -14,7 +14,7 @@ over units on `layers` like the parameters:
 
 S is the cache length (longest prompt + new tokens - 1). A Mamba layer's state does not grow with S.
 `kv_cached` is kv_heads, or a multiple of it when the strategy replicates K/V heads across tensor
-ranks (tensor > kv_heads, jaxpar.rules.rules_for): head c of the cache holds K/V head c // copies,
+ranks (tensor > kv_heads, jaxpar.core.rules.rules_for): head c of the cache holds K/V head c // copies,
 and query head i reads cache head i // (heads / kv_cached), which is a copy of its own K/V head.
 
 Prompts of different lengths are LEFT-padded to a common width P, so every sequence writes slot
@@ -38,7 +38,7 @@ from flax import nnx
 from jaxpar.ops import mamba_cp
 from jaxpar.ops.attention import context_attention, dense_attention
 from jaxpar.ops.ssd import causal_conv, ssd
-from jaxpar.sharding import constrain, current_layout
+from jaxpar.core.sharding import constrain, current_layout
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import dtype_of
 from jaxpar.models.lm import LM
@@ -76,7 +76,7 @@ def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_c
                            "ssm": Slot((u, batch, h, p, n), "float32",
                                        ("layers", "cache_batch", "ssm_heads", "head_dim", "ssm_state"))})
         else:
-            raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.validate.check_generate refuses it)")
+            raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.core.validate.check_generate refuses it)")
     # the slots' positions are for attention's causal mask: an attention-free stack keeps none, so its
     # decode state is the same size for any cache length
     slots = length if cfg.has_attention else 0
@@ -117,7 +117,7 @@ def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool,
     h = constrain(block.mlp_norm(x), ("batch", "seq", "act_embed"))
     # an E block's MoE (models/moe.py: router, experts over `expert`, shared experts); its auxiliary
     # router losses are for training. Dropless routing (capacity_factor=0) treats each token alone,
-    # so one token per step routes as it does in the full forward (jaxpar.validate.check_generation)
+    # so one token per step routes as it does in the full forward (jaxpar.core.validate.check_generation)
     y = block.moe(h)[0] if hasattr(block, "moe") else block.mlp(h)
     return constrain(x + y, RESIDUAL), {"k": ck, "v": cv}
 

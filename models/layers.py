@@ -1,7 +1,7 @@
 """Building blocks shared by the model families: annotated parameters, RMSNorm, RoPE, MLP.
 
 Every parameter is created by `param`, which records its logical axis names as flax metadata
-(`out_sharding`). Nothing here knows about meshes: `jaxpar.sharding` turns names into shardings.
+(`out_sharding`). Nothing here knows about meshes: `jaxpar.core.sharding` turns names into shardings.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.sharding import constrain, gathered
+from jaxpar.core.sharding import constrain, gathered
 from jaxpar.models.config import ModelConfig, RunConfig
 
 
@@ -47,7 +47,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """The scale is gathered once where the norm reads it (`jaxpar.sharding.gathered`; left to the
+        """The scale is gathered once where the norm reads it (`jaxpar.core.sharding.gathered`; left to the
         SPMD partitioner, the product and the input gradient's transpose each gathered it over fsdp, and
         under remat twice in the backward pass). Without remat the gathered scale (one vector) is saved
         for the backward pass instead of gathered again."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
-from jaxpar.sharding import constrain, gathered, lookup
+from jaxpar.core.sharding import constrain, gathered, lookup
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops import mamba_cp
-from jaxpar.sharding import constrain, current_layout
+from jaxpar.core.sharding import constrain, current_layout
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.ops.ssd import causal_conv, ssd

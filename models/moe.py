@@ -19,7 +19,7 @@ Auxiliary losses, per MoE layer, over every token of the batch (so they do not d
     router z-loss (ST-MoE, Zoph et al. 2022, eq. 5)     mean over tokens of logsumexp(logits)^2.
 A block returns what they are made of as one float32 vector of sums over its tokens (`stats`: token
 copies per expert, router probabilities per expert, squared log-sum-exps, kept copies), which adds up
-over any split of the batch: a pipeline sums it over micro-batches (jaxpar/pipeline.py) and then gets
+over any split of the batch: a pipeline sums it over micro-batches (jaxpar/pipeline/gpipe.py) and then gets
 the losses of the whole batch, exactly as one device does (a product of two batch means, the balance
 loss is not the mean of per-micro-batch losses). A unit concatenates its MoE blocks' vectors, the layer
 scan stacks them over units (models/lm.py), and `aux_sum` turns each layer's sums into the
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.ops.moe import moe_experts
-from jaxpar.sharding import constrain
+from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, dtype_of, param
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock

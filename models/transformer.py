@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxpar.ops.attention import attention
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.sharding import constrain, gathered
+from jaxpar.core.sharding import constrain, gathered
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
 

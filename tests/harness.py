@@ -10,9 +10,9 @@ import functools
 import jax
 import numpy as np
 
-from jaxpar.data import Synthetic
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import TrainConfig, Trainer, gather
+from jaxpar.training.data import Synthetic
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import TrainConfig, Trainer, gather
 from jaxpar.models.config import parse_model
 
 TC = TrainConfig(batch=16, seq=32, steps=10, lr=3e-3, warmup=3)

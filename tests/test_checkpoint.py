@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.training.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import Trainer
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import Trainer
 from jaxpar.models.config import parse_model
 from tests import harness
 

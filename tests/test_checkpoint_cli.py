@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jaxpar import faults
+from jaxpar.training import faults
 from tests.conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ BASE = ["--model", "llama-tiny", "--mesh", "data=2,tensor=2", "--devices", "4", 
 
 def cli(args, env=None, wait=True):
     full_env = dict(os.environ, XLA_FLAGS=FAST_COMPILE) | (env or {})
-    cmd = [sys.executable, "-m", "jaxpar.cli", "train", *BASE, *args]
+    cmd = [sys.executable, "-m", "jaxpar.cli.main", "train", *BASE, *args]
     if not wait:
         return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import SET_ASIDE, Checkpointer, flatten
-from jaxpar.checkpoint_integrity import DamagedCheckpoint, checksums, shorten
+from jaxpar.training.checkpoint import SET_ASIDE, Checkpointer, flatten
+from jaxpar.training.integrity import DamagedCheckpoint, checksums, shorten
 from jaxpar.errors import ConfigError
-from jaxpar.train import gather
+from jaxpar.training.trainer import gather
 from tests import harness
 
 MODEL = "llama-tiny"

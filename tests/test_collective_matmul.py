@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.analysis import hlo_text, overlap, tally
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.sharding import Layout, use_layout
-from jaxpar.strategy import parse_strategy
+from jaxpar.core.sharding import Layout, use_layout
+from jaxpar.core.strategy import parse_strategy
 from jaxpar.models.config import parse_model
 from tests import harness
 

@@ -24,9 +24,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, collectives
+from jaxpar.cli.main import main as cli
+
+from jaxpar import collectives
 from jaxpar.analysis import comm, patterns
-from jaxpar.strategy import parse_strategy
+from jaxpar.core.strategy import parse_strategy
 from jaxpar.models.config import parse_model
 from tests import harness
 
@@ -120,7 +122,7 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients():
     assert total(rep, "all-gather", ("fsdp",), ("forward",)) == F32 * (layers + final_norm + head) + token_ids
     assert count(rep, "all-gather", ("fsdp",), ("forward",)) == L * ARRAYS_PER_LAYER + 3
     # backward re-gathers every layer's matrices; the gathered head and norm weights (2 per layer and the
-    # final one: jaxpar.sharding.gathered, models/layers.py's RMSNorm) are kept from forward
+    # final one: jaxpar.core.sharding.gathered, models/layers.py's RMSNorm) are kept from forward
     assert total(rep, "all-gather", ("fsdp",), ("backward",)) == F32 * (layers - L * 2 * D)
     assert count(rep, "all-gather", ("fsdp",), ("backward",)) == L * (ARRAYS_PER_LAYER - 2)
     # the looked-up embedding rows go from d-sharded/full-batch to batch-sharded by an all-to-all,
@@ -317,7 +319,7 @@ def test_reduced_analysis_matches_the_full_compile(tmp_path):
     but for the one activation-sized gather the rule under-reports (the token ids: B*S*4 bytes
     gathered at fsdp=8, half that at fsdp=4)."""
     out = tmp_path / "reduced.json"
-    run = subprocess.run([sys.executable, "-m", "jaxpar.cli", "comm", "--model", MODEL, "--mesh", "fsdp=8",
+    run = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "comm", "--model", MODEL, "--mesh", "fsdp=8",
                           "--devices", "4", "--batch", str(B), "--seq", str(S), "--abstract", "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr
@@ -369,7 +371,7 @@ def test_bad_input_is_a_clean_error(argv, message, capsys):
 
 
 def test_too_many_devices_is_a_clean_error_before_jax_starts():
-    run = subprocess.run([sys.executable, "-m", "jaxpar.cli", "comm", "--model", MODEL, "--mesh", "data=4096",
+    run = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "comm", "--model", MODEL, "--mesh", "data=4096",
                           "--devices", "4096", "--abstract"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "at most 2048" in run.stderr and "Traceback" not in run.stderr
 
@@ -378,7 +380,7 @@ def test_too_many_devices_is_a_clean_error_before_jax_starts():
 def test_llama3_405b_on_16384_devices(tmp_path):
     """The product card's pod-scale case: 16,384 devices, compiled at data=16 (2048 devices)."""
     out = tmp_path / "405b.json"
-    run = subprocess.run([sys.executable, "-m", "jaxpar.cli", "comm", "--model", "llama3-405b",
+    run = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "comm", "--model", "llama3-405b",
                           "--mesh", "data=128,fsdp=16,tensor=8", "--abstract", "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.attention import dense_attention
 from jaxpar.ops.attention import context_attention, token_permutation
-from jaxpar.validate import check_context_parallel
-from jaxpar.sharding import Layout, use_layout
-from jaxpar.strategy import parse_inline
+from jaxpar.core.validate import check_context_parallel
+from jaxpar.core.sharding import Layout, use_layout
+from jaxpar.core.strategy import parse_inline
 
 TOL = 1e-5
 HEADS, HEAD_DIM, BATCH = 4, 8, 2

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from jaxpar.cost import comm, shape
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import ModelConfig
 
 TINY = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)
@@ -108,7 +108,7 @@ def test_pipeline_permutes_per_iteration(schedule, v, iters):
     a2a = recs["all-to-all", ("pipeline",), "forward"]
     assert ("all-reduce", ("pipeline",), "forward") not in recs
     assert recs["all-reduce", ("pipeline",), "backward"].bytes == out + 4 * (TINY.vocab * 64 + 64)
-    # an even split keeps its weights at rest in stage order (jaxpar/pipeline_order.py): the circular
+    # an even split keeps its weights at rest in stage order (jaxpar/pipeline/order.py): the circular
     # [S, v, k] view is a reshape, so no weight all-to-all under either schedule
     assert a2a.count == 1 and a2a.bytes == out
     assert recs["all-to-all", ("pipeline",), "backward"].bytes == a2a.bytes

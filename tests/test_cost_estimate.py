@@ -6,7 +6,7 @@ import pytest
 
 from jaxpar.cost import MEGATRON, estimate, format_estimate, known_profiles, load_hardware
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import from_preset
 
 

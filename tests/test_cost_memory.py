@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from jaxpar.cost import memory
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import ModelConfig
 
 TINY = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)

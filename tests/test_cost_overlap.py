@@ -15,7 +15,7 @@ from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.software import MEGATRON_CORE
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
-from jaxpar.strategy import parse_strategy
+from jaxpar.core.strategy import parse_strategy
 
 M, HW = parse_model("llama3-8b"), load_hardware("h100-sxm")
 

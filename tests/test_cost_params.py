@@ -1,7 +1,7 @@
 """The cost model's weight lists (jaxpar/cost/params.py) are the models' own parameters.
 
 params.py lists each block's weights with shapes and logical names, so that it stays arithmetic; which
-mesh axes split them it reads from jaxpar/rules.py. Here the lists are checked against the parameters
+mesh axes split them it reads from jaxpar/core/rules.py. Here the lists are checked against the parameters
 models/ creates (`nnx.eval_shape`: nothing allocated), shape and logical names of every array, so a
 weight added to a model and not to the cost model fails here.
 """

@@ -26,7 +26,7 @@ import tomllib
 import pytest
 
 from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import ModelConfig
 
 TOLERANCE = 0.15

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from jaxpar.cost import comm, estimate, load_hardware, time
-from jaxpar.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import ModelConfig
 
 A100 = load_hardware("a100-80gb")

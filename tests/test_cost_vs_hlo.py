@@ -32,7 +32,7 @@ from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import floor as cost_floor
 from jaxpar.cost.compiler import CPU, GPU
 from jaxpar.cost.shape import step_shape
-from jaxpar.strategy import catalogue, parse_strategy
+from jaxpar.core.strategy import catalogue, parse_strategy
 from jaxpar.models.config import parse_model
 from tests import harness
 
@@ -53,7 +53,7 @@ TOO_BIG = [s.name for s in catalogue() if s.num_devices > 8]
 
 # Collectives the model does not predict, strategy by strategy, and why (strict xfails: a fix shows).
 # None left: the embedding lookup takes the predicted path under fsdp x tensor and fsdp x expert
-# (`jaxpar.sharding.lookup`), norms and o-proj are gathered once under remat (models/layers.py,
+# (`jaxpar.core.sharding.lookup`), norms and o-proj are gathered once under remat (models/layers.py,
 # models/transformer.py), and the norms' and head's reductions under data x fsdp are modelled
 # (jaxpar/cost/comm_data.py `_without_norms`).
 NOT_MODELLED: dict[str, str] = {}
@@ -84,7 +84,7 @@ MOE_CASES = [
     ("moe-tiny:shared_experts=1,capacity_factor=1.0", "data=2,expert=2,tensor=2", 8, {}, None),
     ("jamba-tiny:layers=8", "data=4,expert=2", 8, {}, None),
     ("moe-tiny", "data=2,context=2,expert=2", 8, {"attention": "ring"}, None),
-    # pipeline x expert (jaxpar/pipeline.py: the expert kernel inside the stages' vmap): the stage permutes,
+    # pipeline x expert (jaxpar/pipeline/gpipe.py: the expert kernel inside the stages' vmap): the stage permutes,
     # the head's spread, the expert all-to-alls per layer execution, the dense weights' gradient sums over
     # `expert` in the loop and the router statistics' sums
     ("moe-tiny:layers=4", "pipeline=2,expert=4", 8, {"microbatches": 4}, None),
@@ -117,7 +117,7 @@ OVERLAP_CASES = [
 ]
 DEFAULT_OVERLAP = {("llama-tiny", "data=2,tensor=4", tuple(sorted(CM.items())))}
 
-# 1F1B (jaxpar/pipeline_1f1b.py): per steady tick the head's spread (an all-to-all over `pipeline` each way)
+# 1F1B (jaxpar/pipeline/one_f_one_b.py): per steady tick the head's spread (an all-to-all over `pipeline` each way)
 # and its tensor-parallel sums on 1/S of the tokens, and every backward tick's chunk recompute (its gathers
 # and sums again, whatever the remat policy); the gradients summed after the loop. By default tensor x SP
 # with data (all of these at once); `-m slow` the rest.

@@ -46,8 +46,8 @@ import pytest
 from jaxpar.analysis import comm
 from jaxpar.cost import flops, memory
 from jaxpar.analysis.patterns import dot_flops
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import TrainConfig, Trainer
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import TrainConfig, Trainer
 from jaxpar.models.config import parse_model
 
 BATCH, SEQ = 16, 128  # global; seq 128 so that activations, not fixed buffers, dominate memory
@@ -163,7 +163,7 @@ def test_ring_attention_in_a_pipeline_keeps_no_score_blocks():
 
 def test_1f1b_applies_the_units_remat_policy_in_its_chunks():
     """1F1B's backward tick recomputes its chunk from the stashed input; with remat full each unit inside
-    the chunk is rematerialised too (jaxpar/pipeline_stages.py), so the tick holds the chunk's unit inputs
+    the chunk is rematerialised too (jaxpar/pipeline/stages.py), so the tick holds the chunk's unit inputs
     and one layer's activations, not k layers' (llama-tiny:layers=8 on pipeline=4 x data=2: compiled temp
     under full less than 60% of none's), and the memory model follows it within 20%."""
     def compiled_1f1b(remat: str):

@@ -3,11 +3,11 @@
 import jax
 import pytest
 
-from jaxpar import cli
+from jaxpar.cli.main import main as cli
 from jaxpar.devices import simulate_cpu_devices, with_device_count
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import TrainConfig, Trainer
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import TrainConfig, Trainer
 from jaxpar.models.config import parse_model
 
 

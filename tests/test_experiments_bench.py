@@ -85,8 +85,8 @@ def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:
     import jax  # noqa: PLC0415  (the suite's 8 simulated devices; nothing compiles here)
 
     from jaxpar.models.config import parse_model  # noqa: PLC0415
-    from jaxpar.strategy import parse_strategy  # noqa: PLC0415
-    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+    from jaxpar.core.strategy import parse_strategy  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
 
     text = read_results(out, "bench_mamba")
     params = table(text, "model", "parameters")

@@ -165,8 +165,8 @@ def check_study_measured(out: pathlib.Path, stdout: str) -> None:
     import jax  # noqa: PLC0415
 
     from jaxpar.models.config import parse_model  # noqa: PLC0415
-    from jaxpar.strategy import catalogue, parse_strategy  # noqa: PLC0415
-    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+    from jaxpar.core.strategy import catalogue, parse_strategy  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
     from tests import harness  # noqa: PLC0415
     from tests.test_cost_vs_hlo import NOT_MODELLED  # noqa: PLC0415
 

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.analysis import hlo_text, tally
 from jaxpar.analysis.overlap import matmul_instructions
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
-from jaxpar.sharding import Layout, use_layout
+from jaxpar.core.sharding import Layout, use_layout
 from jaxpar.models.config import parse_model
 from jaxpar.models.layers import param
-from jaxpar.strategy import parse_strategy
+from jaxpar.core.strategy import parse_strategy
 from tests import harness
 
 MESH = "data=2,fsdp=4"

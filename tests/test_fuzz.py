@@ -3,7 +3,7 @@ no traceback, nothing compiled or trained.
 
 The table is generated from the validation schema (every numeric flag of the parser, every model field,
 every strategy option, every TOML table) with the bad values of its type, plus hand-written cases
-for paths, config-file shapes and resources. Each case runs `jaxpar.cli.main` in this process, and
+for paths, config-file shapes and resources. Each case runs `jaxpar.cli.main.main` in this process, and
 states the words its error must contain, so a case cannot pass by failing for another reason.
 The same cases in fresh processes (where `--devices` and JAX start-up also run) are `slow`.
 """
@@ -18,9 +18,11 @@ import sys
 
 import pytest
 
-from jaxpar import cli, inputs
+from jaxpar.cli.main import main as cli
+
+from jaxpar.core import inputs
 from jaxpar.models.config import ModelConfig
-from jaxpar.strategy import OPTION_FIELDS
+from jaxpar.core.strategy import OPTION_FIELDS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = {  # a valid command line for each command; a case spoils one thing
@@ -48,7 +50,7 @@ def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def flag_cases():
-    """Every flag whose parser type is one of jaxpar.inputs' number types, with its bad values."""
+    """Every flag whose parser type is one of jaxpar.core.inputs' number types, with its bad values."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
     for command, p in sub.choices.items():
@@ -96,7 +98,7 @@ def option_cases():
         if isinstance(f.default, bool):
             continue  # a switch: takes no value
         bad = "bogus" if f.metadata["choices"] and f.name != "zero" else "0" if f.name != "zero" else "2"
-        # free text (pp_stages) is parsed where it is used (jaxpar.validate), which names the option
+        # free text (pp_stages) is parsed where it is used (jaxpar.core.validate), which names the option
         free = isinstance(f.default, str) and not f.metadata["choices"]
         yield pytest.param(set_flag(BASE["train"], flag, bad), [f.name if free else f"argument {flag}"],
                            id=f"flag{flag}={bad}")
@@ -257,13 +259,13 @@ def test_the_generated_table_covers_the_schema():
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, words", CASES[::4])
 def test_in_a_fresh_process(argv, words):
-    out = subprocess.run([sys.executable, "-m", "jaxpar.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", *argv], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert_clean_error(out.returncode, out.stderr, words)
 
 
 def test_too_many_simulated_devices_in_a_fresh_process():
     """--devices beyond what XLA:CPU can create is refused before JAX starts (it used to abort in XLA)."""
-    out = subprocess.run([sys.executable, "-m", "jaxpar.cli", *BASE["train"], "--devices", "20000"],
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", *BASE["train"], "--devices", "20000"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert_clean_error(out.returncode, out.stderr, ["--devices 20000", "at most 2048"])

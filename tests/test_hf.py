@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA-layout checkpoints (jaxpar/hf.py) against a plain numpy forward of the same weights.
+"""Hugging Face LLaMA-layout checkpoints (jaxpar/serving/hf.py) against a plain numpy forward of the same weights.
 
 The test writes a tiny checkpoint as `transformers` lays one out (config.json, two *.safetensors files,
 Linear weights [out, in], RoPE in the rotate-half form with Llama 3.1's scaling) and computes the
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import cli
+from jaxpar.cli.main import main as cli
 from jaxpar.errors import ConfigError
-from jaxpar.hf import load_params, read_config
+from jaxpar.serving.hf import load_params, read_config
 from jaxpar.models import decode
 from jaxpar.models.config import RunConfig
 from jaxpar.models.lm import LM
@@ -142,7 +142,7 @@ def test_another_models_checkpoint_is_refused(checkpoint, capsys):
 def test_training_starts_from_the_checkpoint(checkpoint, tmp_path):
     """`train --hf-checkpoint`: the first step's loss is the numpy model's cross-entropy on the same
     synthetic batch (rows 0..7 of step 0, seed 0)."""
-    from jaxpar.data import Synthetic
+    from jaxpar.training.data import Synthetic
     directory, tensors = checkpoint
     metrics = tmp_path / "m.jsonl"
     assert cli.main(["train", "--model", f"hf:{directory}", "--hf-checkpoint", str(directory), "--mesh", "data=8",

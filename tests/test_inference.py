@@ -1,4 +1,4 @@
-"""Generation (jaxpar/generate.py, models/decode.py) against the unsharded training forward.
+"""Generation (jaxpar/serving/generate.py, models/decode.py) against the unsharded training forward.
 
 The reference is independent of the decode path: the training model's full forward (no cache, one
 device) over each prompt followed by the tokens the generator produced. Its logits at each prompt's
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import cli
+from jaxpar.cli.main import main as cli
 from jaxpar.errors import ConfigError
-from jaxpar.generate import Generator, Sampling, pad_prompts, sample
-from jaxpar.strategy import parse_strategy
+from jaxpar.serving.generate import Generator, Sampling, pad_prompts, sample
+from jaxpar.core.strategy import parse_strategy
 from jaxpar.models import decode
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
@@ -195,8 +195,8 @@ def test_cli_generate_json(tmp_path, capsys):
 
 def test_restore_trained_parameters(tmp_path):
     """A training checkpoint's parameters restore onto the inference mesh; another model's is refused."""
-    from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
-    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+    from jaxpar.training.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
 
     trainer = Trainer(parse_model("llama-tiny"), parse_strategy("data=1"), TrainConfig(batch=1, seq=8, seed=3),
                       devices=jax.devices()[:1])

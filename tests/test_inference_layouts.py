@@ -1,6 +1,6 @@
 """Generation under inference layouts: a context-parallel prefill, and separate [prefill] / [decode]
-layouts with the weights and the filled cache resharded between them (jaxpar/generate.py,
-jaxpar/strategy.py's phases, jaxpar/validate.py's check_phases).
+layouts with the weights and the filled cache resharded between them (jaxpar/serving/generate.py,
+jaxpar/core/strategy.py's phases, jaxpar/core/validate.py's check_phases).
 
 The reference is tests/test_inference.py's: the one-device training forward over each prompt and
 the generated tokens. The prefill's logits (column 0 of the result's) and every decode step's must
@@ -18,11 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, validate
+from jaxpar.cli.main import main as cli
+
+from jaxpar.core import validate
 from jaxpar.errors import ConfigError
-from jaxpar.generate import Generator, prompt_width
+from jaxpar.serving.generate import Generator, prompt_width
 from jaxpar.models.config import parse_model
-from jaxpar.strategy import MESH_CONFIG_DIR, parse_strategy
+from jaxpar.core.strategy import MESH_CONFIG_DIR, parse_strategy
 from tests.test_inference import NEW, PROMPTS, assert_collectives_as_estimated, host_params, reference_logits
 
 SERVE = "infer-prefill-cp2-decode-tp4"
@@ -192,7 +194,7 @@ def test_plan_inference(tmp_path, phase, argv, capsys):
     """The listed layouts are ranked by step time and each fits; the top one's figures equal
     `estimate --phase` run on that layout; a candidate that does not fit is never listed."""
     from jaxpar.cost.inference import inference_estimate
-    from jaxpar.plan_inference import candidates
+    from jaxpar.planning.inference import candidates
     out, est_out = tmp_path / "plan.json", tmp_path / "est.json"
     assert cli.main(["plan", "--hardware", "h100-sxm", "--devices", "8", "--phase", phase, *argv,
                      "--json", str(out)]) == 0

@@ -14,15 +14,15 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.analysis.tally import tally_compiled
-from jaxpar.mesh import make_mesh
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.attention import token_permutation
-from jaxpar.sharding import Layout, current_layout, param_shardings, use_layout
-from jaxpar.train import run_config
-from jaxpar.strategy import parse_inline
+from jaxpar.core.sharding import Layout, current_layout, param_shardings, use_layout
+from jaxpar.training.trainer import run_config
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
 from jaxpar.models.mamba import MambaBlock
-from jaxpar.validate import check_mamba
+from jaxpar.core.validate import check_mamba
 
 # 8 heads of 8 channels in 2 groups; 4 chunks of 4 tokens per sequence, 8 tokens per context shard
 CFG = parse_model("mamba2-tiny:d_model=32,ssm_head_dim=8,d_state=8,chunk=4")

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxpar import cli
+from jaxpar.cli.main import main as cli
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.moe import group_capacity, local_moe, moe_experts
-from jaxpar.sharding import Layout, spec_for, use_layout
-from jaxpar.strategy import parse_strategy
+from jaxpar.core.sharding import Layout, spec_for, use_layout
+from jaxpar.core.strategy import parse_strategy
 from jaxpar.models.config import parse_model
 from tests import harness
 
@@ -282,8 +282,8 @@ def test_estimate_and_plan_take_moe_models(capsys, tmp_path):
      "capacity_factor=1.0 with cp_layout=zigzag"),
 ])
 def test_strategy_errors(model, mesh, options, message):
-    from jaxpar.strategy import parse_strategy
-    from jaxpar.validate import check
+    from jaxpar.core.strategy import parse_strategy
+    from jaxpar.core.validate import check
     strategy = parse_strategy(mesh).with_options(**options).resolved(8)
     with pytest.raises(ConfigError) as e:
         check(parse_model(model), strategy, batch=16, seq=32)

@@ -17,13 +17,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, data, faults
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.data import Synthetic, local_batch
+from jaxpar.cli.main import main as cli
+
+from jaxpar.training import data, faults
+from jaxpar.training.checkpoint import Checkpointer
+from jaxpar.training.data import Synthetic, local_batch
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
-from jaxpar.strategy import AXES, parse_strategy
-from jaxpar.train import TrainConfig, Trainer, gather, train
+from jaxpar.core.mesh import make_mesh
+from jaxpar.core.strategy import AXES, parse_strategy
+from jaxpar.training.trainer import TrainConfig, Trainer, gather, train
 from jaxpar.models.config import parse_model
 from tests.harness import leaves_with_paths
 
@@ -44,7 +46,7 @@ fsdp = 2
 
 
 def jaxpar(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, **kw)
 
 
@@ -106,7 +108,7 @@ def test_comm_under_two_processes(tmp_path, capsys):
 
 def start_long_launch(*extra: str, launch_flags=()) -> tuple[subprocess.Popen, list[int]]:
     """A launched 2-process run that would go on for ages, once both processes have joined it."""
-    launcher = subprocess.Popen([sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
                                  "--devices-per-process", "4", *launch_flags, "--", *TRAIN, "--steps", "100000",
                                  "--mesh", "fsdp8", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in launcher.stdout:  # process 0 prints this once both joined and the mesh is built
@@ -221,9 +223,9 @@ def test_unreachable_coordinator_gives_up_in_bounded_time():
 
 def two_processes(flags0: list[str], flags1: list[str], devices=(4, 4)) -> list[subprocess.CompletedProcess]:
     """Start processes 0 and 1 by hand (as SLURM would) and wait for both."""
-    from jaxpar.launch import free_port
+    from jaxpar.cli.launch import free_port
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *TRAIN, "--mesh", "fsdp8", "--coordinator",
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", *TRAIN, "--mesh", "fsdp8", "--coordinator",
                                coordinator, "--process-id", str(i), "--init-timeout", "30", "--heartbeat-timeout",
                                "5", *flags], env=cpu_env(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, (flags, d) in enumerate(zip((flags0, flags1), devices))]
@@ -306,7 +308,7 @@ def test_dcn_axis_is_outermost_within_its_axis():
 
 
 def test_tensor_groups_must_stay_inside_a_host():
-    from jaxpar.validate import check_hosts
+    from jaxpar.core.validate import check_hosts
     strategy = parse_strategy("tp8")
     hosts = np.array([0, 0, 0, 0, 1, 1, 1, 1]).reshape(1, 1, 1, 1, 1, 8)  # two hosts of 4 devices
     with pytest.raises(ConfigError, match=r"tensor=8 groups span hosts \[0, 1\].*tensor <= 4.*\[mesh.dcn\] tensor = 2"):

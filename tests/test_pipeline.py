@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxpar/pipeline.py, jaxpar/pipeline_1f1b.py): GPipe, circular and 1F1B schedules,
+"""Pipeline parallelism (jaxpar/pipeline/gpipe.py, jaxpar/pipeline/one_f_one_b.py): GPipe, circular and 1F1B schedules,
 even and uneven stage splits,
 compute what one device computes, communicate what the schedule (and jaxpar.cost.comm) says, run the
 head once per step, gather FSDP-sharded stage weights once per step, and bad configurations fail
@@ -25,13 +25,13 @@ from jaxpar.cost.comm_data import _fsdp_gathers
 from jaxpar.cost.compiler import CPU
 from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
-from jaxpar.pipeline import pipelined_stack
-from jaxpar.schedule import default_split, schedule_of, schedule_summary, stored_spec
-from jaxpar.validate import check_pipeline
-from jaxpar.sharding import Layout, use_layout
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import gather
+from jaxpar.core.mesh import make_mesh
+from jaxpar.pipeline.gpipe import pipelined_stack
+from jaxpar.core.schedule import default_split, schedule_of, schedule_summary, stored_spec
+from jaxpar.core.validate import check_pipeline
+from jaxpar.core.sharding import Layout, use_layout
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import gather
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
 from tests import harness
@@ -52,14 +52,14 @@ CASES = {
                                      dict(microbatches=8, pp_stages="1,3,3,1", **CIRCULAR)),
     "mamba-U5-S2-M4-gpipe-tp2-dp2": (MAMBA, "pipeline=2,tensor=2,data=2", dict(microbatches=4)),
     "S4-M4-circular-fsdp2": (LLAMA, "pipeline=4,fsdp=2", dict(microbatches=4, **CIRCULAR)),
-    # 1F1B (jaxpar/pipeline_1f1b.py: its own backward, not jax.grad): uneven with fsdp, even with tensor + SP
+    # 1F1B (jaxpar/pipeline/one_f_one_b.py: its own backward, not jax.grad): uneven with fsdp, even with tensor + SP
     "U10-S4-M4-1f1b-fsdp2": (UNEVEN, "pipeline=4,fsdp=2", dict(microbatches=4, pp_schedule="1f1b")),
     "S2-M8-1f1b-tp2-sp-dp2": (LLAMA, "pipeline=2,tensor=2,data=2",
                               dict(microbatches=8, pp_schedule="1f1b", sequence_parallel=True)),
     # context parallelism inside the stages: ring attention on the zigzag token layout
     "S2-M2-gpipe-cp2-ring-zigzag": (LLAMA, "pipeline=2,context=2,data=2",
                                     dict(microbatches=2, attention="ring", cp_layout="zigzag")),
-    # 1F1B with the units' remat policy inside its chunks (jaxpar/pipeline_stages.py)
+    # 1F1B with the units' remat policy inside its chunks (jaxpar/pipeline/stages.py)
     "S4-M4-1f1b-remat-full": (LLAMA, "pipeline=4,data=2", dict(microbatches=4, pp_schedule="1f1b", remat="full")),
     # interleaved 1F1B (v = 2 chunks per stage): even with data, uneven with tensor + SP
     "S4-M8-1f1b-v2-dp2": (LLAMA, "pipeline=4,data=2", dict(microbatches=8, pp_schedule="1f1b", pp_repeats=2)),
@@ -171,7 +171,7 @@ def test_pipeline_collectives_as_predicted(case):
 
 
 def test_circular_weights_stay_on_their_stages():
-    """An even circular split stores the stacked units stage-major (jaxpar/pipeline_order.py): the only
+    """An even circular split stores the stacked units stage-major (jaxpar/pipeline/order.py): the only
     all-to-alls over `pipeline` are the head's spread and its transpose, the only collective-permutes the
     stage shifts (one op each way, run T times), and the permutation itself round-trips."""
     tr, _, _, _, ops, _ = compiled_case("S4-M4-circular-fsdp2")
@@ -198,7 +198,7 @@ def test_fsdp_gathers_stage_weights_once_per_step():
     assert gathers and all(op.times == 1 for op in gathers), [(op.name, op.times) for op in gathers]
     m, st = tr.model_cfg, tr.strategy
     # the weights' gathers; the embedding lookup's token ids (int32 [B, s], gathered over fsdp by
-    # jaxpar.sharding.lookup) are not a weight: not compared
+    # jaxpar.core.sharding.lookup) are not a weight: not compared
     gathers = [op for op in gathers if op.bytes != harness.TC.batch * harness.TC.seq * 4]
     want = _fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
     assert sum(count for *_, count, _, _ in want) == len(gathers)
@@ -267,7 +267,7 @@ def _head_flops(text: str, vocab: int) -> float:
 
 @pytest.mark.parametrize("case", [c for c in CASES if "1f1b" in c and CASES[c][0].startswith("llama")])
 def test_1f1b_head_flops_once_per_step(case):
-    """1F1B spreads the last stage's output over the stages for the head (jaxpar/pipeline_1f1b.py): the
+    """1F1B spreads the last stage's output over the stages for the head (jaxpar/pipeline/one_f_one_b.py): the
     head's dot FLOPs, summed over the devices, equal one device's, not S times them (vocab 256, no other
     dim of the tiny model is 256, or 128 when tensor=2 shards the vocab)."""
     model = CASES[case][0]
@@ -375,9 +375,9 @@ def test_bad_pipeline_configs(model, mesh, options, message):
 
 
 def test_1f1b_needs_each_sequence_piece_divisible_by_the_stages():
-    """1F1B spreads each device's tokens of the last stage's output over the stages (jaxpar/pipeline_1f1b.py):
+    """1F1B spreads each device's tokens of the last stage's output over the stages (jaxpar/pipeline/one_f_one_b.py):
     refused, naming the numbers, before anything compiles."""
-    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.core import validate  # noqa: PLC0415
     st = parse_strategy("pipeline=4,tensor=2").with_options(microbatches=4, pp_schedule="1f1b",
                                                             sequence_parallel=True).resolved(8)
     with pytest.raises(ConfigError, match=r"seq=20 / \(context x tensor = 2\) = 10 tokens must be divisible by "
@@ -394,7 +394,7 @@ def test_good_pipeline_configs_pass():
 def _temp_bytes(schedule: str, microbatches: int) -> int:
     """Compiled temp bytes per device of loss + gradients at S = 4 (pipeline=4, data=2), one row per data
     shard and micro-batch: the batch grows with M, the micro-batch stays."""
-    from jaxpar.train import TrainConfig, Trainer  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
     strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule)
     tc = TrainConfig(batch=2 * microbatches, seq=16)
     tr = Trainer(parse_model("llama-tiny:layers=4"), strategy, tc, devices=jax.devices()[:8])

@@ -1,4 +1,4 @@
-"""Pipeline x expert parallelism (jaxpar/pipeline.py with the MoE kernel, jaxpar/ops/moe.py, inside the stages):
+"""Pipeline x expert parallelism (jaxpar/pipeline/gpipe.py with the MoE kernel, jaxpar/ops/moe.py, inside the stages):
 loss, every gradient and the router metrics equal one device's, GPipe and circular, uneven splits; 1F1B is
 refused; the planner takes the layouts.
 
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.planner import check_plannable
-from jaxpar.schedule import schedule_of
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import gather
+from jaxpar.planning.planner import check_plannable
+from jaxpar.core.schedule import schedule_of
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import gather
 from jaxpar.models.config import parse_model
 from jaxpar.models.moe import AUX_FIELDS
 from tests import harness
@@ -63,7 +63,7 @@ def test_loss_gradients_and_router_metrics_match_one_device(case):
 
 
 def test_1f1b_with_moe_is_refused():
-    from jaxpar.validate import check  # noqa: PLC0415
+    from jaxpar.core.validate import check  # noqa: PLC0415
     st = parse_strategy("pipeline=2,expert=4").with_options(microbatches=4, pp_schedule="1f1b").resolved(8)
     with pytest.raises(ConfigError, match=r"pp_schedule=1f1b with pipeline=2 and mixture-of-experts layers "
                                           r"\(model moe-tiny:layers=4, pattern='E'\): the balance loss's gradient needs the whole batch's"):

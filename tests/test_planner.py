@@ -4,8 +4,8 @@ import pytest
 
 from jaxpar.cost import MEGATRON_CORE, estimate
 from jaxpar.cost.hardware import load_hardware
-from jaxpar.planner import plan, why
-from jaxpar.strategy import parse_inline
+from jaxpar.planning.planner import plan, why
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import parse_model
 
 
@@ -82,7 +82,7 @@ def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
 def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path, capsys):
     """`estimate` on a CPU-test mesh uses bf16 and 4 x stages micro-batches, says so, and a written plan
     reads back as a mesh file with the same prediction."""
-    from jaxpar import cli
+    from jaxpar.cli.main import main as cli
     assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", "pipeline=4,data=16", "--hardware", "h100-sxm",
                      "--seq", "4096", "--global-batch", "256"]) == 0
     out = capsys.readouterr().out
@@ -96,7 +96,7 @@ def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path
     first = sorted(tmp_path.glob("plan-01-*.toml"))
     assert len(first) == 1 and "software megatron-core" in capsys.readouterr().out
     results, _, _ = plan(parse_model("llama3-8b"), "h100-sxm", 64, 4096, 256, top=1, software=MEGATRON_CORE)
-    from jaxpar.strategy import parse_strategy
+    from jaxpar.core.strategy import parse_strategy
     again = estimate(parse_model("llama3-8b"), parse_strategy(str(first[0])), "h100-sxm", 256, 4096, MEGATRON_CORE)
     assert again.tokens_per_s == pytest.approx(results[0][0].tokens_per_s, rel=1e-9)
 
@@ -122,8 +122,8 @@ def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
     """`plan --verify`'s check of one plan: the compiled step's bytes per mesh-axis group (the HLO tally)
     beside the prediction; ZeRO-1 data parallelism in bfloat16 matches (XLA:CPU moves bf16 as float32)."""
     import jax
-    from jaxpar.strategy import parse_strategy
-    from jaxpar.verify import verify_plan
+    from jaxpar.core.strategy import parse_strategy
+    from jaxpar.planning.verify import verify_plan
     st = parse_strategy("zero1-dp8").with_options(dtype="bfloat16")
     checks, report = verify_plan(parse_model("llama-tiny"), st, 16, 32, jax.devices()[:8])
     by = {c.what: c for c in checks}
@@ -141,7 +141,7 @@ def test_context_wins_in_jaxpars_program_because_of_the_attention_scores():
     import dataclasses
 
     from jaxpar.cost import JAXPAR, memory
-    from jaxpar.planner import scores_note
+    from jaxpar.planning.planner import scores_note
     model, hw = parse_model("llama3-8b"), load_hardware("h100-sxm")
     ours, _, _ = plan(model, hw, 64, seq=4096, global_batch=512, top=5)
     top = ours[0][1]

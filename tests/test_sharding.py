@@ -1,6 +1,6 @@
 """Each parameter and Adam moment lands where the rules say, and FSDP really divides memory.
 
-Expected PartitionSpecs are written out by hand per strategy (not computed by jaxpar.rules).
+Expected PartitionSpecs are written out by hand per strategy (not computed by jaxpar.core.rules).
 Parameter shapes of llama-tiny: layer-stacked leaves carry a leading `layers` dim (unsharded here).
 """
 import jax

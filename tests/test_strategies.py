@@ -8,7 +8,7 @@ the `expert` axis is one more batch axis (tests/test_cost_vs_hlo.py walks them o
 import numpy as np
 import pytest
 
-from jaxpar.strategy import catalogue, parse_strategy
+from jaxpar.core.strategy import catalogue, parse_strategy
 from tests import harness
 from tests.test_cost_vs_hlo import CATALOGUE, _param, assert_prediction_matches
 
@@ -59,7 +59,7 @@ def test_catalogue_strategy_prediction_equals_hlo(mesh):
 
 def test_tensor_beyond_kv_heads_replicates_them_and_matches_one_device():
     """tensor=8 > kv_heads=2 (llama-tiny:kv_heads=2): K/V heads replicated across tensor ranks
-    (Megatron's rule, jaxpar.sharding.model_layout) instead of refused; loss and gradients equal one
+    (Megatron's rule, jaxpar.core.sharding.model_layout) instead of refused; loss and gradients equal one
     device's, and the K/V projection weights are indeed whole on every tensor rank."""
     model = "llama-tiny:kv_heads=2"
     harness.assert_matches_one_device(model, "tensor=8")

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.data import Synthetic, TokenFile, local_batch
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import TrainConfig, Trainer, train
+from jaxpar.training.data import Synthetic, TokenFile, local_batch
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import TrainConfig, Trainer, train
 from jaxpar.models.config import parse_model
 from tests import harness
 from tests.conftest import FAST_COMPILE
@@ -67,7 +67,7 @@ def test_cli_train_writes_metrics_tensorboard_and_a_profile(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = FAST_COMPILE  # a user's flags: must be kept beside --devices
     out = subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", "train", "--model", "llama-tiny", "--mesh", "dp2-tp4",
+        [sys.executable, "-m", "jaxpar.cli.main", "train", "--model", "llama-tiny", "--mesh", "dp2-tp4",
          "--devices", "8", "--steps", "6", "--batch", "8", "--seq", "32", "--metrics", str(metrics),
          "--tensorboard", str(tb), "--hardware", "h100-sxm", "--remat", "full", "--xla-preset", "gpu_overlap",
          "--profile", str(tmp_path / "trace"), "--no-progress"],
@@ -94,7 +94,7 @@ def test_cli_train_writes_metrics_tensorboard_and_a_profile(tmp_path):
 
 
 def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path, capsys):
-    from jaxpar import cli
+    from jaxpar.cli.main import main as cli
     (tmp_path / "file").write_text("")
     args = ["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "1", "--no-progress"]
     assert cli.main([*args, "--tensorboard", str(tmp_path / "file")]) == 2
@@ -106,8 +106,8 @@ def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path,
 def test_a_diverged_run_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
     """A non-finite loss stops the run with exit 2 naming the step (the step itself is stubbed to
     return NaN: nothing here depends on what makes a real run diverge)."""
-    from jaxpar import cli
-    from jaxpar.train import Trainer
+    from jaxpar.cli.main import main as cli
+    from jaxpar.training.trainer import Trainer
     monkeypatch.setattr(Trainer, "step", lambda self, state, batch: (state, {"loss": float("nan"), "grad_norm": 0.0}))
     code = cli.main(["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "3", "--batch", "8", "--seq",
                      "16", "--no-progress", "--ckpt-dir", str(tmp_path / "ck")])

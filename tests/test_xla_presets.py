@@ -14,8 +14,8 @@ import pytest
 from jaxpar import xla_presets
 from jaxpar.analysis.overlap import format_overlap, overlap_report
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import parse_strategy
-from jaxpar.train import Trainer, TrainConfig
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.training.trainer import Trainer, TrainConfig
 from jaxpar.models.config import parse_model
 
 

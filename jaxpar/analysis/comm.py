@@ -79,7 +79,7 @@ from jaxpar.analysis.tally import tally_compiled
 from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
 from jaxpar.devices import MAX_DEVICES
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import AXES, Strategy
+from jaxpar.core.strategy import AXES, Strategy
 
 DEVICE_LIMIT = MAX_DEVICES  # XLA:CPU compiles SPMD programs for at most this many devices
 SHRINKABLE = ("data", "fsdp")  # outermost data-parallel axes, shrunk in this order
@@ -108,7 +108,7 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
 
 
 def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) -> dict:
-    """The report of any compiled step on `mesh` (a training step, or `jaxpar.generate`'s prefill and
+    """The report of any compiled step on `mesh` (a training step, or `jaxpar.serving.generate`'s prefill and
     decode steps for `comm --phase`)."""
     text = compiled.as_text()
     tally = tally_compiled(compiled, mesh)
@@ -157,7 +157,7 @@ def flops_per_device(compiled, text: str | None = None) -> tuple[float, str]:
 def _moe_notes(tally, trainer) -> list[str]:
     """The expert all-to-alls per MoE layer execution and phase (2 forward, 2 backward; 4 backward
     under remat `full`, which reruns the forward pair). MoE layers run once per accumulation step each
-    (jaxpar.validate refuses them under pipeline parallelism)."""
+    (jaxpar.core.validate refuses them under pipeline parallelism)."""
     m, st = trainer.model_cfg, trainer.strategy
     if not m.moe_layers or st.size("expert") == 1:
         return []
@@ -238,8 +238,8 @@ def analyze_strategy(model, strategy: Strategy, tc, devices: list | None = None,
     are compiled at reduced data parallelism and rescaled (module docstring)."""
     import jax  # noqa: PLC0415
 
-    from jaxpar import validate  # noqa: PLC0415
-    from jaxpar.train import Trainer  # noqa: PLC0415
+    from jaxpar.core import validate  # noqa: PLC0415
+    from jaxpar.training.trainer import Trainer  # noqa: PLC0415
 
     devices = list(jax.devices() if devices is None else devices)
     full = strategy.resolved(strategy.num_devices if -1 not in strategy.sizes.values() else len(devices))
@@ -294,7 +294,7 @@ def state_bytes_per_device(trainer, strategy: Strategy) -> int:
     import jax  # noqa: PLC0415
     from jax.sharding import AbstractMesh, AxisType  # noqa: PLC0415
 
-    from jaxpar.sharding import model_layout, optimizer_shardings, param_shardings  # noqa: PLC0415
+    from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings  # noqa: PLC0415
 
     mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     layout = model_layout(mesh, strategy, trainer.model_cfg.kv_heads, trainer.model_cfg.has_attention)
@@ -317,9 +317,9 @@ def compare_strategies(model, strategies: Sequence[Strategy], tc, devices: list,
     """One report per strategy (``name`` = its spec). With ``run_steps`` K > 0 each strategy also
     trains K steps from the same initial parameters as a 1-device run, on the same batches, and
     its report gets ``run``: {steps, loss (last), loss_diff (max |loss - 1-device loss|), step_time_s}."""
-    from jaxpar.data import Synthetic  # noqa: PLC0415
-    from jaxpar.strategy import parse_strategy  # noqa: PLC0415
-    from jaxpar.train import Trainer, gather  # noqa: PLC0415
+    from jaxpar.training.data import Synthetic  # noqa: PLC0415
+    from jaxpar.core.strategy import parse_strategy  # noqa: PLC0415
+    from jaxpar.training.trainer import Trainer, gather  # noqa: PLC0415
 
     reports = []
     if not run_steps:

@@ -23,7 +23,7 @@ from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape, one_f_one_b
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) 
     Outside a pipeline, or in another program's (`jaxpar_pipeline` False: Megatron's recomputes per
     layer): remat `full` reruns both gathers and the attention sum (the MLP's is the layer's output:
     dead), the `dots` policies the gathers only (no dot outputs).
-    Inside jaxpar's pipeline (jaxpar/pipeline.py) each iteration's stage work is rematerialised under the
+    Inside jaxpar's pipeline (jaxpar/pipeline/gpipe.py) each iteration's stage work is rematerialised under the
     policy, and its vmap over the stages (and over the fsdp shards) gives every weight dot a batch dim,
     so `dots_no_batch` saves none of them and recomputes as `full` does: both sums when a stage runs
     k > 1 unit slots per iteration (a slot's output feeds the next slot), one when k = 1 (the chunk's
@@ -128,7 +128,7 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
     """Per Mamba-layer execution: all-reduce after out_proj forward (SP: gather before in_proj,
     reduce-scatter after out_proj), and of in_proj's input gradient backward (in_proj is one packed
     matmul, so one partial sum; SP: the transposes). Recompute adds nothing live (the out_proj sum
-    is the layer's output), but 1F1B's chunk recompute (jaxpar/pipeline_1f1b.py) with k > 1 slots."""
+    is the layer's output), but 1F1B's chunk recompute (jaxpar/pipeline/one_f_one_b.py) with k > 1 slots."""
     e, sp, ax = shape.exec_mamba, st.options.sequence_parallel, ("tensor",)
     one_f = one_f_one_b(st, shape, jaxpar_pipeline)
     again = site(cc, RS if sp else AR, ax, e, [(x if cc.reduce_scatter else xr) if sp else xr], "backward")
@@ -183,7 +183,7 @@ def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: 
     label's logit (T*4; only the loss value needs it, so XLA:CPU's combiner merges it with the next
     all-reduce over `tensor`); backward the head input gradient is all-reduced (SP:
     reduce-scattered) and, under SP, the embedding output gradient gathered. Under pipeline parallelism
-    the embedding sees every micro-batch but the head only its stage's ceil(M/S) (jaxpar/pipeline.py)."""
+    the embedding sees every micro-batch but the head only its stage's ceil(M/S) (jaxpar/pipeline/gpipe.py)."""
     tokens = shape.b_loc / shape.accum * shape.s_loc
     head = shape.head_micro * shape.mb * shape.s_loc if shape.stages > 1 else tokens
     x, xr, n = tokens * m.d_model * act, tokens * m.d_model * ar_bytes(cc, act), shape.accum
@@ -224,7 +224,7 @@ def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool = True)
 def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
                     jaxpar_pipeline: bool = True) -> list[tuple]:
     """Attention layer: 2 per pass (after o-proj, after MLP down); Mamba-2 layer: 1 (after out_proj).
-    `jaxpar_pipeline`: a pipeline is jaxpar's own (jaxpar/pipeline.py), as `pipeline_parallel`'s
+    `jaxpar_pipeline`: a pipeline is jaxpar's own (jaxpar/pipeline/gpipe.py), as `pipeline_parallel`'s
     scatter_gather None says."""
     x = shape.mb * shape.s_loc * m.d_model * act
     xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)

@@ -12,8 +12,8 @@ from jaxpar.cost.held import Held, _head_and_norm, _norm_vectors, equal_buffers,
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import zero_rules, zero_split
 from jaxpar.cost.shape import StepShape, one_f_one_b
-from jaxpar.rules import BASE_RULES
-from jaxpar.strategy import AXES, Strategy
+from jaxpar.core.rules import BASE_RULES
+from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
 
 # axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
@@ -45,7 +45,7 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
     and final norm gathered forward only: both are gathered once where they are read and the gathered
-    copy is saved for the backward pass (`jaxpar.sharding.gathered`: models/lm.py, models/layers.py's
+    copy is saved for the backward pass (`jaxpar.core.sharding.gathered`: models/lm.py, models/layers.py's
     RMSNorm). So are the layers' norm weights, so without remat they are not gathered again backward, nor
     are the routed experts' weights (operands of the expert kernel's shard_map, jaxpar/ops/moe.py, whose
     transpose reads the same gathered operands: XLA:CPU, moe-tiny fsdp=2,expert=4; a memory cost: every
@@ -55,7 +55,7 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
     only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_pipeline`) gathers the
     stored float32 weights (its per-shard copies accumulate their gradients in float32) and casts them
-    in the layers (jaxpar/pipeline.py; the all-gather's operand is the float32 parameter in the HLO)."""
+    in the layers (jaxpar/pipeline/gpipe.py; the all-gather's operand is the float32 parameter in the HLO)."""
     t, out = st.sizes["tensor"], []
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if e:
@@ -93,7 +93,7 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     optimizer the bf16 model weights).
     ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
     over fsdp (under a pipeline once per accumulation step, each stage's v*k unit slots at once:
-    jaxpar/pipeline.py); then the shards all-reduced over the remaining data-like axes.
+    jaxpar/pipeline/gpipe.py); then the shards all-reduced over the remaining data-like axes.
     Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
     norm's gradients are reduce-scattered one by one (not combined).
     Routed experts (MoE under expert > 1) are split over `expert`: their gradients are reduced as above
@@ -149,7 +149,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
                 + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
 
-    copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline.py's per-shard copies
+    copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
     if not shard:
         h = held(m, st, experts=experts)
 
@@ -178,7 +178,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * GRAD_BYTES, sharded.unit_arrays)
                     + [b * GRAD_BYTES for b in (head, norm) if b and dense], "backward")
     else:
-        if shape.stages > 1:   # jaxpar/pipeline.py: each fsdp shard accumulates its stage's v*k unit slots, reduced once
+        if shape.stages > 1:   # jaxpar/pipeline/gpipe.py: each fsdp shard accumulates its stage's v*k unit slots, reduced once
             slots = shape.repeats * shape.per_chunk
             in_loop = site(cc, RS, shard, shape.accum, equal_buffers(sharded.unit * slots * GRAD_BYTES,
                                                                      sharded.unit_arrays), "backward")
@@ -214,7 +214,7 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
 
 
 def stage_copies(st: Strategy, shape: StepShape) -> bool:
-    """jaxpar/pipeline.py runs the stages with one copy of the (gathered) stage weights per data (x fsdp)
+    """jaxpar/pipeline/gpipe.py runs the stages with one copy of the (gathered) stage weights per data (x fsdp)
     shard, so that nothing is summed over `data` inside the schedule's loop (`data` > 1; under context
     parallelism the sums over `context` stay in the loop; with expert > 1 not modelled)."""
     sz = st.sizes
@@ -330,7 +330,7 @@ def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
     unit's norms, in the layer loop), the final norm's after it. Over fsdp alone the two forms are the
     same op (ReduceScatterCreator turns the sliced all-reduce into a reduce-scatter). Checked on
     XLA:CPU: the catalogue's dp2-fsdp2-tp2 and fsdp2-ep4 (expert a batch axis; tests/test_strategies.py),
-    llama-tiny data=2,fsdp=4 and data=4,fsdp=2 (tests/test_cost_vs_hlo_fsdp.py); jaxpar/pipeline.py's
+    llama-tiny data=2,fsdp=4 and data=4,fsdp=2 (tests/test_cost_vs_hlo_fsdp.py); jaxpar/pipeline/gpipe.py's
     stage copies have their own (`_copies_grads`).
     In the same layouts under `tensor` the LM head's (vocab-sharded) fsdp shard is summed over the other
     data axes in an op of its own, not with the embedding's shard (the combiner's grouping on XLA:CPU;

@@ -1,4 +1,4 @@
-"""Pipeline parallelism's collectives in the cost model (jaxpar/pipeline.py, jaxpar/pipeline_1f1b.py):
+"""Pipeline parallelism's collectives in the cost model (jaxpar/pipeline/gpipe.py, jaxpar/pipeline/one_f_one_b.py):
 what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Records are (kind, axes,
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
@@ -8,13 +8,13 @@ from jaxpar.cost.held import equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, RS, Compiler, ar_bytes, site, together
 from jaxpar.cost.memory import GRAD_BYTES
 from jaxpar.cost.shape import StepShape
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
 def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
                       scatter_gather: bool | None = None, cc: Compiler = GPU) -> list[tuple]:
-    """jaxpar/pipeline.py. One collective-permute of the stage state (a micro-batch's residual stream)
+    """jaxpar/pipeline/gpipe.py. One collective-permute of the stage state (a micro-batch's residual stream)
     per schedule iteration forward, and its transpose backward (GPipe M+S-1, circular v*M+S-1
     iterations). The state is split over `tensor` under SP; with Megatron's scatter/gather (Narayanan
     2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival.
@@ -24,13 +24,13 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     the input) and the head's and final norm's gradients (each stage's partial sum over its
     micro-batches) are all-reduced over `pipeline`; under the combiner they are one op, and the head's
     and final norm's reduction over the data axes is one op apart from the embedding's (with the
-    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline_1f1b.py): v*M + S - 1 ticks shift
+    per-micro-batch losses, ceil(M/S) floats). 1F1B (jaxpar/pipeline/one_f_one_b.py): v*M + S - 1 ticks shift
     the state up and as many the cotangent down (one permute each, the second labelled backward); in the
     M steady ticks the last stage's output is spread over the stages for the head by one all-to-all of
     the state and its cotangent comes back by another; the head's gradient is summed whole (gathered
     over fsdp before the loop). An uneven split's weights are viewed as [S, v, k] per
     step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
-    circular included, is stored stage-major: jaxpar/pipeline_order.py, no weight moves)."""
+    circular included, is stored stage-major: jaxpar/pipeline/order.py, no weight moves)."""
     sp, sizes = st.options.sequence_parallel, st.sizes
     split = sp or (scatter_gather is True)
     x = shape.mb * shape.s_loc * m.d_model * act
@@ -45,7 +45,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
     if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
         t = sizes["tensor"] if sp else 1
-        one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline_1f1b.py: the head spread per tick
+        one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline/one_f_one_b.py: the head spread per tick
         spread = shape.stages * shape.head_micro * x / t
         if one_f_one_b:
             out += [(A2A, ax, shape.micro * shape.accum, x / t, "forward"),
@@ -75,14 +75,14 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     return out
 
 
-# ---- 1F1B's tensor-parallel collectives (jaxpar/pipeline_1f1b.py) -----------------------------------
+# ---- 1F1B's tensor-parallel collectives (jaxpar/pipeline/one_f_one_b.py) -----------------------------------
 
 def one_f_one_b_recomputed(st: Strategy, shape: StepShape) -> tuple[int, int]:
     """(SP gathers, row-parallel sums) of an attention layer run again in 1F1B's backward: every backward
     tick recomputes its chunk from the stashed input (jax.vjp of the chunk), so both gathers, and both
     sums when the chunk runs k > 1 unit slots (a slot's output feeds the next), one when k = 1 (the
     chunk's output is dead), as comm.recomputed_tp's pipeline `full`; and the units' own remat policy
-    inside the chunk (jaxpar/pipeline_stages.py) reruns the gathers again (any policy: no dot outputs)
+    inside the chunk (jaxpar/pipeline/stages.py) reruns the gathers again (any policy: no dot outputs)
     and, under `full`, the attention sum (the MLP's is the unit's output: dead)."""
     sp, remat = st.sizes["tensor"] > 1 and st.options.sequence_parallel, st.options.remat
     gathers = 2 * sp * (1 + (remat != "none"))
@@ -103,7 +103,7 @@ def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfi
     x, xr = tokens * d * act, tokens * d * ar_bytes(cc, act)
     ticks, h = shape.micro * shape.accum, shape.mb * shape.s_loc / shape.stages
     hx, hxr = h * d * act, h * d * ar_bytes(cc, act)
-    per = shape.micro   # the embedding looked up micro-batch by micro-batch (jaxpar/pipeline_1f1b.py)
+    per = shape.micro   # the embedding looked up micro-batch by micro-batch (jaxpar/pipeline/one_f_one_b.py)
     out = site(cc, RS if sp else AR, ax, ticks, [((x if cc.reduce_scatter else xr) if sp else xr) / per], "forward")
     out += site(cc, AG, ax, ticks, [x / per], "backward") if sp else []
     out += site(cc, AG, ax, ticks, [hx], "forward") if sp else []

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.rules import BASE_RULES
-from jaxpar.strategy import Strategy
+from jaxpar.core.rules import BASE_RULES
+from jaxpar.core.strategy import Strategy
 
 AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
 BATCH_AXES = BASE_RULES["batch"]  # the axes a batch is split over

@@ -12,7 +12,7 @@ Each default is returned as a line to print beside the estimate.
 """
 from __future__ import annotations
 
-from jaxpar.strategy import Options, Strategy
+from jaxpar.core.strategy import Options, Strategy
 
 DEFAULTS = Options()
 

@@ -12,7 +12,7 @@ from jaxpar.cost import comm, energy, flops, memory, overlap, params, shape, tim
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
@@ -128,7 +128,7 @@ def check_modelled(model: ModelConfig) -> None:
 
 def check_modelled_layout(model: ModelConfig, strategy: Strategy) -> None:
     """Layouts a run takes that the training cost model does not count yet, refused rather than
-    mispriced: tensor > kv_heads, where K/V heads are replicated across tensor ranks (jaxpar.sharding.
+    mispriced: tensor > kv_heads, where K/V heads are replicated across tensor ranks (jaxpar.core.sharding.
     model_layout): their weights, FLOPs and gradient reductions (dK and dV summed over the ranks that
     share a head, then gathered) differ from the sharded case the model counts. Inference costs it
     (jaxpar/cost/inference.py)."""
@@ -148,7 +148,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
              software: Software = JAXPAR, imbalance: float = 1.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
     Memory uses jaxpar's own activation inventory (what JAX's autodiff keeps) for jaxpar, Korthikanti's
-    for other software. Divisibility is not checked here (jaxpar.validate.check does it once).
+    for other software. Divisibility is not checked here (jaxpar.core.validate.check does it once).
     `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed dispatch
     (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path; jaxpar's
     static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
@@ -168,8 +168,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     one_f = shape.one_f_one_b(st, sh, software.pp_scatter_gather is None)
     jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and not one_f
     if (remat == "dots_no_batch" and jaxpar_pipeline) or one_f:
-        remat = "full"   # jaxpar/pipeline.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp);
-        #                  jaxpar/pipeline_1f1b.py recomputes its chunk in every backward tick
+        remat = "full"   # jaxpar/pipeline/gpipe.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp);
+        #                  jaxpar/pipeline/one_f_one_b.py recomputes its chunk in every backward tick
     fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
     if one_f and st.options.remat != "none":   # and the units' own policy inside the chunk (in the stages'

@@ -23,7 +23,7 @@ compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble ite
 * FSDP / ZeRO-3 (ibid.: 3Psi): each layer's sharded weights gathered for the forward, again for the
   backward (the weights are freed in between: that is the layout) and the gradients reduce-scattered,
   (n-1)/n each; under a pipeline a stage gathers its weights once per step and keeps them across its
-  micro-batches (jaxpar/pipeline.py), forward only. Head and final norm: gathered once (they are used at
+  micro-batches (jaxpar/pipeline/gpipe.py), forward only. Head and final norm: gathered once (they are used at
   the forward's end and the backward's start); so are the layers' norm weights (a vector each: kept
   gathered for the backward, models/layers.py). Embedding table: gathered + gradient reduce-scattered,
   or looked up where it lies (ids gathered, rows all-to-all'd forward and their gradients backward),
@@ -58,7 +58,7 @@ from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims, zero_rules
 from jaxpar.cost.shape import StepShape
 from jaxpar.models.config import ModelConfig
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 
 KINDS = ("data", "zero1", "fsdp", "tensor", "context", "expert", "pipeline")
 

@@ -23,7 +23,7 @@ import functools
 import pathlib
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import number, parse_toml, read_toml, table
+from jaxpar.core.inputs import number, parse_toml, read_toml, table
 
 PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "hardware"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost.params import BLOCKS, LAYER_BLOCKS, block_counts, block_params, block_weights, per_model, zero_split
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 

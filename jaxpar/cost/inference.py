@@ -5,7 +5,7 @@ forward. Decode runs one token per sequence against the cache: every step stream
 whole KV cache from HBM for a few FLOPs per byte, so it is bandwidth-bound until the batch is large
 (scaling book, "All about Transformer inference"). Per device, for `batch` sequences, prompts of
 `prompt` tokens and `generate` new tokens (a cache of S = prompt + generate - 1 slots, as
-jaxpar.generate sizes it; a decode step is costed at the full cache, its slowest):
+jaxpar.serving.generate sizes it; a decode step is costed at the full cache, its slowest):
 
     matmul FLOPs   2 x (active matmul parameters) per token, + attention 4 x hq x keys per query token
                    (dense: the prefill's s x s scores in full; decode: the S cached keys), + the head
@@ -62,7 +62,7 @@ from jaxpar.cost.memory import DTYPE_BYTES
 from jaxpar.cost.shape import step_shape
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.cost.time import comm_seconds
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 PHASES = ("prefill", "decode")
@@ -238,7 +238,7 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
 def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, batch: int, prompt: int,
                        generate: int, phase: str, software: Software = JAXPAR,
                        compiler: Compiler | str = "gpu") -> InferenceEstimate:
-    """One prefill or decode step (module docstring). `strategy` resolved; jaxpar.validate.check_generate
+    """One prefill or decode step (module docstring). `strategy` resolved; jaxpar.core.validate.check_generate
     states what generation supports."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     cc = COMPILERS[compiler] if isinstance(compiler, str) else compiler

@@ -30,7 +30,7 @@ from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.inventory_jax import (BOOL, F32, attention_half, jax_attention_inventory, jax_mamba_inventory,
                                       jax_moe_inventory)
 from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -181,12 +181,12 @@ def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
 
 def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float,
                          stage_kept: float = 0.0) -> tuple[float, float]:
-    """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline_1f1b.py): stored
+    """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline/one_f_one_b.py): stored
     are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is), the embedding output
     and its cotangent (the batch's) and one micro-batch's lookup partial sums, and with FSDP the gathered stage weights
     (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
     slots' layers under remat "none", else what the units' policy keeps of them (`stage_kept`: the stage's
-    v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline_stages.py)."""
+    v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline/stages.py)."""
     sz = st.sizes
     act = DTYPE_BYTES[st.options.dtype]
     stages = sz["pipeline"]
@@ -195,7 +195,7 @@ def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, l
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
     repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
     # the embedding output and its cotangent, the whole batch's (split over tensor under SP), and one
-    # micro-batch's lookup partial sums at a time (jaxpar/pipeline_1f1b.py looks micro-batches up in turn)
+    # micro-batch's lookup partial sums at a time (jaxpar/pipeline/one_f_one_b.py looks micro-batches up in turn)
     embedding = 2 * b_loc * seq / sz["context"] * residual + tokens * m.d_model * act
     stored = (2 * stages * repeats - 1) * tokens * residual + embedding
     if st.options.remat == "none":
@@ -208,14 +208,14 @@ def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: in
     vocab-parallel lookup's partial sums [b, s, d] before their reduction over `tensor` and, backward, the
     output gradient gathered for the table's scatter-add, each un-split over `tensor` (llama3-70b
     TP4 PP8 DP2, 128 sequences of 8k per device: two 32 GiB float32 buffers in XLA:CPU's peak, which
-    promotes the bf16 sums). jaxpar/pipeline_1f1b.py looks the micro-batches up in turn instead."""
+    promotes the bf16 sums). jaxpar/pipeline/one_f_one_b.py looks the micro-batches up in turn instead."""
     return 2 * b_loc * seq / st.sizes["context"] * m.d_model * DTYPE_BYTES[st.options.dtype]
 
 
 def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
     """With FSDP inside a jaxpar pipeline's stages: each device's gathered copy of its stage's v*k unit slots
     (compute dtype, its tensor shard) and its float32 gradient accumulator, alive the whole step."""
-    from jaxpar.schedule import schedule_of  # noqa: PLC0415
+    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
     sz = st.sizes
     if sz["fsdp"] == 1:
         return 0.0
@@ -229,13 +229,13 @@ def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
 
 
 def _per_chunk(m: ModelConfig, st: Strategy) -> int:
-    from jaxpar.schedule import schedule_of  # noqa: PLC0415
+    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
     return schedule_of(st, m.units).per_chunk
 
 
 def jax_pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: float, layer_transient: float
                        ) -> tuple[float, float]:
-    """(stored, transient) bytes per device of jaxpar's GPipe / circular pipeline (jaxpar/pipeline.py), whose
+    """(stored, transient) bytes per device of jaxpar's GPipe / circular pipeline (jaxpar/pipeline/gpipe.py), whose
     one scan runs T = v*M + S - 1 iterations, bubbles included, each rematerialised as a whole under the
     policy. Stored: what each of the T iterations saves. Under `full`, and under `dots_no_batch` too (the
     vmap over the stages gives every weight dot a batch dim, so that policy saves none of them), only the
@@ -245,7 +245,7 @@ def jax_pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: f
     float32 gradient accumulator, alive the whole step. Transient: the recomputed chunk in an
     iteration's backward, its k unit slots' inventories (remat `none` inside the chunk). Checked against
     XLA's memory analysis of llama3-70b's top plans (`plan --verify`, tests/test_verify_scale.py)."""
-    from jaxpar.schedule import schedule_of  # noqa: PLC0415
+    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
     sz, o = st.sizes, st.options
     sched = schedule_of(st, m.units)
     act = DTYPE_BYTES[o.dtype]
@@ -281,7 +281,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
            + the int32 batch (`batch_bytes`).
     `score_keys` (jaxpar's program, dense attention): the keys each query's stored scores span (default
     `seq`); 0 leaves the [heads, s, s] scores out, so the difference is what they cost
-    (jaxpar.planner.scores_note)."""
+    (jaxpar.planning.planner.scores_note)."""
     sz, o = st.sizes, st.options
     act = DTYPE_BYTES[o.dtype]
     t, stages = sz["tensor"], sz["pipeline"]
@@ -322,7 +322,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
         scores = tokens * m.heads / t * keys * (F32 + BOOL)
     logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
-    if jax_program and stages > 1:  # jaxpar/pipeline.py: each stage the head of ceil(M/S) micro-batches
+    if jax_program and stages > 1:  # jaxpar/pipeline/gpipe.py: each stage the head of ceil(M/S) micro-batches
         logits *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
 

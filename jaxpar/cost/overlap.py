@@ -35,7 +35,7 @@ from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.cost.time import comm_seconds
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 
 _PIPELINED = ("gpu_overlap", "gpu_windowed_einsum", "tpu_overlap")   # presets that pipeline the layer loop's collectives
 

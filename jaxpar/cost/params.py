@@ -3,7 +3,7 @@
 Each block's weights are listed with their shapes and logical names, as models/ declares them
 (`attention_weights`, `mamba_weights`, `embedding_weights`; tests/test_cost_params.py checks the lists
 against the models' own parameters, so a new weight cannot be left out). Which mesh axes split a weight
-is then read off jaxpar/rules.py, the table the runtime shards with, never restated here:
+is then read off jaxpar/core/rules.py, the table the runtime shards with, never restated here:
     over `tensor`   weights with a name the base rules map to `tensor` (heads, mlp, vocab, ssm heads
                     and groups); the rest (norm weights over `embed`) are replicated (`BlockParams`);
     ZeRO            weights with a name that the params (ZeRO-3) or optimizer (ZeRO-1) rules of a ZeRO
@@ -41,8 +41,8 @@ import functools
 import math
 from typing import Callable
 
-from jaxpar.rules import BASE_RULES, Rules, rules_for
-from jaxpar.strategy import AXES, Options, Strategy
+from jaxpar.core.rules import BASE_RULES, Rules, rules_for
+from jaxpar.core.strategy import AXES, Options, Strategy
 from jaxpar.models.config import ModelConfig
 
 BLOCKS = ("attention", "mamba", "moe", "embedding")
@@ -214,7 +214,7 @@ def count(weights: tuple[Weight, ...]) -> BlockParams:
 
 @functools.cache
 def zero_rules(zero: int, purpose: str) -> Rules:
-    """The rules table jaxpar/rules.py gives a strategy of ZeRO stage `zero` for `purpose` ("params" or
+    """The rules table jaxpar/core/rules.py gives a strategy of ZeRO stage `zero` for `purpose` ("params" or
     "optimizer"; those two tables depend on the stage alone)."""
     return rules_for(Strategy(name=f"zero{zero}", mesh=(), options=Options(zero=zero)), purpose)
 

@@ -6,9 +6,9 @@
     iterations  pipeline schedule iterations per accumulation step: GPipe M + S - 1,
                 circular v*M + S - 1 (every stage runs every iteration, bubbles included)
     bubble      idle fraction of a pipelined step: (S - 1) / (v*M + S - 1)  (Narayanan et al. 2021, eq. 2)
-    per_chunk   k, unit slots a stage runs per iteration: max of the split (jaxpar/schedule.py; an
+    per_chunk   k, unit slots a stage runs per iteration: max of the split (jaxpar/core/schedule.py; an
                 uneven split pads the shorter chunks with identity slots, which still execute)
-    head_micro  micro-batches whose head and loss each stage runs: ceil(M / S) (jaxpar/pipeline.py)
+    head_micro  micro-batches whose head and loss each stage runs: ceil(M / S) (jaxpar/pipeline/gpipe.py)
     exec_*      layer executions per device per step (what loop trip counts multiply in the HLO), per
                 block kind: attention, Mamba-2, MoE (an attention half, then the experts):
                 accum x T x k x blocks per unit under a pipeline
@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost.params import block_counts
-from jaxpar.schedule import schedule_of
-from jaxpar.strategy import Strategy
+from jaxpar.core.schedule import schedule_of
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
@@ -65,6 +65,6 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
 
 
 def one_f_one_b(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) -> bool:
-    """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline_1f1b.py): a pipeline, pp_schedule 1f1b,
+    """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline/one_f_one_b.py): a pipeline, pp_schedule 1f1b,
     and jaxpar's program (`jaxpar_pipeline`: not another software's pipeline, cost/software.py)."""
     return jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"

@@ -25,7 +25,7 @@ Megatron-LM (the published runs the model is calibrated on).
     param_gather_bytes bytes per element of the parameter all-gather after a ZeRO-1 update: jaxpar gathers
                        its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
     pp_head_spread     the head and loss of a pipeline run on every stage, each on ceil(M/S) micro-batches
-                       (jaxpar/pipeline.py); False: on the last stage, for all M (Megatron)
+                       (jaxpar/pipeline/gpipe.py); False: on the last stage, for all M (Megatron)
     serve_weight_bytes bytes per parameter a generation step reads: jaxpar keeps its float32 masters and
                        casts them inside the step (4); Megatron-style serving stores bf16 weights (2)
     fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never

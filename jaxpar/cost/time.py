@@ -25,7 +25,7 @@ import math
 
 from jaxpar.cost.compiler import A2A, AR, PERMUTE
 from jaxpar.cost.hardware import Hardware
-from jaxpar.strategy import AXES, Strategy
+from jaxpar.core.strategy import AXES, Strategy
 
 ADAMW_BYTES_PER_PARAM = 28.0  # read p, g, m, v (16) + write p, m, v (12), float32
 

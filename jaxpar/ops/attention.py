@@ -3,7 +3,7 @@
 Shapes: q [b, s, hq, d]; k, v [b, s, hkv, d] with hq a multiple of hkv (GQA); positions [b, s]
 are the tokens' global positions, so causal masking is right for any token order (zigzag layouts).
 `attention` dispatches on the run config's `attention` (dense | ring | allgather); the constraints
-on sequence length, context size and heads are checked before compiling, in jaxpar/validate.py.
+on sequence length, context size and heads are checked before compiling, in jaxpar/core/validate.py.
 
 Context parallelism
 -------------------
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import validate
-from jaxpar.sharding import current_layout
-from jaxpar.strategy import CHOICES
+from jaxpar.core import validate
+from jaxpar.core.sharding import current_layout
+from jaxpar.core.strategy import CHOICES
 
 LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequence
 
@@ -211,7 +211,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
         return out
 
     # Rematerialised in the backward pass, as jax.checkpoint with nothing saveable would, but as a custom
-    # VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline.py) does not reach into
+    # VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline/gpipe.py) does not reach into
     # it, where it would overrule a nested checkpoint's and keep every block's scores.
     @jax.custom_vjp
     def fold_block(stats, kv, qs):

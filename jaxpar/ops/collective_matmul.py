@@ -27,7 +27,7 @@ example and the scaling book's TP chapter describe the same loop):
 Bidirectional rings (`bidirectional=True`) cut every chunk in two halves along the sequence, one going
 right and one going left: the same n-1 steps, each moving half the bytes on each of the two links
 (a bidirectional ring's links are full duplex, so a step takes half the time). The chunk must have an
-even number of rows (checked in jaxpar/validate.py).
+even number of rows (checked in jaxpar/core/validate.py).
 
 Backward (a custom_vjp, itself decomposed). The input gradient of an all-gather matmul is a matmul
 reduce-scatter, dx = reduce_scatter(dy @ W^T), and that of a matmul reduce-scatter an all-gather matmul,
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.sharding import Layout, current_layout
+from jaxpar.core.sharding import Layout, current_layout
 
 
 def _dim(axes: tuple[str, ...]):

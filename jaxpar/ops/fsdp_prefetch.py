@@ -16,7 +16,7 @@ FSDP", section 3.3):
 Autodiff of such a scan would keep every iteration's carry, i.e. every unit's gathered weights, for
 the backward pass: the whole model unsharded on each device. So the backward is written out
 (`jax.custom_vjp`): the forward saves only each unit's input (as remat = "full" does, which this option
-therefore requires: jaxpar/validate.py), and the backward gathers the weights again, one unit ahead.
+therefore requires: jaxpar/core/validate.py), and the backward gathers the weights again, one unit ahead.
 
 Memory: two units' gathered weights at a time (the one computing and the one arriving), in the
 parameters' dtype and tensor shard, instead of one; plus the units' inputs, as under remat = "full".
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxpar.sharding import current_layout, spec_for
+from jaxpar.core.sharding import current_layout, spec_for
 
 
 def _leaf_shardings(stacked) -> tuple[list[NamedSharding], list[NamedSharding]]:

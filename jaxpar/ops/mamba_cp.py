@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.sharding import Layout, spec_for
+from jaxpar.core.sharding import Layout, spec_for
 from jaxpar.ops.ssd import causal_conv, initial_state_output, segsum, ssd
 
 HEADS = ("batch", "seq", "ssm_heads", None)
@@ -49,7 +49,7 @@ def _spec(layout: Layout, names) -> P:
 
 def _checked(layout: Layout) -> bool:
     """shard_map's replication check, off inside a pipeline's vmaps over stages (a layout with `in_vmap`,
-    jaxpar/pipeline_stages.py), whose batched mesh axes it cannot follow yet (as jaxpar/ops/moe.py)."""
+    jaxpar/pipeline/stages.py), whose batched mesh axes it cannot follow yet (as jaxpar/ops/moe.py)."""
     return not getattr(layout, "in_vmap", False)
 
 

@@ -37,7 +37,7 @@ a sequence's queue spans the context shards: each shard all-gathers every shard'
 expert) counts (g*k*E integers) to place its copies in the sequence's queue. Autodiff transposes
 each all_to_all into an all_to_all backward; gradients of the experts replicated over data, fsdp or
 context are summed by shard_map (check_vma). Inside the pipeline's vmaps over stages and weight copies
-(jaxpar/pipeline.py: a layout with `in_vmap`) the shard_map is batched over those mesh axes, which its
+(jaxpar/pipeline/gpipe.py: a layout with `in_vmap`) the shard_map is batched over those mesh axes, which its
 replication check does not follow (JAX 0.12 compares the unbatched out_specs with values varying over
 them): it runs unchecked there, whose transpose sums the replicated inputs' cotangents all the same
 (loss and gradients equal one device: tests/test_pipeline_moe.py). ragged_all_to_all is not used (XLA:CPU lacks it).
@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.ops.capacity import group_capacity
-from jaxpar.sharding import current_layout
+from jaxpar.core.sharding import current_layout
 
 
 def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -2,7 +2,7 @@
 
     jaxpar launch --processes 2 --devices-per-process 4 -- train --model llama-tiny --mesh fsdp8
 
-Each child runs `python -m jaxpar.cli <command>` with D simulated CPU devices and the coordinates of
+Each child runs `python -m jaxpar.cli.main <command>` with D simulated CPU devices and the coordinates of
 the run in its environment (jaxpar.distributed reads them): process 0 hosts the coordinator on a free
 local port, and the collectives between processes go over gloo (TCP). The launcher
 
@@ -75,7 +75,7 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
             raise ConfigError(f"{flag} is set by launch (--processes, --devices-per-process); remove it from the command")
 
     coordinator = f"127.0.0.1:{free_port()}"
-    children = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *command], start_new_session=True,
+    children = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", *command], start_new_session=True,
                                  env=child_env(os.environ, coordinator, processes, i, devices_per_process),
                                  preexec_fn=die_with_parent)
                 for i in range(processes)]

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import check_readable_file
+from jaxpar.core.inputs import check_readable_file
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The pipeline's stage weights: the stacked layer units viewed per stage, and what one stage runs.
 
-jaxpar/pipeline.py (GPipe, circular) and jaxpar/pipeline_1f1b.py run a stage's chunk of k unit slots on
+jaxpar/pipeline/gpipe.py (GPipe, circular) and jaxpar/pipeline/one_f_one_b.py run a stage's chunk of k unit slots on
 every stage at once, a vmap over the stage dim. This module gives them that chunk and its weights: the
 stacked units [U, ...] viewed as [S, v, k, ...] (stage-major storage makes an even split a reshape,
-jaxpar/pipeline_order.py; an uneven one pads with zero slots that run as the identity), gathered over
+jaxpar/pipeline/order.py; an uneven one pads with zero slots that run as the identity), gathered over
 fsdp once per step, and copied once per data x fsdp shard so that each shard's weight gradient
 accumulates on its own device through the schedule's loop and is summed once after it (the module
-docstring of jaxpar/pipeline.py says why and what it costs). MoE blocks also return their router
+docstring of jaxpar/pipeline/gpipe.py says why and what it costs). MoE blocks also return their router
 statistics per unit slot (models/moe.py), which the schedule accumulates.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.schedule import Schedule
-from jaxpar.sharding import Layout, spec_for, use_layout
+from jaxpar.core.schedule import Schedule
+from jaxpar.core.sharding import Layout, spec_for, use_layout
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
 
@@ -30,7 +30,7 @@ def _axis_name(axes: tuple[str, ...]):
 
 def _stage_view(a: jax.Array, sched: Schedule, sharded, names) -> jax.Array:
     """A stacked weight [U, ...] in stored order as [S, v, k, ...]: chunk r*S + s at [s, r], padded with
-    zeros to k. Even splits are stored stage-major (jaxpar/pipeline_order.py): a reshape, each stage's
+    zeros to k. Even splits are stored stage-major (jaxpar/pipeline/order.py): a reshape, each stage's
     block already on it."""
     S, v, k = sched.stages, sched.repeats, sched.per_chunk
     if sched.even:
@@ -60,9 +60,9 @@ def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True,
     per fsdp shard with that shard's copy), ws and ok that stage's slices of `weights` and `valid`.
     valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
     per_shard=False: no fsdp copies (weights [S, v, k, ...] gathered over fsdp, chunk on whatever rows
-    it is given), for a caller that makes its own (jaxpar/pipeline_1f1b.py).
+    it is given), for a caller that makes its own (jaxpar/pipeline/one_f_one_b.py).
     policy: the remat policy of each unit inside the chunk ("none": the schedule rematerialises whole
-    iterations, jaxpar/pipeline.py; 1F1B passes the run's, so its backward tick's recompute keeps one
+    iterations, jaxpar/pipeline/gpipe.py; 1F1B passes the run's, so its backward tick's recompute keeps one
     unit's activations at a time, not the chunk's k).
     with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
     shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,

@@ -2,7 +2,7 @@
 
 Follow one parameter from the model to the devices:
   1. the model annotates it with logical names (models/layers.py: `param`);
-  2. `jaxpar.sharding.param_shardings` looks the names up in the strategy's rules table;
+  2. `jaxpar.core.sharding.param_shardings` looks the names up in the strategy's rules table;
   3. `Trainer` initialises it under jit with those out_shardings, so it is born sharded;
   4. the step is jitted with the same shardings in and out, and XLA inserts the collectives.
 """
@@ -21,14 +21,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import faults, validate
+from jaxpar.training import faults
+
+from jaxpar.core import validate
 from jaxpar.cost.flops import step_flops
-from jaxpar.inputs import check_host_memory
-from jaxpar.data import local_batch, process_indices, to_global
-from jaxpar.mesh import make_mesh
-from jaxpar.pipeline_order import reorder, stacked_paths, unit_order
-from jaxpar.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
-from jaxpar.strategy import Strategy
+from jaxpar.core.inputs import check_host_memory
+from jaxpar.training.data import local_batch, process_indices, to_global
+from jaxpar.core.mesh import make_mesh
+from jaxpar.pipeline.order import reorder, stacked_paths, unit_order
+from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
+from jaxpar.core.strategy import Strategy
 from jaxpar.xla_presets import compiler_options
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
@@ -98,7 +100,7 @@ class Trainer:
         self.layout = model_layout(self.mesh, self.strategy, model.kv_heads, model.has_attention)
         self.optimizer = make_optimizer(tc)
         self.order = token_order(self.strategy, tc.seq)
-        # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline_order.py)
+        # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline/order.py)
         self.unit_order = unit_order(self.strategy, model.units)
         self.stacked = stacked_paths(abstract_params)
 
@@ -150,7 +152,7 @@ class Trainer:
 
     def state_from_params(self, params) -> TrainState:
         """A fresh train state around given parameters (host or device arrays), placed in this
-        strategy's shardings and the stored order of the stacked units (jaxpar/pipeline_order.py); the
+        strategy's shardings and the stored order of the stacked units (jaxpar/pipeline/order.py); the
         optimizer state is created directly in its shards."""
         params = jax.device_put(params, self.param_shardings)
         if self.unit_order is not None:
@@ -168,7 +170,7 @@ class Trainer:
             model = nnx.merge(self.graphdef, params)
             x = model.embed(batch["inputs"])
             if self.strategy.size("pipeline") > 1:  # the head and loss run inside (spread over the stages)
-                from jaxpar.pipeline import pipelined_loss  # noqa: PLC0415
+                from jaxpar.pipeline.gpipe import pipelined_loss  # noqa: PLC0415
                 loss, aux = pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout)
             else:
                 x, aux = self.apply_stack(model, x, batch["positions"])
@@ -179,15 +181,15 @@ class Trainer:
             return loss, aux_metrics(self.model_cfg, aux)
 
     def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.pipelined_loss`), and the MoE
+        """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.gpipe.pipelined_loss`), and the MoE
         layers' auxiliary vector or None."""
         return model.apply_stack_aux(x, positions)
 
     def _value_and_grad(self, params, batch):
         """((loss, extra metrics), gradients) of one batch: jax.value_and_grad of `_loss`, but under the
-        1F1B pipeline schedule, which computes its own backward (jaxpar/pipeline_1f1b.py)."""
+        1F1B pipeline schedule, which computes its own backward (jaxpar/pipeline/one_f_one_b.py)."""
         if self.strategy.size("pipeline") > 1 and self.strategy.options.pp_schedule == "1f1b":
-            from jaxpar.pipeline_1f1b import loss_and_grads  # noqa: PLC0415
+            from jaxpar.pipeline.one_f_one_b import loss_and_grads  # noqa: PLC0415
             with use_layout(self.layout):
                 loss, grads = loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
                                              self.run.dtype)
@@ -254,7 +256,7 @@ class Trainer:
     def reorder(self, tree, inverse: bool = False):
         """Parameters, gradients, optimizer or train state from layer order into the stored order of the
         stacked units (`inverse`: back); the identity but under a circular pipeline
-        (jaxpar/pipeline_order.py)."""
+        (jaxpar/pipeline/order.py)."""
         return reorder(tree, self.stacked, self.unit_order, inverse)
 
     def stored_state(self, state: TrainState, inverse: bool = False) -> TrainState:

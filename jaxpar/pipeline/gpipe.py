@@ -2,12 +2,12 @@
 
 The model's layer units are stacked on a leading `layers` dim (models/lm.py). With S stages and
 v repeats (1 for GPipe) the U units are cut into S*v chunks in execution order, chunk c = r*S + s
-run by stage s in repeat r (jaxpar/schedule.py: the split; even when S*v divides U, else the first
+run by stage s in repeat r (jaxpar/core/schedule.py: the split; even when S*v divides U, else the first
 and last chunks lighter, or `pp_stages`). Every chunk runs in k = max(split) unit slots; a shorter
 chunk's last slots are padding: zero weights whose output is discarded (`where(valid, unit(h), h)`),
 so they are the identity, the real weights' gradients are unchanged and nothing flows into padding.
 The stacked weights [U, ...] are viewed as [S, v, k, ...] (chunks sliced, padded, stage dim first),
-sharded on `stages` (= pipeline). An even split is stored stage-major (jaxpar/pipeline_order.py: the
+sharded on `stages` (= pipeline). An even split is stored stage-major (jaxpar/pipeline/order.py: the
 trainer's state holds unit (r*S + s)*k + j at position s*v*k + r*k + j; checkpoints and the gradients
 that `Trainer.loss_and_grads` returns are in layer order), so `layers` on `pipeline` puts each stage's
 chunks on it and the view is a reshape: no weight moves, GPipe or circular. An uneven split cannot
@@ -41,7 +41,7 @@ over the stages by one all-to-all, so stage s holds micro-batches s*M'/S + [0, M
 runs the final norm, head and cross-entropy on its M'/S (padding micro-batches weigh 0). The loss is
 the mean of the micro-batches' means (equal token counts: the batch mean). The head's and final
 norm's gradients are then partial sums per stage, reduced over `pipeline` with the data axes.
-Micro-batch m takes rows m, m+M, m+2M, ... (as gradient accumulation in jaxpar.train does): the
+Micro-batch m takes rows m, m+M, m+2M, ... (as gradient accumulation in jaxpar.training.trainer does): the
 split is a reshape that keeps every row on the devices of the `batch` axes that already hold it.
 
 FSDP inside the stages: the stage view is all-gathered over `fsdp` once per step, before the loop
@@ -83,11 +83,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline_stages import (WEIGHTS_NAME, _InStages, _axis_name, _valid_slots, _without,  # noqa: F401
+from jaxpar.pipeline.stages import (WEIGHTS_NAME, _InStages, _axis_name, _valid_slots, _without,  # noqa: F401
                                     stage_chunks)
-from jaxpar.schedule import Schedule, schedule_of
-from jaxpar.sharding import Layout, constrain, spec_for, use_layout
-from jaxpar.strategy import Strategy
+from jaxpar.core.schedule import Schedule, schedule_of
+from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
+from jaxpar.core.strategy import Strategy
 
 def _iteration_policy(policy: str):
     """jax.checkpoint policy of one iteration's stage work; never saves the weight slices."""

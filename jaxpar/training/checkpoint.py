@@ -13,7 +13,7 @@ arrays; orbax writes them collectively into one directory (which all hosts must 
 system or a bucket) and process 0 writes the metadata.
 
 Every save also writes a CRC-32 per array (per saved slice) into the `meta` item, and every restore
-checks them: see jaxpar/checkpoint_integrity.py for the scheme and what a multi-process run checks.
+checks them: see jaxpar/training/integrity.py for the scheme and what a multi-process run checks.
 
 Odd cases, each with a clear outcome:
   - resume with no checkpoint          -> fresh start, and `restore` says so
@@ -41,8 +41,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpar import faults
-from jaxpar.checkpoint_integrity import DamagedCheckpoint, checksums, read_error, verify
+from jaxpar.training import faults
+from jaxpar.training.integrity import DamagedCheckpoint, checksums, read_error, verify
 from jaxpar.errors import ConfigError
 
 MARKER = "jaxpar.json"

@@ -7,15 +7,15 @@ from jaxpar.errors import ConfigError
 
 def model_from(spec: str):
     """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout
-    checkpoint's config.json: jaxpar/hf.py)."""
-    from jaxpar.hf import PREFIX, read_config  # noqa: PLC0415
+    checkpoint's config.json: jaxpar/serving/hf.py)."""
+    from jaxpar.serving.hf import PREFIX, read_config  # noqa: PLC0415
     from jaxpar.models.config import parse_model  # noqa: PLC0415
     return read_config(spec[len(PREFIX):]) if spec.startswith(PREFIX) else parse_model(spec)
 
 
 def hf_params(directory: str, model, abstract_params):
     """Parameters from a Hugging Face checkpoint for `model`, whose shapes must be the checkpoint's."""
-    from jaxpar.hf import load_params, read_config  # noqa: PLC0415
+    from jaxpar.serving.hf import load_params, read_config  # noqa: PLC0415
     theirs = read_config(directory)
     fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "vocab", "tie_embeddings", "pattern")
     differ = [f"{f}={getattr(model, f)} (checkpoint: {getattr(theirs, f)})" for f in fields
@@ -26,7 +26,7 @@ def hf_params(directory: str, model, abstract_params):
 
 
 def strategy_from_args(args, spec: str | None = None):
-    from jaxpar.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
+    from jaxpar.core.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
     from jaxpar.devices import backend_started  # noqa: PLC0415
     from jaxpar.xla_presets import export_tpu_flags  # noqa: PLC0415
     strategy = parse_strategy(spec or args.mesh)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import read_toml, table
+from jaxpar.core.inputs import read_toml, table
 from jaxpar.xla_presets import NAMES as XLA_PRESETS
 
 # Canonical order, outermost (slowest links) to innermost (fastest links).
@@ -44,7 +44,7 @@ def _option(default: Any, help: str, choices: tuple | None = None) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The one schema of strategy options: a mesh file's [options] table, the command line's strategy
-    flags (generated from these fields: jaxpar/cli.py), and what the run reads. To add an option, add a
+    flags (generated from these fields: jaxpar/cli/main.py), and what the run reads. To add an option, add a
     field here and use it."""
     zero: int | None = _option(None, "0 replicated data parallelism, 1 sharded optimizer state, 3 FSDP "
                                      "(default: 3 if the mesh has fsdp > 1, else 0)", (0, 1, 3))
@@ -234,7 +234,7 @@ def load_toml(path: pathlib.Path) -> Strategy:
     """A mesh file: [mesh] (with an optional [mesh.dcn]), [options], a description, and optionally
     [prefill] / [decode] tables for `jaxpar generate`, each with its own [<phase>.mesh] (replacing the
     top-level mesh: axes it does not name are 1) and/or [<phase>.options] (over the top-level
-    options). jaxpar.validate.check_phases checks the phases against each other."""
+    options). jaxpar.core.validate.check_phases checks the phases against each other."""
     data = read_toml(path, "mesh")
     where = str(path)
     unknown = set(data) - {"description", "mesh", "options", *PHASES}

@@ -1,6 +1,6 @@
-"""What each `jaxpar` command does, once jaxpar/cli.py has parsed its flags (and applied `--devices`,
+"""What each `jaxpar` command does, once jaxpar/cli/main.py has parsed its flags (and applied `--devices`,
 so JAX may be imported here). Every input is checked before anything compiles or trains: flag values
-by the parser's types (jaxpar/inputs.py), configs by their loaders, combinations by jaxpar/validate.py.
+by the parser's types (jaxpar/core/inputs.py), configs by their loaders, combinations by jaxpar/core/validate.py.
 """
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ import json
 import math
 
 from jaxpar.errors import ConfigError
-from jaxpar.args import hf_params, model_from, strategy_from_args
-from jaxpar.commands_cost import cmd_estimate, cmd_plan  # noqa: F401 (cli.main dispatches cmd_* from here)
+from jaxpar.cli.args import hf_params, model_from, strategy_from_args
+from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan  # noqa: F401 (cli.main dispatches cmd_* from here)
 
 
 def cmd_train(args) -> int:
     from jaxpar import distributed  # noqa: PLC0415
-    from jaxpar.data import make_source  # noqa: PLC0415
-    from jaxpar.metrics import Sinks  # noqa: PLC0415
-    from jaxpar.train import Preempted, PreemptionNotice, TrainConfig, Trainer, train  # noqa: PLC0415
+    from jaxpar.training.data import make_source  # noqa: PLC0415
+    from jaxpar.training.metrics import Sinks  # noqa: PLC0415
+    from jaxpar.training.trainer import Preempted, PreemptionNotice, TrainConfig, Trainer, train  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     # checkpoint flags, before anything is built
     overwrite, resume_step = getattr(args, "overwrite_ckpt", False), getattr(args, "resume_step", None)
-    # (an empty --ckpt-dir and --stop-after < 1 are refused by the parser's types: jaxpar/inputs.py)
+    # (an empty --ckpt-dir and --stop-after < 1 are refused by the parser's types: jaxpar/core/inputs.py)
     for flag, given in (("--resume", args.resume), ("--overwrite-ckpt", overwrite)):
         if given and args.ckpt_dir is None:
             raise ConfigError(f"{flag} needs --ckpt-dir")
@@ -48,7 +48,7 @@ def cmd_train(args) -> int:
     start = 0
     stop = min(args.stop_after or args.steps, args.steps)
     if args.ckpt_dir is not None:
-        from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
+        from jaxpar.training.checkpoint import Checkpointer  # noqa: PLC0415
         ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
         if not args.resume and (found := ckpt.steps()):
             if not overwrite:
@@ -81,7 +81,7 @@ def cmd_train(args) -> int:
         print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
         print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
         if trainer.strategy.size("pipeline") > 1:
-            from jaxpar.schedule import schedule_summary  # noqa: PLC0415
+            from jaxpar.core.schedule import schedule_summary  # noqa: PLC0415
             print(schedule_summary(trainer.strategy, model.units))
     bar = None
     if main and not args.no_progress:
@@ -157,8 +157,8 @@ def analysis_config(args, model, strategies, **extra):
     """TrainConfig for analysis: --batch/--seq, or defaults valid for every strategy."""
     import math  # noqa: PLC0415
 
-    from jaxpar.train import TrainConfig  # noqa: PLC0415
-    from jaxpar.validate import data_parallel_size  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig  # noqa: PLC0415
+    from jaxpar.core.validate import data_parallel_size  # noqa: PLC0415
 
     def per_step(s) -> int:
         o = s.options
@@ -199,8 +199,8 @@ def comm_generation(args, model, strategy, devices) -> dict:
     import time  # noqa: PLC0415
 
     from jaxpar.analysis.comm import analyze_compiled  # noqa: PLC0415
-    from jaxpar.generate import Generator  # noqa: PLC0415
-    from jaxpar.validate import data_parallel_size  # noqa: PLC0415
+    from jaxpar.serving.generate import Generator  # noqa: PLC0415
+    from jaxpar.core.validate import data_parallel_size  # noqa: PLC0415
 
     strategy = strategy.resolved(len(devices)) if strategy.num_devices < 1 else strategy
     batch = args.batch or data_parallel_size(strategy)
@@ -238,7 +238,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jaxpar.inputs import read_prompt_file  # noqa: PLC0415
+    from jaxpar.core.inputs import read_prompt_file  # noqa: PLC0415
 
     model = model_from(args.model)
     strategy = strategy_from_args(args)
@@ -250,7 +250,7 @@ def cmd_generate(args) -> int:
                           "decoding; give --temperature > 0")
     if args.top_k > model.vocab:
         raise ConfigError(f"--top-k {args.top_k} exceeds the model's vocab={model.vocab}")
-    from jaxpar.generate import Generator, Sampling  # noqa: PLC0415
+    from jaxpar.serving.generate import Generator, Sampling  # noqa: PLC0415
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     gen = Generator(model, strategy, prompts, args.max_new_tokens, sampling)  # every check, before compiling
@@ -288,5 +288,5 @@ def cmd_generate(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from jaxpar.launch import launch  # noqa: PLC0415
+    from jaxpar.cli.launch import launch  # noqa: PLC0415
     return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)

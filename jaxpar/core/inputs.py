@@ -2,12 +2,12 @@
 
 Every failure is a ConfigError with one line naming the field, the value and the constraint, raised
 before anything compiles or trains. What is checked where:
-  - command-line numbers and paths: the parser's argument types below (jaxpar/cli.py), and
+  - command-line numbers and paths: the parser's argument types below (jaxpar/cli/main.py), and
     `check_outputs` for the files a command will write, before it runs;
   - TOML files (mesh, model, hardware): `read_toml` (unreadable, not UTF-8, not TOML, not a table)
     and `table` / `number` for the shape and type of each value;
-  - model fields: `ModelConfig.validate`; strategy options: `jaxpar.strategy.make_options`;
-    combinations of model, strategy and batch: jaxpar/validate.py;
+  - model fields: `ModelConfig.validate`; strategy options: `jaxpar.core.strategy.make_options`;
+    combinations of model, strategy and batch: jaxpar/core/validate.py;
   - what this host can hold: `check_host_memory`, and jaxpar/devices.py for simulated devices.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def png_path(text: str) -> str:
 
 def token_ids(text: str) -> list[int]:
     """An argparse type: one prompt as comma-separated token ids (`1,2,3`), at least one, each >= 0
-    (their range against the model's vocabulary is checked by jaxpar.validate.check_generate)."""
+    (their range against the model's vocabulary is checked by jaxpar.core.validate.check_generate)."""
     items = [t.strip() for t in text.split(",")]
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty prompt: give at least one token id, e.g. 1,2,3")

@@ -27,7 +27,7 @@ class Sinks:
 
     def __init__(self, jsonl: str | None = None, tensorboard: str | None = None):
         self._jsonl = self._tb = None
-        if tensorboard:  # (both paths were checked writable by cli.main: jaxpar.inputs.check_outputs)
+        if tensorboard:  # (both paths were checked writable by cli.main: jaxpar.core.inputs.check_outputs)
             try:
                 from tensorboardX import SummaryWriter  # noqa: PLC0415
             except ImportError:

@@ -1,6 +1,6 @@
 """The 1F1B (one-forward-one-backward) pipeline schedule: activation memory bounded by the stage count.
 
-GPipe and circular (jaxpar/pipeline.py) are a forward loop that jax.grad differentiates: the backward
+GPipe and circular (jaxpar/pipeline/gpipe.py) are a forward loop that jax.grad differentiates: the backward
 starts after every micro-batch's forward, so each stage keeps what its backward needs of all M
 micro-batches (T = M + S - 1 iterations' stage inputs, and with remat "none" their inventories). 1F1B
 (PipeDream-flush: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
@@ -10,7 +10,7 @@ loop can order work that way, so this module writes the backward itself and hand
 and the gradients (Trainer._value_and_grads), instead of a loss for jax.grad.
 
 The schedule, one program on every device (`vmap` over the stage dim, spmd_axis_name = the pipeline
-axes, as jaxpar/pipeline.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three loops; in tick t stage s
+axes, as jaxpar/pipeline/gpipe.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three loops; in tick t stage s
   1. forward: micro-batch i = t - s (valid when 0 <= i < M) through its chunk; stage 0 takes the
      embedding output of micro-batch t, stage s > 0 what stage s-1 produced in tick t-1. The chunk's
      input goes into the stage's stash, a ring of D = 2S-1 slots (slot t % D);
@@ -27,17 +27,17 @@ axes, as jaxpar/pipeline.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three
      collective-permute over `pipeline` each (the second is the first's transpose).
 The first S-1 ticks (warm-up) have no valid backward on any stage and the last S-1 (cool-down) no
 valid forward, so they run as their own loops, forward only and backward only: M + S - 1 forwards and
-as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) (jaxpar/schedule.py).
+as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) (jaxpar/core/schedule.py).
 Stage s stashes a micro-batch from its forward (tick i + s) to its backward (tick i + 2(S-1) - s):
 at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute is transient:
 the chunk's k units' activations under remat none, its unit inputs and one unit's activations under
-remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline_stages.py). Stage 0's input cotangents are collected per micro-batch for the
+remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline/stages.py). Stage 0's input cotangents are collected per micro-batch for the
 embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
 per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
-exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/validate.py).
+exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/core/validate.py).
 
 Interleaved 1F1B (pp_repeats = v > 1; Narayanan et al. 2021, 2.2.2): stage s holds v chunks (chunk r*S + s
-in repeat r, stored stage-major as the circular schedule's, jaxpar/pipeline_order.py) and the micro-batches
+in repeat r, stored stage-major as the circular schedule's, jaxpar/pipeline/order.py) and the micro-batches
 go round the stages v times in groups of S (M a multiple of S): forward item i = t - s is micro-batch
 (i // Sv) S + i % S in repeat (i // S) % v, and the last stage's output of repeat r < v-1 reaches stage 0
 exactly when it takes that micro-batch's next repeat (the up-shift is cyclic), so nothing waits in a
@@ -51,7 +51,7 @@ Weight gradients are accumulated in the loop's carry, so they must not be reduce
 there (GSPMD would all-reduce every tick's contribution): the stage and head weights are gathered over
 fsdp once, before the loop, and copied once per batch shard ([S, N, ...] and [N, ...], N = data x fsdp
 devices, a broadcast sharded on the batch axes: each device keeps its own copy), and a vmap over the N
-shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as jaxpar/pipeline.py
+shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as jaxpar/pipeline/gpipe.py
 does for fsdp alone. Around the loop one jax.vjp carries the gradients to the parameters: the
 embedding, the stage view (an uneven split's all-to-alls), the gathers and the copies, whose
 transposes reduce over the batch axes once per step. Communication per step over `pipeline`: M + S - 1
@@ -69,10 +69,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import _axis_name, _shift_fn, _split, _valid_slots, _without, stage_chunks
-from jaxpar.schedule import schedule_of
-from jaxpar.sharding import Layout, constrain, spec_for, use_layout
-from jaxpar.strategy import Strategy
+from jaxpar.pipeline.gpipe import _axis_name, _shift_fn, _split, _valid_slots, _without, stage_chunks
+from jaxpar.core.schedule import schedule_of
+from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
+from jaxpar.core.strategy import Strategy
 
 STATE = ("stages", "batch", None, "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
 LABELS = ("stages", "batch", None, "seq")                    # [S, N, rows, s]
@@ -96,7 +96,7 @@ def _replaced(leaves: list, at: list[int], new: list) -> list:
 
 class _PerShard(Layout):
     """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share
-    (`in_vmap`: shard_map kernels there run without their replication check, jaxpar/pipeline_stages.py)."""
+    (`in_vmap`: shard_map kernels there run without their replication check, jaxpar/pipeline/stages.py)."""
     in_vmap = True
 
     def rules(self, purpose: str):
@@ -116,7 +116,7 @@ def _pieces_fns(layout: Layout, S: int):
     S-th of the last stage's local sequence (one all-to-all over the stage axes; its transpose, one more,
     backward); piece(labels [S, N, rows, s]) -> the labels of stage p's tokens, sharded as `seq` (the
     head's layout: under SP a `seq` shard holds `sub` = tensor residual shards, whose p-th S-ths it
-    takes; no communication). Manual over every mesh axis, as jaxpar/pipeline.py's `_spread_fn`."""
+    takes; no communication). Manual over every mesh axis, as jaxpar/pipeline/gpipe.py's `_spread_fn`."""
     name = _axis_name(layout.axes("stages"))
     mesh, rules = layout.mesh, layout.rules("activations")
     state, labels = spec_for(STATE, rules, mesh), spec_for(LABELS, rules, mesh)

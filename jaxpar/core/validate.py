@@ -3,7 +3,7 @@
 Each failure raises ConfigError with a message naming the constraint and the values, e.g.
 "tensor=4 does not divide heads=6". `check` runs them all; the kernels call the pieces they rely
 on (`check_token_layout`), never the reverse. Constraints internal to one config live with it:
-`ModelConfig.validate` (model fields) and `jaxpar.strategy.make_options` (option types and choices).
+`ModelConfig.validate` (model fields) and `jaxpar.core.strategy.make_options` (option types and choices).
 This module imports no model or kernel code (see docs/design.md, "Layers").
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.rules import DATA_AXES
-from jaxpar.schedule import schedule_of
-from jaxpar.strategy import CHOICES, Strategy
+from jaxpar.core.rules import DATA_AXES
+from jaxpar.core.schedule import schedule_of
+from jaxpar.core.strategy import CHOICES, Strategy
 
 if TYPE_CHECKING:
     from jaxpar.models.config import ModelConfig
@@ -97,7 +97,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     # --- pipeline -----------------------------------------------------------------------------
     check_pipeline(model, strategy)
     pp, sp = strategy.size("pipeline"), o.sequence_parallel
-    piece = seq // (cp * (tp if sp else 1))   # jaxpar/pipeline_1f1b.py spreads it over the stages for the head
+    piece = seq // (cp * (tp if sp else 1))   # jaxpar/pipeline/one_f_one_b.py spreads it over the stages for the head
     if pp > 1 and o.pp_schedule == "1f1b" and piece % pp:
         raise ConfigError(f"pp_schedule=1f1b spreads each device's sequence piece over the stages for the head: seq={seq} "
                           f"/ ({'context x tensor' if sp else 'context'} = {cp * (tp if sp else 1)}) = {piece} tokens "
@@ -106,7 +106,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:
     """K/V heads over `tensor`: sharded when tensor divides kv_heads; replicated across tensor ranks
-    (Megatron's rule, jaxpar.sharding.model_layout) when tensor is a multiple of kv_heads, so each rank
+    (Megatron's rule, jaxpar.core.sharding.model_layout) when tensor is a multiple of kv_heads, so each rank
     computes every K/V head and its query heads read theirs."""
     if tensor > model.kv_heads and tensor % model.kv_heads:
         raise ConfigError(f"tensor={tensor} > kv_heads={model.kv_heads} replicates K/V heads across tensor ranks, "
@@ -157,7 +157,7 @@ def check_fsdp_prefetch(strategy: Strategy) -> None:
                           f"(remat=full), so remat={o.remat} cannot be honoured: set remat=full")
     if strategy.size("pipeline") > 1:
         raise ConfigError(f"fsdp_prefetch with pipeline={strategy.size('pipeline')}: the pipeline gathers its "
-                          "stage weights once per step already (jaxpar/pipeline.py)")
+                          "stage weights once per step already (jaxpar/pipeline/gpipe.py)")
 
 
 def check_token_layout(seq_len: int, context: int, layout: str) -> None:
@@ -249,7 +249,7 @@ def check_expert_parallel(experts: int, expert_axis: int) -> None:
 
 def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     """Raise ConfigError for a pipeline configuration that cannot run (`strategy` resolved; the batch in
-    `check`). Any unit count on any stage count (jaxpar/schedule.py) if every chunk gets a unit; `pp_stages`
+    `check`). Any unit count on any stage count (jaxpar/core/schedule.py) if every chunk gets a unit; `pp_stages`
     lists one positive count per chunk summing to the units. Circular needs M >= S (a micro-batch takes S
     iterations to come back to stage 0 for its next repeat); interleaved 1F1B (pp_repeats > 1) takes the
     micro-batches in groups of S. Context parallelism runs inside the stages (attention and Mamba-2)."""
@@ -324,7 +324,7 @@ def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[in
 
 
 def check_phases(strategy: Strategy) -> None:
-    """A strategy's [prefill] and [decode] layouts (jaxpar.strategy.load_toml) run on the same devices
+    """A strategy's [prefill] and [decode] layouts (jaxpar.core.strategy.load_toml) run on the same devices
     (generate reshards weights and cache between them): equal device counts (a -1 axis always fits)."""
     counts = {p: strategy.phase(p).num_devices for p in ("prefill", "decode")}
     if min(counts.values()) > 0 and counts["prefill"] != counts["decode"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 
 Rules = types.MappingProxyType  # an immutable {logical name: tuple of mesh axes}
 
@@ -23,7 +23,7 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
-    "stages": ("pipeline",),        # the stage dim of pipeline buffers (jaxpar/pipeline.py)
+    "stages": ("pipeline",),        # the stage dim of pipeline buffers (jaxpar/pipeline/gpipe.py)
     # parameters
     "embed": ("fsdp",),             # ZeRO-3 / FSDP shards parameters on their model dim
     "q_heads": ("tensor",),
@@ -37,7 +37,7 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "ssm_state": (),
     "conv": (),
     "experts": ("expert",),
-    # inference state (models/decode.py, jaxpar/generate.py): sharded like a parameter
+    # inference state (models/decode.py, jaxpar/serving/generate.py): sharded like a parameter
     "cache_batch": ("data", "fsdp", "expert"),  # the sequences being generated, as `batch`
     "cache_seq": (),                # cache slots (context-parallel prefill would shard them)
     "cache_kv_heads": ("tensor",),  # cached K/V heads (copies of them when tensor > kv_heads)
@@ -56,7 +56,7 @@ def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = Fa
     - compute:     the layout a weight is gathered to for its matmuls: the params table without fsdp
                    (FSDP's all-gather target; jaxpar/ops/fsdp_prefetch.py gathers to it explicitly).
 
-    `replicate_kv_heads` is Megatron's rule for tensor > kv_heads (used by inference: jaxpar/generate.py):
+    `replicate_kv_heads` is Megatron's rule for tensor > kv_heads (used by inference: jaxpar/serving/generate.py):
     the K/V projections and their activations are replicated over `tensor` (every rank computes every
     K/V head), and the cache keeps tensor/kv_heads copies of each head on `cache_kv_heads`, so each
     tensor rank holds the one head its query heads read.

@@ -3,7 +3,7 @@ rules table like a parameter, and sampling.
 
 Follow one cached K block from the model to the devices:
   1. models/decode.py names it ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim");
-  2. jaxpar/rules.py maps cache_batch -> data x fsdp x expert, cache_kv_heads -> tensor, layers -> pipeline;
+  2. jaxpar/core/rules.py maps cache_batch -> data x fsdp x expert, cache_kv_heads -> tensor, layers -> pipeline;
   3. `Generator` creates the cache born sharded (jit with out_shardings) and jits the prefill and the
      decode step with the cache donated (its buffers are reused for the updated cache) and the same
      shardings in and out, so the cache never moves between steps.
@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import validate
-from jaxpar.mesh import make_mesh
+from jaxpar.core import validate
+from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.attention import token_permutation
-from jaxpar.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
-from jaxpar.strategy import Strategy
+from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
+from jaxpar.core.strategy import Strategy
 from jaxpar.models import decode
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
@@ -141,7 +141,7 @@ def kv_copies(model: ModelConfig, *tensors: int) -> int:
 def prompt_width(model: ModelConfig, strategy: Strategy, longest: int) -> int:
     """The padded prompt width P: the longest prompt, rounded up so that a context-parallel prefill
     splits it into equal pieces (2 per context rank under zigzag), each at least the conv halo
-    (d_conv - 1 tokens) long for Mamba-2 (jaxpar.validate.check_mamba). The extra columns are left
+    (d_conv - 1 tokens) long for Mamba-2 (jaxpar.core.validate.check_mamba). The extra columns are left
     pads, identity steps for every layer."""
     cp = strategy.size("context")
     if cp == 1:
@@ -157,7 +157,7 @@ class Generator:
     """The prefill and decode steps of one model under one strategy, for `batch` prompts left-padded
     to `prompt_len` and `max_new_tokens` new tokens each, validated and compiled once.
 
-    The strategy's [prefill] and [decode] layouts (jaxpar/strategy.py) may differ: the prefill then
+    The strategy's [prefill] and [decode] layouts (jaxpar/core/strategy.py) may differ: the prefill then
     runs on its mesh, and the weights and the filled cache are resharded onto the decode layout
     (jax.device_put with the decode shardings) before the first decode step. Parameters are given
     to `generate` in the prefill layout (`init_params`, `place_params`, `restore_params`)."""
@@ -236,8 +236,8 @@ class Generator:
     def restore_params(self, directory: str, step: int | None = None) -> tuple[Any, str]:
         """(parameters, message) from a training checkpoint in `directory` (newest step unless given),
         read straight into this strategy's shardings; the optimizer state is not read."""
-        from jaxpar.checkpoint import flatten, restore_arrays, unflatten  # noqa: PLC0415
-        from jaxpar.train import TrainState  # noqa: PLC0415 (the checkpoint's tree: only its params)
+        from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten  # noqa: PLC0415
+        from jaxpar.training.trainer import TrainState  # noqa: PLC0415 (the checkpoint's tree: only its params)
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               jax.eval_shape(lambda: self.abstract_params), self.param_shardings)
         template = TrainState(params, None, None)

@@ -42,7 +42,7 @@ def verify_plan(model, strategy, global_batch: int, seq: int, devices: list) -> 
     from jaxpar.cost import comm as cost_comm  # noqa: PLC0415
     from jaxpar.cost import memory  # noqa: PLC0415
     from jaxpar.cost.shape import step_shape  # noqa: PLC0415
-    from jaxpar.train import TrainConfig  # noqa: PLC0415
+    from jaxpar.training.trainer import TrainConfig  # noqa: PLC0415
 
     report = analysis.analyze_strategy(model, strategy, TrainConfig(batch=global_batch, seq=seq), devices)
     compiled: dict[tuple, float] = {}

@@ -1,20 +1,20 @@
 """The commands that ask the analytic cost model: `jaxpar estimate` (a training step, or a prefill or
-decode step) and `jaxpar plan` (the search, --verify, --write). jaxpar/commands.py holds the others and
-re-exports these for jaxpar/cli.py.
+decode step) and `jaxpar plan` (the search, --verify, --write). jaxpar/cli/commands.py holds the others and
+re-exports these for jaxpar/cli/main.py.
 """
 from __future__ import annotations
 
 import json
 
-from jaxpar.args import model_from, strategy_from_args
+from jaxpar.cli.args import model_from, strategy_from_args
 from jaxpar.errors import ConfigError
 
 
 def cmd_estimate(args) -> int:
-    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.core import validate  # noqa: PLC0415
     from jaxpar.cost import SOFTWARE, estimate, format_estimate  # noqa: PLC0415
     from jaxpar.cost.defaults import accelerator_defaults  # noqa: PLC0415
-    from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415
+    from jaxpar.core.strategy import OPTION_FIELDS  # noqa: PLC0415
 
     model = model_from(args.model)
     strategy = strategy_from_args(args)
@@ -32,7 +32,7 @@ def cmd_estimate(args) -> int:
     for line in defaults:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
-        from jaxpar.schedule import schedule_summary  # noqa: PLC0415
+        from jaxpar.core.schedule import schedule_summary  # noqa: PLC0415
         print(schedule_summary(strategy, model.units))
     print(format_estimate(est))
     if args.json:
@@ -44,7 +44,7 @@ def cmd_estimate(args) -> int:
 def estimate_inference(args, model, strategy, defaults) -> int:
     """`estimate --phase prefill|decode`: jaxpar/cost/inference.py for --global-batch sequences of a
     --seq-token prompt and --gen-len new tokens."""
-    from jaxpar import validate  # noqa: PLC0415
+    from jaxpar.core import validate  # noqa: PLC0415
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
     from jaxpar.cost.inference import format_inference, inference_estimate  # noqa: PLC0415
 
@@ -64,7 +64,7 @@ def estimate_inference(args, model, strategy, defaults) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxpar import planner  # noqa: PLC0415
+    from jaxpar.planning import planner  # noqa: PLC0415
 
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
 
@@ -89,11 +89,11 @@ def cmd_plan(args) -> int:
 
 
 def verify_plans(args, model, results) -> None:
-    """`plan --verify`: compile each listed plan on simulated devices (jaxpar/verify.py)."""
+    """`plan --verify`: compile each listed plan on simulated devices (jaxpar/planning/verify.py)."""
     from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
     from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
-    from jaxpar.planner import describe  # noqa: PLC0415
-    from jaxpar.verify import TOLERANCE, format_checks, verify_plan  # noqa: PLC0415
+    from jaxpar.planning.planner import describe  # noqa: PLC0415
+    from jaxpar.planning.verify import TOLERANCE, format_checks, verify_plan  # noqa: PLC0415
 
     simulate_cpu_devices(min(args.devices, DEVICE_LIMIT))
     import jax  # noqa: PLC0415
@@ -109,9 +109,9 @@ def verify_plans(args, model, results) -> None:
 
 
 def plan_inference(args) -> int:
-    """`plan --phase prefill|decode`: jaxpar/plan_inference.py's search, printed as a table."""
+    """`plan --phase prefill|decode`: jaxpar/planning/inference.py's search, printed as a table."""
     from jaxpar.cost import SOFTWARE  # noqa: PLC0415
-    from jaxpar.plan_inference import format_inference_plan, plan_inference as search  # noqa: PLC0415
+    from jaxpar.planning.inference import format_inference_plan, plan_inference as search  # noqa: PLC0415
 
     for flag in ("verify", "write"):
         if getattr(args, flag):

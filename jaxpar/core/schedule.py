@@ -1,11 +1,11 @@
 """A pipeline schedule as numbers: stages, repeats, micro-batches, the stage split, iterations, bubble.
 
-The arithmetic that jaxpar/pipeline.py runs, jaxpar/validate.py checks, jaxpar/cost/shape.py costs and
+The arithmetic that jaxpar/pipeline/gpipe.py runs, jaxpar/core/validate.py checks, jaxpar/cost/shape.py costs and
 `jaxpar train` prints, kept apart from the schedule's code so that checking a configuration imports no
 model or kernel. Bubble fraction (S-1)/(v*M+S-1): GPipe (Huang et al. 2019) with v = 1; the circular /
 interleaved schedule (Narayanan et al. 2021) with v model chunks per device. jaxpar's 1F1B runs
 M + 2(S-1) lockstep ticks: S-1 of forwards only, M of a forward and a backward, S-1 of backwards only
-(jaxpar/pipeline_1f1b.py), so each stage runs M + S - 1 forwards and as many backwards, GPipe's bubble
+(jaxpar/pipeline/one_f_one_b.py), so each stage runs M + S - 1 forwards and as many backwards, GPipe's bubble
 (S-1)/(M+S-1) (Narayanan et al. 2021, 2.2.1: 1F1B's bubble equals GPipe's; it bounds the memory);
 interleaved 1F1B (pp_repeats = v) the circular schedule's (S-1)/(v*M+S-1).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import Strategy
+from jaxpar.core.strategy import Strategy
 
 
 def default_split(units: int, chunks: int) -> tuple[int, ...]:
@@ -88,7 +88,7 @@ class Schedule:
     @property
     def iterations(self) -> int:
         """T = v*M + S - 1 stage forwards per step (and as many backwards); 1F1B: M + S - 1 of its
-        M + 2(S-1) ticks run a forward (jaxpar/pipeline_1f1b.py)."""
+        M + 2(S-1) ticks run a forward (jaxpar/pipeline/one_f_one_b.py)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -103,7 +103,7 @@ class Schedule:
 
 
 def schedule_of(strategy: Strategy, units: int) -> Schedule:
-    """The schedule of a resolved strategy (an explicit split is checked by jaxpar.validate first)."""
+    """The schedule of a resolved strategy (an explicit split is checked by jaxpar.core.validate first)."""
     o = strategy.options
     repeats = o.pp_repeats if o.pp_schedule in ("circular", "1f1b") else 1
     stages = strategy.size("pipeline")
@@ -134,7 +134,7 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
 
     With an even split `layers` stays on `pipeline` (each device holds its stage's units, in place for
     the schedule). Otherwise `pipeline` moves to the first later dim it divides, with that dim's other
-    axes (jit needs even shards; the memory per device stays 1/S), and jaxpar/pipeline.py's stage view
+    axes (jit needs even shards; the memory per device stays 1/S), and jaxpar/pipeline/gpipe.py's stage view
     moves the units to their stages once per step; replicated over `pipeline` if no dim fits."""
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
     stages = strategy.size("pipeline")

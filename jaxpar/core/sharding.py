@@ -15,9 +15,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.rules import DATA_AXES, Rules, rules_for
-from jaxpar.schedule import stored_spec
-from jaxpar.strategy import Strategy
+from jaxpar.core.rules import DATA_AXES, Rules, rules_for
+from jaxpar.core.schedule import stored_spec
+from jaxpar.core.strategy import Strategy
 
 
 def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
@@ -59,7 +59,7 @@ class Layout:
 
 def model_layout(mesh: Mesh, strategy: Strategy, kv_heads: int, has_attention: bool = True) -> Layout:
     """A model's layout: K/V heads replicated across tensor ranks when tensor exceeds the model's
-    kv_heads (Megatron's rule; jaxpar.rules.rules_for), for training and generation alike."""
+    kv_heads (Megatron's rule; jaxpar.core.rules.rules_for), for training and generation alike."""
     return Layout(mesh, strategy, replicate_kv_heads=has_attention and strategy.size("tensor") > kv_heads)
 
 

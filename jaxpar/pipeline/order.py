@@ -1,7 +1,7 @@
 """The stored order of the stacked layer units under a circular pipeline: stage-major, so that no step
 moves weights between stages.
 
-The circular schedule (jaxpar/pipeline.py) runs chunk c = r*S + s of k units on stage s in repeat r.
+The circular schedule (jaxpar/pipeline/gpipe.py) runs chunk c = r*S + s of k units on stage s in repeat r.
 In layer order stage s's chunks are scattered over the stacked `layers` dim [U, ...], while a
 `pipeline`-sharded dim gives each stage one contiguous block (GSPMD tiles a dim into contiguous
 shards), so a step that views the weights as [S, v, k] moves every weight leaf across the stages,
@@ -20,7 +20,7 @@ units of a training state, and it reads them through the order (a reshape). The 
 same ones in the same places, so loss and gradients are bit-for-bit unchanged.
 
 Only the even circular split is reordered: GPipe's stage-major order is layer order, and an uneven
-split cannot shard `layers` evenly over the stages in any order (jaxpar/schedule.py, stored_spec).
+split cannot shard `layers` evenly over the stages in any order (jaxpar/core/schedule.py, stored_spec).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.schedule import Schedule, schedule_of
-from jaxpar.strategy import Strategy
+from jaxpar.core.schedule import Schedule, schedule_of
+from jaxpar.core.strategy import Strategy
 
 
 def stage_major(sched: Schedule) -> np.ndarray | None:

@@ -2,10 +2,10 @@
 
 Candidates: every way to write N as data x context x expert x tensor, with context > 1 only for a
 prefill (a decode step has one token per sequence), expert > 1 only for a model with MoE layers,
-tensor at most one node's devices (jaxpar.planner's rule: tensor parallelism all-reduces every layer)
+tensor at most one node's devices (jaxpar.planning.planner's rule: tensor parallelism all-reduces every layer)
 a context split run with ring attention, and `estimate`'s accelerator defaults (bfloat16
 compute: jaxpar/cost/defaults.py). Each candidate is checked as `generate` checks it
-(jaxpar.validate.check_generation), costed for --global-batch sequences of a --seq-token prompt and
+(jaxpar.core.validate.check_generation), costed for --global-batch sequences of a --seq-token prompt and
 --gen-len new tokens (jaxpar/cost/inference.py), and kept only if it fits in the device's memory.
 
 Ranking: by step latency, fastest first. The batch, prompt and device count are fixed across
@@ -14,15 +14,15 @@ the faster layout is also the higher-throughput one at this batch.
 """
 from __future__ import annotations
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.cost.defaults import accelerator_defaults
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.inference import PHASES, InferenceEstimate, inference_estimate
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
-from jaxpar.planner import divisors
-from jaxpar.strategy import AXES, Options, Strategy
+from jaxpar.planning.planner import divisors
+from jaxpar.core.strategy import AXES, Options, Strategy
 
 
 def candidates(model: ModelConfig, devices: int, phase: str, max_tensor: int) -> list[Strategy]:

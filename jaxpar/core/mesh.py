@@ -1,4 +1,4 @@
-"""Named device meshes over the six canonical axes (jaxpar.strategy.AXES), Auto axis types.
+"""Named device meshes over the six canonical axes (jaxpar.core.strategy.AXES), Auto axis types.
 
 Every mesh has all six axes, unused ones of size 1, so one rules table serves every strategy.
 
@@ -10,7 +10,7 @@ lays it out. The granules are machines (jaxpar.distributed.process_hosts: one pr
 common, so hosts are not processes), or slices on multi-slice TPU (there mesh_utils builds it, to
 follow the torus). In one process (simulated devices) consecutive groups of devices stand in for
 hosts, so an analysis of a multi-host layout sees the device order a real run would.
-`jaxpar.validate.check_hosts` then refuses tensor-parallel groups that cross hosts unless asked.
+`jaxpar.core.validate.check_hosts` then refuses tensor-parallel groups that cross hosts unless asked.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import AXES, Strategy
+from jaxpar.core.strategy import AXES, Strategy
 
 
 def make_mesh(strategy: Strategy, devices: list | None = None) -> Mesh:

@@ -1,5 +1,5 @@
 """The `jaxpar` command line: the parser (flags, their types and help) and `main`. The commands themselves
-are in jaxpar/commands.py, imported after `--devices` is applied: the simulated-device flag must be set
+are in jaxpar/cli/commands.py, imported after `--devices` is applied: the simulated-device flag must be set
 before JAX starts its backend."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import traceback
 
 from jaxpar.errors import ConfigError
-from jaxpar.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
+from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
                            nonempty, png_path, real, token_ids)
 
 
@@ -34,8 +34,8 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
 
 
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per field of jaxpar.strategy.Options (the one options schema), with its help and choices."""
-    from jaxpar.strategy import OPTION_FIELDS  # noqa: PLC0415 (no JAX import)
+    """One flag per field of jaxpar.core.strategy.Options (the one options schema), with its help and choices."""
+    from jaxpar.core.strategy import OPTION_FIELDS  # noqa: PLC0415 (no JAX import)
     g = p.add_argument_group("strategy flags (override the mesh file's [options])")
     for f in OPTION_FIELDS:
         flag, choices, help_ = "--" + f.name.replace("_", "-"), f.metadata["choices"], f.metadata["help"]
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
     pl.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
                     help="search training layouts (default), or inference layouts for a prefill of --global-batch "
-                         "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/plan_inference.py)")
+                         "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/planning/inference.py)")
     pl.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
     add_software_flag(pl)
 
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "devices", None) and args.command not in ("plan", "estimate"):
             from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
             simulate_cpu_devices(args.devices)
-        from jaxpar import commands  # noqa: PLC0415 (after --devices: commands import JAX)
+        from jaxpar.cli.main import commands  # noqa: PLC0415 (after --devices: commands import JAX)
         return getattr(commands, f"cmd_{args.command}")(args)
     except ConfigError as e:
         return fail(f"jaxpar: error: {e}", 2, distributed.joining())

@@ -3,7 +3,7 @@
 Enumerates meshes over the six axes for N devices, with the options a practitioner would try for
 each (ZeRO-3 on the fsdp axis, ZeRO-0 or ZeRO-1 on `data`, sequence parallelism whenever tensor > 1, remat none /
 selective / full, ring attention when the sequence is split, pipeline micro-batches), drops those
-that violate a constraint (jaxpar.validate.check, the same checks a run makes) or do not fit in
+that violate a constraint (jaxpar.core.validate.check, the same checks a run makes) or do not fit in
 memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimate).
 
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
@@ -21,13 +21,13 @@ import dataclasses
 import itertools
 import math
 
-from jaxpar import validate
+from jaxpar.core import validate
 from jaxpar.cost import estimate, memory
 from jaxpar.cost.estimate import check_modelled, check_modelled_layout
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
-from jaxpar.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
+from jaxpar.core.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
 from jaxpar.models.config import ModelConfig
 
 
@@ -85,7 +85,7 @@ OBJECTIVES = ("throughput", "energy")
 
 def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: int) -> None:
     """What the planner (and the guide's studies, experiments/_study.py) rank: layouts a run takes
-    (jaxpar.validate.check; ZeRO over sizes that do not divide as padded flat shards) that the cost model
+    (jaxpar.core.validate.check; ZeRO over sizes that do not divide as padded flat shards) that the cost model
     counts (jaxpar.cost.estimate.check_modelled_layout). Pipeline x context trains (loss and gradients
     equal one device) but is not planned: its compiled memory is above the model's (llama3-8b on 64 devices,
     TP8 PP4 CP2, seq 8k: 62 GiB per device compiled against 45 predicted, 1F1B 19 against 11; before ring

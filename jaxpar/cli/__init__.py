@@ -1,0 +1,1 @@
+"""The `jaxpar` command line: the parser, what each command does, argument resolution, local launches."""

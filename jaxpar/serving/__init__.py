@@ -1,0 +1,1 @@
+"""Serving: sharded generation (prefill and decode) and Hugging Face checkpoints."""
