@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 
 TRAIN = ["train", "--model", "llama-tiny", "--mesh", "data=8", "--steps", "4", "--batch", "8", "--seq", "16",
          "--no-progress"]

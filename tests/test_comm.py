@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 
 from jaxpar import collectives
 from jaxpar.analysis import comm, patterns

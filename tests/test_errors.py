@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 from jaxpar.devices import simulate_cpu_devices, with_device_count
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import parse_strategy

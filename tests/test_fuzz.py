@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 
 from jaxpar.core import inputs
 from jaxpar.models.config import ModelConfig

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 from jaxpar.errors import ConfigError
 from jaxpar.serving.hf import load_params, read_config
 from jaxpar.models import decode

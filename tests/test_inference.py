@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 from jaxpar.errors import ConfigError
 from jaxpar.serving.generate import Generator, Sampling, pad_prompts, sample
 from jaxpar.core.strategy import parse_strategy

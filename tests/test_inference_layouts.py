@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 
 from jaxpar.core import validate
 from jaxpar.errors import ConfigError

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 from jaxpar.errors import ConfigError
 from jaxpar.core.mesh import make_mesh
 from jaxpar.ops.moe import group_capacity, local_moe, moe_experts

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.cli.main import main as cli
+from jaxpar.cli import main as cli
 
 from jaxpar.training import data, faults
 from jaxpar.training.checkpoint import Checkpointer

@@ -82,7 +82,7 @@ def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
 def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path, capsys):
     """`estimate` on a CPU-test mesh uses bf16 and 4 x stages micro-batches, says so, and a written plan
     reads back as a mesh file with the same prediction."""
-    from jaxpar.cli.main import main as cli
+    from jaxpar.cli import main as cli
     assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", "pipeline=4,data=16", "--hardware", "h100-sxm",
                      "--seq", "4096", "--global-batch", "256"]) == 0
     out = capsys.readouterr().out
@@ -148,12 +148,12 @@ def test_context_wins_in_jaxpars_program_because_of_the_attention_scores():
     assert top.size("context") * top.size("tensor") > 1
     plain = parse_inline("fsdp=64").with_options(remat="none", dtype="bfloat16", grad_accum=8)
     est = estimate(model, plain, hw, 512, 4096)
-    no_scores = memory.activation_bytes(model, plain, 512, 4096, jax_program=True, score_keys=0)
+    no_scores = memory.activation_bytes(model, plain, 512, 4096, jaxpar_program=True, score_keys=0)
     scores = est.memory.activations - no_scores
     assert not est.fits and est.memory.total - scores < hw.hbm_bytes and scores > 0.5 * est.memory.activations
     note = scores_note(model, ours, JAXPAR, 512, 4096)
     assert f"{scores / 2**30:.1f} of the {est.memory.activations / 2**30:.1f} GiB" in note
-    assert scores_note(model, ours, dataclasses.replace(JAXPAR, jax_activations=False), 512, 4096) is None
+    assert scores_note(model, ours, dataclasses.replace(JAXPAR, jaxpar_program=False), 512, 4096) is None
     theirs, _, _ = plan(model, hw, 64, seq=4096, global_batch=512, top=50, software=MEGATRON_CORE)
     plain_best = max(e.tokens_per_s for e, st in theirs if st.size("context") == st.size("tensor") == 1)
     assert plain_best >= theirs[0][0].tokens_per_s * 0.999

@@ -94,7 +94,7 @@ def test_cli_train_writes_metrics_tensorboard_and_a_profile(tmp_path):
 
 
 def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path, capsys):
-    from jaxpar.cli.main import main as cli
+    from jaxpar.cli import main as cli
     (tmp_path / "file").write_text("")
     args = ["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "1", "--no-progress"]
     assert cli.main([*args, "--tensorboard", str(tmp_path / "file")]) == 2
@@ -106,7 +106,7 @@ def test_cli_train_refuses_an_unwritable_metrics_path_before_compiling(tmp_path,
 def test_a_diverged_run_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
     """A non-finite loss stops the run with exit 2 naming the step (the step itself is stubbed to
     return NaN: nothing here depends on what makes a real run diverge)."""
-    from jaxpar.cli.main import main as cli
+    from jaxpar.cli import main as cli
     from jaxpar.training.trainer import Trainer
     monkeypatch.setattr(Trainer, "step", lambda self, state, batch: (state, {"loss": float("nan"), "grad_norm": 0.0}))
     code = cli.main(["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "3", "--batch", "8", "--seq",

@@ -87,7 +87,7 @@ def test_dots_no_batch_recomputes_as_full_inside_the_pipeline():
     both = [st, st.with_options(remat="full")]
     est = [estimate(m, x, "h100-sxm", b, s) for x in both]
     assert est[0].flops.hardware == est[1].flops.hardware > est[0].flops.model
-    mem = [memory.activation_bytes(m, x, b, s, jax_program=True) for x in both]
+    mem = [memory.activation_bytes(m, x, b, s, jaxpar_program=True) for x in both]
     assert mem[0] == mem[1]
 
 
