@@ -114,10 +114,12 @@ def test_modules_stay_small():
 
 
 def test_readme_layout_names_every_folder():
+    """The layout is a tree: jaxpar's folders are branches of `jaxpar/`, the others top-level entries
+    (tests/test_docs.py also checks that every path it names exists)."""
     layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
-    folders = [f"jaxpar/{p.name}/" for p in (ROOT / "jaxpar").iterdir() if (p / "__init__.py").exists()]
-    for folder in [*folders, "models/", "mesh_configs/", "experiments/", "docs/", "tests/"]:
-        assert folder in layout, f"README's layout does not name {folder}"
+    folders = [f"── {p.name}/" for p in (ROOT / "jaxpar").iterdir() if (p / "__init__.py").exists()]
+    for folder in [*folders, "\njaxpar/", "\nmodels/", "\nmesh_configs/", "\nexperiments/", "\ndocs/", "\ntests/"]:
+        assert folder in layout, f"README's layout does not name {folder.strip()}"
 
 
 def test_docs_are_in_the_repository():
