@@ -1,0 +1,520 @@
+"""One parameter's path through jaxpar, from its declaration to its PartitionSpec and to the collectives a
+training step issues for it (`jaxpar explain PARAM --model M --mesh S`): the README's tour, runnable.
+
+The chain, each step with the file:line it happens at:
+    declared     models/: `param(rngs, shape, names)` records the logical names as flax `out_sharding`
+                 metadata (the stacked units add `layers` in front: models/lm.py's nnx.vmap);
+    rules        jaxpar/core/rules.py: each logical name's mesh axes in `BASE_RULES`, adjusted by
+                 `rules_for` for the strategy's options (ZeRO stage, replicated K/V heads);
+    spec         jaxpar/core/sharding.py `spec_for`: the axes of size > 1 that survive on this mesh, one
+                 PartitionSpec for the parameter (and one for its Adam moments, by the optimizer rules);
+    per device   the shard each device holds and its bytes: parameter, gradient, Adam moments;
+    collectives  what the step moves for the parameter, forward, backward and in the optimizer.
+
+The collectives follow from the layout by the textbook rules, stated once here per family:
+  * data parallelism (`data_moves`): the activations that read a weight are split over the batch and
+    sequence axes (the "batch" and "seq" rules), so its gradient is a sum over those splits. Over an
+    axis the weight is replicated on, the gradient is all-reduced (DDP; Li et al. 2020). Over an axis the
+    weight is sharded on (ZeRO-3 / FSDP: `embed` on fsdp), the shard is all-gathered before use, forward
+    and again backward, the gathered copy being freed in between, and the gradient is reduce-scattered
+    back onto the shards (Rajbhandari et al. 2020, "ZeRO", 5.3; Zhao et al. 2023, "PyTorch FSDP", 3.2).
+    Over an axis only the optimizer rules shard (ZeRO-1), the gradient is reduce-scattered and the
+    updated parameter all-gathered in the optimizer step. Sums are float32 (the gradients' dtype),
+    gathers move the compute dtype.
+  * tensor parallelism (`tensor_moves`): a weight that reads the residual stream (`embed` first) with
+    another dim on `tensor` is column-parallel: the input gradient is a partial sum over the ranks,
+    all-reduced backward; a weight that writes it (`embed` last) is row-parallel: the output is
+    all-reduced forward (Megatron's f and g; Shoeybi et al. 2019, 3). Under sequence parallelism each
+    all-reduce becomes a reduce-scatter onto the sequence-sharded residual and the all-gather that
+    brings it back (Korthikanti et al. 2022, 4.2.2).
+  * the looked-up table (`lookup_moves`, a weight whose first dim is `vocab`): vocab-parallel rows are
+    partial sums over `tensor`, all-reduced (reduce-scattered under sequence parallelism); a table
+    sharded on its width over a batch axis is never gathered: the token ids are, and the rows go back
+    to batch sharding by an all-to-all (jaxpar.xla_workarounds.lookup).
+
+Bytes are per device per execution, the full buffer (the gathered result, the reduced or pre-scatter
+input), as jaxpar.analysis.tally counts a compiled step; `times` is executions per step. The cost
+model predicts the same collectives for all weights at once (jaxpar/cost/comm_data.py, comm.py), and
+tests/test_explain.py finds each one listed here in the compiled step's HLO.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+import jaxpar
+from jaxpar.core import rules as rules_module
+from jaxpar.core.rules import BASE_RULES
+from jaxpar.core import sharding as sharding_module
+from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for
+from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.cost import comm as cost_comm
+from jaxpar.cost import comm_data as cost_comm_data
+from jaxpar.errors import ConfigError
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.lm import LM
+
+PARAM_BYTES = 4   # float32 master weights, gradients and Adam moments
+ROOT = pathlib.Path(jaxpar.__file__).resolve().parent.parent   # the checkout (or site-packages)
+STACK = ("units", "blocks", "layers")   # path parts a query may leave out: the stacked units' containers
+
+
+# ---- where things are written ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A line of jaxpar's source: `file:line` and the line's text."""
+    file: str
+    line: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+
+def _relative(path: str) -> str:
+    p = pathlib.Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
+@functools.cache
+def _tree(path: str) -> tuple[ast.Module, tuple[str, ...]]:
+    text = pathlib.Path(path).read_text()
+    return ast.parse(text), tuple(text.splitlines())
+
+
+def _at(path: str, node: ast.AST) -> Source:
+    return Source(_relative(path), node.lineno, _tree(path)[1][node.lineno - 1].strip())
+
+
+def definition(module, name: str) -> Source:
+    """Where `module` defines function or class `name` (the file alone if it does not)."""
+    path = inspect.getsourcefile(module)
+    for node in ast.walk(_tree(path)[0]):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return _at(path, node)
+    return Source(_relative(path), 0)
+
+
+def declaration(cls: type, attribute: str) -> Source:
+    """Where class `cls` (or a base) assigns `self.<attribute>`: a parameter's declaration."""
+    for klass in cls.__mro__:
+        if klass.__module__ == "builtins" or not klass.__module__.startswith(("jaxpar.models", "models")):
+            continue
+        path = inspect.getsourcefile(klass)
+        for node in ast.walk(_tree(path)[0]):
+            if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Assign) and any(
+                            isinstance(t, ast.Attribute) and t.attr == attribute and
+                            isinstance(t.value, ast.Name) and t.value.id == "self" for t in sub.targets):
+                        return _at(path, sub)
+    return Source(_relative(inspect.getsourcefile(cls)), 0)
+
+
+def rule_lines(name: str) -> tuple[Source, ...]:
+    """The `BASE_RULES` entry of logical `name` and each line of `rules_for` that sets it."""
+    path = inspect.getsourcefile(rules_module)
+    out = []
+    for node in ast.walk(_tree(path)[0]):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "BASE_RULES":
+            out += [_at(path, k) for k in node.value.keys if isinstance(k, ast.Constant) and k.value == name]
+        if isinstance(node, ast.FunctionDef) and node.name == "rules_for":
+            out += [_at(path, sub) for sub in ast.walk(node) if isinstance(sub, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and t.slice.value == name
+                for t in sub.targets)]
+    return tuple(out)
+
+
+# ---- the parameter ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A parameter of the abstract model: dotted path, shape, dtype, logical names, its declaration."""
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    names: tuple[str | None, ...]
+    declared: Source
+
+
+def abstract_model(model: ModelConfig) -> LM:
+    """The model from shapes alone (nothing allocated). Shapes and logical names do not depend on how
+    the model executes (RunConfig), so the default one serves every strategy."""
+    return nnx.eval_shape(lambda: LM(model, rngs=nnx.Rngs(0)))
+
+
+def parameters(lm: LM) -> dict[str, Found]:
+    """Every parameter by dotted path (`units.blocks.0.attn.wq`)."""
+    _, state = nnx.split(lm)
+    out = {}
+    leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, v in leaves:
+        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        owner = lm
+        for k in keys[:-1]:
+            owner = owner[k] if isinstance(k, int) else getattr(owner, k)
+        names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.shape)
+        out[".".join(map(str, keys))] = Found(".".join(map(str, keys)), tuple(v.shape), str(v.dtype), names,
+                                              declaration(type(owner), str(keys[-1])))
+    return out
+
+
+def _short(path: str) -> tuple[str, ...]:
+    return tuple(p for p in path.split(".") if p not in STACK and not p.isdigit())
+
+
+def find(params: dict[str, Found], query: str, model_name: str) -> Found:
+    """The parameter `query` names: a full path, or its tail (`attn.wq`; the stack's `units`,
+    `blocks`, `layers` and block numbers may be left out). ConfigError on none or several."""
+    exact = [p for p in params if p == query or p.endswith("." + query)]
+    if not exact:
+        tail = _short(query)
+        exact = [p for p in params if tail and _short(p)[-len(tail):] == tail]
+    if len(exact) == 1:
+        return params[exact[0]]
+    if exact:
+        raise ConfigError(f"parameter {query!r} is ambiguous in {model_name}: it names {', '.join(exact)}")
+    shorts = {".".join(_short(p)): p for p in params}
+    close = difflib.get_close_matches(".".join(_short(query)), shorts, n=4, cutoff=0.4)
+    hint = (f"did you mean {', '.join(close)}?" if close
+            else f"its parameters: {', '.join(sorted(shorts))}")
+    raise ConfigError(f"no parameter {query!r} in {model_name}; {hint}")
+
+
+# ---- one collective --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One collective the step issues for the parameter, `times` per step; `nbytes` per execution (the
+    full buffer, as the tally counts it) of a buffer of `shape` and `dtype`; `shared`: one op serves
+    several weights (the input all-gather of every projection that reads the same activations)."""
+    phase: str
+    kind: str
+    axes: tuple[str, ...]
+    times: int
+    shape: tuple[int, ...]
+    dtype: str
+    why: str
+    where: Source
+    shared: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What sizes a step's buffers: the layout, the batch and sequence one device holds per
+    micro-batch, the model width, the compute dtype, micro-batches per step."""
+    layout: Layout
+    model: ModelConfig
+    batch: int      # sequences per device per micro-batch
+    seq: int        # tokens of each per device
+    micro: int      # micro-batches per step (gradient accumulation x pipeline micro-batches)
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.layout.strategy
+
+    @property
+    def compute(self) -> str:
+        return self.strategy.options.dtype
+
+    def size(self, axes) -> int:
+        return math.prod(self.layout.mesh.shape[a] for a in axes)
+
+    def kept(self, axes) -> tuple[str, ...]:
+        return tuple(a for a in AXES if a in axes and self.layout.mesh.shape[a] > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """The parameter on the mesh: logical names and the mesh axes of each dim, per layout, for one
+    layer's slice (the stacked `layers` dim dropped), and how many slices are stacked."""
+    names: tuple[str | None, ...]
+    stored: tuple[tuple[str, ...], ...]      # params rules
+    optimizer: tuple[tuple[str, ...], ...]   # optimizer rules
+    compute: tuple[tuple[str, ...], ...]     # the layout its matmuls read (params without fsdp)
+    shape: tuple[int, ...]
+    dtype: str
+    layers: int                              # stacked slices (1 outside the stack)
+
+    def shard(self, dims: tuple[tuple[str, ...], ...], ctx: Context) -> tuple[int, ...]:
+        return tuple(n // ctx.size(axes) for n, axes in zip(self.shape, dims))
+
+    @staticmethod
+    def axes(dims) -> set[str]:
+        return {a for axes in dims for a in axes}
+
+
+def spec_dims(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
+    dims = tuple(spec) + (None,) * (rank - len(spec))
+    return tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in dims)
+
+
+# ---- the textbook rules, one family each -----------------------------------------------------------
+
+def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
+    """Gathers and gradient sums over the axes the reading activations split (module docstring)."""
+    lay, where = ctx.layout, definition(cost_comm_data, "_fsdp_gathers")
+    reduced = definition(cost_comm_data, "data_parallel")
+    vector = v.names == ("embed",)    # a norm's scale: read by the residual stream (`res_seq`)
+    split = ctx.kept(lay.axes("batch") + lay.axes("res_seq" if vector else "seq"))
+    held = ctx.kept(set(split) & v.axes(v.stored))
+    zero1 = ctx.kept(set(split) & v.axes(v.optimizer) - set(held))
+    summed = tuple(a for a in split if a not in held + zero1)
+    execs, out = v.layers * ctx.micro, []
+    lookup = v.names[0] == "vocab"
+    if held and not lookup:
+        gathered = v.shard(v.compute, ctx)
+        dtype = "float32" if vector else ctx.compute
+        out.append(Move("forward", "all-gather", held, execs, gathered, dtype,
+                        "the shard gathered to the layout its matmul reads", where))
+        if found.names[0] == "layers" and (not vector or ctx.strategy.options.remat != "none"):
+            out.append(Move("backward", "all-gather", held, execs, gathered, dtype,
+                            "gathered again for the backward pass (the forward's copy was freed)", where))
+        out.append(Move("backward", "reduce-scatter", held, execs, gathered, "float32",
+                        "the gradient summed over the shards' batches, each keeping its shard", reduced))
+    stored = v.shard(v.stored, ctx)
+    if zero1:
+        out.append(Move("optimizer", "reduce-scatter", zero1, v.layers, stored, "float32",
+                        "ZeRO-1: the gradient summed and scattered onto the moments' shards", reduced))
+        out.append(Move("optimizer", "all-gather", zero1, v.layers, stored, "float32",
+                        "ZeRO-1: the updated parameter gathered back to every replica", reduced))
+    if summed:
+        out.append(Move("backward", "all-reduce", summed, v.layers, v.shard(v.stored, ctx), "float32",
+                        "the gradient summed over the replicas' batches" if not vector or "tensor" not in summed
+                        else "the gradient summed over the batch and the sequence-parallel shards", reduced))
+    return out
+
+
+def tensor_moves(v: View, ctx: Context) -> list[Move]:
+    """Column- and row-parallel activations' collectives (module docstring)."""
+    lay, where = ctx.layout, definition(cost_comm, "tensor_parallel")
+    inner = [n for n in v.names if n != "experts"]
+    split = ctx.kept(v.axes(d for n, d in zip(v.names, v.stored) if n not in ("embed", "experts"))
+                     - set(lay.axes("batch")))
+    if not split or len(inner) < 2 or "embed" not in (inner[0], inner[-1]) or inner[0] == "vocab":
+        return []
+    sp = set(split) <= set(lay.axes("res_seq"))
+    x = (ctx.batch, ctx.seq, ctx.model.d_model)   # the input or output, whole over `tensor` (gathered, or pre-scatter)
+    execs = v.layers * ctx.micro
+    if inner[0] == "embed":   # column-parallel: reads the residual stream
+        if sp:
+            return [Move("forward", "all-gather", split, execs, x, ctx.compute,
+                         "sequence parallel: the input gathered over the sequence (one op for every "
+                         "projection of this input)", where, shared=True),
+                    Move("backward", "reduce-scatter", split, execs, x, ctx.compute,
+                         "column-parallel: the input gradient's partial sums, scattered onto the sequence", where)]
+        return [Move("backward", "all-reduce", split, execs, x, ctx.compute,
+                     "column-parallel: the input gradient's partial sums over the ranks' outputs", where)]
+    if sp:                    # row-parallel: writes the residual stream
+        return [Move("forward", "reduce-scatter", split, execs, x, ctx.compute,
+                     "row-parallel: the output's partial sums, scattered onto the sequence", where),
+                Move("backward", "all-gather", split, execs, x, ctx.compute,
+                     "sequence parallel: the output gradient gathered over the sequence", where)]
+    return [Move("forward", "all-reduce", split, execs, x, ctx.compute,
+                 "row-parallel: the output's partial sums over the ranks' inputs", where)]
+
+
+def lookup_moves(v: View, ctx: Context) -> list[Move]:
+    """The table looked up by token id (module docstring)."""
+    if v.names[0] != "vocab":
+        return []
+    lay, where = ctx.layout, definition(cost_comm_data, "_embedding_lookup")
+    width = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
+    rows_split = ctx.kept(set(v.stored[0]) - set(lay.axes("batch")))
+    n, d, out = ctx.size(width), ctx.model.d_model, []
+    if width:
+        out.append(Move("forward", "all-gather", width, ctx.micro, (ctx.batch * n, ctx.seq), "int32",
+                        "the token ids gathered: the table's width shards look every id up", where))
+    if rows_split:
+        rows = (ctx.batch * n, ctx.seq, d // n)
+        sp = set(rows_split) <= set(lay.axes("res_seq"))
+        out.append(Move("forward", "reduce-scatter" if sp else "all-reduce", rows_split, ctx.micro, rows, v.dtype,
+                        "vocab-parallel: each rank's rows are partial (zero outside its vocabulary), summed"
+                        + (" and scattered onto the sequence" if sp else ""), definition(cost_comm, "tp_vocab")))
+        if sp:
+            out.append(Move("backward", "all-gather", rows_split, ctx.micro, rows, v.dtype,
+                            "sequence parallel: the rows' gradient gathered over the sequence",
+                            definition(cost_comm, "tp_vocab")))
+    if width:
+        for phase in ("forward", "backward"):
+            out.append(Move(phase, "all-to-all", width, ctx.micro, (ctx.batch, ctx.seq, d), v.dtype,
+                            "the rows between the table's width layout and batch sharding", where))
+    return out
+
+
+# ---- the explanation -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class NameRule:
+    """One logical name: its mesh axes by the params and optimizer rules, those kept on this mesh."""
+    name: str | None
+    params: tuple[str, ...]
+    optimizer: tuple[str, ...]
+    kept: tuple[str, ...]
+    where: tuple[Source, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    query: str
+    model: str
+    strategy: Strategy
+    param: Found
+    rules: tuple[NameRule, ...]
+    spec: PartitionSpec
+    optimizer_spec: PartitionSpec
+    spec_source: Source
+    shard: tuple[int, ...]
+    optimizer_shard: tuple[int, ...]
+    bytes: dict[str, int]    # per device: parameter, gradient, adam moments
+    batch: int
+    seq: int
+    moves: tuple[Move, ...]
+    notes: tuple[str, ...]
+
+
+def abstract_layout(model: ModelConfig, strategy: Strategy) -> Layout:
+    """The model's layout on an abstract mesh of the strategy's sizes (no devices needed)."""
+    mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return model_layout(mesh, strategy, model.kv_heads, model.has_attention)
+
+
+def explain(model: ModelConfig, model_name: str, strategy: Strategy, query: str, *, batch: int, seq: int,
+            lm: LM | None = None) -> Explanation:
+    """The chain for the parameter `query` of `model` under a resolved `strategy`, for a step of `batch`
+    sequences of `seq` tokens (`lm`: the abstract model, when the caller has built it)."""
+    lm = abstract_model(model) if lm is None else lm
+    found = find(parameters(lm), query, model_name)
+    layout = abstract_layout(model, strategy)
+    _, state = nnx.split(lm)
+    leaf = functools.reduce(lambda s, k: s[int(k) if k.isdigit() else k], found.path.split("."), state)
+    one = nnx.State({"p": leaf})
+    stored = param_shardings(one, layout)["p"].get_value()
+    optimizer = param_shardings(one, layout, "optimizer")["p"].get_value()
+    rank = len(found.shape)
+    kept_dims = spec_dims(stored.spec, rank)
+    rules = tuple(NameRule(n, layout.rules("params")[n] if n else (), layout.rules("optimizer")[n] if n else (),
+                           k, rule_lines(n) if n else ()) for n, k in zip(found.names, kept_dims))
+    st, o = strategy, strategy.options
+    micro = o.grad_accum * (o.microbatches if st.size("pipeline") > 1 else 1)
+    ctx = Context(layout, model, batch // (micro * math.prod(layout.mesh.shape[a] for a in layout.axes("batch"))),
+                  seq // math.prod(layout.mesh.shape[a] for a in layout.axes("seq")), micro)
+    stacked = found.names[:1] == ("layers",)
+    drop = 1 if stacked else 0
+    compute = spec_dims(spec_for(found.names, layout.rules("compute"), layout.mesh), rank)
+    view = View(found.names[drop:], kept_dims[drop:], spec_dims(optimizer.spec, rank)[drop:], compute[drop:],
+                found.shape[drop:], found.dtype, found.shape[0] if stacked else 1)
+    moves = data_moves(view, ctx, found) + lookup_moves(view, ctx) + tensor_moves(view, ctx)
+    order = ("forward", "backward", "optimizer")
+    moves.sort(key=lambda m: order.index(m.phase))
+    shard, opt_shard = stored.shard_shape(found.shape), optimizer.shard_shape(found.shape)
+    grad = opt_shard if st.zero == 1 else shard
+    nbytes = {"parameter": math.prod(shard) * PARAM_BYTES, "gradient": math.prod(grad) * PARAM_BYTES,
+              "adam moments": 2 * math.prod(opt_shard) * PARAM_BYTES}
+    return Explanation(query, model_name, strategy, found, rules, stored.spec, optimizer.spec,
+                       definition(sharding_module, "spec_for"), shard, opt_shard, nbytes, batch, seq,
+                       tuple(moves), _notes(found, model, strategy))
+
+
+def _notes(found: Found, model: ModelConfig, strategy: Strategy) -> tuple[str, ...]:
+    notes = []
+    if "experts" in found.names:
+        notes.append("routed experts: the tokens' dispatch and return all-to-alls over `expert` are the MoE "
+                     "layer's (jaxpar/cost/comm.py expert_parallel), not listed here")
+    if found.names[0] == "vocab" and model.tie_embeddings:
+        notes.append("tied embeddings: the table is also read as the LM head, with a head's collectives "
+                     "(see `head` of an untied model)")
+    if strategy.size("pipeline") > 1:
+        notes.append("pipeline: jaxpar's schedules gather a stage's weights once per step for all its "
+                     "micro-batches (jaxpar/pipeline/gpipe.py); the counts above are those of the plain loop")
+    return tuple(notes)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+def _axes(axes) -> str:
+    return " x ".join(axes) if axes else "-"
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _spec(spec: PartitionSpec) -> str:
+    return "P(" + ", ".join(repr(d) if d is not None else "None" for d in spec) + ")"
+
+
+def render(e: Explanation) -> str:
+    """The chain as text: one section per step, each with its file:line, then the collectives."""
+    p, st, lines = e.param, e.strategy, []
+    mesh = " ".join(f"{a}={n}" for a, n in st.mesh if n > 1) or "one device"
+    lines.append(f"{p.path} of {e.model} on {st.name} ({mesh}; zero={st.zero}"
+                 f"{', sequence parallel' if st.options.sequence_parallel else ''})")
+    lines += ["", f"1. declared     {p.declared}", f"   {p.declared.text}",
+              f"   shape {_dims(p.shape)} {p.dtype}, logical names ({', '.join(str(n) for n in p.names)})"]
+    lines += ["", f"2. rules        {definition(rules_module, 'rules_for')}  rules_for(strategy, \"params\" | \"optimizer\")"]
+    width = max(len(str(r.name)) for r in e.rules)
+    for r in e.rules:
+        on_mesh = " ".join(f"{a}={st.size(a)}" for a in r.params)
+        opt = "" if r.optimizer == r.params else f"; optimizer rules: ({', '.join(r.optimizer)})"
+        lines.append(f"   {str(r.name):<{width}}  -> ({', '.join(r.params)})"
+                     f"{f' [{on_mesh}]' if on_mesh else ''}, kept on this mesh: {_axes(r.kept)}{opt}")
+        lines += [f"   {'':<{width}}     {w}  {w.text}" for w in r.where]
+    lines += ["", f"3. spec         {e.spec_source}  spec_for: the rules' axes of size > 1, each used once",
+              f"   parameter, gradient  {_spec(e.spec)}", f"   Adam moments         {_spec(e.optimizer_spec)}"]
+    total = sum(e.bytes.values())
+    lines += ["", f"4. per device   shard {_dims(e.shard)} of {_dims(p.shape)} "
+                  f"(1/{math.prod(p.shape) // max(1, math.prod(e.shard))})",
+              "   " + ", ".join(f"{k} {human(v)}" for k, v in e.bytes.items()) + f"; {human(total)} in all"]
+    lines += ["", f"5. collectives  per step of {e.batch} sequences x {e.seq} tokens; bytes per device per "
+                  "execution (the full buffer)"]
+    if not e.moves:
+        lines.append("   none: the parameter is not moved, nor its gradient summed, on this mesh")
+    rows = [(m.phase, m.kind, _axes(m.axes), f"x{m.times}", human(m.nbytes), f"{m.dtype}{_dims(m.shape)}",
+             m.why + (" [shared]" if m.shared else ""), str(m.where)) for m in e.moves]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)] if rows else []
+    for r in rows:
+        lines.append("   " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)).rstrip())
+        lines.append(f"       {r[6]}  ({r[7]})")
+    if e.moves:
+        lines.append(f"   in all {human(sum(m.nbytes * m.times for m in e.moves))} per device per step")
+    lines += [f"   note: {n}" for n in e.notes]
+    return "\n".join(lines)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def as_json(e: Explanation) -> dict:
+    """The explanation as plain data (`--json`)."""
+    return {"param": e.param.path, "model": e.model, "mesh": e.strategy.name, "shape": list(e.param.shape),
+            "names": list(e.param.names), "declared": str(e.param.declared),
+            "rules": [{"name": r.name, "params": list(r.params), "optimizer": list(r.optimizer),
+                       "kept": list(r.kept), "where": [str(w) for w in r.where]} for r in e.rules],
+            "spec": [d if d is None or isinstance(d, str) else list(d) for d in e.spec],
+            "optimizer_spec": [d if d is None or isinstance(d, str) else list(d) for d in e.optimizer_spec],
+            "shard": list(e.shard), "bytes": e.bytes, "batch": e.batch, "seq": e.seq,
+            "collectives": [{"phase": m.phase, "kind": m.kind, "axes": list(m.axes), "times": m.times,
+                             "bytes": m.nbytes, "shape": list(m.shape), "dtype": m.dtype, "why": m.why,
+                             "shared": m.shared, "where": str(m.where)} for m in e.moves],
+            "notes": list(e.notes)}
