@@ -62,6 +62,7 @@ from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import comm_data as cost_comm_data
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
+from jaxpar.models import lm as lm_module
 from jaxpar.models.lm import LM
 
 PARAM_BYTES = 4   # float32 master weights, gradients and Adam moments
@@ -104,6 +105,14 @@ def definition(module, name: str) -> Source:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
             return _at(path, node)
     return Source(_relative(path), 0)
+
+
+def line_with(module, text: str) -> Source:
+    """The first line of `module` that holds `text` (the file alone if none does)."""
+    path = inspect.getsourcefile(module)
+    lines = _tree(path)[1]
+    n = next((i + 1 for i, line in enumerate(lines) if text in line), 0)
+    return Source(_relative(path), n, lines[n - 1].strip() if n else "")
 
 
 def declaration(cls: type, attribute: str) -> Source:
@@ -249,7 +258,7 @@ class View:
     compute: tuple[tuple[str, ...], ...]     # the layout its matmuls read (params without fsdp)
     shape: tuple[int, ...]
     dtype: str
-    layers: int                              # stacked slices (1 outside the stack)
+    layers: int                              # stacked slices on one device (its stage's; 1 outside the stack)
 
     def shard(self, dims: tuple[tuple[str, ...], ...], ctx: Context) -> tuple[int, ...]:
         return tuple(n // ctx.size(axes) for n, axes in zip(self.shape, dims))
@@ -272,16 +281,19 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
     reduced = definition(cost_comm_data, "data_parallel")
     vector = v.names == ("embed",)    # a norm's scale: read by the residual stream (`res_seq`)
     split = ctx.kept(lay.axes("batch") + lay.axes("res_seq" if vector else "seq"))
-    held = ctx.kept(set(split) & v.axes(v.stored))
-    zero1 = ctx.kept(set(split) & v.axes(v.optimizer) - set(held))
-    summed = tuple(a for a in split if a not in held + zero1)
+    # a batch axis on the `experts` dim is expert parallelism: the tokens move to the weights, and each
+    # expert's gradient is its own; on another dim it is ZeRO: gathered (params rules) or scattered (optimizer)
+    experts = v.axes(d for n, d in zip(v.names, v.stored) if n == "experts")
+    held = ctx.kept(set(split) & v.axes(d for n, d in zip(v.names, v.stored) if n != "experts"))
+    zero1 = ctx.kept(set(split) & v.axes(v.optimizer) - set(held) - experts)
+    summed = tuple(a for a in split if a not in held + zero1 and a not in experts)
     execs, out = v.layers * ctx.micro, []
     lookup = v.names[0] == "vocab"
     if held and not lookup:
         gathered = v.shard(v.compute, ctx)
         dtype = "float32" if vector else ctx.compute
         out.append(Move("forward", "all-gather", held, execs, gathered, dtype,
-                        "the shard gathered to the layout its matmul reads", where))
+                        "the shard gathered to the layout its reads use", where))
         if found.names[0] == "layers" and (not vector or ctx.strategy.options.remat != "none"):
             out.append(Move("backward", "all-gather", held, execs, gathered, dtype,
                             "gathered again for the backward pass (the forward's copy was freed)", where))
@@ -295,8 +307,7 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
                         "ZeRO-1: the updated parameter gathered back to every replica", reduced))
     if summed:
         out.append(Move("backward", "all-reduce", summed, v.layers, v.shard(v.stored, ctx), "float32",
-                        "the gradient summed over the replicas' batches" if not vector or "tensor" not in summed
-                        else "the gradient summed over the batch and the sequence-parallel shards", reduced))
+                        "the gradient summed over the replicas, which read other tokens", reduced))
     return out
 
 
@@ -415,14 +426,14 @@ def explain(model: ModelConfig, model_name: str, strategy: Strategy, query: str,
     ctx = Context(layout, model, batch // (micro * math.prod(layout.mesh.shape[a] for a in layout.axes("batch"))),
                   seq // math.prod(layout.mesh.shape[a] for a in layout.axes("seq")), micro)
     stacked = found.names[:1] == ("layers",)
+    shard, opt_shard = stored.shard_shape(found.shape), optimizer.shard_shape(found.shape)
     drop = 1 if stacked else 0
     compute = spec_dims(spec_for(found.names, layout.rules("compute"), layout.mesh), rank)
     view = View(found.names[drop:], kept_dims[drop:], spec_dims(optimizer.spec, rank)[drop:], compute[drop:],
-                found.shape[drop:], found.dtype, found.shape[0] if stacked else 1)
+                found.shape[drop:], found.dtype, shard[0] if stacked else 1)
     moves = data_moves(view, ctx, found) + lookup_moves(view, ctx) + tensor_moves(view, ctx)
     order = ("forward", "backward", "optimizer")
     moves.sort(key=lambda m: order.index(m.phase))
-    shard, opt_shard = stored.shard_shape(found.shape), optimizer.shard_shape(found.shape)
     grad = opt_shard if st.zero == 1 else shard
     nbytes = {"parameter": math.prod(shard) * PARAM_BYTES, "gradient": math.prod(grad) * PARAM_BYTES,
               "adam moments": 2 * math.prod(opt_shard) * PARAM_BYTES}
@@ -467,6 +478,9 @@ def render(e: Explanation) -> str:
                  f"{', sequence parallel' if st.options.sequence_parallel else ''})")
     lines += ["", f"1. declared     {p.declared}", f"   {p.declared.text}",
               f"   shape {_dims(p.shape)} {p.dtype}, logical names ({', '.join(str(n) for n in p.names)})"]
+    if p.names[:1] == ("layers",):
+        stack = line_with(lm_module, "PARTITION_NAME")
+        lines += [f"   `layers`: the units stacked by nnx.vmap  {stack}  {stack.text}"]
     lines += ["", f"2. rules        {definition(rules_module, 'rules_for')}  rules_for(strategy, \"params\" | \"optimizer\")"]
     width = max(len(str(r.name)) for r in e.rules)
     for r in e.rules:
