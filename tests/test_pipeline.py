@@ -16,24 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis.hlo_text import executed_instructions, parse_module
-from jaxpar.analysis.patterns import _one_dot_flops
+from jaxpar.analysis.patterns import _dims, _one_dot_flops
 from jaxpar.analysis.tally import collective_ops, tally_compiled
+from jaxpar.core.mesh import make_mesh
+from jaxpar.core.schedule import default_split, schedule_of, schedule_summary, stored_spec
+from jaxpar.core.sharding import Layout, use_layout
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.core import validate
+from jaxpar.core.validate import check_pipeline
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost.comm_data import _fsdp_gathers
 from jaxpar.cost.compiler import CPU
 from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
-from jaxpar.core.mesh import make_mesh
-from jaxpar.pipeline.gpipe import pipelined_stack
-from jaxpar.core.schedule import default_split, schedule_of, schedule_summary, stored_spec
-from jaxpar.core.validate import check_pipeline
-from jaxpar.core.sharding import Layout, use_layout
-from jaxpar.core.strategy import parse_strategy
-from jaxpar.training.trainer import gather
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
+from jaxpar.pipeline import pipelined_stack
+from jaxpar.training.trainer import TrainConfig, Trainer, gather
 from tests import harness
 
 LLAMA = "llama-tiny:layers=8"
@@ -258,7 +260,6 @@ def test_head_flops_once_per_step():
 def _head_flops(text: str, vocab: int) -> float:
     """Dot FLOPs of the head (forward logits, their input and weight gradients: the dots with a vocab dim
     in an operand or the result), times how often each runs: a 1F1B step's head runs inside its loop."""
-    from jaxpar.analysis.patterns import _dims  # noqa: PLC0415
     module = parse_module(text)
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
     return sum(times * _one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
@@ -336,7 +337,6 @@ def test_default_split_lightens_the_ends():
 def test_uneven_weights_stored_off_the_layers_dim():
     """jit needs even shards: with an uneven split the stacked weights keep `pipeline`, on the next dim
     it divides (with that dim's own axes), so a device still holds 1/S of them."""
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
     st = parse_strategy("pipeline=4,fsdp=2").resolved(8)
     assert stored_spec(P("pipeline", "fsdp", "tensor"), (8, 64, 8, 8), st) == P("pipeline", "fsdp", "tensor")
     assert stored_spec(P("pipeline", "fsdp", "tensor"), (10, 64, 8, 8), st) == P(None, ("fsdp", "pipeline"), "tensor")
@@ -377,7 +377,6 @@ def test_bad_pipeline_configs(model, mesh, options, message):
 def test_1f1b_needs_each_sequence_piece_divisible_by_the_stages():
     """1F1B spreads each device's tokens of the last stage's output over the stages (jaxpar/pipeline/one_f_one_b.py):
     refused, naming the numbers, before anything compiles."""
-    from jaxpar.core import validate  # noqa: PLC0415
     st = parse_strategy("pipeline=4,tensor=2").with_options(microbatches=4, pp_schedule="1f1b",
                                                             sequence_parallel=True).resolved(8)
     with pytest.raises(ConfigError, match=r"seq=20 / \(context x tensor = 2\) = 10 tokens must be divisible by "
@@ -394,7 +393,6 @@ def test_good_pipeline_configs_pass():
 def _temp_bytes(schedule: str, microbatches: int) -> int:
     """Compiled temp bytes per device of loss + gradients at S = 4 (pipeline=4, data=2), one row per data
     shard and micro-batch: the batch grows with M, the micro-batch stays."""
-    from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
     strategy = parse_strategy("pipeline=4,data=2").with_options(microbatches=microbatches, pp_schedule=schedule)
     tc = TrainConfig(batch=2 * microbatches, seq=16)
     tr = Trainer(parse_model("llama-tiny:layers=4"), strategy, tc, devices=jax.devices()[:8])

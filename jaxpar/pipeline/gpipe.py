@@ -52,10 +52,9 @@ So the weight gradient accumulates per device through the loop (the scan's cotan
 [S, F, ...], nothing to reduce there) and the broadcast's transpose reduces it over `fsdp` once per
 step; without the copy, XLA reduces every iteration's contribution in the loop. With `data` > 1 too the
 copies are per data x fsdp shard (the data copies of the fsdp-sharded view made first, so the transpose
-scatters over fsdp before it sums the shards over data): otherwise every iteration all-reduced the
-gathered weights' gradient over data. Without fsdp (ZeRO-0/1) the copies are per data shard alike: the
-weights are replicated over data anyway, so each device's copy costs nothing, and the gradient is summed
-over data once per step (before, in every iteration: 8x the bytes at 2,048 devices, study (a)). Memory: each device
+scatters over fsdp before it sums the shards over data), and without fsdp (ZeRO-0/1) per data shard alike
+(the weights are replicated over data anyway, so each device's copy costs nothing): the gradient is summed
+over data once per step, not in every iteration (T times the bytes). Memory: each device
 holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for
 the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
 (Dubey et al. 2024, 3.3.2: no re-shard after the forward).
@@ -83,31 +82,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline.stages import (WEIGHTS_NAME, _InStages, _axis_name, _valid_slots, _without,  # noqa: F401
-                                    stage_chunks)
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
+from jaxpar.models.lm import REMAT_POLICIES
+from jaxpar.models.moe import aux_loss, aux_sum
+from jaxpar.models.transformer import RESIDUAL
+from jaxpar.pipeline.stages import (WEIGHTS_NAME, InStages, axis_name, merge_microbatches, split_microbatches,
+                                    stage_chunk, stage_shift, stage_weights, valid_slots)
+
 
 def _iteration_policy(policy: str):
     """jax.checkpoint policy of one iteration's stage work; never saves the weight slices."""
-    named = jax.checkpoint_policies
     if policy == "none":
-        return named.save_anything_except_these_names(WEIGHTS_NAME)
-    from jaxpar.models.lm import REMAT_POLICIES  # noqa: PLC0415
+        return jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS_NAME)
     return REMAT_POLICIES[policy]
-
-
-def _shift_fn(mesh, axes: tuple[str, ...], step: int = 1):
-    """y[s] -> y[s+step] cyclically (step 1: the last stage's to stage 0): one collective-permute over
-    the stage axes (a ppermute, whose transpose is the reverse permute: one more backward)."""
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    perm = [(i, (i + step) % n) for i in range(n)]
-    name = _axis_name(axes)
-    return jax.shard_map(lambda y: jax.lax.ppermute(y, name, perm), mesh=mesh, in_specs=P(name),
-                         out_specs=P(name), axis_names=set(axes))
 
 
 def _spread_fn(layout: Layout, names: tuple):
@@ -115,25 +104,13 @@ def _spread_fn(layout: Layout, names: tuple):
     holding stage 0's row spread over the stages (stage s: its [s]): one all-to-all over the stage axes
     (its transpose, one more, backward). Manual over every mesh axis: an all-to-all in a partly manual
     shard_map would first gather the batch's axes."""
-    name = _axis_name(layout.axes("stages"))
+    name = axis_name(layout.axes("stages"))
     spec = spec_for(names, layout.rules("activations"), layout.mesh)
     out_spec = P(*(tuple(spec)[:1] + tuple(spec)[2:]))
 
     def spread(b):                                   # local [1, S, M'/S, ...]
         return jax.lax.all_to_all(b, name, 1, 1)[:, 0]   # [1, S (source), M'/S, ...]: keep stage 0's
     return jax.shard_map(spread, mesh=layout.mesh, in_specs=spec, out_specs=out_spec)
-
-
-def _split(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [M, B/M, ...]: micro-batch i takes rows i, i+M, i+2M, ..."""
-    return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
-
-
-def _merge(a: jax.Array) -> jax.Array:
-    """Inverse of `_split`."""
-    a = jnp.swapaxes(a, 0, 1)
-    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-
 
 
 def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layout):
@@ -143,25 +120,25 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     MoE: each iteration's router statistics (sums over the tokens, models/moe.py) are added, unless the
     item is a bubble, into an accumulator [S, v, k, R, n] per stage, repeat and unit slot (a layer), so
     after the loop it holds every layer's sums over the whole batch: the same losses as one device's."""
-    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
-
     S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
     stage_axes = layout.axes("stages")
     state_names = ("stages",) + RESIDUAL
     mesh = layout.mesh
-    weights, chunk, valid = stage_chunks(model, sched, layout, with_aux=True)
+    weights = stage_weights(model, sched, layout)
+    chunk = stage_chunk(model, sched, layout, with_aux=True)
+    valid = valid_slots(sched)
     moe = "E" in model.cfg.pattern
 
     # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
     # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
-    xs = constrain(_split(x, M), (None,) + RESIDUAL)
-    ps = constrain(_split(positions, M), (None, "batch", "seq"))       # [M, mb, s]
+    xs = constrain(split_microbatches(x, M), (None,) + RESIDUAL)
+    ps = constrain(split_microbatches(positions, M), (None, "batch", "seq"))       # [M, mb, s]
 
     def stage_work(weights, valid, repeat, h, pos):
         """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
-        with use_layout(_InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):
-            return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=_axis_name(stage_axes))(
+        with use_layout(InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):
+            return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=axis_name(stage_axes))(
                 weights, valid, repeat, h, pos)
 
     stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
@@ -194,7 +171,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
         return (shifted, buf, acc), None
 
     buf_names = ("stages", None) + RESIDUAL
-    shift = _shift_fn(mesh, stage_axes)
+    shift = stage_shift(mesh, stage_axes)
     shifted = constrain(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_names)
     buf = constrain(jnp.broadcast_to(xs, (S,) + xs.shape), buf_names)
     acc = None
@@ -205,18 +182,15 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     (_, buf, acc), _ = jax.lax.scan(iteration, (shifted, buf, acc), jnp.arange(T))
     if not moe:
         return constrain(buf, buf_names), None
-    from jaxpar.models.moe import aux_sum  # noqa: PLC0415
     return constrain(buf, buf_names), aux_sum(model.cfg, jnp.sum(acc, axis=3))
-
 
 
 def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strategy, layout: Layout) -> jax.Array:
     """The model's layer stack on [B, s, d] run as a pipeline over the `pipeline` mesh axis, its output
     replicated over `pipeline` (one all-reduce): computes `model.apply_stack(x, positions)`."""
-    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
     with jax.named_scope("pipeline"):
         buf, _ = _run(model, x, positions, schedule_of(strategy, model.cfg.units), strategy, layout)
-        return constrain(_merge(constrain(buf[0], (None,) + RESIDUAL)), RESIDUAL)
+        return constrain(merge_microbatches(constrain(buf[0], (None,) + RESIDUAL)), RESIDUAL)
 
 
 def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array, strategy: Strategy,
@@ -226,7 +200,6 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
     `use_layout` with x the embedding output [B, s, d] and labels [B, s]. Returns (loss, the MoE layers'
     AUX_FIELDS summed over the layers, None without MoE blocks: models/moe.py), the loss with the MoE
     layers' auxiliary losses, as `model.loss(..., aux=...)` adds them."""
-    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
     sched = schedule_of(strategy, model.cfg.units)
     S, M, h = sched.stages, sched.microbatches, sched.head_microbatches
     stage_axes = layout.axes("stages")
@@ -237,7 +210,7 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
         buf = constrain(buf.reshape(S, S, h, *buf.shape[2:]), names)
         out = _spread_fn(layout, names)(buf)                                   # [S, h, mb, s, d]
         out = constrain(out, ("stages", None) + RESIDUAL)
-    ls = jnp.pad(_split(labels, M), ((0, S * h - M), (0, 0), (0, 0)))
+    ls = jnp.pad(split_microbatches(labels, M), ((0, S * h - M), (0, 0), (0, 0)))
     ls = ls.reshape(S, h, *ls.shape[1:])                                       # [S, h, mb, s]
     ls = constrain(ls, ("stages", None, "batch", "seq"))
     weight = jnp.asarray((np.arange(S * h) < M).reshape(S, h), jnp.float32)
@@ -245,9 +218,8 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
 
     def head_loss(x, labels):                          # one micro-batch: its mean token loss
         return nnx.merge(graphdef, state).loss(x, labels)
-    per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=_axis_name(stage_axes))(out, ls)   # [S, h]
+    per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=axis_name(stage_axes))(out, ls)   # [S, h]
     loss = jnp.sum(per_micro * weight) / M
     if aux is None:
         return loss, None
-    from jaxpar.models.moe import aux_loss  # noqa: PLC0415
     return loss + aux_loss(model.cfg, aux), aux

@@ -7,7 +7,7 @@ micro-batches (T = M + S - 1 iterations' stage inputs, and with remat "none" the
 Using Megatron-LM", 2.2.1) starts a micro-batch's backward as soon as its forward leaves the last stage,
 so a stage holds a bounded number of micro-batches in flight whatever M is. No autodiff through the
 loop can order work that way, so this module writes the backward itself and hands the trainer the loss
-and the gradients (Trainer._value_and_grads), instead of a loss for jax.grad.
+and the gradients (Trainer._value_and_grad), instead of a loss for jax.grad.
 
 The schedule, one program on every device (`vmap` over the stage dim, spmd_axis_name = the pipeline
 axes, as jaxpar/pipeline/gpipe.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three loops; in tick t stage s
@@ -31,8 +31,8 @@ as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) 
 Stage s stashes a micro-batch from its forward (tick i + s) to its backward (tick i + 2(S-1) - s):
 at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute is transient:
 the chunk's k units' activations under remat none, its unit inputs and one unit's activations under
-remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline/stages.py). Stage 0's input cotangents are collected per micro-batch for the
-embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
+remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline/stages.py). Stage 0's
+input cotangents are collected per micro-batch for the embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
 per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
 exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/core/validate.py).
 
@@ -51,36 +51,86 @@ Weight gradients are accumulated in the loop's carry, so they must not be reduce
 there (GSPMD would all-reduce every tick's contribution): the stage and head weights are gathered over
 fsdp once, before the loop, and copied once per batch shard ([S, N, ...] and [N, ...], N = data x fsdp
 devices, a broadcast sharded on the batch axes: each device keeps its own copy), and a vmap over the N
-shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as jaxpar/pipeline/gpipe.py
-does for fsdp alone. Around the loop one jax.vjp carries the gradients to the parameters: the
+shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as GPipe's stages do
+(jaxpar/pipeline/stages.py). Around the loop one jax.vjp carries the gradients to the parameters: the
 embedding, the stage view (an uneven split's all-to-alls), the gathers and the copies, whose
 transposes reduce over the batch axes once per step. Communication per step over `pipeline`: M + S - 1
 permutes of the stage state each way; M all-to-alls of the last stage's output forward and M of its
 cotangent backward; the input's cotangent (only stage 0's is non-zero) and the head's gradients summed
 over the stages (all-reduces).
+
+The code follows that order: `Ticks` is the timetable (which item each stage runs in a tick), `_Plan` what
+the step is made of before any array, `_prologue` the differentiable part before the loop, `_forward`,
+`_head` and `_backward` one batch shard of one stage, and `_warm_up`, `_steady_state` and `_cool_down` the
+three phases, each a loop of ticks over the explicit state `_Carry`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline.gpipe import _axis_name, _shift_fn, _split, _valid_slots, _without, stage_chunks
-from jaxpar.core.schedule import schedule_of
+from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
+from jaxpar.models.transformer import RESIDUAL
+from jaxpar.pipeline.stages import (InStages, axis_name, param_spec, split_microbatches, stage_chunk, stage_shift,
+                                    stage_weights, unit_names, valid_slots)
 
 STATE = ("stages", "batch", None, "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
 LABELS = ("stages", "batch", None, "seq")                    # [S, N, rows, s]
 
 
+# ---- the timetable -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Ticks:
+    """Which micro-batch and repeat each stage runs forward and backward in tick t (module docstring), and
+    where a forward's input waits in the stash for its backward. S stages, M micro-batches, v repeats."""
+    stages: int
+    microbatches: int
+    repeats: int
+
+    @property
+    def first_backward(self) -> int:
+        """B0 = vS - 1: the tick of the first backward (the last stage's last repeat of micro-batch 0)."""
+        return self.repeats * self.stages - 1
+
+    @property
+    def stash_slots(self) -> int:
+        """D = 2vS - 1: the ring of stashed forward inputs per stage."""
+        return 2 * self.repeats * self.stages - 1
+
+    def forward_item(self, t, s):
+        """(valid, micro-batch, repeat) of stage s's forward in tick t: item i = t - s, in groups of S
+        micro-batches taken through the v repeats in turn (v = 1: micro-batch i)."""
+        S, M, v = self.stages, self.microbatches, self.repeats
+        i = t - s
+        return (i >= 0) & (i < v * M), (i // (S * v)) * S + i % S, (i // S) % v
+
+    def backward_item(self, t, s):
+        """(valid, micro-batch, repeat) of stage s's backward in tick t: the forward items in reverse
+        repeat order, B0 + S-1-s ticks later (the last stage's last repeat: in its head's tick)."""
+        S, M, v = self.stages, self.microbatches, self.repeats
+        b = t - self.first_backward - (S - 1 - s)
+        return (b >= 0) & (b < v * M), (b // (S * v)) * S + b % S, v - 1 - (b // S) % v
+
+    def stashed_at(self, t, s, r):
+        """The stash slot of the input of stage s's backward in tick t (repeat r): its forward stored it
+        (in slot tick % D) 2(vS - 1 - rS - s) ticks earlier."""
+        S, v = self.stages, self.repeats
+        return (t - 2 * (v * S - 1 - r * S - s)) % self.stash_slots
+
+
+# ---- the parameters outside the stages, and the batch shards -------------------------------------------
+
 def _used_leaves(fn, leaves: list, *args) -> list[int]:
-    """Indices of `leaves` that fn(leaves, *args) reads (from its jaxpr): the head's parameters among
-    the model's non-stacked ones, found without naming any layer."""
+    """Indices of `leaves` that fn(leaves, *args) reads (from its jaxpr)."""
     jaxpr = jax.make_jaxpr(fn)(leaves, *args).jaxpr
     used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
     return [i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in used]
@@ -94,10 +144,47 @@ def _replaced(leaves: list, at: list[int], new: list) -> list:
     return out
 
 
-class _PerShard(Layout):
-    """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share
-    (`in_vmap`: shard_map kernels there run without their replication check, jaxpar/pipeline/stages.py)."""
-    in_vmap = True
+@dataclasses.dataclass(frozen=True)
+class _Outside:
+    """The model's parameters outside the stacked units as one flat leaf list, and which of them the head
+    (final norm, head and loss) and the embedding read: found from their jaxprs, without naming any layer."""
+    graphdef: Any
+    units: Any                    # the units' state: merged back for the model's structure, never read
+    treedef: Any
+    leaves: list
+    variables: list
+    head: tuple[int, ...] = ()
+    embedding: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model, rows: int, seq: int, dtype) -> _Outside:
+        graphdef, units, rest = nnx.split(model, nnx.PathContains("units"), ...)
+        variables = jax.tree.leaves(rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
+        leaves, treedef = jax.tree.flatten(rest)
+        part = cls(graphdef, units, treedef, leaves, variables)
+        y = jax.ShapeDtypeStruct((rows, seq, model.cfg.d_model), dtype)
+        ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+        return dataclasses.replace(part, head=tuple(_used_leaves(part.loss, leaves, y, ids)),
+                                   embedding=tuple(_used_leaves(part.embed, leaves, ids)))
+
+    def _model(self, leaves: list):
+        return nnx.merge(self.graphdef, self.units, jax.tree.unflatten(self.treedef, leaves))
+
+    def loss(self, leaves: list, y, labels):
+        """One piece's mean token loss."""
+        return self._model(leaves).loss(y, labels)
+
+    def embed(self, leaves: list, ids):
+        """The embedding output of token ids [rows, s]."""
+        return self._model(leaves).embed(ids)
+
+    def names(self, i: int) -> tuple:
+        """Leaf i's logical names."""
+        return tuple(self.variables[i].get_metadata().get("out_sharding") or (None,) * self.leaves[i].ndim)
+
+
+class _PerShard(InStages):
+    """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share."""
 
     def rules(self, purpose: str):
         rules = dict(super().rules(purpose))
@@ -105,10 +192,103 @@ class _PerShard(Layout):
         return type(super().rules(purpose))(rules)
 
 
-def _spec(names, layout: Layout, lead: tuple, drop: tuple[str, ...]):
-    """PartitionSpec of a parameter with logical `names` without the `drop` axes, after `lead` dims."""
-    spec = tuple(spec_for(names, layout.rules("params"), layout.mesh))
-    return P(*lead, *(_without(d, drop) if isinstance(d, (str, tuple)) else d for d in spec))
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """The N = data x fsdp batch shards, each running its rows with its own copy of the weights, so that
+    no weight gradient is reduced over the batch axes inside the loop (module docstring)."""
+    layout: Layout
+    count: int                    # N
+    axis: Any                     # the batch axes as spmd_axis_name (None without)
+    inner: Layout                 # the layout inside the vmap over them
+
+    @classmethod
+    def of(cls, layout: Layout) -> _Shards:
+        batch_axes = layout.axes("batch")
+        return cls(layout, int(np.prod([layout.mesh.shape[a] for a in batch_axes])),
+                   axis_name(batch_axes) if batch_axes else None,
+                   _PerShard(layout.mesh, layout.strategy, layout.replicate_kv_heads))
+
+    def copies(self, a, names: tuple, lead: int, lead_spec: tuple):
+        """a (a parameter with logical `names` after `lead` dims) broadcast to one copy per batch shard
+        after its `lead` dims (each device keeps what it holds), gathered over fsdp."""
+        a = jnp.broadcast_to(jnp.expand_dims(a, lead), a.shape[:lead] + (self.count,) + a.shape[lead:])
+        drop = ("fsdp",) + tuple(self.layout.axes("batch"))
+        spec = param_spec(names, self.layout, drop, lead=lead_spec + (self.axis,))
+        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(self.layout.mesh, spec))
+
+    def rows(self, a, names: tuple, microbatches: int):
+        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches, then
+        each batch shard's rows, in place."""
+        a = constrain(split_microbatches(a, microbatches), (None, "batch") + names)
+        a = a.reshape((microbatches, self.count, a.shape[1] // self.count) + a.shape[2:])
+        return constrain(a, (None, "batch", None) + names)
+
+    def staged(self, fn: Callable, stage_axes_in: tuple, shard_axes_in: tuple) -> Callable:
+        """fn over the stages (spmd: the pipeline axes) and, in each, over the batch shards."""
+        def per_stage(*args):
+            with use_layout(self.inner):
+                return jax.vmap(fn, in_axes=shard_axes_in, spmd_axis_name=self.axis)(*args)
+        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=axis_name(self.layout.axes("stages")))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The step's fixed parts, known before any array: the schedule and its timetable, the layouts, the
+    parameters outside the stages, the compute dtype and the chunk one stage runs."""
+    graphdef: Any
+    layout: Layout
+    sched: Schedule
+    ticks: Ticks
+    outside: _Outside
+    shards: _Shards
+    dtype: Any
+    chunk: Callable
+
+    @classmethod
+    def of(cls, graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str) -> _Plan:
+        model = nnx.merge(graphdef, params)
+        sched = schedule_of(strategy, model.cfg.units)
+        rows, seq = batch["labels"].shape[0] // sched.microbatches, batch["labels"].shape[1]
+        dt = jnp.dtype(dtype)
+        return cls(graphdef, layout, sched, Ticks(sched.stages, sched.microbatches, sched.repeats),
+                   _Outside.of(model, rows, seq, dt), _Shards.of(layout), dt,
+                   stage_chunk(model, sched, layout, per_shard=False, policy=strategy.options.remat))
+
+    def cast(self, tree):
+        """`tree` in the compute dtype."""
+        return tree if self.dtype == jnp.float32 else jax.tree.map(lambda p: p.astype(self.dtype), tree)
+
+
+# ---- before the loop: what it reads, differentiable in the parameters ----------------------------------
+
+def _embedded(plan: _Plan, leaves: list, ids):
+    """The embedding output [M, N, rows, s, d] of ids [M, N, rows, s], per batch shard (its table copied,
+    as the head's) and micro-batch by micro-batch (a loop): the vocab-parallel lookup's partial sums exist
+    for one micro-batch at a time, and the table's gradient accumulates on each device, summed over the
+    batch axes once (the copy's transpose)."""
+    outside, shards = plan.outside, plan.shards
+
+    def embed_shard(table, ids):                 # ids [M, rows, s] of one batch shard
+        own = _replaced(leaves, outside.embedding, table)
+        return jax.lax.map(lambda t: outside.embed(own, t), ids)
+    with use_layout(shards.inner):
+        x = jax.vmap(embed_shard, in_axes=(0, 1), out_axes=1, spmd_axis_name=shards.axis)(
+            [shards.copies(leaves[i], outside.names(i), 0, ()) for i in outside.embedding], ids)
+    return constrain(x, (None, "batch", None) + RESIDUAL[1:])
+
+
+def _prologue(plan: _Plan, ids, params):
+    """(xs, stage weights, head weights): the embedding output of every micro-batch [M, N, rows, s, d],
+    the stage weights [S, N, v, k, ...] and the head's weights [N, ...], both gathered over fsdp and
+    copied per batch shard. Differentiable in the parameters: its vjp carries the loop's gradients to
+    them (the embedding, the stage view, the gathers and the copies)."""
+    model = nnx.merge(plan.graphdef, plan.cast(params))
+    weights = stage_weights(model, plan.sched, plan.layout, per_shard=False)
+    stage_spec = param_spec(("stages",), plan.layout)[0]
+    weights = [plan.shards.copies(w, (None, None) + n, 1, (stage_spec,)) for w, n in zip(weights, unit_names(model))]
+    leaves = jax.tree.leaves(nnx.split(model, nnx.PathContains("units"), ...)[2])
+    head = [plan.shards.copies(leaves[i], plan.outside.names(i), 0, ()) for i in plan.outside.head]
+    return _embedded(plan, leaves, ids), weights, head
 
 
 def _pieces_fns(layout: Layout, S: int):
@@ -117,7 +297,7 @@ def _pieces_fns(layout: Layout, S: int):
     backward); piece(labels [S, N, rows, s]) -> the labels of stage p's tokens, sharded as `seq` (the
     head's layout: under SP a `seq` shard holds `sub` = tensor residual shards, whose p-th S-ths it
     takes; no communication). Manual over every mesh axis, as jaxpar/pipeline/gpipe.py's `_spread_fn`."""
-    name = _axis_name(layout.axes("stages"))
+    name = axis_name(layout.axes("stages"))
     mesh, rules = layout.mesh, layout.rules("activations")
     state, labels = spec_for(STATE, rules, mesh), spec_for(LABELS, rules, mesh)
     sub = int(np.prod([mesh.shape[a] for a in layout.axes("res_seq") if a not in layout.axes("seq")]))
@@ -134,207 +314,206 @@ def _pieces_fns(layout: Layout, S: int):
             jax.shard_map(piece, mesh=mesh, in_specs=labels, out_specs=labels))
 
 
-def loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str):
+# ---- one batch shard of one stage: its forward, its head piece, its backward ---------------------------
+
+def _forward(chunk, ticks: Ticks, ws, ok, s, h_in, stash, x_t, t, pos):
+    """Stage s's forward in tick t on the state it received (stage 0 in repeat 0: the embedding output
+    x_t), its input stashed for the backward: (output, stash)."""
+    _, _, r = ticks.forward_item(t, s)
+    h = jnp.where((s == 0) & (r == 0), x_t, h_in)
+    return chunk(ws, ok, r, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % ticks.stash_slots, 0)
+
+
+def _head(loss_fn, seed: float, hw, z, labels):
+    """One piece's loss through the head and its vjp seeded with the piece's share of the mean:
+    (weighted loss, head weights' gradient, the piece's cotangent)."""
+    loss, head_vjp = jax.vjp(lambda hw, z: loss_fn(hw, z, labels), hw, z)
+    d_hw, dz = head_vjp(jnp.asarray(seed, loss.dtype))
+    return loss * seed, d_hw, dz
+
+
+def _backward(chunk, ticks: Ticks, ws, ok, s, g, stash, t, pos):
+    """Stage s's backward in tick t: its chunk recomputed from the stashed input and its vjp taken with
+    the received cotangent g (zero for a bubble): (input cotangent, weights' gradient)."""
+    ok_b, _, r = ticks.backward_item(t, s)
+    g = jnp.where(ok_b, g, jnp.zeros_like(g))
+    h = jax.lax.dynamic_index_in_dim(stash, ticks.stashed_at(t, s, r), 0, keepdims=False)
+    _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, r, h, pos), ws, h)
+    d_ws, d_h = chunk_vjp(g)
+    return d_h, d_ws
+
+
+# ---- the loop --------------------------------------------------------------------------------------------
+
+class _Carry(NamedTuple):
+    """The loop's state, per stage: the forward state each stage receives [S, N, rows, s, d] and the
+    cotangent (`bwd`), the stash ring [S, N, D, rows, s, d], the stage and head weights' gradient
+    accumulators (float32), the embedding output's cotangent per micro-batch (stage 0's row the one that
+    counts) and the loss."""
+    fwd: jax.Array
+    bwd: jax.Array
+    stash: jax.Array
+    d_w: list
+    d_head: list
+    d_xs: jax.Array
+    loss: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What every tick reads and nothing changes: the timetable, the weights, the micro-batches' embedding
+    outputs, positions and labels [M, N, rows, ...], and the stage-vmapped work."""
+    ticks: Ticks
+    weights: list
+    valid: Any
+    head_w: list
+    xs: jax.Array
+    ps: jax.Array
+    ls: jax.Array
+    forward: Callable
+    head: Callable
+    backward: Callable
+    shift_up: Callable
+    spread: Callable
+    piece: Callable
+    stage: jax.Array
+    last: jax.Array
+    dtype: Any
+
+    @classmethod
+    def of(cls, plan: _Plan, batch: dict, xs, weights: list, head_w: list) -> _Loop:
+        tk, shards = plan.ticks, plan.shards
+        S, M, N = tk.stages, tk.microbatches, shards.count
+        valid = valid_slots(plan.sched)
+        consts = list(plan.cast(plan.outside.leaves))
+
+        def head_loss(hw, y, labels):
+            return plan.outside.loss(_replaced(consts, plan.outside.head, hw), y, labels)
+        seed = 1.0 / (M * N * S)          # every piece's share of the batch's mean loss
+        ps, ls = shards.rows(batch["positions"], ("seq",), M), shards.rows(batch["labels"], ("seq",), M)
+        stage = jnp.arange(S)
+        last = (stage == S - 1).reshape((S,) + (1,) * (xs.ndim - 1))
+        spread, piece = _pieces_fns(plan.layout, S)
+        ok = None if valid is None else 0
+        return cls(tk, weights, valid, head_w, xs, ps, ls,
+                   shards.staged(functools.partial(_forward, plan.chunk, tk), (0, ok, 0, 0, 0, None, None, 0),
+                                 (0, None, None, 0, 0, 0, None, 0)),
+                   shards.staged(functools.partial(_head, head_loss, seed), (None, 0, 0), (0, 0, 0)),
+                   shards.staged(functools.partial(_backward, plan.chunk, tk), (0, ok, 0, 0, 0, None, 0),
+                                 (0, None, None, 0, 0, None, 0)),
+                   stage_shift(plan.layout.mesh, plan.layout.axes("stages")), spread, piece, stage, last,
+                   plan.dtype)
+
+    def positions(self, item):
+        """Each stage's micro-batch positions [S, N, rows, s] for its item."""
+        return constrain(jnp.take(self.ps, item[1] % self.ticks.microbatches, axis=0), ("stages", "batch", None, "seq"))
+
+    def zeros(self) -> _Carry:
+        """The carry before tick 0."""
+        S, D, xs, dt = self.ticks.stages, self.ticks.stash_slots, self.xs, self.dtype
+        zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), STATE)
+        stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt),
+                          ("stages", "batch", None, None) + STATE[3:])
+        d_xs = constrain(jnp.zeros((S,) + xs.shape, dt), ("stages", None) + STATE[1:])
+        d_w = [jnp.zeros(w.shape, jnp.float32) for w in self.weights]
+        d_head = [jnp.zeros((S,) + w.shape, jnp.float32) for w in self.head_w]
+        return _Carry(zeros, zeros, stash, d_w, d_head, d_xs, jnp.zeros((S, xs.shape[1]), jnp.float32))
+
+
+def _head_tick(loop: _Loop, c: _Carry, y, t) -> _Carry:
+    """The last stage's forward output y spread over the stages, each piece through the head and back: the
+    last stage's cotangent to start its backward with, the head's gradient and the loss accumulated."""
+    M, S = loop.ticks.microbatches, loop.ticks.stages
+    labels = jax.lax.dynamic_index_in_dim(loop.ls, loop.ticks.forward_item(t, S - 1)[1] % M, 0, keepdims=False)
+    labels = loop.piece(constrain(jnp.broadcast_to(labels, (S,) + labels.shape), LABELS))
+    z, spread_back = jax.vjp(loop.spread, y)
+    li, d_hw, dz = loop.head(loop.head_w, constrain(z, STATE), labels)
+    g = jnp.where(loop.last, spread_back(constrain(dz, STATE))[0], c.bwd)
+    return c._replace(bwd=g, d_head=[a + b.astype(a.dtype) for a, b in zip(c.d_head, d_hw)], loss=c.loss + li)
+
+
+def _forward_tick(loop: _Loop, c: _Carry, t, head_on: bool) -> _Carry:
+    """Every stage's forward in tick t (the head too: `head_on`), the outputs shifted one stage up."""
+    tk = loop.ticks
+    x_t = jax.lax.dynamic_index_in_dim(loop.xs, tk.forward_item(t, 0)[1] % tk.microbatches, 0, keepdims=False)
+    y, stash = loop.forward(loop.weights, loop.valid, loop.stage, c.fwd, c.stash, x_t, t,
+                            loop.positions(tk.forward_item(t, loop.stage)))
+    y = constrain(y, STATE)
+    c = c._replace(stash=stash)
+    if head_on:
+        c = _head_tick(loop, c, y, t)
+    return c._replace(fwd=constrain(loop.shift_up(y), STATE))
+
+
+def _backward_tick(loop: _Loop, c: _Carry, t) -> _Carry:
+    """Every stage's backward in tick t: the weights' gradient accumulated, stage 0's input cotangent
+    (repeat 0: the embedding output's) kept per micro-batch, the input cotangents shifted one stage down."""
+    tk, stage, M = loop.ticks, loop.stage, loop.ticks.microbatches
+    d_h, d_ws = loop.backward(loop.weights, loop.valid, stage, constrain(c.bwd, STATE), c.stash, t,
+                              loop.positions(tk.backward_item(t, stage)))
+    d_w = [a + b.astype(a.dtype) for a, b in zip(c.d_w, d_ws)]
+    ok0, j, r0 = tk.backward_item(t, 0)
+    keep = ((stage == 0) & ok0 & (r0 == 0)).reshape((tk.stages,) + (1,) * (c.d_xs.ndim - 1))
+    old = jax.lax.dynamic_index_in_dim(c.d_xs, j % M, 1, keepdims=True)
+    d_xs = jax.lax.dynamic_update_index_in_dim(c.d_xs, jnp.where(keep, d_h[:, None], old), j % M, 1)
+    # stage s+1's input cotangent to stage s (stage 0's to S-1, its previous repeat): the up-shift's
+    # transpose (one permute, phase "backward")
+    bwd = constrain(jax.linear_transpose(loop.shift_up, d_h)(constrain(d_h, STATE))[0], STATE)
+    return c._replace(bwd=bwd, d_w=d_w, d_xs=d_xs)
+
+
+def _ticks(loop: _Loop, c: _Carry, first: int, length: int, fwd_on: bool, bwd_on: bool,
+           head_on: bool = False) -> _Carry:
+    """Ticks first .. first+length-1 as one loop, each running forwards (fwd_on, with the head: head_on)
+    and backwards (bwd_on)."""
+    def tick(c, t):
+        if fwd_on:
+            c = _forward_tick(loop, c, t, head_on)
+        if bwd_on:
+            c = _backward_tick(loop, c, t)
+        return c, None
+    return jax.lax.scan(tick, c, first + jnp.arange(length))[0]
+
+
+def _warm_up(loop: _Loop, c: _Carry) -> _Carry:
+    """Ticks 0 .. B0-1: forwards only, no stage has a backward yet."""
+    return _ticks(loop, c, 0, loop.ticks.first_backward, fwd_on=True, bwd_on=False)
+
+
+def _steady_state(loop: _Loop, c: _Carry) -> _Carry:
+    """Ticks B0 .. B0 + vM - (v-1)S - 1: forward and backward on every stage, the head in the ticks whose
+    last-stage forward is a micro-batch's last repeat. v = 1: every tick. v > 1: M/S groups of S head
+    ticks and (v-1)S without, the last group's head ticks alone (its other ticks have no forwards: the
+    cool-down's)."""
+    S, M, v, B0 = loop.ticks.stages, loop.ticks.microbatches, loop.ticks.repeats, loop.ticks.first_backward
+    if v == 1:
+        return _ticks(loop, c, B0, M, fwd_on=True, bwd_on=True, head_on=True)
+
+    def group(c, g):
+        c = _ticks(loop, c, B0 + g * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
+        return _ticks(loop, c, B0 + g * S * v + S, (v - 1) * S, fwd_on=True, bwd_on=True), None
+    if M // S > 1:
+        c, _ = jax.lax.scan(group, c, jnp.arange(M // S - 1))
+    return _ticks(loop, c, B0 + (M // S - 1) * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
+
+
+def _cool_down(loop: _Loop, c: _Carry) -> _Carry:
+    """The last vS - 1 ticks: backwards only, no stage has a forward left."""
+    S, M, v = loop.ticks.stages, loop.ticks.microbatches, loop.ticks.repeats
+    return _ticks(loop, c, loop.ticks.first_backward + v * M - (v - 1) * S, v * S - 1, fwd_on=False, bwd_on=True)
+
+
+# ---- the step ----------------------------------------------------------------------------------------------
+
+def pipelined_loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str):
     """(loss, gradients w.r.t. `params`) of one batch under the 1F1B schedule (module docstring): what
     jax.value_and_grad of Trainer._loss computes. Called under `use_layout(layout)`."""
-    from jaxpar.models.transformer import RESIDUAL  # noqa: PLC0415
-
-    model = nnx.merge(graphdef, params)
-    sched = schedule_of(strategy, model.cfg.units)
-    S, M, v = sched.stages, sched.microbatches, sched.repeats
-    B0, D = v * S - 1, 2 * v * S - 1     # the first backward tick; stash slots
-    mesh, stage_axes, batch_axes = layout.mesh, layout.axes("stages"), layout.axes("batch")
-    N = int(np.prod([mesh.shape[a] for a in batch_axes]))       # batch shards: one weight copy each
-    bspec = _axis_name(batch_axes) if batch_axes else None
-    dt = jnp.dtype(dtype)
-    inner = _PerShard(mesh, layout.strategy, layout.replicate_kv_heads)
-
-    def cast(tree):
-        return tree if dt == jnp.float32 else jax.tree.map(lambda p: p.astype(dt), tree)
-
-    # The head's parameters: the non-stacked leaves the loss reads.
-    head_def, units_state, rest = nnx.split(model, nnx.PathContains("units"), ...)
-    variables = jax.tree.leaves(rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
-    rest_leaves, rest_def = jax.tree.flatten(rest)
-
-    def head_loss(leaves, y, labels):                 # one piece's mean token loss
-        return nnx.merge(head_def, units_state, jax.tree.unflatten(rest_def, leaves)).loss(y, labels)
-
-    mb = batch["labels"].shape[0] // M
-    y0 = jax.ShapeDtypeStruct((mb,) + batch["labels"].shape[1:] + (model.cfg.d_model,), dt)
-    used = _used_leaves(head_loss, rest_leaves, y0, jax.ShapeDtypeStruct(y0.shape[:2], jnp.int32))
-
-    def embed(leaves, ids):                           # the embedding output of token ids [rows, s]
-        return nnx.merge(head_def, units_state, jax.tree.unflatten(rest_def, leaves)).embed(ids)
-    embedding = _used_leaves(embed, rest_leaves, jax.ShapeDtypeStruct(y0.shape[:2], jnp.int32))
-    drop = ("fsdp",) + tuple(batch_axes)
-
-    def copies(a, names, lead, lead_spec):
-        """a broadcast to one copy per batch shard after `lead` dims (each device keeps what it holds)."""
-        a = jnp.broadcast_to(jnp.expand_dims(a, lead), a.shape[:lead] + (N,) + a.shape[lead:])
-        sharding = jax.sharding.NamedSharding(mesh, _spec(names, layout, lead_spec + (bspec,), drop))
-        return jax.lax.with_sharding_constraint(a, sharding)
-
-    box = {}
-
-    def prologue(params):
-        """Differentiable in the parameters: the embedding, the stage weights and the head's weights,
-        both gathered over fsdp and copied per batch shard [S, N, 1, k, ...] / [N, ...]."""
-        model = nnx.merge(graphdef, cast(params))
-        weights, chunk, _ = stage_chunks(model, sched, layout, per_shard=False, policy=strategy.options.remat)
-        box["chunk"] = chunk
-        names = [tuple(v.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for v, a in
-                 zip(jax.tree.leaves(nnx.split(model.units)[1], is_leaf=lambda a: isinstance(a, nnx.Variable)),
-                     weights)]
-        stage_spec = _spec(("stages",), layout, (), ())[0]
-        weights = [copies(w, (None, None) + n, 1, (stage_spec,)) for w, n in zip(weights, names)]
-        leaves = jax.tree.leaves(nnx.split(model, nnx.PathContains("units"), ...)[2])
-
-        def per_shard(i):
-            return copies(leaves[i], tuple(variables[i].get_metadata().get("out_sharding") or (None,) * leaves[i].ndim),
-                          0, ())
-        head = [per_shard(i) for i in used]
-
-        # The embedding per batch shard (its table copied, as the head's) and micro-batch by micro-batch
-        # (a loop): the vocab-parallel lookup's partial sums exist for one micro-batch at a time, and the
-        # table's gradient accumulates on each device, summed over the batch axes once (the copy's transpose).
-        def embed_shard(table, ids):                 # ids [M, rows, s] of one batch shard
-            own = _replaced(leaves, embedding, table)
-            return jax.lax.map(lambda t: embed(own, t), ids)
-        with use_layout(inner):
-            x = jax.vmap(embed_shard, in_axes=(0, 1), out_axes=1, spmd_axis_name=bspec)(
-                [per_shard(i) for i in embedding], ids)
-        return constrain(x, (None, "batch", None) + RESIDUAL[1:]), weights, head
-
-    def shards(a, names):
-        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches
-        (`_split`), then each batch shard's rows, in place."""
-        a = constrain(_split(a, M), (None, "batch") + names)
-        a = a.reshape((M, N, a.shape[1] // N) + a.shape[2:])
-        return constrain(a, (None, "batch", None) + names)
-
-    ids = shards(batch["inputs"], ("seq",))                                     # [M, N, rows, s]
-    (xs, weights, head_w), pull_back = jax.vjp(prologue, params)                # xs [M, N, rows, s, d]
-    chunk = box["chunk"]
-    valid = None if sched.even else jnp.asarray(_valid_slots(sched))
-    consts = list(cast(rest_leaves))
-    seed = 1.0 / (M * N * S)          # every piece's share of the batch's mean loss
-
-    def head_of(hw, y, labels):
-        return head_loss(_replaced(consts, used, hw), y, labels)
-
-    ps = shards(batch["positions"], ("seq",))
-    ls = shards(batch["labels"], ("seq",))
-    stage = jnp.arange(S)
-    last = (stage == S - 1).reshape((S,) + (1,) * (xs.ndim - 1))
-    shift_up = _shift_fn(mesh, stage_axes)
-    spread, piece = _pieces_fns(layout, S)
-
-    def forward_item(t, s):
-        """(valid, micro-batch, repeat) of stage s's forward in tick t: item i = t - s, in groups of S
-        micro-batches taken through the v repeats in turn (v = 1: micro-batch i)."""
-        i = t - s
-        return (i >= 0) & (i < v * M), (i // (S * v)) * S + i % S, (i // S) % v
-
-    def backward_item(t, s):
-        """(valid, micro-batch, repeat) of stage s's backward in tick t: the forward items in reverse
-        repeat order, B0 + S-1-s ticks later (the last stage's last repeat: in its head's tick)."""
-        b = t - B0 - (S - 1 - s)
-        return (b >= 0) & (b < v * M), (b // (S * v)) * S + b % S, v - 1 - (b // S) % v
-
-    # One batch shard of one stage: its forward, its head piece, its backward (module docstring).
-    def forward(ws, ok, s, h_in, stash, x_t, t, pos):
-        _, _, r = forward_item(t, s)
-        h = jnp.where((s == 0) & (r == 0), x_t, h_in)   # stage 0 in repeat 0: the embedding output
-        return chunk(ws, ok, r, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % D, 0)
-
-    def head(hw, z, labels):
-        loss, head_vjp = jax.vjp(lambda hw, z: head_of(hw, z, labels), hw, z)
-        d_hw, dz = head_vjp(jnp.asarray(seed, loss.dtype))
-        return loss * seed, d_hw, dz
-
-    def backward(ws, ok, s, g, stash, t, pos):
-        ok_b, _, r = backward_item(t, s)
-        g = jnp.where(ok_b, g, jnp.zeros_like(g))
-        # its input, stashed by the forward 2(vS - 1 - rS - s) ticks earlier
-        h = jax.lax.dynamic_index_in_dim(stash, (t - 2 * (v * S - 1 - r * S - s)) % D, 0, keepdims=False)
-        _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, r, h, pos), ws, h)
-        d_ws, d_h = chunk_vjp(g)
-        return d_h, d_ws
-
-    def staged(fn, stage_axes_in, shard_axes_in):
-        """fn over the stages (spmd: the pipeline axes) and, in each, over the batch shards."""
-        def per_stage(*args):
-            with use_layout(inner):
-                return jax.vmap(fn, in_axes=shard_axes_in, spmd_axis_name=bspec)(*args)
-        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=_axis_name(stage_axes))
-
-    ok_axis = None if valid is None else 0
-    forward_all = staged(forward, (0, ok_axis, 0, 0, 0, None, None, 0), (0, None, None, 0, 0, 0, None, 0))
-    head_all = staged(head, (None, 0, 0), (0, 0, 0))
-    backward_all = staged(backward, (0, ok_axis, 0, 0, 0, None, 0), (0, None, None, 0, 0, None, 0))
-
-    def positions(item):             # each stage's micro-batch positions [S, N, rows, s] for its item
-        return constrain(jnp.take(ps, item[1] % M, axis=0), ("stages", "batch", None, "seq"))
-
-    def tick(carry, t, fwd_on: bool, bwd_on: bool, head_on: bool = False):
-        """Tick t: forward (fwd_on), the head (head_on: in exactly the ticks where the last stage's
-        forward is a micro-batch's last repeat), backward (bwd_on)."""
-        fwd, bwd, stash, d_w, d_head, d_xs, loss = carry
-        g = bwd
-        if fwd_on:
-            x_t = jax.lax.dynamic_index_in_dim(xs, forward_item(t, 0)[1] % M, 0, keepdims=False)
-            y, stash = forward_all(weights, valid, stage, fwd, stash, x_t, t, positions(forward_item(t, stage)))
-            y = constrain(y, STATE)
-            if head_on:                 # the last stage's output through the head
-                labels = jax.lax.dynamic_index_in_dim(ls, forward_item(t, S - 1)[1] % M, 0, keepdims=False)
-                labels = piece(constrain(jnp.broadcast_to(labels, (S,) + labels.shape), LABELS))
-                z, spread_back = jax.vjp(spread, y)
-                li, d_hw, dz = head_all(head_w, constrain(z, STATE), labels)
-                g = jnp.where(last, spread_back(constrain(dz, STATE))[0], bwd)
-                d_head = [a + b.astype(a.dtype) for a, b in zip(d_head, d_hw)]
-                loss = loss + li
-            fwd = constrain(shift_up(y), STATE)
-        if bwd_on:
-            d_h, d_ws = backward_all(weights, valid, stage, constrain(g, STATE), stash, t,
-                                     positions(backward_item(t, stage)))
-            d_w = [a + b.astype(a.dtype) for a, b in zip(d_w, d_ws)]
-            # stage 0's input cotangent in repeat 0 is the embedding output's: kept per micro-batch
-            ok0, j, r0 = backward_item(t, 0)
-            keep = ((stage == 0) & ok0 & (r0 == 0)).reshape((S,) + (1,) * (d_xs.ndim - 1))
-            old = jax.lax.dynamic_index_in_dim(d_xs, j % M, 1, keepdims=True)
-            d_xs = jax.lax.dynamic_update_index_in_dim(d_xs, jnp.where(keep, d_h[:, None], old), j % M, 1)
-            # stage s+1's input cotangent to stage s (stage 0's to S-1, its previous repeat): the
-            # up-shift's transpose (one permute, phase "backward")
-            bwd = constrain(jax.linear_transpose(shift_up, d_h)(constrain(d_h, STATE))[0], STATE)
-        return (fwd, bwd, stash, d_w, d_head, d_xs, loss), None
-
-    def ticks(carry, first, length, **flags):
-        return jax.lax.scan(functools.partial(tick, **flags), carry, first + jnp.arange(length))[0]
-
-    def group(carry, g):
-        """v > 1: S ticks with the head (the group's last repeat leaves the last stage), (v-1)S without."""
-        carry = ticks(carry, B0 + g * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
-        return ticks(carry, B0 + g * S * v + S, (v - 1) * S, fwd_on=True, bwd_on=True), None
-
-    zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), STATE)
-    stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt), ("stages", "batch", None, None) + STATE[3:])
-    d_xs = constrain(jnp.zeros((S,) + xs.shape, dt), ("stages", None) + STATE[1:])
-    d_w = [jnp.zeros(w.shape, jnp.float32) for w in weights]
-    d_head = [jnp.zeros((S,) + w.shape, jnp.float32) for w in head_w]
-    carry = (zeros, zeros, stash, d_w, d_head, d_xs, jnp.zeros((S, N), jnp.float32))
-    # warm-up (forwards only), steady state (forward, head, backward), cool-down (backwards only)
-    carry = ticks(carry, 0, B0, fwd_on=True, bwd_on=False)
-    if v == 1:
-        carry = ticks(carry, B0, M, fwd_on=True, bwd_on=True, head_on=True)
-    else:                                   # M/S groups, the last one's head ticks alone (then no forwards)
-        if M // S > 1:
-            carry, _ = jax.lax.scan(group, carry, jnp.arange(M // S - 1))
-        carry = ticks(carry, B0 + (M // S - 1) * S * v, S, fwd_on=True, bwd_on=True, head_on=True)
-    carry = ticks(carry, B0 + v * M - (v - 1) * S, v * S - 1, fwd_on=False, bwd_on=True)
-    _, _, _, d_w, d_head, d_xs, loss = carry
-
-    d_x = constrain(jnp.sum(d_xs, axis=0), (None, "batch", None) + RESIDUAL[1:])   # as xs: [M, N, rows, s, d]
-    d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(d_head, head_w)]
-    (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(d_w, weights)], d_head))
-    return jnp.sum(loss), grads
+    plan = _Plan.of(graphdef, params, batch, strategy, layout, dtype)
+    ids = plan.shards.rows(batch["inputs"], ("seq",), plan.ticks.microbatches)       # [M, N, rows, s]
+    (xs, weights, head_w), pull_back = jax.vjp(functools.partial(_prologue, plan, ids), params)
+    loop = _Loop.of(plan, batch, xs, weights, head_w)
+    c = _cool_down(loop, _steady_state(loop, _warm_up(loop, loop.zeros())))
+    d_x = constrain(jnp.sum(c.d_xs, axis=0), (None, "batch", None) + RESIDUAL[1:])   # as xs: [M, N, rows, s, d]
+    d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(c.d_head, head_w)]
+    (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(c.d_w, weights)], d_head))
+    return jnp.sum(c.loss), grads

@@ -1,15 +1,21 @@
-"""The pipeline's stage weights: the stacked layer units viewed per stage, and what one stage runs.
+"""What every pipeline schedule shares: the stage weights, what one stage runs, and how the stages and
+micro-batches are laid out.
 
-jaxpar/pipeline/gpipe.py (GPipe, circular) and jaxpar/pipeline/one_f_one_b.py run a stage's chunk of k unit slots on
-every stage at once, a vmap over the stage dim. This module gives them that chunk and its weights: the
-stacked units [U, ...] viewed as [S, v, k, ...] (stage-major storage makes an even split a reshape,
-jaxpar/pipeline/order.py; an uneven one pads with zero slots that run as the identity), gathered over
-fsdp once per step, and copied once per data x fsdp shard so that each shard's weight gradient
-accumulates on its own device through the schedule's loop and is summed once after it (the module
-docstring of jaxpar/pipeline/gpipe.py says why and what it costs). MoE blocks also return their router
-statistics per unit slot (models/moe.py), which the schedule accumulates.
+jaxpar/pipeline/gpipe.py (GPipe, circular) and jaxpar/pipeline/one_f_one_b.py run a stage's chunk of k unit
+slots on every stage at once, a vmap over the stage dim. This module gives them
+  * `stage_weights`: the stacked units [U, ...] viewed as [S, v, k, ...] (stage-major storage makes an
+    even split a reshape, jaxpar/pipeline/order.py; an uneven one pads with zero slots that run as the
+    identity, `valid_slots`), gathered over fsdp once per step, and copied once per data x fsdp shard
+    so that each shard's weight gradient accumulates on its own device through the schedule's loop and
+    is summed once after it (the module docstring of jaxpar/pipeline/gpipe.py says why and what it costs);
+  * `stage_chunk`: the function one stage runs on those weights, with the MoE blocks' router
+    statistics per unit slot (models/moe.py) for the schedule to accumulate;
+  * the layout inside the stages' vmap (`InStages`), the cyclic shift of the stage state from one
+    stage to the next (`stage_shift`), and the micro-batch split of a batch (`split_microbatches`).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,115 +26,146 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.schedule import Schedule
 from jaxpar.core.sharding import Layout, spec_for, use_layout
+from jaxpar.models.lm import unit_step
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
+_COPY_AXES = ("data", "fsdp")             # the batch axes that hold one copy of the stage weights each
 
 
-def _axis_name(axes: tuple[str, ...]):
+# ---- mesh axes and specs -------------------------------------------------------------------------------
+
+def axis_name(axes: tuple[str, ...]):
+    """The name of mesh axes `axes` as collectives and spmd_axis_name take it: one axis by itself."""
     return axes[0] if len(axes) == 1 else axes
 
 
-def _stage_view(a: jax.Array, sched: Schedule, sharded, names) -> jax.Array:
+def _without(dim, drop: tuple[str, ...]):
+    """One PartitionSpec entry with the mesh axes `drop` removed."""
+    axes = tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def param_spec(names: tuple, layout: Layout, drop: tuple[str, ...] = (), lead: tuple = ()) -> P:
+    """PartitionSpec of a parameter with logical `names` (the params rules), without the mesh axes `drop`
+    (those it is gathered over), after `lead` dims given as they are."""
+    spec = tuple(spec_for(names, layout.rules("params"), layout.mesh))
+    return P(*lead, *(_without(d, drop) if isinstance(d, (str, tuple)) else d for d in spec))
+
+
+def _constrained(a: jax.Array, names: tuple, layout: Layout, drop: tuple[str, ...] = ()) -> jax.Array:
+    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(layout.mesh, param_spec(names, layout, drop)))
+
+
+class InStages(Layout):
+    """The layout inside the pipeline's vmap over stages: a shard_map there (the MoE kernel, jaxpar/ops/moe.py)
+    is batched over the vmapped mesh axes, which its own replication check cannot yet follow (JAX 0.12
+    compares its unbatched out_specs with values that vary over them too), so it runs unchecked."""
+    in_vmap = True
+
+
+class _WithoutFsdpBatch(InStages):
+    """The layout inside the pipeline's vmap over fsdp (x data) shards: the vmapped dim is their batch share."""
+
+    def rules(self, purpose: str):
+        rules = dict(super().rules(purpose))
+        rules["batch"] = tuple(a for a in rules["batch"] if a not in _COPY_AXES)
+        return type(super().rules(purpose))(rules)
+
+
+# ---- the stage weights ---------------------------------------------------------------------------------
+
+def unit_names(model) -> list[tuple]:
+    """Per weight leaf of the stacked units (jax.tree order), its logical names without the `layers` dim."""
+    stacked = nnx.split(model.units)[1]
+    variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
+    return [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:]
+            for var, a in zip(variables, jax.tree.leaves(stacked), strict=True)]
+
+
+def _stage_view(a: jax.Array, sched: Schedule, layout: Layout, names: tuple) -> jax.Array:
     """A stacked weight [U, ...] in stored order as [S, v, k, ...]: chunk r*S + s at [s, r], padded with
     zeros to k. Even splits are stored stage-major (jaxpar/pipeline/order.py): a reshape, each stage's
     block already on it."""
     S, v, k = sched.stages, sched.repeats, sched.per_chunk
+    names = ("stages", None, None) + names
     if sched.even:
-        return sharded(a.reshape(S, v, k, *a.shape[1:]), ("stages", None, None) + names)
+        return _constrained(a.reshape(S, v, k, *a.shape[1:]), names, layout)
     # stage-major order straight away (a [v, S] -> [S, v] swap would split a sharded dim backward)
     starts = np.cumsum((0,) + sched.split)
     pad = jnp.zeros((k - min(sched.split),) + a.shape[1:], a.dtype)
     chunks = [jnp.concatenate([a[b:b + n], pad[:k - n]]) for b, n in zip(starts, sched.split)]
     a = jnp.stack([chunks[r * S + s] for s in range(S) for r in range(v)])
-    return sharded(a.reshape(S, v, k, *a.shape[2:]), ("stages", None, None) + names)
+    return _constrained(a.reshape(S, v, k, *a.shape[2:]), names, layout)
 
 
-def _valid_slots(sched: Schedule) -> np.ndarray:
-    """[S, v, k] bool: slot j of stage s's chunk in repeat r holds a unit (not padding)."""
+def valid_slots(sched: Schedule) -> jax.Array | None:
+    """[S, v, k] bool: slot j of stage s's chunk in repeat r holds a unit (not padding); None for an even
+    split (no padding)."""
+    if sched.even:
+        return None
     S, v, k = sched.stages, sched.repeats, sched.per_chunk
     sizes = np.asarray(sched.split).reshape(v, S).T          # [S, v]
-    return np.arange(k)[None, None, :] < sizes[:, :, None]
+    return jnp.asarray(np.arange(k)[None, None, :] < sizes[:, :, None])
 
 
-def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True, with_aux: bool = False,
-                 policy: str = "none"):
-    """(weights, chunk, valid): the stacked units viewed per stage and what one stage runs.
+def _copy_axes(layout: Layout, per_shard: bool) -> tuple[tuple[str, ...], int]:
+    """(the batch axes that hold one copy of the stage weights each, F = their devices); none without
+    `per_shard`."""
+    copies = tuple(a for a in layout.axes("batch") if a in _COPY_AXES) if per_shard else ()
+    return copies, int(np.prod([layout.mesh.shape[a] for a in copies])) if copies else 1
 
-    weights: per weight leaf [S, v, k, ...] ([S, F, v, k, ...] with F > 1 data x fsdp shards: one (gathered)
-    copy per shard), gathered over fsdp here, once per step (module docstring); differentiable in the units.
-    chunk(ws, ok, r, h, pos): one stage's k unit slots of repeat r applied to h [mb, s, d] (its rows run
-    per fsdp shard with that shard's copy), ws and ok that stage's slices of `weights` and `valid`.
-    valid: [S, v, k] bool of the real (non-padding) slots, None for an even split.
-    per_shard=False: no fsdp copies (weights [S, v, k, ...] gathered over fsdp, chunk on whatever rows
-    it is given), for a caller that makes its own (jaxpar/pipeline/one_f_one_b.py).
-    policy: the remat policy of each unit inside the chunk ("none": the schedule rematerialises whole
-    iterations, jaxpar/pipeline/gpipe.py; 1F1B passes the run's, so its backward tick's recompute keeps one
-    unit's activations at a time, not the chunk's k).
-    with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
-    shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,
-    to be summed over R and micro-batches), or None for a model without MoE blocks."""
-    from jaxpar.models.lm import unit_step  # noqa: PLC0415
 
-    S, v = sched.stages, sched.repeats
-    graphdef, stacked = nnx.split(model.units)
-    variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
-    arrays, treedef = jax.tree.flatten(stacked)
-    assert len(variables) == len(arrays)
-    rules = layout.rules("params")
-    w_names = [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:] for var, a in
-               zip(variables, arrays)]
-    mesh = layout.mesh
+def _shard_copies(w: jax.Array, view: jax.Array, names: tuple, copies: tuple[str, ...], F: int,
+                  layout: Layout) -> jax.Array:
+    """The gathered stage weight w [S, v, k, ...] as one copy per shard of the `copies` axes, [S, F, ...]
+    (a broadcast: each device keeps what it holds). With `data` beside fsdp the data copies are made of the
+    fsdp-sharded `view` first, so that the gradient is summed over fsdp into its shards (a reduce-scatter)
+    before the shards are summed over data, and nothing is reduced over `data` inside the loop either."""
+    mesh, S = layout.mesh, w.shape[0]
+    spec = tuple(spec_for(("stages", None, None) + names, layout.rules("params"), mesh))
+    spec = (spec + (None,) * w.ndim)[:w.ndim]
+    rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
+    if "fsdp" in copies and copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view
+        D = F // mesh.shape["fsdp"]
+        view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
+        view = jax.lax.with_sharding_constraint(view, jax.sharding.NamedSharding(mesh, P(spec[0], "data", *spec[1:])))
+        w = jnp.broadcast_to(view[:, :, None], (S, D, F // D) + view.shape[2:])
+        w = w.reshape((S, F) + w.shape[3:])
+    else:
+        w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
+    spec = P(spec[0], axis_name(copies), *rest)
+    return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
 
-    def sharded(a, names, drop=()):
-        spec = spec_for(names, rules, mesh)
-        spec = P(*(d if not isinstance(d, (str, tuple)) else _without(d, drop) for d in spec))
-        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
 
-    views = [_stage_view(a, sched, sharded, n) for a, n in zip(arrays, w_names)]
-    weights = [sharded(w, ("stages", None, None) + n, drop=("fsdp",)) for w, n in zip(views, w_names)]
-    # FSDP: one copy of the gathered weights per fsdp shard, [S, F, v, k, ...] (a broadcast: each device
-    # keeps what it holds), so each shard's weight gradient accumulates on its own device through the
-    # loop and is reduced (the broadcast's transpose) once after it (module docstring).
-    batch_axes = layout.axes("batch")
-    # With `data` too, the copies are per data x fsdp shard (nothing reduced over `data` in the loop
-    # either), made as data copies of the fsdp-sharded view first, so that the gradient is summed over
-    # fsdp into its shards (a reduce-scatter) before the shards are summed over data (found by
-    # `plan --verify`: otherwise every iteration all-reduced the gathered weights' gradient over data).
-    copies = tuple(a for a in batch_axes if a in _COPY_AXES) if per_shard else ()
-    F = int(np.prod([mesh.shape[a] for a in copies])) if copies else 1
-    if F > 1:
-        def per_shard(w, view, n):
-            spec = tuple(spec_for(("stages", None, None) + n, rules, mesh))
-            spec = (spec + (None,) * w.ndim)[:w.ndim]
-            rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
-            if "fsdp" in copies and copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view
-                D = F // mesh.shape["fsdp"]
-                view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
-                view = jax.lax.with_sharding_constraint(
-                    view, jax.sharding.NamedSharding(mesh, P(spec[0], "data", *spec[1:])))
-                w = jnp.broadcast_to(view[:, :, None], (S, D, F // D) + view.shape[2:])
-                w = w.reshape((S, F) + w.shape[3:])
-            else:
-                w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
-            spec = P(spec[0], _axis_name(copies), *rest)
-            return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
-        weights = [per_shard(w, view, n) for w, view, n in zip(weights, views, w_names)]
-        before = 1
-        for a in batch_axes[:batch_axes.index(copies[0])]:
-            before *= mesh.shape[a]
-        inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
-    valid = None if sched.even else jnp.asarray(_valid_slots(sched))
-    moe = with_aux and "E" in model.cfg.pattern
+def stage_weights(model, sched: Schedule, layout: Layout, per_shard: bool = True) -> list[jax.Array]:
+    """Per weight leaf of the stacked units (jax.tree order), the stage view [S, v, k, ...] gathered over
+    fsdp here, once per step (module docstring); differentiable in the units. With F > 1 data x fsdp
+    shards and `per_shard`: [S, F, v, k, ...], one gathered copy per shard. per_shard=False: no copies, for
+    a caller that makes its own (jaxpar/pipeline/one_f_one_b.py)."""
+    arrays = jax.tree.leaves(nnx.split(model.units)[1])
+    names = unit_names(model)
+    views = [_stage_view(a, sched, layout, n) for a, n in zip(arrays, names)]
+    weights = [_constrained(w, ("stages", None, None) + n, layout, drop=("fsdp",)) for w, n in zip(views, names)]
+    copies, F = _copy_axes(layout, per_shard)
+    if F == 1:
+        return weights
+    return [_shard_copies(w, view, n, copies, F, layout) for w, view, n in zip(weights, views, names)]
 
+
+# ---- what one stage runs -------------------------------------------------------------------------------
+
+def _unit_chunk(graphdef, treedef, repeats: int, policy: str, moe: bool) -> Callable:
+    """chunk(ws, ok, r, h, pos): the k unit slots of repeat r (weights ws [v, k, ...], real slots ok [v, k]
+    or None) applied in turn to h [rows, s, d]; (y, aux [k, n]) with `moe`, else y."""
     def chunk(ws, ok, r, h, pos):
-        ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if v > 1 else w[0] for w in ws]
+        ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if repeats > 1 else w[0] for w in ws]
         ws = checkpoint_name(ws, WEIGHTS_NAME)
         units = jax.tree.unflatten(treedef, ws)
         step = unit_step(graphdef, policy, pos)
         if ok is None:
             y, aux = jax.lax.scan(step, h, units)
         else:
-            ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if v > 1 else ok[0]
+            ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if repeats > 1 else ok[0]
 
             def slot(h, unit):                   # a padding slot is the identity and sees no token
                 w, real = unit
@@ -136,41 +173,7 @@ def stage_chunks(model, sched: Schedule, layout: Layout, per_shard: bool = True,
                 return jnp.where(real, y, h), None if aux is None else jnp.where(real, aux, 0.0)
             y, aux = jax.lax.scan(slot, h, (units, ok))
         return (y, aux) if moe else y
-
-    def stage_chunk(ws, ok, r, h, pos):          # F == 1: the rows' one shard
-        y, aux = chunk(ws, ok, r, h, pos)
-        return y, aux[:, None]
-
-    if F == 1:
-        return weights, stage_chunk if moe else chunk, valid
-
-    def sharded_chunk(ws, ok, r, h, pos):        # each fsdp shard its rows with its own copy of the weights
-        with use_layout(inner_layout):
-            out = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=_axis_name(copies))(
-                ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
-        y = _fsdp_merge((out[0] if moe else out)[None], before)[0]
-        return (y, jnp.swapaxes(out[1], 0, 1)) if moe else y
-    return weights, sharded_chunk, valid
-
-
-
-_COPY_AXES = ("data", "fsdp")   # the batch axes that FSDP inside the stages makes weight copies over
-
-
-class _InStages(Layout):
-    """The layout inside the pipeline's vmap over stages: a shard_map there (the MoE kernel, jaxpar/ops/moe.py)
-    is batched over the vmapped mesh axes, which its own replication check cannot yet follow (JAX 0.12
-    compares its unbatched out_specs with values that vary over them too), so it runs unchecked."""
-    in_vmap = True
-
-
-class _WithoutFsdpBatch(_InStages):
-    """The layout inside the pipeline's vmap over fsdp (x data) shards: the vmapped dim is their batch share."""
-
-    def rules(self, purpose: str):
-        rules = dict(super().rules(purpose))
-        rules["batch"] = tuple(a for a in rules["batch"] if a not in _COPY_AXES)
-        return type(super().rules(purpose))(rules)
+    return chunk
 
 
 def _fsdp_split(a: jax.Array, F: int, before: int) -> jax.Array:
@@ -187,6 +190,67 @@ def _fsdp_merge(a: jax.Array, before: int) -> jax.Array:
     return jnp.swapaxes(a, 1, 2).reshape(S, F * rows, *a.shape[4:])
 
 
-def _without(dim, drop: tuple[str, ...]):
-    axes = tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+def _per_shard_chunk(chunk: Callable, copies: tuple[str, ...], F: int, layout: Layout, moe: bool) -> Callable:
+    """`chunk` run by each of the F weight-copy shards on its rows with its own copy of the weights
+    ([F, v, k, ...]); the MoE statistics per shard, [k, F, n]."""
+    batch_axes = layout.axes("batch")
+    before = int(np.prod([layout.mesh.shape[a] for a in batch_axes[:batch_axes.index(copies[0])]]))
+    inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
+
+    def sharded_chunk(ws, ok, r, h, pos):
+        with use_layout(inner_layout):
+            out = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=axis_name(copies))(
+                ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
+        y = _fsdp_merge((out[0] if moe else out)[None], before)[0]
+        return (y, jnp.swapaxes(out[1], 0, 1)) if moe else y
+    return sharded_chunk
+
+
+def stage_chunk(model, sched: Schedule, layout: Layout, per_shard: bool = True, with_aux: bool = False,
+                policy: str = "none") -> Callable:
+    """chunk(ws, ok, r, h, pos): one stage's k unit slots of repeat r applied to h [mb, s, d], with ws and
+    ok that stage's slices of `stage_weights(model, sched, layout, per_shard)` and `valid_slots(sched)`;
+    with F > 1 weight copies (`per_shard`), h's rows run per data x fsdp shard with that shard's copy.
+    policy: the remat policy of each unit inside the chunk ("none": the schedule rematerialises whole
+    iterations, jaxpar/pipeline/gpipe.py; 1F1B passes the run's, so its backward tick's recompute keeps one
+    unit's activations at a time, not the chunk's k).
+    with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
+    shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,
+    to be summed over R and micro-batches), or None for a model without MoE blocks."""
+    graphdef, stacked = nnx.split(model.units)
+    moe = with_aux and "E" in model.cfg.pattern
+    chunk = _unit_chunk(graphdef, jax.tree.structure(stacked), sched.repeats, policy, moe)
+    copies, F = _copy_axes(layout, per_shard)
+    if F > 1:
+        return _per_shard_chunk(chunk, copies, F, layout, moe)
+    if not moe:
+        return chunk
+
+    def one_shard_chunk(ws, ok, r, h, pos):      # the rows' one shard
+        y, aux = chunk(ws, ok, r, h, pos)
+        return y, aux[:, None]
+    return one_shard_chunk
+
+
+# ---- moving stage state and micro-batches --------------------------------------------------------------
+
+def stage_shift(mesh, axes: tuple[str, ...]) -> Callable:
+    """y[s] -> y[s+1] cyclically (the last stage's to stage 0): one collective-permute over the stage axes
+    (a ppermute, whose transpose is the reverse permute: one more backward)."""
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    name = axis_name(axes)
+    return jax.shard_map(lambda y: jax.lax.ppermute(y, name, perm), mesh=mesh, in_specs=P(name),
+                         out_specs=P(name), axis_names=set(axes))
+
+
+def split_microbatches(a: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...]: micro-batch i takes rows i, i+M, i+2M, ... (as gradient accumulation in
+    jaxpar.training.trainer does), a reshape that keeps every row on the devices that hold it."""
+    return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
+
+
+def merge_microbatches(a: jax.Array) -> jax.Array:
+    """Inverse of `split_microbatches`."""
+    a = jnp.swapaxes(a, 0, 1)
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
