@@ -7,12 +7,13 @@ the gradient sums of a layer's weights into one op), each with its kind, mesh ax
 executions per step, dims and bytes. Every parameter's explanation is matched against them, one
 compiled buffer per listed collective (a collective listed as shared by several weights, the input
 gather of the projections that read one activation, matches without using its buffer up), by kind,
-axes, phase, executions, bytes and dims (as a multiset: XLA may transpose a gradient's dims). One
-difference is XLA:CPU's, not the layout's: it forms no reduce-scatter, so a listed reduce-scatter is
-found as an all-reduce of the same full buffer (tests/test_comm.py checks that those all-reduces are
-only sliced afterwards). Then, for the query projection, an MLP weight and the embedding, every listed
-collective was found, and no compiled weight collective over the batch axes with the parameter's
-shape is left that no explanation claimed.
+axes, phase, executions, bytes and dims (as a multiset without unit dims: XLA may transpose a buffer or
+add a unit dim to it). One difference is XLA:CPU's, not the layout's: it forms no reduce-scatter, so a
+listed reduce-scatter is found as an all-reduce of the same full buffer whose sum is sliced afterwards
+(for the column-parallel input gradients, after adding the projections' sums: XLA:CPU does not
+reassociate them); for the weights' gradients, the test checks that those all-reduces are only sliced.
+Then, for the query projection, an MLP weight and the embedding, every listed collective was found, and
+no compiled weight collective over the batch axes with the parameter's shape is left that no explanation claimed.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.analysis import patterns
 from jaxpar.analysis.hlo_text import is_scalar, parse_module, result_shape, shape_bytes, tuple_elements
 from jaxpar.analysis.tally import collective_ops
 from jaxpar.cli.main import main as cli
@@ -52,9 +54,11 @@ class Buffer:
     nbytes: int
 
 
-def _dims(shape: str) -> tuple[int, ...]:
-    inner = shape[shape.index("[") + 1:shape.index("]")]
-    return tuple(sorted(int(d) for d in inner.split(",") if d))
+def _dims(shape) -> tuple[int, ...]:
+    """Dims as a sorted multiset without 1s (XLA may transpose a buffer, or add a unit dim to it)."""
+    if isinstance(shape, str):
+        shape = [int(d) for d in shape[shape.index("[") + 1:shape.index("]")].split(",") if d]
+    return tuple(sorted(d for d in shape if d != 1))
 
 
 @functools.cache
@@ -86,7 +90,7 @@ def explanations(mesh: str) -> dict[str, explain.Explanation]:
 def _fits(move: explain.Move, b: Buffer) -> bool:
     kinds = {"reduce-scatter", "all-reduce"} if move.kind == "reduce-scatter" else {move.kind}
     return (b.kind in kinds and b.axes == move.axes and b.phase == move.phase and b.times == move.times
-            and b.nbytes == move.nbytes and (b.dims is None or b.dims == tuple(sorted(move.shape))))
+            and b.nbytes == move.nbytes and (b.dims is None or b.dims == _dims(move.shape)))
 
 
 @functools.cache
@@ -115,9 +119,27 @@ def test_collectives_equal_the_compiled_step(mesh: str, query: str):
     assert not missing, f"{query} on {mesh}: listed but not compiled: {missing}"
     # no weight collective with this parameter's shape that no explanation claimed
     shard = e.shard[1:] if e.param.names[0] == "layers" else e.shard
-    shapes = {tuple(sorted(shard))} | {tuple(sorted(m.shape)) for m in e.moves if set(m.axes) <= BATCH_AXES}
+    shapes = {_dims(shard)} | {_dims(m.shape) for m in e.moves if set(m.axes) <= BATCH_AXES}
     unclaimed = [b for b in left if set(b.axes) <= BATCH_AXES and b.dims in shapes]
     assert not unclaimed, f"{query} on {mesh}: compiled but not listed: {unclaimed}"
+
+
+@pytest.mark.parametrize("mesh", LAYOUTS)
+def test_gradient_reduce_scatters_are_sliced_all_reduces(mesh: str):
+    """The all-reduces found for listed gradient reduce-scatters (over the batch axes) are exactly the
+    compiled step's all-reduces whose result is only sliced to 1/n: reduce-scatters on GPU and TPU."""
+    found, _ = matched(mesh)
+    listed: dict = {}
+    for (path, i), b in found.items():
+        move = explanations(mesh)[path].moves[i]
+        if b is not None and move.kind == "reduce-scatter" and set(b.axes) <= BATCH_AXES:
+            listed[(b.axes, b.phase)] = listed.get((b.axes, b.phase), 0) + b.times * b.nbytes
+    tr = harness.trainer(MODEL, mesh)
+    ids = np.arange(tr.mesh.size).reshape(tuple(tr.mesh.shape.values()))
+    sliced = {(c.axes, c.phase): c.bytes
+              for c in patterns.scatter_like_all_reduces(harness.compiled_text(MODEL, mesh), tr.mesh.axis_names, ids)
+              if set(c.axes) <= BATCH_AXES}
+    assert listed == sliced
 
 
 def test_textbook_collectives_of_the_query_projection():

@@ -54,7 +54,6 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 import jaxpar
 from jaxpar.core import rules as rules_module
-from jaxpar.core.rules import BASE_RULES
 from jaxpar.core import sharding as sharding_module
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for
 from jaxpar.core.strategy import AXES, Strategy
@@ -305,8 +304,14 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
                         "ZeRO-1: the gradient summed and scattered onto the moments' shards", reduced))
         out.append(Move("optimizer", "all-gather", zero1, v.layers, stored, "float32",
                         "ZeRO-1: the updated parameter gathered back to every replica", reduced))
-    if summed:
-        out.append(Move("backward", "all-reduce", summed, v.layers, v.shard(v.stored, ctx), "float32",
+    sequence = tuple(a for a in summed if a not in lay.axes("batch") + lay.axes("seq"))   # sequence parallelism's
+    if sequence:
+        out.append(Move("backward", "all-reduce", sequence, execs, v.shard(v.stored, ctx), "float32",
+                        "sequence parallel: the partial gradients of the ranks' sequence shards, summed in the "
+                        "layer's backward pass (Megatron's layer-norm gradient all-reduce)", reduced))
+    replicas = tuple(a for a in summed if a not in sequence)
+    if replicas:
+        out.append(Move("backward", "all-reduce", replicas, v.layers, v.shard(v.stored, ctx), "float32",
                         "the gradient summed over the replicas, which read other tokens", reduced))
     return out
 
