@@ -142,6 +142,27 @@ def test_gradient_reduce_scatters_are_sliced_all_reduces(mesh: str):
     assert listed == sliced
 
 
+@pytest.mark.parametrize("mesh", LAYOUTS)
+def test_every_weight(mesh: str):
+    """Every other parameter's collectives are found as well, but two forms the compiler chooses for the
+    norms' small vectors: on data x fsdp their gradient's reduce-scatter over fsdp and all-reduce over
+    data are one all-reduce of the whole vector over both (then sliced); and the final norm's sum over
+    the sequence shards is combined with the optimizer's scalar sums, an op the tally labels `optimizer`."""
+    found, left = matched(mesh)
+    for path, e in explanations(mesh).items():
+        missing = [m for i, m in enumerate(e.moves) if found[(path, i)] is None]
+        if [n for n in e.param.names if n != "layers"] == ["embed"] and missing:   # a norm's scale
+            if [m.kind for m in missing] == ["reduce-scatter", "all-reduce"]:
+                rs, ar = missing
+                both = tuple(a for a in ("data", "fsdp") if a in rs.axes + ar.axes)
+                whole = explain.Move(rs.phase, "all-reduce", both, rs.times, rs.shape, "float32", "", rs.where)
+                missing = [] if any(_fits(whole, b) for b in left) else missing
+            else:
+                missing = [m for m in missing if not any(
+                    _fits(dataclasses.replace(m, phase="optimizer"), b) for b in compiled_buffers(mesh))]
+        assert not missing, f"{path} on {mesh}: listed but not compiled: {missing}"
+
+
 def test_textbook_collectives_of_the_query_projection():
     """wq on dp2-fsdp2-tp2 (embed on fsdp, q_heads on tensor), by hand: gathered over fsdp forward and
     backward, its gradient reduce-scattered over fsdp and all-reduced over data, and the input gradient
