@@ -154,6 +154,7 @@ class Found:
     dtype: str
     names: tuple[str | None, ...]
     declared: Source
+    variable: nnx.Variable = dataclasses.field(repr=False, compare=False, default=None)
 
 
 def abstract_model(model: ModelConfig) -> LM:
@@ -173,8 +174,8 @@ def parameters(lm: LM) -> dict[str, Found]:
         for k in keys[:-1]:
             owner = owner[k] if isinstance(k, int) else getattr(owner, k)
         names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.shape)
-        out[".".join(map(str, keys))] = Found(".".join(map(str, keys)), tuple(v.shape), str(v.dtype), names,
-                                              declaration(type(owner), str(keys[-1])))
+        dotted = ".".join(map(str, keys))
+        out[dotted] = Found(dotted, tuple(v.shape), str(v.dtype), names, declaration(type(owner), str(keys[-1])), v)
     return out
 
 
@@ -250,7 +251,7 @@ class Context:
 @dataclasses.dataclass(frozen=True)
 class View:
     """The parameter on the mesh: logical names and the mesh axes of each dim, per layout, for one
-    layer's slice (the stacked `layers` dim dropped), and how many slices are stacked."""
+    layer's slice (the stacked `layers` dim dropped), and how many slices one device holds."""
     names: tuple[str | None, ...]
     stored: tuple[tuple[str, ...], ...]      # params rules
     optimizer: tuple[tuple[str, ...], ...]   # optimizer rules
@@ -414,37 +415,43 @@ def explain(model: ModelConfig, model_name: str, strategy: Strategy, query: str,
             lm: LM | None = None) -> Explanation:
     """The chain for the parameter `query` of `model` under a resolved `strategy`, for a step of `batch`
     sequences of `seq` tokens (`lm`: the abstract model, when the caller has built it)."""
-    lm = abstract_model(model) if lm is None else lm
-    found = find(parameters(lm), query, model_name)
+    found = find(parameters(abstract_model(model) if lm is None else lm), query, model_name)
     layout = abstract_layout(model, strategy)
-    _, state = nnx.split(lm)
-    leaf = functools.reduce(lambda s, k: s[int(k) if k.isdigit() else k], found.path.split("."), state)
-    one = nnx.State({"p": leaf})
-    stored = param_shardings(one, layout)["p"].get_value()
-    optimizer = param_shardings(one, layout, "optimizer")["p"].get_value()
+    one = nnx.State({"p": found.variable})   # the shardings the trainer gives it
+    stored, optimizer = (param_shardings(one, layout, purpose)["p"].get_value() for purpose in ("params", "optimizer"))
     rank = len(found.shape)
-    kept_dims = spec_dims(stored.spec, rank)
     rules = tuple(NameRule(n, layout.rules("params")[n] if n else (), layout.rules("optimizer")[n] if n else (),
-                           k, rule_lines(n) if n else ()) for n, k in zip(found.names, kept_dims))
-    st, o = strategy, strategy.options
-    micro = o.grad_accum * (o.microbatches if st.size("pipeline") > 1 else 1)
-    ctx = Context(layout, model, batch // (micro * math.prod(layout.mesh.shape[a] for a in layout.axes("batch"))),
-                  seq // math.prod(layout.mesh.shape[a] for a in layout.axes("seq")), micro)
-    stacked = found.names[:1] == ("layers",)
+                           kept, rule_lines(n) if n else ())
+                  for n, kept in zip(found.names, spec_dims(stored.spec, rank)))
     shard, opt_shard = stored.shard_shape(found.shape), optimizer.shard_shape(found.shape)
-    drop = 1 if stacked else 0
-    compute = spec_dims(spec_for(found.names, layout.rules("compute"), layout.mesh), rank)
-    view = View(found.names[drop:], kept_dims[drop:], spec_dims(optimizer.spec, rank)[drop:], compute[drop:],
-                found.shape[drop:], found.dtype, shard[0] if stacked else 1)
-    moves = data_moves(view, ctx, found) + lookup_moves(view, ctx) + tensor_moves(view, ctx)
-    order = ("forward", "backward", "optimizer")
-    moves.sort(key=lambda m: order.index(m.phase))
-    grad = opt_shard if st.zero == 1 else shard
+    grad = opt_shard if strategy.zero == 1 else shard   # ZeRO-1 scatters the gradient like the moments
     nbytes = {"parameter": math.prod(shard) * PARAM_BYTES, "gradient": math.prod(grad) * PARAM_BYTES,
               "adam moments": 2 * math.prod(opt_shard) * PARAM_BYTES}
+    view, ctx = view_of(found, layout, stored, optimizer), step_context(model, layout, batch, seq)
+    moves = data_moves(view, ctx, found) + lookup_moves(view, ctx) + tensor_moves(view, ctx)
+    moves.sort(key=lambda m: ("forward", "backward", "optimizer").index(m.phase))
     return Explanation(query, model_name, strategy, found, rules, stored.spec, optimizer.spec,
                        definition(sharding_module, "spec_for"), shard, opt_shard, nbytes, batch, seq,
                        tuple(moves), _notes(found, model, strategy))
+
+
+def view_of(found: Found, layout: Layout, stored, optimizer) -> View:
+    """One layer's slice of the parameter, with the mesh axes of each dim by the params, optimizer and
+    compute rules (`stored`, `optimizer`: its NamedShardings)."""
+    rank, drop = len(found.shape), 1 if found.names[:1] == ("layers",) else 0
+    compute = spec_for(found.names, layout.rules("compute"), layout.mesh)
+    return View(found.names[drop:], spec_dims(stored.spec, rank)[drop:], spec_dims(optimizer.spec, rank)[drop:],
+                spec_dims(compute, rank)[drop:], found.shape[drop:], found.dtype,
+                stored.shard_shape(found.shape)[0] if drop else 1)
+
+
+def step_context(model: ModelConfig, layout: Layout, batch: int, seq: int) -> Context:
+    """Per device and micro-batch: `batch` split over the batch axes and the micro-batches, `seq` over
+    the sequence axes."""
+    o, mesh = layout.strategy.options, layout.mesh
+    micro = o.grad_accum * (o.microbatches if mesh.shape["pipeline"] > 1 else 1)
+    return Context(layout, model, batch // (micro * math.prod(mesh.shape[a] for a in layout.axes("batch"))),
+                   seq // math.prod(mesh.shape[a] for a in layout.axes("seq")), micro)
 
 
 def _notes(found: Found, model: ModelConfig, strategy: Strategy) -> tuple[str, ...]:
