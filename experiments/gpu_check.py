@@ -355,6 +355,8 @@ def train_with_fallback(label: str, spec: str, plan: Plan, **options) -> dict:
     except Exception as e:
         if not out_of_memory(e) or batch == 1:
             raise
+        row = None   # retried below, once the traceback (and the failed step's buffers it holds) is gone
+    if row is None:
         print(f"  {label}: out of memory at batch {batch}; retrying at {batch // 2}", flush=True)
         gc.collect()
         row = train_row(spec, batch // 2, plan.seq, key, plan.warmup, plan.steps)
@@ -383,9 +385,9 @@ def fused_kernels() -> tuple[str, ...]:
 def section_train(plan: Plan, clock: Clock) -> dict:
     """Each model of the plan with dense attention, then the kernel model with each fused kernel."""
     kernels, device = fused_kernels(), jax.devices()[0].platform
-    label = dict((spec, label) for label, spec in plan.train).get(plan.kernel_model, plan.kernel_model)
+    name = dict((spec, label) for label, spec in plan.train).get(plan.kernel_model, plan.kernel_model)
     runs = [(label, spec, {}) for label, spec in plan.train]
-    runs += [(f"{label} {k}", plan.kernel_model, {"attention_kernel": k}) for k in kernels]
+    runs += [(f"{name} {k}", plan.kernel_model, {"attention_kernel": k}) for k in kernels]
     rows = []
     for label, spec, options in runs:
         wanted = KERNEL_PLATFORM.get(options.get("attention_kernel"), device)

@@ -1,6 +1,7 @@
-"""experiments/gpu_check.py: its dry run on CPU writes every section with numbers, and it runs from a
-checkout where jaxpar is not installed (models/ and mesh_configs/ registered as jaxpar.models and
-jaxpar.mesh_configs, as pyproject's package-dir installs them)."""
+"""experiments/gpu_check.py: its dry run on CPU writes every section with numbers; it runs from a checkout
+where jaxpar is not installed (models/ and mesh_configs/ registered as jaxpar.models and
+jaxpar.mesh_configs, as pyproject's package-dir installs them); the GPU plan's batches fill at most 70%
+of the memory by the cost model; an out-of-memory step is retried once at half the batch."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,11 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
+
+from jaxpar.cost import estimate
+from jaxpar.models.config import parse_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "experiments" / "gpu_check.py"
@@ -101,3 +107,38 @@ print(parse_model("llama-tiny").d_model, MESH_CONFIG_DIR, parse_strategy("fsdp8"
     registered, figures = proc.stdout.strip().splitlines()[-2:]
     assert registered == "['jaxpar.models', 'jaxpar.mesh_configs']"
     assert figures == f"64 {ROOT / 'mesh_configs'} 8"
+
+
+def test_gpu_batches_fill_at_most_70_percent_of_80_gb():
+    """The GPU plan's batches, from the cost model's memory (CPU devices give no limit: 80 GB is assumed):
+    the largest power of two that fits 70%, so the next one does not."""
+    script = load_script()
+    plan = script.GPU
+    for _, spec in plan.train:
+        batch = script.choose_batch(spec, plan)
+        def memory(b, spec=spec):
+            return estimate(parse_model(spec), script.strategy_for(), "h100-sxm", b, plan.seq).memory.total
+        assert batch & (batch - 1) == 0 and (memory(batch) <= 0.7 * 80e9 or batch == 1), (spec, batch)
+        assert batch == plan.max_batch or memory(2 * batch) > 0.7 * 80e9, (spec, batch)
+
+
+def test_out_of_memory_retries_once_at_half_the_batch(monkeypatch):
+    script = load_script()
+    calls = []
+
+    def fake_row(spec, batch, seq, options, warmup, steps):
+        calls.append(batch)
+        if batch > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+        return {"params": 1, "batch": batch, "seq": seq, "options": dict(options), "step_s": 1.0,
+                "tokens_per_s": 1.0, "mfu": 0.1, "mfu_causal": 0.1, "peak_bytes_in_use": None, "xla_memory": {},
+                "compile_s": 1.0, "loss": 1.0, "predicted": {"error": "none"}}
+
+    monkeypatch.setattr(script, "train_row", fake_row)
+    monkeypatch.setattr(script, "choose_batch", lambda spec, plan, **options: 4)
+    assert script.train_with_fallback("m", "llama-tiny", script.DRY)["batch"] == 2 and calls == [4, 2]
+    monkeypatch.setattr(script, "choose_batch", lambda spec, plan, **options: 8)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        script.train_with_fallback("m", "llama-tiny", script.DRY)
+    assert calls == [8, 4]
