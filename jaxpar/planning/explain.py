@@ -18,8 +18,9 @@ The collectives follow from the layout by the textbook rules, stated once here p
     weight is sharded on (ZeRO-3 / FSDP: `embed` on fsdp), the shard is all-gathered before use, forward
     and again backward, the gathered copy being freed in between, and the gradient is reduce-scattered
     back onto the shards (Rajbhandari et al. 2020, "ZeRO", 5.3; Zhao et al. 2023, "PyTorch FSDP", 3.2).
-    Over an axis only the optimizer rules shard (ZeRO-1), the gradient is reduce-scattered and the
-    updated parameter all-gathered in the optimizer step. Sums are float32 (the gradients' dtype),
+    Over an axis only the optimizer rules shard (ZeRO-1), the gradient is reduce-scattered onto the
+    moments' shards and the updated parameter all-gathered after the update, which runs on the whole
+    array (every stacked layer at once). Sums are float32 (the gradients' dtype),
     gathers move the compute dtype.
   * tensor parallelism (`tensor_moves`): a weight that reads the residual stream (`embed` first) with
     another dim on `tensor` is column-parallel: the input gradient is a partial sum over the ranks,
@@ -300,14 +301,16 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
         out.append(Move("backward", "reduce-scatter", held, execs, gathered, "float32",
                         "the gradient summed over the shards' batches, each keeping its shard", reduced))
     stored = v.shard(v.stored, ctx)
-    if zero1:
-        out.append(Move("optimizer", "reduce-scatter", zero1, v.layers, stored, "float32",
-                        "ZeRO-1: the gradient summed and scattered onto the moments' shards", reduced))
-        out.append(Move("optimizer", "all-gather", zero1, v.layers, stored, "float32",
+    if zero1:   # the update runs on the whole array (every stacked layer at once)
+        whole = ((v.layers,) if found.names[0] == "layers" else ()) + stored
+        if not lookup:
+            out.append(Move("backward", "reduce-scatter", zero1, v.layers, stored, "float32",
+                            "ZeRO-1: the gradient summed and scattered onto the moments' shards", reduced))
+        out.append(Move("optimizer", "all-gather", zero1, 1, whole, "float32",
                         "ZeRO-1: the updated parameter gathered back to every replica", reduced))
     sequence = tuple(a for a in summed if a not in lay.axes("batch") + lay.axes("seq"))   # sequence parallelism's
     if sequence:
-        out.append(Move("backward", "all-reduce", sequence, execs, v.shard(v.stored, ctx), "float32",
+        out.append(Move("backward", "all-reduce", sequence, execs, v.shard(v.compute, ctx), "float32",
                         "sequence parallel: the partial gradients of the ranks' sequence shards, summed in the "
                         "layer's backward pass (Megatron's layer-norm gradient all-reduce)", reduced))
     replicas = tuple(a for a in summed if a not in sequence)
@@ -347,30 +350,35 @@ def tensor_moves(v: View, ctx: Context) -> list[Move]:
 
 
 def lookup_moves(v: View, ctx: Context) -> list[Move]:
-    """The table looked up by token id (module docstring)."""
+    """The table looked up by token id (module docstring). Its width sharded over batch axes by the
+    params rules (ZeRO-3) or, for the gradient, the optimizer's (ZeRO-1): the ids are gathered over them
+    and the rows (ZeRO-3) or their gradient (both) go between the table's layout and batch sharding by
+    an all-to-all, which leaves the gradient sharded like the table, so it is not reduce-scattered."""
     if v.names[0] != "vocab":
         return []
-    lay, where = ctx.layout, definition(cost_comm_data, "_embedding_lookup")
-    width = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
+    lay, where, vocab = ctx.layout, definition(cost_comm_data, "_embedding_lookup"), definition(cost_comm, "tp_vocab")
+    stored = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
+    width = ctx.kept(set(v.stored[1] + v.optimizer[1]) & set(lay.axes("batch")))
     rows_split = ctx.kept(set(v.stored[0]) - set(lay.axes("batch")))
-    n, d, out = ctx.size(width), ctx.model.d_model, []
+    n, d, out = ctx.size(stored), ctx.model.d_model, []
+    x = (ctx.batch, ctx.seq, d)   # the rows in batch sharding
     if width:
-        out.append(Move("forward", "all-gather", width, ctx.micro, (ctx.batch * n, ctx.seq), "int32",
+        out.append(Move("forward", "all-gather", width, ctx.micro, (ctx.batch * ctx.size(width), ctx.seq), "int32",
                         "the token ids gathered: the table's width shards look every id up", where))
     if rows_split:
-        rows = (ctx.batch * n, ctx.seq, d // n)
-        sp = set(rows_split) <= set(lay.axes("res_seq"))
-        out.append(Move("forward", "reduce-scatter" if sp else "all-reduce", rows_split, ctx.micro, rows, v.dtype,
+        # sequence parallel: the sum is scattered onto the sequence, unless the rows still have to go
+        # back to batch sharding (the table's width over batch axes): the scatter is then a slice after it
+        scatter = set(rows_split) <= set(lay.axes("res_seq")) and not stored
+        out.append(Move("forward", "reduce-scatter" if scatter else "all-reduce", rows_split, ctx.micro,
+                        (ctx.batch * n, ctx.seq, d // n), v.dtype,
                         "vocab-parallel: each rank's rows are partial (zero outside its vocabulary), summed"
-                        + (" and scattered onto the sequence" if sp else ""), definition(cost_comm, "tp_vocab")))
-        if sp:
-            out.append(Move("backward", "all-gather", rows_split, ctx.micro, rows, v.dtype,
-                            "sequence parallel: the rows' gradient gathered over the sequence",
-                            definition(cost_comm, "tp_vocab")))
-    if width:
-        for phase in ("forward", "backward"):
-            out.append(Move(phase, "all-to-all", width, ctx.micro, (ctx.batch, ctx.seq, d), v.dtype,
-                            "the rows between the table's width layout and batch sharding", where))
+                        + (" and scattered onto the sequence" if scatter else ""), vocab))
+        if set(rows_split) <= set(lay.axes("res_seq")):
+            out.append(Move("backward", "all-gather", rows_split, ctx.micro, x, v.dtype,
+                            "sequence parallel: the rows' gradient gathered over the sequence", vocab))
+    phases = ("forward", "backward") if stored else ("backward",) if width else ()
+    out += [Move(phase, "all-to-all", width, ctx.micro, x, v.dtype,
+                 "the rows between the table's width layout and batch sharding", where) for phase in phases]
     return out
 
 
