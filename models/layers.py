@@ -13,8 +13,9 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.core.sharding import constrain, gathered
+from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.xla_workarounds import gathered
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None = None,
@@ -47,10 +48,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """The scale is gathered once where the norm reads it (`jaxpar.core.sharding.gathered`; left to the
-        SPMD partitioner, the product and the input gradient's transpose each gathered it over fsdp, and
-        under remat twice in the backward pass). Without remat the gathered scale (one vector) is saved
-        for the backward pass instead of gathered again."""
+        """x / rms(x) * scale, in float32. The scale is gathered once for the product and its gradient
+        (`jaxpar.xla_workarounds.gathered`); without remat the gathered scale, one vector, is kept for
+        the backward pass."""
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * gathered(self.scale[...], self.names, jnp.float32)).astype(x.dtype)

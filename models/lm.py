@@ -16,25 +16,25 @@ adds the weighted auxiliary losses.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
-from jaxpar.core.sharding import constrain, gathered, lookup
+from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
+from jaxpar.models.mamba import MambaBlock
+from jaxpar.models.moe import MoEBlock, aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
+from jaxpar.xla_workarounds import gathered, lookup
 
 
 def block_class(kind: str):
     if kind == "A":
         return AttentionBlock
     if kind == "E":
-        from jaxpar.models.moe import MoEBlock  # noqa: PLC0415
         return MoEBlock
-    from jaxpar.models.mamba import MambaBlock  # noqa: PLC0415
     return MambaBlock
 
 
@@ -86,11 +86,9 @@ class LM(nnx.Module):
 
     # ---- the three stages ----------------------------------------------------------------------
     def embed(self, tokens: jax.Array) -> jax.Array:
-        x = lookup(self.embedding[...], tokens, ("vocab", "embed")).astype(dtype_of(self.run))
-        # vocab-parallel lookup first (each tensor rank holds part of the vocab: partial rows summed
-        # by an all-reduce), then the residual layout; constraining straight to a sequence-sharded
-        # residual (SP) would make XLA gather the whole table instead.
-        x = constrain(x, ("batch", "seq", "act_embed"))
+        """The embedding rows of tokens [b, s], vocab-parallel: each tensor rank holds part of the vocab and
+        looks up partial rows, summed over `tensor`; then the residual layout."""
+        x = lookup(self.embedding[...], tokens, ("vocab", "embed"), dtype_of(self.run), ("batch", "seq", "act_embed"))
         return constrain(x, RESIDUAL)
 
     def apply_stack(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -105,7 +103,6 @@ class LM(nnx.Module):
             x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
         if aux is None:
             return x, None
-        from jaxpar.models.moe import aux_sum  # noqa: PLC0415
         return x, aux_sum(self.cfg, aux)
 
     def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
@@ -126,7 +123,6 @@ class LM(nnx.Module):
         else:
             loss = jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
         if aux is not None:
-            from jaxpar.models.moe import aux_loss  # noqa: PLC0415
             loss = loss + aux_loss(self.cfg, aux)
         return loss
 

@@ -40,6 +40,7 @@ from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, dtype_of, param
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
+from jaxpar.xla_workarounds import top_k
 
 # What a MoE block reports, in order: the two losses, then statistics (no gradient).
 AUX_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
@@ -59,18 +60,6 @@ def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, ja
     if cfg.router_norm:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return ids, top, probs
-
-
-def top_k(scores: jax.Array, k: int) -> jax.Array:
-    """Indices of the k largest scores, largest first, ties to the lower index (as lax.top_k): k
-    argmax passes. XLA's SPMD partitioner gathers a batch-sharded lax.top_k operand onto every
-    device; an argmax is a reduction over the unsharded expert dim, so it stays sharded."""
-    picked = []
-    for _ in range(k):
-        i = jnp.argmax(scores, axis=-1)
-        picked.append(i)
-        scores = jnp.where(jax.nn.one_hot(i, scores.shape[-1], dtype=jnp.bool_), -jnp.inf, scores)
-    return jnp.stack(picked, axis=-1).astype(jnp.int32)
 
 
 def stats_size(experts: int) -> int:

@@ -15,9 +15,10 @@ from flax import nnx
 
 from jaxpar.ops.attention import attention
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.core.sharding import constrain, gathered
+from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
+from jaxpar.xla_workarounds import gathered
 
 RESIDUAL = ("batch", "res_seq", "act_embed")
 
@@ -53,14 +54,10 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The row-parallel output projection of the attention output [b, s, heads, head_dim]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        wo, cm = self.wo[...], collective_matmul(self.run)
-        # Under remat, gathered once in the recomputed forward for both of its reads (left to the SPMD
-        # partitioner, the recomputed product and the input gradient's transpose each gathered it over
-        # fsdp; q/k/v's and the MLP's gathers are shared already). Without remat it is left sharded: a
-        # gathered copy would be saved for the backward pass, every layer's alive at once (what FSDP
-        # avoids), where the partitioner gathers it again backward.
-        wo = gathered(wo, ("q_heads", "head_dim", "embed"), dtype_of(self.run)) if self.run.remat != "none" \
-            else wo.astype(dtype_of(self.run))
+        wo, cm, dt = self.wo[...], collective_matmul(self.run), dtype_of(self.run)
+        # under remat only: without it a gathered copy would be kept for the backward pass, every
+        # layer's alive at once, which is what FSDP avoids (jaxpar/xla_workarounds.py)
+        wo = gathered(wo, ("q_heads", "head_dim", "embed"), dt) if self.run.remat != "none" else wo.astype(dt)
         if cm is not None:  # reduce-scattered onto the residual layout in ring steps
             return row_parallel(out, wo, **cm)
         return jax.numpy.einsum("bshk,hkd->bsd", out, wo)

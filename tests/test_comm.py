@@ -122,7 +122,7 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients():
     assert total(rep, "all-gather", ("fsdp",), ("forward",)) == F32 * (layers + final_norm + head) + token_ids
     assert count(rep, "all-gather", ("fsdp",), ("forward",)) == L * ARRAYS_PER_LAYER + 3
     # backward re-gathers every layer's matrices; the gathered head and norm weights (2 per layer and the
-    # final one: jaxpar.core.sharding.gathered, models/layers.py's RMSNorm) are kept from forward
+    # final one: jaxpar.xla_workarounds.gathered, models/layers.py's RMSNorm) are kept from forward
     assert total(rep, "all-gather", ("fsdp",), ("backward",)) == F32 * (layers - L * 2 * D)
     assert count(rep, "all-gather", ("fsdp",), ("backward",)) == L * (ARRAYS_PER_LAYER - 2)
     # the looked-up embedding rows go from d-sharded/full-batch to batch-sharded by an all-to-all,

@@ -53,7 +53,7 @@ TOO_BIG = [s.name for s in catalogue() if s.num_devices > 8]
 
 # Collectives the model does not predict, strategy by strategy, and why (strict xfails: a fix shows).
 # None left: the embedding lookup takes the predicted path under fsdp x tensor and fsdp x expert
-# (`jaxpar.core.sharding.lookup`), norms and o-proj are gathered once under remat (models/layers.py,
+# (`jaxpar.xla_workarounds.lookup`), norms and o-proj are gathered once under remat (models/layers.py,
 # models/transformer.py), and the norms' and head's reductions under data x fsdp are modelled
 # (jaxpar/cost/comm_data.py `_without_norms`).
 NOT_MODELLED: dict[str, str] = {}

@@ -200,7 +200,7 @@ def test_fsdp_gathers_stage_weights_once_per_step():
     assert gathers and all(op.times == 1 for op in gathers), [(op.name, op.times) for op in gathers]
     m, st = tr.model_cfg, tr.strategy
     # the weights' gathers; the embedding lookup's token ids (int32 [B, s], gathered over fsdp by
-    # jaxpar.core.sharding.lookup) are not a weight: not compared
+    # jaxpar.xla_workarounds.lookup) are not a weight: not compared
     gathers = [op for op in gathers if op.bytes != harness.TC.batch * harness.TC.seq * 4]
     want = _fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
     assert sum(count for *_, count, _, _ in want) == len(gathers)

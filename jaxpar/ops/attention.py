@@ -210,20 +210,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
             out.append(st)
         return out
 
-    # Rematerialised in the backward pass, as jax.checkpoint with nothing saveable would, but as a custom
-    # VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline/gpipe.py) does not reach into
-    # it, where it would overrule a nested checkpoint's and keep every block's scores.
-    @jax.custom_vjp
-    def fold_block(stats, kv, qs):
-        return fold(stats, kv, qs)
-
-    def fold_fwd(stats, kv, qs):
-        return fold(stats, kv, qs), (stats, kv, qs)
-
-    def fold_bwd(res, g):
-        return jax.vjp(fold, *res)[1](g)
-
-    fold_block.defvjp(fold_fwd, fold_bwd)
+    fold_block = _recomputed(fold)
     stats = fold_block([init() for _ in range(halves)], (k, v, pos), qs)
 
     perm = [(i, (i + 1) % size) for i in range(size)]  # send to the right, receive from the left
@@ -241,6 +228,24 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]                   # [b, hkv, g, piece, d]
         outs.append(jnp.moveaxis(o, 3, 1))                              # [b, piece, hkv, g, d]
     return jnp.concatenate(outs, axis=1).reshape(b, s, hq, d).astype(q.dtype)
+
+
+def _recomputed(fn):
+    """`fn`, recomputed in the backward pass from its inputs (as jax.checkpoint with nothing saveable), as a
+    custom VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline/gpipe.py) does not
+    reach into it, where it would overrule a nested checkpoint's and keep every block's scores."""
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, g):
+        return jax.vjp(fn, *args)[1](g)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
 
 
 def _online_update(stats, qg, k, v, q_pos, kv_pos, *, causal):

@@ -1,0 +1,129 @@
+"""Each compiler workaround of jaxpar/xla_workarounds.py, compiled with and without it.
+
+For each: a training step on the smallest layout that shows it, compiled twice (the second time inside
+`xla_workarounds.disabled(name)`), the collectives of both tallied from the optimised HLO, and the
+difference the module docstring describes asserted; then both executables run one step from the same
+state on the same batch, and the loss is the same (a workaround moves data, never changes a number).
+A fresh Trainer per compile: a jitted function keeps the trace it made first, whatever the switch says.
+"""
+import collections
+import contextlib
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import xla_workarounds
+from jaxpar.analysis import comm
+from jaxpar.analysis.tally import collective_ops
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.models.config import parse_model
+from jaxpar.training.data import Synthetic
+from jaxpar.training.trainer import TrainConfig, Trainer, TrainState
+
+TC = TrainConfig(batch=4, seq=16, steps=1)
+F32 = 4
+
+# fsdp x tensor with sequence parallelism and full remat: every use of `gathered` (norm scales, o-proj,
+# head) and the plain `lookup` (the table's width on fsdp, its rows on tensor).
+FSDP_TP = ("llama-tiny", "fsdp=2,tensor=2", (("sequence_parallel", True), ("remat", "full")))
+# fsdp x expert: the batch split fsdp-major, the table's width on fsdp: `lookup`'s split form. A dense
+# model: the expert axis is one more batch axis.
+FSDP_EP = ("llama-tiny", "fsdp=2,expert=2", ())
+# a batch-sharded router: `top_k`.
+MOE_DP = ("moe-tiny", "data=2", ())
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+
+@functools.cache
+def step(case: tuple, off: str | None):
+    """(trainer, the compiled step, its collectives as a Counter of (kind, axes, phase, bytes) per
+    execution) for `case`, with the workaround `off` disabled (None: all in force)."""
+    model, mesh, options = case
+    strategy = parse_strategy(mesh).with_options(**dict(options))
+    with xla_workarounds.disabled(off) if off else contextlib.nullcontext():
+        tr = Trainer(parse_model(model), strategy, TC, devices=jax.devices()[:strategy.num_devices])
+        compiled = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)
+    shape = tuple(tr.mesh.shape.values())
+    ops = collective_ops(compiled.as_text(), tr.mesh.axis_names, np.arange(tr.mesh.size).reshape(shape))
+    return tr, compiled, collections.Counter((o.kind, o.axes, o.phase, o.bytes) for o in ops for _ in range(o.times))
+
+
+def with_and_without(case: tuple, name: str):
+    """(collectives only with the workaround, collectives only without it), each a Counter."""
+    on, off = step(case, None)[2], step(case, name)[2]
+    return on - off, off - on
+
+
+def assert_same_loss(case: tuple, name: str) -> None:
+    tr, on, _ = step(case, None)
+    off = step(case, name)[1]
+    state = host_state(tr)
+    batch = tr.batch(Synthetic(parse_model(case[0]).vocab, seed=0), 0)
+    losses = [float(compiled(jax.device_put(state, tr.state_shardings), batch)[1]["loss"]) for compiled in (on, off)]
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
+def host_state(tr: Trainer):
+    """A train state on the host: random parameters (std 0.05), zero optimizer state (no init compiled)."""
+    rng = np.random.default_rng(0)
+    abstract = tr.abstract_state()
+    params = jax.tree.map(lambda s: (0.05 * rng.standard_normal(s.shape)).astype(s.dtype), abstract.params)
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), (abstract.opt_state, abstract.step))
+    return TrainState(params, *zeros)
+
+
+def test_gathered_gathers_each_weight_once():
+    cfg = parse_model(FSDP_TP[0])
+    norm = F32 * cfg.d_model                                       # a norm scale, whole
+    wo = F32 * cfg.heads * cfg.head_dim * cfg.d_model // 2        # o-proj, its heads on tensor
+    head = F32 * cfg.d_model * cfg.vocab // 2                      # the head, its vocab on tensor
+    only_on, only_off = with_and_without(FSDP_TP, "gathered")
+    assert not only_on
+    # left to the partitioner: each norm scale (two per layer and the final one) and o-proj gathered again
+    # for the input gradient, the head once more for its second dot
+    assert only_off == {("all-gather", ("fsdp",), "backward", norm): 2 * cfg.layers + 1,
+                        ("all-gather", ("fsdp",), "backward", wo): cfg.layers,
+                        ("all-gather", ("fsdp",), "forward", head): 1}
+    assert_same_loss(FSDP_TP, "gathered")
+
+
+def test_lookup_over_fsdp_x_tensor_moves_rows_by_one_all_to_all():
+    on, off = step(FSDP_TP, None)[2], step(FSDP_TP, "lookup")[2]
+    assert {k for k in on if k[0] == "collective-permute"} == set()
+    assert any(k[:3] == ("all-to-all", ("fsdp",), "forward") for k in on)
+    assert any(k[:3] == ("all-to-all", ("fsdp",), "backward") for k in on)
+    # without it: the rows replicated over fsdp x tensor and moved by collective-permutes
+    assert any(k[:2] == ("collective-permute", ("fsdp", "tensor")) for k in off)
+    assert_same_loss(FSDP_TP, "lookup")
+
+
+def test_lookup_split_over_fsdp_x_expert_moves_rows_by_one_all_to_all():
+    on, off = step(FSDP_EP, None)[2], step(FSDP_EP, "lookup")[2]
+    assert {k for k in on if k[0] == "collective-permute"} == set()
+    assert any(k[:3] == ("all-to-all", ("fsdp",), "forward") for k in on)
+    assert any(k[:3] == ("all-to-all", ("fsdp",), "backward") for k in on)
+    assert any(k[:2] == ("collective-permute", ("fsdp", "expert")) for k in off)
+    assert_same_loss(FSDP_EP, "lookup")
+
+
+def test_top_k_keeps_the_router_scores_batch_sharded():
+    cfg = parse_model(MOE_DP[0])
+    only_on, only_off = with_and_without(MOE_DP, "top_k")
+    assert not only_on
+    # without it: each layer's scores [batch, seq, experts] gathered over the batch's axis
+    scores = F32 * TC.batch * TC.seq * cfg.experts
+    assert only_off == {("all-gather", ("data",), "forward", scores): cfg.layers}
+    assert_same_loss(MOE_DP, "top_k")
+
+
+def test_disabled_names_only_known_workarounds():
+    with pytest.raises(ValueError, match="unknown"):
+        with xla_workarounds.disabled("gatherd"):
+            pass
+    with xla_workarounds.disabled("lookup"):
+        assert not xla_workarounds.active("lookup") and xla_workarounds.active("gathered")
+    assert xla_workarounds.active("lookup")
