@@ -142,24 +142,34 @@ def test_gradient_reduce_scatters_are_sliced_all_reduces(mesh: str):
     assert listed == sliced
 
 
-@pytest.mark.parametrize("mesh", LAYOUTS)
+def _compiler_forms(mesh: str, path: str, missing: list) -> list:
+    """Of the `missing` collectives of parameter `path`, those the compiler does not issue in another
+    form: (1) a norm's gradient reduce-scatter over fsdp and all-reduce over data, as one all-reduce of
+    the whole vector over data x fsdp (then sliced); (2) the gradient sums of a weight outside the layer
+    loop (head, final norm), combined with the optimizer's sums into an op the tally labels `optimizer`."""
+    e = explanations(mesh)[path]
+    buffers = compiled_buffers(mesh)
+    if [n for n in e.param.names if n != "layers"] == ["embed"] and [m.kind for m in missing] == [
+            "reduce-scatter", "all-reduce"]:
+        rs, ar = missing
+        both = tuple(a for a in ("data", "fsdp") if a in rs.axes + ar.axes)
+        if any(_fits(dataclasses.replace(rs, kind="all-reduce", axes=both), b) for b in buffers):
+            return []
+    if e.param.names[0] != "layers":
+        missing = [m for m in missing if not (m.kind in ("reduce-scatter", "all-reduce") and any(
+            _fits(dataclasses.replace(m, phase="optimizer"), b) for b in buffers))]
+    return missing
+
+
+@pytest.mark.parametrize("mesh", [*LAYOUTS, pytest.param("zero1-dp8", marks=pytest.mark.slow),
+                                  pytest.param("fsdp4-tp2-sp", marks=pytest.mark.slow)])
 def test_every_weight(mesh: str):
-    """Every other parameter's collectives are found as well, but two forms the compiler chooses for the
-    norms' small vectors: on data x fsdp their gradient's reduce-scatter over fsdp and all-reduce over
-    data are one all-reduce of the whole vector over both (then sliced); and the final norm's sum over
-    the sequence shards is combined with the optimizer's scalar sums, an op the tally labels `optimizer`."""
-    found, left = matched(mesh)
+    """Every parameter's collectives are found too (not only the tour's three), but for two forms the
+    compiler chooses (`_compiler_forms`); in the slow cases also on ZeRO-1 and on FSDP x sequence-parallel
+    tensor parallelism under full remat."""
+    found, _ = matched(mesh)
     for path, e in explanations(mesh).items():
-        missing = [m for i, m in enumerate(e.moves) if found[(path, i)] is None]
-        if [n for n in e.param.names if n != "layers"] == ["embed"] and missing:   # a norm's scale
-            if [m.kind for m in missing] == ["reduce-scatter", "all-reduce"]:
-                rs, ar = missing
-                both = tuple(a for a in ("data", "fsdp") if a in rs.axes + ar.axes)
-                whole = explain.Move(rs.phase, "all-reduce", both, rs.times, rs.shape, "float32", "", rs.where)
-                missing = [] if any(_fits(whole, b) for b in left) else missing
-            else:
-                missing = [m for m in missing if not any(
-                    _fits(dataclasses.replace(m, phase="optimizer"), b) for b in compiled_buffers(mesh))]
+        missing = _compiler_forms(mesh, path, [m for i, m in enumerate(e.moves) if found[(path, i)] is None])
         assert not missing, f"{path} on {mesh}: listed but not compiled: {missing}"
 
 
