@@ -30,6 +30,7 @@ from jaxpar.analysis.hlo_text import is_scalar, parse_module, result_shape, shap
 from jaxpar.analysis.tally import collective_ops
 from jaxpar.cli.main import main as cli
 from jaxpar.core.strategy import parse_strategy
+from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
 from jaxpar.planning import explain
 from tests import harness
@@ -214,3 +215,12 @@ def test_cli(capsys, tmp_path):
     assert cli(["explain", "attn.wx", "--model", MODEL, "--mesh", "tp4-sp"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no parameter 'attn.wx' in llama-tiny" in err and "attn.wq" in err
+
+
+def test_find_by_path_or_tail():
+    params = explain.parameters(explain.abstract_model(parse_model(MODEL)))
+    for query in ("attn.wq", "wq", "layers.attn.wq", "blocks.0.attn.wq", "units.blocks.0.attn.wq"):
+        assert explain.find(params, query, MODEL).path == "units.blocks.0.attn.wq"
+    assert explain.find(params, "embedding", MODEL).path == "embedding"
+    with pytest.raises(ConfigError, match="'scale' is ambiguous in llama-tiny: it names final_norm.scale, "):
+        explain.find(params, "scale", MODEL)
