@@ -13,7 +13,9 @@ listed reduce-scatter is found as an all-reduce of the same full buffer whose su
 (for the column-parallel input gradients, after adding the projections' sums: XLA:CPU does not
 reassociate them); for the weights' gradients, the test checks that those all-reduces are only sliced.
 Then, for the query projection, an MLP weight and the embedding, every listed collective was found, and
-no compiled weight collective over the batch axes with the parameter's shape is left that no explanation claimed.
+no compiled weight collective over the batch axes with the parameter's shape is left unclaimed; for
+every other weight, every listed collective was found, or the compiler's other form of it
+(`_compiler_forms`).
 """
 from __future__ import annotations
 
