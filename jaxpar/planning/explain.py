@@ -132,16 +132,24 @@ def declaration(cls: type, attribute: str) -> Source:
 
 
 def rule_lines(name: str) -> tuple[Source, ...]:
-    """The `BASE_RULES` entry of logical `name` and each line of `rules_for` that sets it."""
+    """The `BASE_RULES` entry of logical `name` and each line of `rules_for` that sets it, with the
+    condition it is under."""
     path = inspect.getsourcefile(rules_module)
     out = []
+
+    def sets(node: ast.AST, condition: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Assign) and any(isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)
+                                                     and t.slice.value == name for t in child.targets):
+                line = _at(path, child)
+                out.append(dataclasses.replace(line, text=f"{line.text}   (if {condition})" if condition else line.text))
+            sets(child, ast.unparse(child.test) if isinstance(child, ast.If) else condition)
+
     for node in ast.walk(_tree(path)[0]):
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "BASE_RULES":
             out += [_at(path, k) for k in node.value.keys if isinstance(k, ast.Constant) and k.value == name]
         if isinstance(node, ast.FunctionDef) and node.name == "rules_for":
-            out += [_at(path, sub) for sub in ast.walk(node) if isinstance(sub, ast.Assign) and any(
-                isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and t.slice.value == name
-                for t in sub.targets)]
+            sets(node, "")
     return tuple(out)
 
 
