@@ -18,10 +18,13 @@ The collectives follow from the layout by the textbook rules, stated once here p
     weight is sharded on (ZeRO-3 / FSDP: `embed` on fsdp), the shard is all-gathered before use, forward
     and again backward, the gathered copy being freed in between, and the gradient is reduce-scattered
     back onto the shards (Rajbhandari et al. 2020, "ZeRO", 5.3; Zhao et al. 2023, "PyTorch FSDP", 3.2).
+    jaxpar keeps two kinds of gathered copy for the backward pass instead: the norms' scales (one
+    vector each; under remat they are recomputed, so gathered again) and the weights outside the layer
+    loop (the LM head, the final norm: gathered once per step).
     Over an axis only the optimizer rules shard (ZeRO-1), the gradient is reduce-scattered onto the
     moments' shards and the updated parameter all-gathered after the update, which runs on the whole
-    array (every stacked layer at once). Sums are float32 (the gradients' dtype),
-    gathers move the compute dtype.
+    array (every stacked layer at once). Sums are float32 (the gradients' dtype); gathers move the
+    compute dtype (a norm's scale, float32: models/layers.py reads it in float32).
   * tensor parallelism (`tensor_moves`): a weight that reads the residual stream (`embed` first) with
     another dim on `tensor` is column-parallel: the input gradient is a partial sum over the ranks,
     all-reduced backward; a weight that writes it (`embed` last) is row-parallel: the output is
@@ -303,6 +306,7 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
         dtype = "float32" if vector else ctx.compute
         out.append(Move("forward", "all-gather", held, execs, gathered, dtype,
                         "the shard gathered to the layout its reads use", where))
+        # kept for the backward pass: a norm's scale (but recomputed under remat), the weights outside the loop
         if found.names[0] == "layers" and (not vector or ctx.strategy.options.remat != "none"):
             out.append(Move("backward", "all-gather", held, execs, gathered, dtype,
                             "gathered again for the backward pass (the forward's copy was freed)", where))
