@@ -1,4 +1,7 @@
-"""Simulated CPU devices. Imports nothing from JAX: the flag must be set before the backend starts."""
+"""Simulated CPU devices: XLA's CPU backend reads its device count from XLA_FLAGS once, when it starts.
+
+Importing JAX does not start the backend; its first computation (or `jax.devices()`) does. This module
+imports nothing from JAX, so `jaxpar estimate` and `jaxpar plan`, which use it, never load JAX."""
 from __future__ import annotations
 
 import os
@@ -22,9 +25,8 @@ def simulate_cpu_devices(n: int) -> None:
     if n > MAX_DEVICES:
         raise ConfigError(f"--devices {n}: XLA:CPU simulates and compiles for at most {MAX_DEVICES} devices "
                           "(`jaxpar comm` analyses bigger meshes at reduced data parallelism from their full sizes)")
-    if backend_started():
-        import jax  # noqa: PLC0415
-        have = jax.device_count()
+    if backend_started():  # then JAX is imported: sys.modules holds it
+        have = sys.modules["jax"].device_count()
         if have != n:
             raise ConfigError(f"--devices {n} asked after JAX already started with {have} devices; "
                               "set it before the first JAX computation (or in a fresh process)")
@@ -39,10 +41,8 @@ def with_device_count(xla_flags: str, n: int) -> str:
 
 
 def backend_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge  # noqa: PLC0415
-        return bool(xla_bridge._backends)  # noqa: SLF001 (no public way to ask)
-    except Exception:  # pragma: no cover - jax internals moved
-        return False
+    """Whether JAX's backend already started in this process (its device count is then fixed). JAX has no
+    public way to ask; its backend registry (`jax._src.xla_bridge._backends`) is read from sys.modules, as a
+    process that has not imported JAX has not started it."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))

@@ -24,8 +24,11 @@ import re
 import socket
 import sys
 import threading
+from typing import NoReturn
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxpar.errors import ConfigError
 
@@ -98,8 +101,6 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
     sending heartbeats for `heartbeat_s` is declared dead, and JAX's coordination service then
     terminates the others instead of leaving them hanging in a collective.
     """
-    import jax  # noqa: PLC0415
-
     where = f"coordinator {cluster.coordinator}" if cluster.coordinator else f"the {cluster.source} coordinator"
     who = "process" if cluster.process_id is None else f"process {cluster.process_id}"
     n = "" if cluster.num_processes is None else f" of {cluster.num_processes} processes"
@@ -132,8 +133,6 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
 
 def check_processes(expected: int | None = None) -> None:
     """Every process has the same number of devices, and there are as many processes as asked."""
-    import jax  # noqa: PLC0415
-
     if expected is not None and jax.process_count() != expected:
         raise ConfigError(f"num_processes={expected} but {jax.process_count()} processes joined the run")
     per_process: dict[int, int] = {}
@@ -163,11 +162,8 @@ def process_hosts() -> tuple[int, ...]:
     One process per GPU is SLURM's default with JAX, so hosts and processes differ: a host is a
     machine (NVLink / ICI inside, InfiniBand / DCN between). Exchanged once with a tiny all-gather.
     """
-    import jax  # noqa: PLC0415
-
     if jax.process_count() == 1:
         return (0,)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
     name = os.environ.get(ENV_HOST) or socket.gethostname()
     digest = np.frombuffer(hashlib.sha256(name.encode()).digest()[:8], np.int64)
     names = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1).tolist()
@@ -182,9 +178,16 @@ def joining() -> bool:
     return _joining
 
 
+def leave(message: str, code: int) -> NoReturn:
+    """Print `message` and leave a multi-process run at once: a normal interpreter exit would wait in
+    jax.distributed's shutdown barrier for processes that will never reach it."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def is_main() -> bool:
     """Process 0 prints logs, metrics and progress; the others stay quiet."""
-    import jax  # noqa: PLC0415
     return jax.process_index() == 0
 
 
@@ -193,8 +196,6 @@ PEER_FAILURE = re.compile(r"gloo|connection (closed|reset)|heartbeat|unavailable
 
 def peer_failure(e: BaseException) -> str | None:
     """If `e` is a collective failing because another process died, a one-line explanation."""
-    import jax  # noqa: PLC0415
-
     if jax.process_count() == 1 or not PEER_FAILURE.search(str(e)):
         return None
     first = str(e).strip().splitlines()[0][:200]

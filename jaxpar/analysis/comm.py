@@ -68,18 +68,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import AbstractMesh, AxisType
 
 from jaxpar.analysis.overlap import overlap_report
 from jaxpar.analysis.patterns import dot_flops, scatter_like_all_reduces
 from jaxpar.analysis.tally import tally_compiled
 from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
+from jaxpar.core import validate
+from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings
+from jaxpar.core.strategy import AXES, Strategy, parse_strategy
 from jaxpar.devices import MAX_DEVICES
 from jaxpar.errors import ConfigError
-from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.training.data import Synthetic
+from jaxpar.training.trainer import Trainer, gather
 
 DEVICE_LIMIT = MAX_DEVICES  # XLA:CPU compiles SPMD programs for at most this many devices
 SHRINKABLE = ("data", "fsdp")  # outermost data-parallel axes, shrunk in this order
@@ -236,11 +243,6 @@ def analyze_strategy(model, strategy: Strategy, tc, devices: list | None = None,
                      limit: int = DEVICE_LIMIT) -> dict:
     """``analyze`` a (model, strategy, TrainConfig); meshes bigger than ``min(limit, len(devices))``
     are compiled at reduced data parallelism and rescaled (module docstring)."""
-    import jax  # noqa: PLC0415
-
-    from jaxpar.core import validate  # noqa: PLC0415
-    from jaxpar.training.trainer import Trainer  # noqa: PLC0415
-
     devices = list(jax.devices() if devices is None else devices)
     full = strategy.resolved(strategy.num_devices if -1 not in strategy.sizes.values() else len(devices))
     validate.check(model, full, batch=tc.batch, seq=tc.seq)
@@ -291,11 +293,6 @@ def _rescaled_report(report: dict, trainer, full: Strategy, shrunk: dict, batch:
 def state_bytes_per_device(trainer, strategy: Strategy) -> int:
     """Bytes of one device's parameter + optimizer-state shards if ``trainer``'s model ran on
     ``strategy``'s mesh (an abstract mesh: no devices needed)."""
-    import jax  # noqa: PLC0415
-    from jax.sharding import AbstractMesh, AxisType  # noqa: PLC0415
-
-    from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings  # noqa: PLC0415
-
     mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     layout = model_layout(mesh, strategy, trainer.model_cfg.kv_heads, trainer.model_cfg.has_attention)
     params = trainer.abstract_params
@@ -317,10 +314,6 @@ def compare_strategies(model, strategies: Sequence[Strategy], tc, devices: list,
     """One report per strategy (``name`` = its spec). With ``run_steps`` K > 0 each strategy also
     trains K steps from the same initial parameters as a 1-device run, on the same batches, and
     its report gets ``run``: {steps, loss (last), loss_diff (max |loss - 1-device loss|), step_time_s}."""
-    from jaxpar.training.data import Synthetic  # noqa: PLC0415
-    from jaxpar.core.strategy import parse_strategy  # noqa: PLC0415
-    from jaxpar.training.trainer import Trainer, gather  # noqa: PLC0415
-
     reports = []
     if not run_steps:
         for s in strategies:
@@ -347,8 +340,6 @@ def compare_strategies(model, strategies: Sequence[Strategy], tc, devices: list,
 def _run(trainer, params, source, steps: int) -> tuple[list[float], float]:
     """Losses of ``steps`` steps from ``params`` and the median step time, using the executable
     that ``analyze`` compiled (jax caches it), so nothing compiles twice."""
-    import statistics  # noqa: PLC0415
-
     step = trainer.lower_step().compile()
     state = trainer.state_from_params(params)
     losses, times = [], []

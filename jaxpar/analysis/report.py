@@ -88,18 +88,16 @@ def compare(reports: Sequence[dict]) -> str:
 
 def plot(reports: Sequence[dict], path: str) -> None:
     """PNG: per strategy, stacked bars of bytes and wire bytes per device per step by kind and axes."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib import colormaps, figure  # deferred: optional dependency, jaxpar[plot]
 
     names = [report_name(r) for r in reports]
     groups = sorted({(c["kind"], ",".join(c["axes"])) for r in reports for c in r["collectives"]},
                     key=lambda g: (KINDS.index(g[0]), g[1]))
-    colors = plt.get_cmap("tab20")
+    colors = colormaps["tab20"]
     biggest = max(max(r["totals"]["bytes"], r["totals"]["wire_bytes"]) for r in reports)
     unit, scale = ("GiB", 2**30) if biggest > 10 * 2**30 else ("MiB", 2**20) if biggest > 10 * 2**20 else ("KiB", 2**10)
-    fig, panels = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(names) + 4), 5), sharey=True)
+    fig = figure.Figure(figsize=(max(8, 2.2 * len(names) + 4), 5))  # no pyplot: no GUI backend, no global state
+    panels = fig.subplots(1, 2, sharey=True)
     for panel, field in zip(panels, ("bytes", "wire_bytes")):
         bottom = [0.0] * len(reports)
         for i, (kind, axes) in enumerate(groups):
@@ -118,4 +116,3 @@ def plot(reports: Sequence[dict], path: str) -> None:
     fig.suptitle(f"{reports[0]['model']}: collectives by kind and mesh axes")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -2,20 +2,22 @@
 strategy with the flags' options, and Hugging Face weights checked against the model."""
 from __future__ import annotations
 
+from jaxpar.core.strategy import OPTION_FIELDS, parse_strategy
+from jaxpar.devices import backend_started
 from jaxpar.errors import ConfigError
+from jaxpar.models.config import parse_model
+from jaxpar.serving.hf import PREFIX, load_params, read_config
+from jaxpar.xla_presets import export_tpu_flags
 
 
 def model_from(spec: str):
     """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout
     checkpoint's config.json: jaxpar/serving/hf.py)."""
-    from jaxpar.serving.hf import PREFIX, read_config  # noqa: PLC0415
-    from jaxpar.models.config import parse_model  # noqa: PLC0415
     return read_config(spec[len(PREFIX):]) if spec.startswith(PREFIX) else parse_model(spec)
 
 
 def hf_params(directory: str, model, abstract_params):
     """Parameters from a Hugging Face checkpoint for `model`, whose shapes must be the checkpoint's."""
-    from jaxpar.serving.hf import load_params, read_config  # noqa: PLC0415
     theirs = read_config(directory)
     fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "vocab", "tie_embeddings", "pattern")
     differ = [f"{f}={getattr(model, f)} (checkpoint: {getattr(theirs, f)})" for f in fields
@@ -26,9 +28,7 @@ def hf_params(directory: str, model, abstract_params):
 
 
 def strategy_from_args(args, spec: str | None = None):
-    from jaxpar.core.strategy import OPTION_FIELDS, parse_strategy  # noqa: PLC0415
-    from jaxpar.devices import backend_started  # noqa: PLC0415
-    from jaxpar.xla_presets import export_tpu_flags  # noqa: PLC0415
+    """The strategy of --mesh (or `spec`) with the strategy flags' options over the mesh file's."""
     strategy = parse_strategy(spec or args.mesh)
     strategy = strategy.with_options(**{f.name: getattr(args, f.name, None) for f in OPTION_FIELDS})
     if not backend_started():  # libtpu reads a TPU preset's flags once, when the backend starts

@@ -1,114 +1,112 @@
-"""What each `jaxpar` command does, once jaxpar/cli/main.py has parsed its flags (and applied `--devices`,
-so JAX may be imported here). Every input is checked before anything compiles or trains: flag values
-by the parser's types (jaxpar/core/inputs.py), configs by their loaders, combinations by jaxpar/core/validate.py.
+"""What each `jaxpar` command that compiles or trains does (train, comm, compare, generate, launch), once
+jaxpar/cli/main.py has parsed its flags. `run` first joins a multi-process run and simulates `--devices`:
+both must happen before JAX's backend starts, and importing JAX does not start it. `estimate` and `plan`
+ask only the analytic cost model and live in jaxpar/cli/commands_cost.py, which never loads JAX.
+Every input is checked before anything compiles or trains: flag values by the parser's types
+(jaxpar/core/inputs.py), configs by their loaders, combinations by jaxpar/core/validate.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import time
+import traceback
+from typing import NoReturn
 
-from jaxpar.errors import ConfigError
+import jax
+from tqdm import tqdm
+
+from jaxpar import distributed
+from jaxpar.analysis import comm
+from jaxpar.analysis.overlap import format_overlap
+from jaxpar.analysis.report import compare, format_table, plot
 from jaxpar.cli.args import hf_params, model_from, strategy_from_args
-from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan  # noqa: F401 (cli.main dispatches cmd_* from here)
+from jaxpar.cli.launch import launch
+from jaxpar.core.inputs import read_prompt_file
+from jaxpar.core.schedule import schedule_summary
+from jaxpar.core.validate import data_parallel_size
+from jaxpar.cost.hardware import load_hardware
+from jaxpar.devices import MAX_DEVICES, backend_started, simulate_cpu_devices
+from jaxpar.errors import ConfigError
+from jaxpar.serving.generate import Generator, Sampling
+from jaxpar.training.checkpoint import Checkpointer
+from jaxpar.training.data import make_source
+from jaxpar.training.metrics import Sinks
+from jaxpar.training.trainer import Preempted, PreemptionNotice, TrainConfig, Trainer, train
+
+
+def run(args) -> int:
+    """Run the command `args` names: join the multi-process run that the flags or the environment
+    describe (jaxpar/distributed.py), simulate `--devices`, then the command. A process that joined a
+    run leaves at once when the command fails (`leave_on`)."""
+    try:
+        args.multi_process = hasattr(args, "coordinator") and join_cluster(args)
+        if getattr(args, "devices", None):
+            simulate_cpu_devices(args.devices)
+        return COMMANDS[args.command](args)
+    except Exception as e:
+        if not distributed.joining():
+            raise
+        leave_on(e)
+
+
+def join_cluster(args) -> bool:
+    """Join a multi-process run if the flags or the environment describe one (jaxpar/distributed.py)."""
+    cluster = distributed.cluster_from(args.coordinator, args.num_processes, args.process_id)
+    if cluster is None:
+        return False
+    if args.devices:
+        raise ConfigError("--devices simulates devices in one process; in a multi-process run each process "
+                          "brings its own devices (jaxpar launch --devices-per-process D)")
+    distributed.initialize(cluster, timeout_s=args.init_timeout, heartbeat_s=args.heartbeat_timeout)
+    return True
+
+
+def leave_on(e: Exception) -> NoReturn:
+    """A process of a multi-process run stops on `e`: exit 2 for bad input, 3 when another process died,
+    1 for a bug (with its traceback). The launcher or the scheduler stops the others."""
+    if isinstance(e, ConfigError):
+        distributed.leave(f"jaxpar: error: {e}", 2)
+    if (message := distributed.peer_failure(e)) is not None:
+        distributed.leave(f"jaxpar: error: {message}", 3)
+    traceback.print_exc()
+    distributed.leave(f"jaxpar: error: process {jax.process_index()} failed: {type(e).__name__}: {e}", 1)
 
 
 def cmd_train(args) -> int:
-    from jaxpar import distributed  # noqa: PLC0415
-    from jaxpar.training.data import make_source  # noqa: PLC0415
-    from jaxpar.training.metrics import Sinks  # noqa: PLC0415
-    from jaxpar.training.trainer import Preempted, PreemptionNotice, TrainConfig, Trainer, train  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-
-    # checkpoint flags, before anything is built
-    overwrite, resume_step = getattr(args, "overwrite_ckpt", False), getattr(args, "resume_step", None)
-    # (an empty --ckpt-dir and --stop-after < 1 are refused by the parser's types: jaxpar/core/inputs.py)
-    for flag, given in (("--resume", args.resume), ("--overwrite-ckpt", overwrite)):
-        if given and args.ckpt_dir is None:
-            raise ConfigError(f"{flag} needs --ckpt-dir")
-    if args.resume and overwrite:
-        raise ConfigError("--resume and --overwrite-ckpt contradict each other: --overwrite-ckpt deletes the "
-                          "checkpoints --resume would continue from")
-    if resume_step is not None and not args.resume:
-        raise ConfigError(f"--resume-step {resume_step} needs --resume")
+    check_checkpoint_flags(args)
     model = model_from(args.model)
-    strategy = strategy_from_args(args)
     tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
                      warmup=args.warmup)
-    trainer = Trainer(model, strategy, tc)
+    trainer = Trainer(model, strategy_from_args(args), tc)
     trainer.check_host_memory()
     source = make_source(args.data, model.vocab, args.seed)
     main = distributed.is_main()
     sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
-    peak_flops = None
-    if args.hardware:
-        from jaxpar.cost.hardware import load_hardware  # noqa: PLC0415
-        peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size
-    ckpt = state = None
-    start = 0
+    peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size if args.hardware else None
     stop = min(args.stop_after or args.steps, args.steps)
-    if args.ckpt_dir is not None:
-        from jaxpar.training.checkpoint import Checkpointer  # noqa: PLC0415
-        ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
-        if not args.resume and (found := ckpt.steps()):
-            if not overwrite:
-                raise ConfigError(f"--ckpt-dir {ckpt.dir} already holds checkpoints of steps "
-                                  f"{', '.join(map(str, found))}; add --resume to continue from step {found[-1]}, "
-                                  "or --overwrite-ckpt to delete them and start afresh")
-            ckpt.delete_all()
-            if main:
-                print(f"--overwrite-ckpt: deleted the checkpoints of steps {', '.join(map(str, found))} in {ckpt.dir}")
-        if args.resume:
-            state, start, message = ckpt.restore(trainer, resume_step)
-            if main:
-                print(message)
-            if start >= stop:
-                limit = f"--steps {args.steps}" if stop == args.steps else f"--stop-after {args.stop_after}"
-                if main:
-                    print(f"nothing to do: checkpoint step {start} >= {limit}")
-                ckpt.close()
-                sinks.close()
-                return 0
-            if moved := ckpt.set_aside_after(start):
-                if main:
-                    print(f"newer checkpoints moved aside (kept, not deleted), as this run will write those steps "
-                          f"again: {', '.join(map(str, moved))}")
+    ckpt = open_checkpoints(args, main) if args.ckpt_dir is not None else None
+    state, start = resume(args, ckpt, trainer, stop, main) if args.resume else (None, 0)
+    if start >= stop:
+        limit = f"--steps {args.steps}" if stop == args.steps else f"--stop-after {args.stop_after}"
+        if main:
+            print(f"nothing to do: checkpoint step {start} >= {limit}")
+        ckpt.close()
+        sinks.close()
+        return 0
     if state is None and args.hf_checkpoint is not None:  # a fresh run starting from pretrained weights
         state = trainer.state_from_params(hf_params(args.hf_checkpoint, model, trainer.abstract_params))
         if main:
             print(f"parameters from the Hugging Face checkpoint {args.hf_checkpoint} (fresh optimizer state)")
     if main:
-        print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
-        print(f"strategy {trainer.strategy.describe()}; options: {trainer.strategy.describe_options()}")
-        if trainer.strategy.size("pipeline") > 1:
-            from jaxpar.core.schedule import schedule_summary  # noqa: PLC0415
-            print(schedule_summary(trainer.strategy, model.units))
-    bar = None
-    if main and not args.no_progress:
-        from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
-    last: dict = {}
-
-    def on_step(step: int, m: dict) -> None:
-        last.update(m)
-        if args.profile and step == 1:
-            jax.profiler.start_trace(args.profile)
-        if args.profile and step == 4:
-            jax.profiler.stop_trace()
-        if peak_flops and "model_flops_per_s" in m:
-            m["mfu"] = m["model_flops_per_s"] / peak_flops
-        m["xla_preset"] = trainer.strategy.options.xla_preset   # what the step was compiled with
-        sinks.write(m)
-        if not math.isfinite(m["loss"]):  # never report a diverged run as a success
-            raise ConfigError(f"training diverged: loss is {m['loss']} at step {step} (lr={args.lr}); "
-                              "no checkpoint was written from this step")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
-
+        print_run(trainer)
+    bar = None if not main or args.no_progress else tqdm(total=args.steps, initial=start, unit="step",
+                                                         dynamic_ncols=True)
+    log = StepLog(args, trainer, sinks, bar, peak_flops)
     try:
         with PreemptionNotice():  # SIGTERM: finish the step, save (with --ckpt-dir), exit 143
-            state = train(trainer, source, on_step=on_step, state=state, start=start, stop=args.stop_after,
+            state = train(trainer, source, on_step=log, state=state, start=start, stop=args.stop_after,
                           checkpointer=ckpt)
         if ckpt is not None:
             if stop > start and (args.ckpt_every <= 0 or stop % args.ckpt_every):
@@ -124,30 +122,102 @@ def cmd_train(args) -> int:
         if bar is not None:
             bar.close()
         sinks.close()
-    if main and last:
-        print(f"final loss {last['loss']:.4f}  step {last['step_time_s'] * 1e3:.1f} ms  "
-              f"{last['tokens_per_s']:.0f} tokens/s")
+    if main and log.last:
+        print(f"final loss {log.last['loss']:.4f}  step {log.last['step_time_s'] * 1e3:.1f} ms  "
+              f"{log.last['tokens_per_s']:.0f} tokens/s")
     return 0
+
+
+def check_checkpoint_flags(args) -> None:
+    """The checkpoint flags' combinations, before anything is built (an empty --ckpt-dir and
+    --stop-after < 1 are refused by the parser's types: jaxpar/core/inputs.py)."""
+    overwrite, resume_step = getattr(args, "overwrite_ckpt", False), getattr(args, "resume_step", None)
+    for flag, given in (("--resume", args.resume), ("--overwrite-ckpt", overwrite)):
+        if given and args.ckpt_dir is None:
+            raise ConfigError(f"{flag} needs --ckpt-dir")
+    if args.resume and overwrite:
+        raise ConfigError("--resume and --overwrite-ckpt contradict each other: --overwrite-ckpt deletes the "
+                          "checkpoints --resume would continue from")
+    if resume_step is not None and not args.resume:
+        raise ConfigError(f"--resume-step {resume_step} needs --resume")
+
+
+def open_checkpoints(args, main: bool) -> Checkpointer:
+    """--ckpt-dir's checkpointer. A fresh run (no --resume) refuses a directory that holds checkpoints,
+    so that no run overwrites another's by accident; --overwrite-ckpt deletes them first."""
+    ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
+    if not args.resume and (found := ckpt.steps()):
+        if not getattr(args, "overwrite_ckpt", False):
+            raise ConfigError(f"--ckpt-dir {ckpt.dir} already holds checkpoints of steps "
+                              f"{', '.join(map(str, found))}; add --resume to continue from step {found[-1]}, "
+                              "or --overwrite-ckpt to delete them and start afresh")
+        ckpt.delete_all()
+        if main:
+            print(f"--overwrite-ckpt: deleted the checkpoints of steps {', '.join(map(str, found))} in {ckpt.dir}")
+    return ckpt
+
+
+def resume(args, ckpt: Checkpointer, trainer: Trainer, stop: int, main: bool):
+    """--resume: (state, step) from the newest checkpoint (or --resume-step's), resharded onto this
+    run's mesh. Checkpoints newer than that step are moved aside, not deleted: this run writes those
+    steps again, and a damaged newest checkpoint stays for inspection."""
+    state, start, message = ckpt.restore(trainer, getattr(args, "resume_step", None))
+    if main:
+        print(message)
+    if start < stop and (moved := ckpt.set_aside_after(start)) and main:
+        print(f"newer checkpoints moved aside (kept, not deleted), as this run will write those steps "
+              f"again: {', '.join(map(str, moved))}")
+    return state, start
+
+
+def print_run(trainer: Trainer) -> None:
+    model, strategy = trainer.model_cfg, trainer.strategy
+    print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
+    print(f"strategy {strategy.describe()}; options: {strategy.describe_options()}")
+    if strategy.size("pipeline") > 1:
+        print(schedule_summary(strategy, model.units))
+
+
+class StepLog:
+    """What `jaxpar train` does after each step: a profiler trace of steps 2-4 (--profile), the MFU
+    (--hardware), the metric sinks, the divergence check, the progress bar. Keeps the last metrics."""
+
+    def __init__(self, args, trainer: Trainer, sinks: Sinks, bar, peak_flops: float | None):
+        self.args, self.trainer, self.sinks, self.bar, self.peak_flops = args, trainer, sinks, bar, peak_flops
+        self.last: dict = {}
+
+    def __call__(self, step: int, m: dict) -> None:
+        args = self.args
+        self.last.update(m)
+        if args.profile and step == 1:
+            jax.profiler.start_trace(args.profile)
+        if args.profile and step == 4:
+            jax.profiler.stop_trace()
+        if self.peak_flops and "model_flops_per_s" in m:
+            m["mfu"] = m["model_flops_per_s"] / self.peak_flops
+        m["xla_preset"] = self.trainer.strategy.options.xla_preset   # what the step was compiled with
+        self.sinks.write(m)
+        if not math.isfinite(m["loss"]):  # never report a diverged run as a success
+            raise ConfigError(f"training diverged: loss is {m['loss']} at step {step} (lr={args.lr}); "
+                              "no checkpoint was written from this step")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
 
 
 def analysis_devices(args, strategies) -> int:
     """Devices to simulate for compile-only analysis: --devices, or the biggest mesh's device count
     capped at what XLA:CPU compiles (bigger meshes are analysed at reduced data parallelism). In a
     process whose JAX backend already started (a notebook, the tests) its devices are used."""
-    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
-    from jaxpar.devices import backend_started, simulate_cpu_devices  # noqa: PLC0415
-
     if getattr(args, "multi_process", False):  # every process's devices, compiled in each process
-        import jax  # noqa: PLC0415
         return jax.device_count()
     if args.devices:  # already simulated by cli.main (which refuses more than devices.MAX_DEVICES)
         return args.devices
     for s in strategies:
         if s.num_devices < 1:
             raise ConfigError(f"mesh {s.name} has a -1 axis: give --devices N to resolve it")
-    n = min(max(s.num_devices for s in strategies), DEVICE_LIMIT)
+    n = min(max(s.num_devices for s in strategies), MAX_DEVICES)
     if backend_started():
-        import jax  # noqa: PLC0415
         return min(n, jax.device_count())
     simulate_cpu_devices(n)
     return n
@@ -155,10 +225,6 @@ def analysis_devices(args, strategies) -> int:
 
 def analysis_config(args, model, strategies, **extra):
     """TrainConfig for analysis: --batch/--seq, or defaults valid for every strategy."""
-    import math  # noqa: PLC0415
-
-    from jaxpar.training.trainer import TrainConfig  # noqa: PLC0415
-    from jaxpar.core.validate import data_parallel_size  # noqa: PLC0415
 
     def per_step(s) -> int:
         o = s.options
@@ -170,15 +236,9 @@ def analysis_config(args, model, strategies, **extra):
 
 
 def cmd_comm(args) -> int:
-
     model = model_from(args.model)
     strategy = strategy_from_args(args)
     n = analysis_devices(args, [strategy])
-    import jax  # noqa: PLC0415
-
-    from jaxpar.analysis import comm  # noqa: PLC0415
-    from jaxpar.analysis.overlap import format_overlap  # noqa: PLC0415
-    from jaxpar.analysis.report import format_table  # noqa: PLC0415
     if args.phase != "train":
         report = comm_generation(args, model, strategy, jax.devices()[:n])
     else:
@@ -196,36 +256,25 @@ def cmd_comm(args) -> int:
 def comm_generation(args, model, strategy, devices) -> dict:
     """`comm --phase prefill|decode`: one generation step of --batch prompts of --seq tokens (defaults:
     one per data-parallel rank, 128 tokens) and --gen-len new tokens, compiled and tallied."""
-    import time  # noqa: PLC0415
-
-    from jaxpar.analysis.comm import analyze_compiled  # noqa: PLC0415
-    from jaxpar.serving.generate import Generator  # noqa: PLC0415
-    from jaxpar.core.validate import data_parallel_size  # noqa: PLC0415
-
     strategy = strategy.resolved(len(devices)) if strategy.num_devices < 1 else strategy
     batch = args.batch or data_parallel_size(strategy)
     prompt = args.seq or min(128, model.max_seq - args.gen_len)
     gen = Generator(model, strategy, [[0] * prompt] * batch, args.gen_len, devices=devices[:strategy.num_devices])
     t0 = time.perf_counter()
     steps = dict(zip(("prefill", "decode"), gen.compiled_steps()))
-    report = analyze_compiled(steps[args.phase], gen.phase(args.phase).mesh, f"{model.name} {args.phase} (batch {batch}, prompt "
-                              f"{prompt}, cache {prompt + args.gen_len - 1})", time.perf_counter() - t0)
+    name = f"{model.name} {args.phase} (batch {batch}, prompt {prompt}, cache {prompt + args.gen_len - 1})"
+    report = comm.analyze_compiled(steps[args.phase], gen.phase(args.phase).mesh, name, time.perf_counter() - t0)
     report["phase"] = args.phase
     return report
 
 
 def cmd_compare(args) -> int:
-
     if args.run_steps < 0:
         raise ConfigError(f"--run-steps must be >= 0, got {args.run_steps}")
     model = model_from(args.model)
     strategies = [strategy_from_args(args, spec) for spec in args.meshes]
     n = analysis_devices(args, strategies)
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
-    import jax  # noqa: PLC0415
-
-    from jaxpar.analysis import comm  # noqa: PLC0415
-    from jaxpar.analysis.report import compare, plot  # noqa: PLC0415
     reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
     print(compare(reports))
     if args.json:
@@ -238,8 +287,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jaxpar.core.inputs import read_prompt_file  # noqa: PLC0415
-
     model = model_from(args.model)
     strategy = strategy_from_args(args)
     prompts = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
@@ -250,8 +297,6 @@ def cmd_generate(args) -> int:
                           "decoding; give --temperature > 0")
     if args.top_k > model.vocab:
         raise ConfigError(f"--top-k {args.top_k} exceeds the model's vocab={model.vocab}")
-    from jaxpar.serving.generate import Generator, Sampling  # noqa: PLC0415
-
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     gen = Generator(model, strategy, prompts, args.max_new_tokens, sampling)  # every check, before compiling
     if args.hf_checkpoint is not None:
@@ -288,5 +333,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from jaxpar.cli.launch import launch  # noqa: PLC0415
     return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)
+
+
+COMMANDS = {"train": cmd_train, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
+            "launch": cmd_launch}

@@ -1,21 +1,26 @@
 """The commands that ask the analytic cost model: `jaxpar estimate` (a training step, or a prefill or
-decode step) and `jaxpar plan` (the search, --verify, --write). jaxpar/cli/commands.py holds the others and
-re-exports these for jaxpar/cli/main.py.
+decode step) and `jaxpar plan` (the search, --write, and --verify, which compiles). Nothing here loads
+JAX but `plan --verify`, so that an estimate answers at once; jaxpar/cli/commands.py holds the commands
+that compile or train.
 """
 from __future__ import annotations
 
 import json
 
 from jaxpar.cli.args import model_from, strategy_from_args
+from jaxpar.core import validate
+from jaxpar.core.schedule import schedule_summary
+from jaxpar.core.strategy import OPTION_FIELDS
+from jaxpar.cost import SOFTWARE, estimate, format_estimate
+from jaxpar.cost.defaults import accelerator_defaults
+from jaxpar.cost.inference import format_inference, inference_estimate
+from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
+from jaxpar.planning import planner
+from jaxpar.planning.inference import format_inference_plan, plan_inference as search
 
 
 def cmd_estimate(args) -> int:
-    from jaxpar.core import validate  # noqa: PLC0415
-    from jaxpar.cost import SOFTWARE, estimate, format_estimate  # noqa: PLC0415
-    from jaxpar.cost.defaults import accelerator_defaults  # noqa: PLC0415
-    from jaxpar.core.strategy import OPTION_FIELDS  # noqa: PLC0415
-
     model = model_from(args.model)
     strategy = strategy_from_args(args)
     if strategy.num_devices < 1:
@@ -32,7 +37,6 @@ def cmd_estimate(args) -> int:
     for line in defaults:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
-        from jaxpar.core.schedule import schedule_summary  # noqa: PLC0415
         print(schedule_summary(strategy, model.units))
     print(format_estimate(est))
     if args.json:
@@ -44,10 +48,6 @@ def cmd_estimate(args) -> int:
 def estimate_inference(args, model, strategy, defaults) -> int:
     """`estimate --phase prefill|decode`: jaxpar/cost/inference.py for --global-batch sequences of a
     --seq-token prompt and --gen-len new tokens."""
-    from jaxpar.core import validate  # noqa: PLC0415
-    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
-    from jaxpar.cost.inference import format_inference, inference_estimate  # noqa: PLC0415
-
     validate.check_phases(strategy)
     strategy = strategy.phase(args.phase)  # a mesh file's [prefill] / [decode] layout, if it gives one
     validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len, args.phase)
@@ -64,10 +64,6 @@ def estimate_inference(args, model, strategy, defaults) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxpar.planning import planner  # noqa: PLC0415
-
-    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
-
     if getattr(args, "phase", "train") != "train":
         return plan_inference(args)
     results, considered, valid = planner.plan(model_from(args.model), args.hardware, args.devices,
@@ -90,29 +86,21 @@ def cmd_plan(args) -> int:
 
 def verify_plans(args, model, results) -> None:
     """`plan --verify`: compile each listed plan on simulated devices (jaxpar/planning/verify.py)."""
-    from jaxpar.analysis.comm import DEVICE_LIMIT  # noqa: PLC0415
-    from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
-    from jaxpar.planning.planner import describe  # noqa: PLC0415
-    from jaxpar.planning.verify import TOLERANCE, format_checks, verify_plan  # noqa: PLC0415
+    from jaxpar.planning.verify import TOLERANCE, format_checks, verify_plan  # deferred: JAX, only for --verify
 
-    simulate_cpu_devices(min(args.devices, DEVICE_LIMIT))
-    import jax  # noqa: PLC0415
-
+    simulate_cpu_devices(min(args.devices, MAX_DEVICES))
     print(f"\nverify: each plan's step compiled for jaxpar on XLA:CPU, predicted vs compiled (flag over {TOLERANCE:.0%})")
     flagged = 0
     for i, (_, st) in enumerate(results, 1):
-        checks, report = verify_plan(model, st, args.global_batch, args.seq, jax.devices())
+        checks, report = verify_plan(model, st, args.global_batch, args.seq)
         flagged += sum(c.flagged for c in checks)
-        print(format_checks(i, describe(st), checks, report))
+        print(format_checks(i, planner.describe(st), checks, report))
     print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else
           f"verify: every figure within {TOLERANCE:.0%}")
 
 
 def plan_inference(args) -> int:
     """`plan --phase prefill|decode`: jaxpar/planning/inference.py's search, printed as a table."""
-    from jaxpar.cost import SOFTWARE  # noqa: PLC0415
-    from jaxpar.planning.inference import format_inference_plan, plan_inference as search  # noqa: PLC0415
-
     for flag in ("verify", "write"):
         if getattr(args, flag):
             raise ConfigError(f"plan --{flag} is for training layouts; not with --phase {args.phase}")

@@ -16,6 +16,7 @@ local port, and the collectives between processes go over gloo (TCP). The launch
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -117,7 +118,6 @@ def die_with_parent() -> None:
     """In the child, before exec: on Linux, be SIGKILLed if the launcher itself dies (even by SIGKILL),
     so no orphan keeps computing; elsewhere nothing."""
     try:
-        import ctypes  # noqa: PLC0415
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass

@@ -1,17 +1,25 @@
-"""The `jaxpar` command line: the parser (flags, their types and help) and `main`. The commands themselves
-are in jaxpar/cli/commands.py, imported after `--devices` is applied: the simulated-device flag must be set
-before JAX starts its backend."""
+"""The `jaxpar` command line: the parser (flags, their types and help) and `main`, which dispatches.
+
+`estimate` and `plan` ask the analytic cost model (jaxpar/cli/commands_cost.py) and never load JAX, so
+they answer at once. The commands that compile or train (jaxpar/cli/commands.py) import JAX, Flax and the
+trainer, a few seconds that `main` spends only when one of them runs; that module then joins a
+multi-process run and simulates `--devices` before JAX's backend starts (importing JAX does not start it).
+"""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
-import traceback
 
-from jaxpar.errors import ConfigError
+from jaxpar.cli import explain
+from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
-                           nonempty, png_path, real, token_ids)
+                                nonempty, png_path, real, token_ids)
+from jaxpar.core.strategy import OPTION_FIELDS
+from jaxpar.cost.software import SOFTWARE
+from jaxpar.errors import ConfigError
+
+ANALYTIC = {"estimate": cmd_estimate, "plan": cmd_plan}  # the cost model alone: JAX is never loaded
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,7 +43,6 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
 
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     """One flag per field of jaxpar.core.strategy.Options (the one options schema), with its help and choices."""
-    from jaxpar.core.strategy import OPTION_FIELDS  # noqa: PLC0415 (no JAX import)
     g = p.add_argument_group("strategy flags (override the mesh file's [options])")
     for f in OPTION_FIELDS:
         flag, choices, help_ = "--" + f.name.replace("_", "-"), f.metadata["choices"], f.metadata["help"]
@@ -62,7 +69,6 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_software_flag(p) -> None:
-    from jaxpar.cost.software import SOFTWARE  # noqa: PLC0415
     p.add_argument("--software", choices=sorted(SOFTWARE), default="jaxpar",
                    help="whose implementation to cost (jaxpar/cost/software.py): jaxpar's own program (default), "
                         "megatron-lm (Megatron-LM 2021-22: no overlap), megatron-core (fused attention, TP/DP/PP "
@@ -72,7 +78,13 @@ def add_software_flag(p) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch):
+        add(sub)
+    add_strategy_flags(explain.add_parser(sub))
+    return parser
 
+
+def add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model under a strategy")
     add_model_mesh(t)
     t.add_argument("--steps", type=POSITIVE, default=50)
@@ -88,15 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU metric")
     t.add_argument("--profile", type=nonempty, help="write a jax.profiler trace of steps 2-4 to this directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--ckpt-dir", type=nonempty, help="checkpoint directory (orbax; asynchronous saves)")
-    t.add_argument("--ckpt-every", type=NON_NEGATIVE, default=0, help="save every K steps (0: only at the end)")
-    t.add_argument("--ckpt-keep", type=POSITIVE, default=3, help="keep the newest N checkpoints")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir, "
-                   "on this run's mesh and strategy (resharding as needed)")
-    t.add_argument("--resume-step", type=NON_NEGATIVE, metavar="N", help="with --resume: restore step N, not the "
-                   "newest (e.g. when the newest is damaged); newer checkpoints are moved to CKPT_DIR/set-aside/")
-    t.add_argument("--overwrite-ckpt", action="store_true", help="a fresh run (no --resume) deletes the "
-                   "checkpoints already in --ckpt-dir (without it, it refuses to start)")
+    add_checkpoint_flags(t)
     t.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
                    help="start from a Hugging Face LLaMA-layout checkpoint's weights (config.json + *.safetensors; "
                         "fresh optimizer state); --model hf:DIR takes the model from its config.json")
@@ -105,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_flags(t)
     add_distributed_flags(t)
 
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt-dir", type=nonempty, help="checkpoint directory (orbax; asynchronous saves)")
+    p.add_argument("--ckpt-every", type=NON_NEGATIVE, default=0, help="save every K steps (0: only at the end)")
+    p.add_argument("--ckpt-keep", type=POSITIVE, default=3, help="keep the newest N checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir, "
+                   "on this run's mesh and strategy (resharding as needed)")
+    p.add_argument("--resume-step", type=NON_NEGATIVE, metavar="N", help="with --resume: restore step N, not the "
+                   "newest (e.g. when the newest is damaged); newer checkpoints are moved to CKPT_DIR/set-aside/")
+    p.add_argument("--overwrite-ckpt", action="store_true", help="a fresh run (no --resume) deletes the "
+                   "checkpoints already in --ckpt-dir (without it, it refuses to start)")
+
+
+def add_estimate(sub) -> None:
     e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
     add_model_mesh(e)
     e.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
@@ -118,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_software_flag(e)
     add_strategy_flags(e)
 
+
+def add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="rank strategies for a model on N devices of a hardware type")
     pl.add_argument("--model", required=True)
     pl.add_argument("--hardware", required=True)
@@ -140,10 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
     add_software_flag(pl)
 
-    analysis_note = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
-                     "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/analysis/comm.py)")
+
+ANALYSIS_NOTE = ("--devices defaults to the mesh's device count, capped at 2048 (the most XLA:CPU compiles); "
+                 "bigger meshes are compiled at reduced data parallelism and rescaled (see jaxpar/analysis/comm.py)")
+
+
+def add_comm(sub) -> None:
     c = sub.add_parser("comm", help="compile one training step and tally its collectives, FLOPs and memory",
-                       description=analysis_note)
+                       description=ANALYSIS_NOTE)
     add_model_mesh(c)
     add_analysis_flags(c)
     c.add_argument("--abstract", action="store_true", help="compile from shapes only, no arrays allocated (analysis always does; kept for scripts)")
@@ -155,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_flags(c)
     add_distributed_flags(c)
 
+
+def add_compare(sub) -> None:
     cp = sub.add_parser("compare", help="the communication of several strategies side by side",
-                        description=analysis_note)
+                        description=ANALYSIS_NOTE)
     add_model_mesh(cp, meshes=True)
     add_analysis_flags(cp)
     cp.add_argument("--run-steps", type=NON_NEGATIVE, default=0, metavar="K",
@@ -168,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--plot", type=png_path, help="write a PNG of bytes per device per step by kind and mesh axes")
     add_strategy_flags(cp)
 
-    add_generate(sub)
 
+def add_launch(sub) -> None:
     la = sub.add_parser("launch", help="run a command as N local processes on CPU (multi-process development)",
                         description="Start N processes of `jaxpar COMMAND ...`, each with D simulated CPU "
                                     "devices, joined by jax.distributed (gloo collectives). Signals are "
@@ -183,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "process failed) before it is killed")
     la.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                     help="a jaxpar command and its flags (train, comm)")
-    return parser
 
 
 def add_generate(sub) -> None:
@@ -228,59 +253,21 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
 
 
 
-def join_cluster(args) -> bool:
-    """Join a multi-process run if the flags or the environment describe one (jaxpar/distributed.py)."""
-    from jaxpar import distributed  # noqa: PLC0415
-
-    cluster = distributed.cluster_from(args.coordinator, args.num_processes, args.process_id)
-    if cluster is None:
-        return False
-    if args.devices:
-        raise ConfigError("--devices simulates devices in one process; in a multi-process run each process "
-                          "brings its own devices (jaxpar launch --devices-per-process D)")
-    distributed.initialize(cluster, timeout_s=args.init_timeout, heartbeat_s=args.heartbeat_timeout)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
-    from jaxpar import distributed  # noqa: PLC0415
-
     if argv is None and hasattr(signal, "SIGPIPE"):  # `jaxpar estimate ... | head`: stop quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
     try:
         args = build_parser().parse_args(argv)
-        args.multi_process = False
         check_outputs(args)  # every file a command will write, before it runs
-        if hasattr(args, "coordinator"):
-            args.multi_process = join_cluster(args)
-        if getattr(args, "devices", None) and args.command not in ("plan", "estimate"):
-            from jaxpar.devices import simulate_cpu_devices  # noqa: PLC0415
-            simulate_cpu_devices(args.devices)
-        from jaxpar.cli.main import commands  # noqa: PLC0415 (after --devices: commands import JAX)
-        return getattr(commands, f"cmd_{args.command}")(args)
+        if args.command in ANALYTIC:
+            return ANALYTIC[args.command](args)
+        if args.command == "explain":
+            return explain.cmd_explain(args)
+        from jaxpar.cli import commands  # deferred: JAX, Flax and the trainer load only for the commands that use them
+        return commands.run(args)
     except ConfigError as e:
-        return fail(f"jaxpar: error: {e}", 2, distributed.joining())
-    except Exception as e:
-        if not distributed.joining():
-            raise
-        if (message := distributed.peer_failure(e)) is not None:
-            return fail(f"jaxpar: error: {message}", 3, True)
-        # A bug, not bad input: show where, and leave now (a normal exit would wait in the shutdown
-        # barrier for the others, then abort); the launcher or the scheduler stops the others.
-        traceback.print_exc()
-        import jax  # noqa: PLC0415 (joined: JAX is running)
-        return fail(f"jaxpar: error: process {jax.process_index()} failed: {type(e).__name__}: {e}", 1, True)
-
-
-def fail(message: str, code: int, multi_process: bool) -> int:
-    """Print `message`; in a multi-process run leave at once: a normal interpreter exit would wait
-    in jax.distributed's shutdown barrier for processes that will never reach it."""
-    print(message, file=sys.stderr, flush=True)
-    if multi_process:
-        sys.stdout.flush()
-        os._exit(code)
-    return code
+        print(f"jaxpar: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

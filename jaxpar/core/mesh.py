@@ -18,9 +18,11 @@ import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.core import validate
+from jaxpar.distributed import process_hosts
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import AXES, Strategy
 
@@ -46,7 +48,6 @@ def make_mesh(strategy: Strategy, devices: list | None = None) -> Mesh:
 
 def host_of(devices: list) -> dict:
     """device -> host number."""
-    from jaxpar.distributed import process_hosts  # noqa: PLC0415
     hosts = process_hosts()
     return {d: hosts[d.process_index] for d in devices}
 
@@ -56,7 +57,6 @@ def hybrid_device_array(ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...], 
     """Devices laid out so that axis i = dcn_shape[i] host groups x ici_shape[i] devices inside one."""
     granules = math.prod(dcn_shape)
     if getattr(devices[0], "platform", "") == "tpu" and len({d.slice_index for d in devices}) > 1:
-        from jax.experimental import mesh_utils  # noqa: PLC0415
         return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
     devices = sorted(devices, key=lambda d: (host[d], d.process_index, d.id))
     hosts = len(set(host.values()))

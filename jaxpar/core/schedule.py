@@ -135,8 +135,8 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
     With an even split `layers` stays on `pipeline` (each device holds its stage's units, in place for
     the schedule). Otherwise `pipeline` moves to the first later dim it divides, with that dim's other
     axes (jit needs even shards; the memory per device stays 1/S), and jaxpar/pipeline/gpipe.py's stage view
-    moves the units to their stages once per step; replicated over `pipeline` if no dim fits."""
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    moves the units to their stages once per step; replicated over `pipeline` if no dim fits.
+    `spec` is a jax.sharding.PartitionSpec; the result is one too."""
     stages = strategy.size("pipeline")
     dims = list(spec) + [None] * (len(shape) - len(spec))
     first = () if dims[0] is None else (dims[0],) if isinstance(dims[0], str) else tuple(dims[0])
@@ -153,7 +153,7 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
             break
     while dims and dims[-1] is None:
         dims.pop()
-    return P(*dims)
+    return type(spec)(*dims)  # a PartitionSpec, built from the one given: this module imports no JAX
 
 
 def _dim(axes: tuple[str, ...]):

@@ -14,6 +14,7 @@ the faster layout is also the higher-throughput one at this batch.
 """
 from __future__ import annotations
 
+from jaxpar.collectives import human_bytes
 from jaxpar.core import validate
 from jaxpar.cost.defaults import accelerator_defaults
 from jaxpar.cost.hardware import Hardware, load_hardware
@@ -66,7 +67,6 @@ def plan_inference(model: ModelConfig, hardware: Hardware | str, devices: int, p
 
 
 def format_inference_plan(results, considered: int, valid: int, phase: str, software: str = "jaxpar") -> str:
-    from jaxpar.collectives import human_bytes  # noqa: PLC0415
     unit = "prompt tok/s" if phase == "prefill" else "new tok/s"
     width = max([len("strategy"), *(len(st.name) for _, st in results)])
     lines = [f"{considered} {phase} layouts, {valid} valid, {len(results)} shown (fit in memory, lowest step "

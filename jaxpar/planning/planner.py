@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import pathlib
 
 from jaxpar.core import validate
 from jaxpar.cost import estimate, memory
@@ -222,7 +223,6 @@ def to_toml(st: Strategy, est) -> str:
 
 def write_plans(results, directory) -> list:
     """Write each plan as DIR/plan-<rank>-<name>.toml; return the paths."""
-    import pathlib  # noqa: PLC0415
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

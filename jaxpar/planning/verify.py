@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.analysis import comm as analysis
 from jaxpar.collectives import human_bytes
+from jaxpar.cost import comm as cost_comm
+from jaxpar.cost import memory
+from jaxpar.cost.shape import step_shape
+from jaxpar.training.trainer import TrainConfig
 
 TOLERANCE = 0.05
 
@@ -36,14 +41,8 @@ class Check:
         return abs(self.error) > TOLERANCE
 
 
-def verify_plan(model, strategy, global_batch: int, seq: int, devices: list) -> tuple[list[Check], dict]:
-    """(checks, the compiled report) for one plan (a resolved Strategy)."""
-    from jaxpar.analysis import comm as analysis  # noqa: PLC0415
-    from jaxpar.cost import comm as cost_comm  # noqa: PLC0415
-    from jaxpar.cost import memory  # noqa: PLC0415
-    from jaxpar.cost.shape import step_shape  # noqa: PLC0415
-    from jaxpar.training.trainer import TrainConfig  # noqa: PLC0415
-
+def verify_plan(model, strategy, global_batch: int, seq: int, devices: list | None = None) -> tuple[list[Check], dict]:
+    """(checks, the compiled report) for one plan (a resolved Strategy), compiled on `devices` (default: all)."""
     report = analysis.analyze_strategy(model, strategy, TrainConfig(batch=global_batch, seq=seq), devices)
     compiled: dict[tuple, float] = {}
     for c in report["collectives"]:

@@ -37,6 +37,8 @@ from jaxpar.core.strategy import Strategy
 from jaxpar.models import decode
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
+from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten
+from jaxpar.training.trainer import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +238,9 @@ class Generator:
     def restore_params(self, directory: str, step: int | None = None) -> tuple[Any, str]:
         """(parameters, message) from a training checkpoint in `directory` (newest step unless given),
         read straight into this strategy's shardings; the optimizer state is not read."""
-        from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten  # noqa: PLC0415
-        from jaxpar.training.trainer import TrainState  # noqa: PLC0415 (the checkpoint's tree: only its params)
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               jax.eval_shape(lambda: self.abstract_params), self.param_shardings)
-        template = TrainState(params, None, None)
+        template = TrainState(params, None, None)  # the checkpoint's tree, of which only the params are read
         flat, _, message = restore_arrays(directory, dataclasses.asdict(self.model_cfg), flatten(template), step)
         return unflatten(template, flat).params, message
 

@@ -24,6 +24,7 @@ import json
 import pathlib
 
 import numpy as np
+from safetensors import safe_open
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
@@ -72,8 +73,6 @@ def read_config(directory: str) -> ModelConfig:
 
 def read_tensors(directory: str) -> dict[str, np.ndarray]:
     """Every tensor of the directory's *.safetensors files, as float32 numpy arrays."""
-    from safetensors import safe_open  # noqa: PLC0415
-
     files = sorted(pathlib.Path(directory).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{directory}: no *.safetensors files")
@@ -122,7 +121,7 @@ def _leaf(cfg: ModelConfig, tensors: dict[str, np.ndarray], key: str) -> np.ndar
 def load_params(directory: str, cfg: ModelConfig, abstract_params):
     """jaxpar's parameter tree (the structure of `abstract_params`, an nnx.State of shapes) filled from
     the directory's tensors, as host float32 arrays; shapes checked against the model."""
-    import jax  # noqa: PLC0415
+    import jax  # deferred: JAX stays out of `jaxpar estimate --model hf:DIR`, which reads only config.json
 
     if cfg.pattern != "A":
         raise ConfigError(f"model {cfg.name}: Hugging Face LLaMA checkpoints load into attention-only models, "

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxpar.training import faults
 from jaxpar.training.integrity import DamagedCheckpoint, checksums, read_error, verify
@@ -101,7 +102,6 @@ class Checkpointer:
                 raise ConfigError(f"--ckpt-dir {self.dir} cannot be written: {e.strerror or e} "
                                   f"({e.filename or self.dir})") from None
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
             multihost_utils.sync_global_devices("jaxpar checkpoint directory ready")
 
     # ---- save ----------------------------------------------------------------------------------
@@ -216,7 +216,6 @@ class Checkpointer:
 
     def _sync_and_reload(self, what: str) -> None:
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
             multihost_utils.sync_global_devices(f"jaxpar checkpoints {what}")
         self.manager.reload()
 

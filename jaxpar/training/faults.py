@@ -18,6 +18,8 @@ import signal
 import sys
 import threading
 
+import jax
+
 KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
 HOLD_AFTER_STEP = "JAXPAR_HOLD_AFTER_STEP"
 RAISE_AFTER_STEP = "JAXPAR_RAISE_AFTER_STEP"
@@ -29,7 +31,6 @@ def _asked(variable: str, step: int) -> bool:
     if os.environ.get(variable) != str(step):
         return False
     if FAULT_PROCESS in os.environ:
-        import jax  # noqa: PLC0415
         return str(jax.process_index()) == os.environ[FAULT_PROCESS]
     return True
 

@@ -15,7 +15,7 @@ Verification, onto any mesh:
   - several processes: each checks the restored shards whose slice equals a saved slice (all of them
     when the layout is unchanged; after resharding, slices that match no saved one are not checked),
     and the processes agree on the outcome, so all of them stop together.
-A checkpoint written before checksums existed restores with a note that it was not verified.
+A checkpoint that carries no checksums restores with a note that it was not verified.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxpar.errors import ConfigError
 
@@ -69,7 +70,6 @@ def checksums(flat: dict[str, Any]) -> dict[str, dict[str, int]]:
         values.append(v)
     joined = np.concatenate(values) if values else np.zeros(0, np.uint32)
     if jax.process_count() > 1:  # each slice has one owner; the others contribute 0
-        from jax.experimental import multihost_utils  # noqa: PLC0415
         gathered = np.asarray(multihost_utils.process_allgather(joined.view(np.int32)))
         joined = np.bitwise_or.reduce(gathered.view(np.uint32), axis=0)
     out, at = {}, 0
@@ -109,7 +109,6 @@ def verify(flat: dict[str, Any], saved: dict[str, dict[str, int]], where: str) -
             bad = n
             break
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
         found = np.asarray(multihost_utils.process_allgather(np.int32(bad))).reshape(-1)
         if bad < 0 and (found >= 0).any():
             first = int(found[found >= 0].min())

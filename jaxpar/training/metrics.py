@@ -29,7 +29,7 @@ class Sinks:
         self._jsonl = self._tb = None
         if tensorboard:  # (both paths were checked writable by cli.main: jaxpar.core.inputs.check_outputs)
             try:
-                from tensorboardX import SummaryWriter  # noqa: PLC0415
+                from tensorboardX import SummaryWriter  # deferred: optional dependency, jaxpar[tensorboard]
             except ImportError:
                 raise ConfigError("--tensorboard needs the tensorboardX package: "
                                   "pip install 'jaxpar[tensorboard]'") from None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import signal
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -19,22 +21,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.training import faults
-
 from jaxpar.core import validate
-from jaxpar.cost.flops import step_flops
 from jaxpar.core.inputs import check_host_memory
-from jaxpar.training.data import local_batch, process_indices, to_global
 from jaxpar.core.mesh import make_mesh
-from jaxpar.pipeline.order import reorder, stacked_paths, unit_order
 from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.core.strategy import Strategy
-from jaxpar.xla_presets import compiler_options
+from jaxpar.cost.flops import step_flops
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
-from jaxpar.models.moe import AUX_FIELDS
+from jaxpar.models.moe import AUX_FIELDS, aux_metrics
+from jaxpar.ops.attention import token_permutation
+from jaxpar.pipeline import pipelined_loss, pipelined_loss_and_grads, reorder, stacked_paths, unit_order
+from jaxpar.training import faults
+from jaxpar.training.data import local_batch, process_indices, to_global
+from jaxpar.xla_presets import compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,6 @@ def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
     """The token layout along the sequence (zigzag for load-balanced causal context parallelism)."""
     if strategy.size("context") == 1 or strategy.options.cp_layout == "contiguous":
         return None
-    from jaxpar.ops.attention import token_permutation  # noqa: PLC0415
     return token_permutation(seq, strategy.size("context"), strategy.options.cp_layout)
 
 
@@ -170,14 +172,12 @@ class Trainer:
             model = nnx.merge(self.graphdef, params)
             x = model.embed(batch["inputs"])
             if self.strategy.size("pipeline") > 1:  # the head and loss run inside (spread over the stages)
-                from jaxpar.pipeline.gpipe import pipelined_loss  # noqa: PLC0415
                 loss, aux = pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout)
             else:
                 x, aux = self.apply_stack(model, x, batch["positions"])
                 loss = model.loss(x, batch["labels"], aux=aux)
             if aux is None:
                 return loss, {}
-            from jaxpar.models.moe import aux_metrics  # noqa: PLC0415
             return loss, aux_metrics(self.model_cfg, aux)
 
     def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -189,10 +189,9 @@ class Trainer:
         """((loss, extra metrics), gradients) of one batch: jax.value_and_grad of `_loss`, but under the
         1F1B pipeline schedule, which computes its own backward (jaxpar/pipeline/one_f_one_b.py)."""
         if self.strategy.size("pipeline") > 1 and self.strategy.options.pp_schedule == "1f1b":
-            from jaxpar.pipeline.one_f_one_b import loss_and_grads  # noqa: PLC0415
             with use_layout(self.layout):
-                loss, grads = loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
-                                             self.run.dtype)
+                loss, grads = pipelined_loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
+                                                       self.run.dtype)
             return (loss, {}), grads
         return jax.value_and_grad(self._loss, has_aux=True)(params, batch)
 
@@ -335,8 +334,6 @@ class PreemptionNotice:
     _received = False
 
     def __enter__(self):
-        import signal  # noqa: PLC0415
-        import threading  # noqa: PLC0415
         self.installed = jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
         PreemptionNotice._received = False
         if self.installed:
@@ -348,7 +345,6 @@ class PreemptionNotice:
         PreemptionNotice._received = True
 
     def __exit__(self, *exc) -> None:
-        import signal  # noqa: PLC0415
         if self.installed:  # None: the previous handler was not set from Python; the default is closest
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
         PreemptionNotice._received = False
@@ -361,5 +357,4 @@ def preempted(step: int) -> bool:
     In one process, the notice is a SIGTERM caught by `PreemptionNotice`."""
     if jax.process_count() == 1:
         return PreemptionNotice._received
-    from jax.experimental import multihost_utils  # noqa: PLC0415
     return multihost_utils.reached_preemption_sync_point(step)
