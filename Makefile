@@ -1,12 +1,13 @@
 # make demo   train llama-tiny under several strategies on 8 simulated CPU devices
 # make test   the test suite (8 simulated CPU devices; two pytest workers, one test file each at a time)
+# make test-slow  the slow tests (-m slow), which CI runs after make test
 # make bench  print throughput / memory / speed figures (no assertions)
 # make experiments  run every study of the design guide (experiments/README.md) in full mode
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench experiments clean
+.PHONY: demo test test-slow bench experiments clean
 
 $(STAMP): pyproject.toml
 	@PYTHON=$$(bash scripts/find-python.sh) || exit 1; \
@@ -22,6 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s wall (goal: under 600 s on 2 cores)"; exit $$rc
+
+test-slow: $(STAMP)
+	@start=$$(date +%s); $(PY) -m pytest -q -n 2 --dist loadfile -m slow; rc=$$?; \
+	  echo "make test-slow: $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 bench: $(STAMP)
 	$(PY) experiments/demo.py --model llama-tiny:layers=8 --meshes all --steps 20
