@@ -19,8 +19,8 @@ attention's causal block skipping (`lax.cond`) are counted as taken, as the HLO 
 Memory per device (within 20%). XLA's `memory_analysis()`: argument (parameters, AdamW state, batch),
 output (the new state, aliased to the donated argument), temp (gradients, activations, logits, the
 backward pass's working set). Compared: predicted params + optimizer + batch with `argument` (within 1%:
-the same arrays), and the predicted total (params + grads + optimizer + activations, memory.py with
-`jaxpar_program=True`) with the peak argument + output - alias + temp. The residual, a few to 12 percent:
+the same arrays), and the predicted total (params + grads + optimizer + activations, program_memory.py,
+jaxpar's program) with the peak argument + output - alias + temp. The residual, a few to 12 percent:
 * the model prices one layer's working set in its backward as the layer's full inventory plus the
   float32 score gradient; XLA:CPU's buffer assignment reuses some of those buffers (dense attention
   cases over-predict by ~5%) and keeps others the inventory leaves out (remat `full` under-predicts by
@@ -44,7 +44,7 @@ import jax
 import pytest
 
 from jaxpar.analysis import comm
-from jaxpar.cost import flops, memory
+from jaxpar.cost import flops, memory, program_memory
 from jaxpar.analysis.patterns import dot_flops
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.training.trainer import TrainConfig, Trainer
@@ -125,7 +125,7 @@ def test_flops_per_device_match_xla(index):
 def test_memory_per_device_matches_xla(index):
     c = compiled(index)
     st = c.trainer.strategy
-    pred = memory.memory(c.trainer.model_cfg, st, c.batch, SEQ, jaxpar_program=True)
+    pred = program_memory.memory(c.trainer.model_cfg, st, c.batch, SEQ)
     state = pred.params + pred.optimizer + memory.batch_bytes(st, c.batch, SEQ)
     print(f"\n{IDS[index]}: argument predicted {state:.0f} / XLA {c.argument} ({state / c.argument:.4f}); "
           f"total predicted {pred.total:.0f} / XLA peak {c.peak} ({pred.total / c.peak:.3f}); "
@@ -137,13 +137,13 @@ def test_memory_per_device_matches_xla(index):
 def test_fsdp_experts_stay_gathered_until_the_backward_pass():
     """Under ZeRO-3 the routed experts' gathered weights (the expert kernel's shard_map operands; no backward
     all-gather re-fetches them: tests/test_cost_vs_hlo.py) are kept for the backward pass, one float32 copy
-    per MoE layer: memory.fsdp_experts_bytes equals that hand count, and the prediction with it is within 8%
+    per MoE layer: program_memory.fsdp_experts_bytes equals that hand count, and the prediction with it is within 8%
     of XLA's peak."""
     c = compiled(len(CASES) - 1)
     st, m = c.trainer.strategy, c.trainer.model_cfg
     per_device_experts = m.experts // st.size("expert")
-    assert memory.fsdp_experts_bytes(m, st) == per_device_experts * 3 * m.d_model * m.moe_mlp_dim * 4
-    pred = memory.memory(m, st, c.batch, SEQ, jaxpar_program=True).total
+    assert program_memory.fsdp_experts_bytes(m, st) == per_device_experts * 3 * m.d_model * m.moe_mlp_dim * 4
+    pred = program_memory.memory(m, st, c.batch, SEQ).total
     assert pred == pytest.approx(c.peak, rel=0.08), (pred, c.peak)
 
 
@@ -156,7 +156,7 @@ def test_ring_attention_in_a_pipeline_keeps_no_score_blocks():
     tr = Trainer(parse_model("llama-tiny:layers=8"), st, TrainConfig(batch=BATCH, seq=SEQ), devices=jax.devices()[:8])
     mem = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS).memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    pred = memory.memory(tr.model_cfg, tr.strategy, BATCH, SEQ, jaxpar_program=True)
+    pred = program_memory.memory(tr.model_cfg, tr.strategy, BATCH, SEQ)
     print(f"\npipeline=2,context=4 ring: predicted {pred.total / 2**20:.1f} MiB, XLA peak {peak / 2**20:.1f} MiB")
     assert pred.total == pytest.approx(peak, rel=0.20)
 
@@ -175,7 +175,7 @@ def test_1f1b_applies_the_units_remat_policy_in_its_chunks():
         return tr, mem.temp_size_in_bytes, peak
     _, temp_none, _ = compiled_1f1b("none")
     tr, temp_full, peak = compiled_1f1b("full")
-    pred = memory.memory(tr.model_cfg, tr.strategy, BATCH, SEQ, jaxpar_program=True)
+    pred = program_memory.memory(tr.model_cfg, tr.strategy, BATCH, SEQ)
     print(f"\n1F1B temp: none {temp_none / 2**20:.1f} MiB, full {temp_full / 2**20:.1f} MiB; full predicted "
           f"{pred.total / 2**20:.1f} MiB against XLA's peak {peak / 2**20:.1f}")
     assert temp_full < 0.6 * temp_none

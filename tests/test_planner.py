@@ -140,7 +140,7 @@ def test_context_wins_in_jaxpars_program_because_of_the_attention_scores():
     context nor tensor parallelism is as fast as the top plan."""
     import dataclasses
 
-    from jaxpar.cost import JAXPAR, memory
+    from jaxpar.cost import JAXPAR, program_memory
     from jaxpar.planning.planner import scores_note
     model, hw = parse_model("llama3-8b"), load_hardware("h100-sxm")
     ours, _, _ = plan(model, hw, 64, seq=4096, global_batch=512, top=5)
@@ -148,7 +148,7 @@ def test_context_wins_in_jaxpars_program_because_of_the_attention_scores():
     assert top.size("context") * top.size("tensor") > 1
     plain = parse_inline("fsdp=64").with_options(remat="none", dtype="bfloat16", grad_accum=8)
     est = estimate(model, plain, hw, 512, 4096)
-    no_scores = memory.activation_bytes(model, plain, 512, 4096, jaxpar_program=True, score_keys=0)
+    no_scores = program_memory.activation_bytes(model, plain, 512, 4096, score_keys=0)
     scores = est.memory.activations - no_scores
     assert not est.fits and est.memory.total - scores < hw.hbm_bytes and scores > 0.5 * est.memory.activations
     note = scores_note(model, ours, JAXPAR, 512, 4096)

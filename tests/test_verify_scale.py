@@ -74,9 +74,9 @@ def test_dots_no_batch_recomputes_as_full_inside_the_pipeline():
     """The stage vmap gives every weight dot a batch dim, so `dots_no_batch` saves none of them: the compiled
     step of fsdp=2 x pipeline=2 x tensor=2 runs as many FLOPs under it as under `full` (XLA's count, loop
     trip counts applied), and the cost model prices both alike: the same hardware FLOPs and the same
-    activation memory (the schedule's T iteration inputs; jaxpar/cost/memory.jax_pipeline_bytes)."""
+    activation memory (the schedule's T iteration inputs; jaxpar/cost/program_memory.pipeline_bytes)."""
     from jaxpar.analysis.comm import flops_per_device
-    from jaxpar.cost import estimate, memory
+    from jaxpar.cost import estimate, program_memory
 
     mesh, sp = "fsdp=2,pipeline=2,tensor=2", dict(sequence_parallel=True)
     full = dict(CIRCULAR, remat="full")
@@ -87,7 +87,7 @@ def test_dots_no_batch_recomputes_as_full_inside_the_pipeline():
     both = [st, st.with_options(remat="full")]
     est = [estimate(m, x, "h100-sxm", b, s) for x in both]
     assert est[0].flops.hardware == est[1].flops.hardware > est[0].flops.model
-    mem = [memory.activation_bytes(m, x, b, s, jaxpar_program=True) for x in both]
+    mem = [program_memory.activation_bytes(m, x, b, s) for x in both]
     assert mem[0] == mem[1]
 
 

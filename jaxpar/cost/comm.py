@@ -16,13 +16,15 @@ states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes 
 from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, data_parallel, moe_stage_copies
+from jaxpar.cost.comm_data import data_parallel, moe_stage_copies
 from jaxpar.cost.comm_pipeline import one_f_one_b_head, one_f_one_b_recomputed, pipeline_parallel
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
 from jaxpar.cost.flops import expert_rows
-from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
+from jaxpar.cost.held import DATA_LIKE
+from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
 from jaxpar.cost.shape import StepShape, one_f_one_b
+from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -65,9 +67,9 @@ def tp_rings(cc: Compiler, st: Strategy, execs: float, xr: float, forward: int, 
             + site(cc, PERMUTE, ("tensor",), execs * back, ring, "backward"))
 
 
-def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) -> tuple[int, int]:
+def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_program: bool = True) -> tuple[int, int]:
     """(SP gathers, row-parallel sums) of an attention layer that run again in its backward pass.
-    Outside a pipeline, or in another program's (`jaxpar_pipeline` False: Megatron's recomputes per
+    Outside a pipeline, or in another program's (`jaxpar_program` False: Megatron's recomputes per
     layer): remat `full` reruns both gathers and the attention sum (the MLP's is the layer's output:
     dead), the `dots` policies the gathers only (no dot outputs).
     Inside jaxpar's pipeline (jaxpar/pipeline/gpipe.py) each iteration's stage work is rematerialised under the
@@ -75,21 +77,19 @@ def recomputed_tp(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) 
     so `dots_no_batch` saves none of them and recomputes as `full` does: both sums when a stage runs
     k > 1 unit slots per iteration (a slot's output feeds the next slot), one when k = 1 (the chunk's
     output is dead; XLA drops the one-trip slot loop); `dots` keeps every dot output (no sum again).
-    Gathers: any policy but `none` reruns both (before the pipeline's per-shard copies under `data`, the
-    iteration's saved norm outputs were gathered a second time for the weight gradients of data-parallel
-    layouts: no longer). XLA:CPU counts, checked
+    Gathers: any policy but `none` reruns both. XLA:CPU counts, checked
     per policy, k and fsdp in tests/test_verify_scale.py and test_cost_vs_hlo.py's remat cases."""
     remat = st.options.remat
-    if one_f_one_b(st, shape, jaxpar_pipeline):
+    if one_f_one_b(st, shape, jaxpar_program):
         return one_f_one_b_recomputed(st, shape)
-    if shape.stages == 1 or not jaxpar_pipeline:
+    if shape.stages == 1 or not jaxpar_program:
         return (2 if remat != "none" else 0), (1 if remat == "full" else 0)
     sums = (2 if shape.per_chunk > 1 else 1) if remat in ("full", "dots_no_batch") else 0
     return 2 * (remat != "none"), sums
 
 
 def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
-                 jaxpar_pipeline: bool = True) -> list[tuple]:
+                 jaxpar_program: bool = True) -> list[tuple]:
     """Per attention-layer execution (x: the residual activation, xr: as all-reduced).
     Forward: after o-proj and after the MLP down-proj an all-reduce (SP: all-gather of the norm output
     before each, reduce-scatter after). Recompute (remat `full`): the attention one again (the MLP's is
@@ -110,7 +110,7 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
         if sp:
             out += site(cc, AG, ax, e, [x], "forward")
         out += site(cc, fwd_kind, ax, e, [fwd_x], "forward")
-    gathers, sums = recomputed_tp(st, shape, jaxpar_pipeline)
+    gathers, sums = recomputed_tp(st, shape, jaxpar_program)
     if sp:
         out += site(cc, AG, ax, e, [x], "backward") * gathers
     out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") * sums
@@ -124,13 +124,13 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
 
 
 def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
-             jaxpar_pipeline: bool = True) -> list[tuple]:
+             jaxpar_program: bool = True) -> list[tuple]:
     """Per Mamba-layer execution: all-reduce after out_proj forward (SP: gather before in_proj,
     reduce-scatter after out_proj), and of in_proj's input gradient backward (in_proj is one packed
     matmul, so one partial sum; SP: the transposes). Recompute adds nothing live (the out_proj sum
     is the layer's output), but 1F1B's chunk recompute (jaxpar/pipeline/one_f_one_b.py) with k > 1 slots."""
     e, sp, ax = shape.exec_mamba, st.options.sequence_parallel, ("tensor",)
-    one_f = one_f_one_b(st, shape, jaxpar_pipeline)
+    one_f = one_f_one_b(st, shape, jaxpar_program)
     again = site(cc, RS if sp else AR, ax, e, [(x if cc.reduce_scatter else xr) if sp else xr], "backward")
     again = again if one_f and shape.per_chunk > 1 else []   # 1F1B's recompute: live when a slot feeds the next
     if not sp:
@@ -222,16 +222,15 @@ def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool = True)
 
 
 def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
-                    jaxpar_pipeline: bool = True) -> list[tuple]:
+                    jaxpar_program: bool = True) -> list[tuple]:
     """Attention layer: 2 per pass (after o-proj, after MLP down); Mamba-2 layer: 1 (after out_proj).
-    `jaxpar_pipeline`: a pipeline is jaxpar's own (jaxpar/pipeline/gpipe.py), as `pipeline_parallel`'s
-    scatter_gather None says."""
+    `jaxpar_program`: the step is jaxpar's program, so a pipeline is its own (jaxpar/pipeline/gpipe.py)."""
     x = shape.mb * shape.s_loc * m.d_model * act
     xr = shape.mb * shape.s_loc * m.d_model * ar_bytes(cc, act)
-    out = tp_attention(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_attention else []
-    out += tp_mamba(cc, st, shape, x, xr, jaxpar_pipeline) if shape.exec_mamba else []
+    out = tp_attention(cc, st, shape, x, xr, jaxpar_program) if shape.exec_attention else []
+    out += tp_mamba(cc, st, shape, x, xr, jaxpar_program) if shape.exec_mamba else []
     out += tp_moe(cc, st, shape, m, x, xr) if shape.exec_moe else []
-    one_f = one_f_one_b(st, shape, jaxpar_pipeline)
+    one_f = one_f_one_b(st, shape, jaxpar_program)
     out += one_f_one_b_head(cc, st, shape, m, act) if one_f else tp_vocab(cc, st, shape, m, act)
     if st.options.sequence_parallel:
         out += sp_norms(cc, m, shape, final=not one_f)
@@ -241,7 +240,7 @@ def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
 # ---- context parallelism --------------------------------------------------------------------------
 
 def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
-                     jaxpar_pipeline: bool = True) -> list[tuple]:
+                     jaxpar_program: bool = True) -> list[tuple]:
     """Attention (jaxpar/ops/context_parallel.py), per layer execution and pass: ring (Liu et al.
     2023): context-1 hops, each a permute of K and one of V (2 ops of the local block's half each),
     and of dK, dV backward; the key positions travel the ring once per step (c-1 int32 permutes);
@@ -255,7 +254,7 @@ def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, c
     one-hop ring, per layer execution with a longer one)."""
     c, t = st.sizes["context"], st.sizes["tensor"]
     ax, out = ("context",), []
-    piped, one_f = jaxpar_pipeline and shape.stages > 1, one_f_one_b(st, shape, jaxpar_pipeline)
+    piped, one_f = jaxpar_program and shape.stages > 1, one_f_one_b(st, shape, jaxpar_program)
     if piped:   # 1F1B's forward ticks: per layer execution when the ring is a loop (c > 2: XLA does not hoist it)
         ticks = shape.iterations * shape.accum
         forward = shape.exec_attention + shape.exec_moe if one_f and c > 2 else ticks
@@ -333,22 +332,21 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
 
 # ---- all of it ---------------------------------------------------------------------------------------
 
-def predicted(m: ModelConfig, st: Strategy, shape: StepShape,
-              pp_scatter_gather: bool | None = None, compiler: Compiler = GPU, moe_padded: bool = True,
-              gather_bytes: int = PARAM_BYTES) -> tuple[tuple, ...]:
-    """Every predicted collective of one step as (kind, axes, phase, count, total bytes), merged by
-    (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
-    sz, cc = st.sizes, compiler
+def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software = JAXPAR,
+              compiler: Compiler = GPU) -> tuple[tuple, ...]:
+    """Every predicted collective of one step of `software` as (kind, axes, phase, count, total bytes),
+    merged by (kind, axes, phase). Plain tuples: the time model reads them thousands of times per second."""
+    sz, cc, own = st.sizes, compiler, software.jaxpar_program
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
-    raw = data_parallel(m, st, shape, act, cc, gather_bytes, pp_scatter_gather is None)
+    raw = data_parallel(m, st, shape, act, cc, software.param_gather_bytes, own)
     if sz["tensor"] > 1:
-        raw += tensor_parallel(m, st, shape, act, cc, pp_scatter_gather is None)
+        raw += tensor_parallel(m, st, shape, act, cc, own)
     if sz["context"] > 1:
-        raw += context_parallel(m, st, shape, act, cc, pp_scatter_gather is None)
+        raw += context_parallel(m, st, shape, act, cc, own)
     if sz["pipeline"] > 1:
-        raw += pipeline_parallel(m, st, shape, act, pp_scatter_gather, cc)
+        raw += pipeline_parallel(m, st, shape, act, cc, software.pp_scatter_gather, own)
     if shape.exec_moe:
-        raw += expert_parallel(m, st, shape, act, cc, moe_padded)
+        raw += expert_parallel(m, st, shape, act, cc, software.moe_padded)
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in raw:
         key = (kind, axes, phase)
@@ -367,8 +365,8 @@ def to_records(merged: tuple[tuple, ...], sizes: dict[str, int]) -> list[Collect
             for kind, axes, phase, count, total in merged]
 
 
-def collectives(m: ModelConfig, st: Strategy, shape: StepShape,
-                pp_scatter_gather: bool | None = None, compiler: Compiler | str = GPU) -> list[Collective]:
+def collectives(m: ModelConfig, st: Strategy, shape: StepShape, software: Software = JAXPAR,
+                compiler: Compiler | str = GPU) -> list[Collective]:
     """Every predicted collective of one step, as `Collective` records merged by (kind, axes, phase)."""
     cc = COMPILERS[compiler] if isinstance(compiler, str) else compiler
-    return to_records(predicted(m, st, shape, pp_scatter_gather, cc), st.sizes)
+    return to_records(predicted(m, st, shape, software, cc), st.sizes)

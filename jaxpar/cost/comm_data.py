@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost.compiler import A2A, AG, AR, BATCH_AXES, GPU, RS, Compiler, reductions, site, together
-from jaxpar.cost.held import Held, _head_and_norm, _norm_vectors, equal_buffers, held, unit_norms
-from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
+from jaxpar.cost.compiler import A2A, AG, AR, GPU, RS, Compiler, reductions, site, together
+from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors, unit_norms
+from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import zero_rules, zero_split
 from jaxpar.cost.shape import StepShape, one_f_one_b
-from jaxpar.core.rules import BASE_RULES
-from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
-# axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
-DATA_LIKE = tuple(a for a in AXES if a in BATCH_AXES + BASE_RULES["seq"])
-TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
 
 # ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
@@ -41,7 +37,7 @@ def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
 
 
 def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
-                  jaxpar_pipeline: bool = False) -> list[tuple]:
+                  jaxpar_program: bool = False) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
     and final norm gathered forward only: both are gathered once where they are read and the gathered
@@ -51,9 +47,9 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     transpose reads the same gathered operands: XLA:CPU, moe-tiny fsdp=2,expert=4; a memory cost: every
     layer's gathered experts live until the backward pass);
     under remat each layer's norms and o-proj (models/transformer.py) are gathered once in the
-    recomputed forward for both their reads (the partitioner gathered them twice there).
+    recomputed forward for both their reads.
     Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
-    only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_pipeline`) gathers the
+    only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_program`) gathers the
     stored float32 weights (its per-shard copies accumulate their gradients in float32) and casts them
     in the layers (jaxpar/pipeline/gpipe.py; the all-gather's operand is the float32 parameter in the HLO)."""
     t, out = st.sizes["tensor"], []
@@ -64,24 +60,24 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
             if shape.stages > 1:
                 per_unit = e / (shape.accum * shape.iterations * shape.per_chunk)   # blocks per unit
                 slots = per_unit * shape.repeats * shape.per_chunk
-                per = PARAM_BYTES / act if jaxpar_pipeline else 1.0
+                per = PARAM_BYTES / act if jaxpar_program else 1.0
                 out += site(cc, AG, ("fsdp",), shape.accum, [b * slots * per for b in arrays], "forward")
                 continue
             out += site(cc, AG, ("fsdp",), e, arrays, "forward")
             if st.options.remat == "none":   # the gathered norm (and routed experts') weights are saved
-                elements, n = _norm_vectors(m, block)
+                elements, n = norm_vectors(m, block)
                 if block == "moe":
                     routed, _ = zero_split(m, block, 3, experts=True)
                     elements, n = elements + routed.per_device(t, st.sizes["expert"]), n + routed.moved
                 arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act - elements * act,
                                        sharded.moved - n)
             out += site(cc, AG, ("fsdp",), e, arrays, "backward")
-    head, norm = _head_and_norm(m, t)
+    head, norm = head_and_norm(m, t)
     return out + site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
-                  gather_bytes: int = PARAM_BYTES, jaxpar_pipeline: bool = True) -> list[tuple]:
+                  gather_bytes: int = PARAM_BYTES, jaxpar_program: bool = True) -> list[tuple]:
     """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
     array; else per layer execution in the loop and once for embedding, head and final norm).
     ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
@@ -101,20 +97,23 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     expert kernel is transposed, in the layer loop)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
-        if jaxpar_pipeline and moe_stage_copies(st, shape) and not cc.hoist:
+        if jaxpar_program and moe_stage_copies(st, shape) and not cc.hoist:
             return _moe_copies_grads(m, st, shape, cc)
-        dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes)
-        experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes)
+        # (the pipeline's per-shard copies of `_data_parallel` are those of layouts without `expert`)
+        dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes, jaxpar_program=False)
+        experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes,
+                                 jaxpar_program=False)
         return _one_loop(cc, st, shape, m, dense, experts)
-    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, jaxpar_pipeline)
+    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, jaxpar_program)
 
 
 def _one_loop(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, dense: list[tuple],
               experts: list[tuple]) -> list[tuple]:
     """`dense` and `experts` ops, the experts' in-loop sums over fsdp (the partitioner's reduce-scatters of
     the gradients of the weights it gathered for the expert kernel) in the dense weights' op: the combiner
-    makes one op of a layer's sums over fsdp (XLA:CPU, moe-tiny fsdp=2,expert=4). The kernel's own sums
-    over the other data axes (shard_map's, at its transpose) stay apart."""
+    makes one op of a layer's sums over fsdp (XLA:CPU: the catalogue's fsdp2-ep4 on moe-tiny,
+    tests/test_strategies.py). The kernel's own sums over the other data axes (shard_map's, at its
+    transpose) stay apart."""
     if not (cc.combine and not cc.hoist and st.zero == 3 and st.sizes["fsdp"] > 1):
         return dense + experts
     execs, loop = shape.exec_layers / len(m.pattern), (AR, ("fsdp",))
@@ -128,49 +127,76 @@ def _one_loop(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, dens
     return dense + out
 
 
+def _groups(cc: Compiler, st: Strategy, over: tuple[str, ...], experts: bool | None) -> list[tuple[str, ...]]:
+    """The groups the gradients of the weights `experts` selects are summed over: shard_map sums the routed
+    experts' over every axis they are replicated on at once; the others' as `compiler.reductions` says."""
+    return [over] if experts and over else reductions(cc, st, over)
+
+
+def _grads(cc: Compiler, group: tuple[str, ...], h: Held, shards: int, execs: float) -> list[tuple]:
+    """All-reduces of the gradients of the weights `h` over `group` (sizes / `shards`): hoisted, once per step;
+    else a unit's in the layer loop (`execs` per unit) and embedding + head + final norm's after it."""
+    if cc.hoist:
+        return site(cc, AR, group, 1, equal_buffers(h.full * GRAD_BYTES / shards, h.arrays), "backward")
+    return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
+            + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
+
+
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
-                   experts: bool | None, gather_bytes: int, jaxpar_pipeline: bool = False) -> list[tuple]:
+                   experts: bool | None, gather_bytes: int, jaxpar_program: bool = False) -> list[tuple]:
     """`data_parallel` for the weights `experts` selects (params.zero_split), reduced over `axes`; the
     embedding lookup, FSDP gathers and head reductions go with the non-expert weights."""
-    sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
-    dense = experts is not True
-
-    def groups(over: tuple[str, ...]) -> list[tuple[str, ...]]:
-        """shard_map sums the experts' gradients over every axis they are replicated on at once."""
-        return [over] if experts and over else reductions(cc, st, over)
+    zero = st.zero
     # the axes ZeRO shards weights with an `embed` dim over: ZeRO-3 by its params rules, ZeRO-1 by its optimizer's
-    shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if sz[a] > 1)
+    shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if st.sizes[a] > 1)
+    if not shard:
+        return _replicated_grads(m, st, shape, cc, axes, experts, jaxpar_program)
+    return _sharded_grads(m, st, shape, act, cc, axes, shard, experts, gather_bytes, jaxpar_program)
+
+
+def _replicated_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, axes: tuple[str, ...],
+                      experts: bool | None, jaxpar_program: bool) -> list[tuple]:
+    """ZeRO-0 (no weight sharded over the data axes): every gradient all-reduced over `axes`; in jaxpar's
+    pipelines as its per-shard copies (`_replicated_copies_grads`) and `context` sums (`_context_grads`) say."""
+    dense, h = experts is not True, held(m, st, experts=experts)
+    copies = dense and jaxpar_program and stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
     execs = shape.exec_layers / len(m.pattern)
 
+    def per_group(group):   # the copies are per batch shard: `context` sums stay in the loop
+        if "context" in group and dense and jaxpar_program and shape.stages > 1 and not cc.hoist:
+            return _context_grads(m, st, shape, cc, group, h)
+        if copies and not cc.hoist:
+            return _replicated_copies_grads(m, st, shape, cc, group, h)
+        return _grads(cc, group, h, 1, execs)
+    return [op for group in _groups(cc, st, axes, experts) for op in per_group(group)]
+
+
+def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
+                   shard: tuple[str, ...], experts: bool | None, gather_bytes: int, jaxpar_program: bool) -> list[tuple]:
+    """ZeRO-1 and ZeRO-3 (the weights with an `embed` dim sharded over `shard`): `data_parallel`'s docstring."""
+    sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
+    dense = experts is not True
+    execs = shape.exec_layers / len(m.pattern)
+
+    def groups(over: tuple[str, ...]) -> list[tuple[str, ...]]:
+        return _groups(cc, st, over, experts)
+
     def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
-        """All-reduces of the gradients of the weights `h` over `group` (sizes / `shards`)."""
-        if cc.hoist:
-            return site(cc, AR, group, 1, equal_buffers(h.full * GRAD_BYTES / shards, h.arrays), "backward")
-        return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
-                + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
+        return _grads(cc, group, h, shards, execs)
 
-    copies = dense and jaxpar_pipeline and stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
-    if not shard:
-        h = held(m, st, experts=experts)
-
-        def per_group(group):   # the copies are per batch shard: `context` sums stay in the loop
-            if "context" in group and dense and jaxpar_pipeline and shape.stages > 1 and not cc.hoist:
-                return _context_grads(m, st, shape, cc, group, h)
-            return _replicated_copies_grads(m, st, shape, cc, group, h) if copies and not cc.hoist else grads(group, h, 1)
-        return [op for group in groups(axes) for op in per_group(group)]
+    copies = dense and jaxpar_program and fsdp_stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
-    copies = copies and fsdp_stage_copies(st, shape)
     rest = tuple(a for a in axes if a not in shard)
-    head, norm = _head_and_norm(m, t)
+    head, norm = head_and_norm(m, t)
     # ZeRO-3 over fsdp x other data axes: the norm weights' gradients are all-reduced whole (`_without_norms`)
     vectors = zero == 3 and dense and bool(rest) and shape.stages == 1 and not copies
     if vectors:
         sharded, norms = _without_norms(m, sharded)
-    one_f = one_f_one_b(st, shape, jaxpar_pipeline)   # its table gathered
-    lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * act], "forward")
-              + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(_head_and_norm(m, t))) * GRAD_BYTES],
+    one_f = one_f_one_b(st, shape, jaxpar_program)   # its table gathered
+    lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * act], "forward")
+              + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * GRAD_BYTES],
                      "backward") if one_f else _embedding_lookup(m, st, shape, act, shard, cc))
-    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_pipeline) + lookup
+    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_program) + lookup
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
@@ -239,7 +265,7 @@ def _moe_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compil
     dense, experts = held(m, st, experts=False), held(m, st, experts=True)
     norms, norm_arrays = unit_norms(m)
     execs, slots = shape.exec_layers / len(m.pattern), shape.repeats * shape.per_chunk
-    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    head, norm = head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
     out = site(cc, AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
     out += site(cc, AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
@@ -263,7 +289,7 @@ def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc:
     on their own, over `group` then over `pipeline` (`head_apart`: its weight gradient's dot contracts over
     both; XLA:CPU's grouping, tests/test_verify_scale.py and the catalogue's pp2-tp2-dp2)."""
     slots = shape.repeats * shape.per_chunk
-    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    head, norm = head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
     apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
     if st.options.pp_schedule == "1f1b" and st.sizes["tensor"] > 1:   # the head's and norm's with the embedding's
@@ -285,7 +311,7 @@ def _context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler,
     context=2 x data=2, GPipe and 1F1B, pipeline=2 x context=4: tests/test_cost_vs_hlo.py)."""
     execs = shape.exec_layers / len(m.pattern)
     norms, norm_arrays = unit_norms(m) if stage_copies(st, shape) else (0, 0)
-    head, norm = _head_and_norm(m, st.sizes["tensor"])
+    head, norm = head_and_norm(m, st.sizes["tensor"])
     one_f = st.options.pp_schedule == "1f1b"
     out = site(cc, AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
                "backward")

@@ -3,8 +3,8 @@ what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Record
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import DATA_LIKE, fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
-from jaxpar.cost.held import equal_buffers, held
+from jaxpar.cost.comm_data import fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
+from jaxpar.cost.held import DATA_LIKE, equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, RS, Compiler, ar_bytes, site, together
 from jaxpar.cost.memory import GRAD_BYTES
 from jaxpar.cost.shape import StepShape
@@ -12,13 +12,13 @@ from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
-def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
-                      scatter_gather: bool | None = None, cc: Compiler = GPU) -> list[tuple]:
+def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
+                      scatter_gather: bool = False, jaxpar_program: bool = True) -> list[tuple]:
     """jaxpar/pipeline/gpipe.py. One collective-permute of the stage state (a micro-batch's residual stream)
     per schedule iteration forward, and its transpose backward (GPipe M+S-1, circular v*M+S-1
     iterations). The state is split over `tensor` under SP; with Megatron's scatter/gather (Narayanan
     2021, 4.1) it is split for the send and all-gathered over `tensor` on arrival.
-    jaxpar's own pipeline (scatter_gather None) also, per accumulation step: the output, padded to
+    jaxpar's own pipeline (`jaxpar_program`) also, per accumulation step: the output, padded to
     M' = S*ceil(M/S) micro-batches, is spread over the stages for the head by one all-to-all [M', mb, s, d]
     forward and its transpose backward; backward the input's cotangent (every stage's buffer began as
     the input) and the head's and final norm's gradients (each stage's partial sum over its
@@ -32,18 +32,19 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     step: per weight array one all-to-all forward, and one for its gradient backward (an even split,
     circular included, is stored stage-major: jaxpar/pipeline/order.py, no weight moves)."""
     sp, sizes = st.options.sequence_parallel, st.sizes
-    split = sp or (scatter_gather is True)
+    split = sp or scatter_gather
     x = shape.mb * shape.s_loc * m.d_model * act
     n = shape.iterations * shape.accum
     sent = x / sizes["tensor"] if split else x
     ax = ("pipeline",)
-    # 1F1B at S = 2: the cool-down is one tick, a loop XLA unrolls, and the cotangent it sends is unused
+    # jaxpar's 1F1B at S = 2: the cool-down is one tick, a loop XLA unrolls, and the cotangent it sends is
+    # unused (tests/test_cost_vs_hlo.py's 1F1B cases at pipeline=2)
     dead = shape.accum if (st.options.pp_schedule == "1f1b" and shape.stages == 2 and shape.repeats == 1
-                           and scatter_gather is None) else 0
+                           and jaxpar_program) else 0
     out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n - dead, sent, "backward")]
     if split and not sp and sizes["tensor"] > 1:
         out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
-    if scatter_gather is None:  # jaxpar's GSPMD pipeline (Software.pp_scatter_gather None); Megatron has neither
+    if jaxpar_program:  # jaxpar's GSPMD pipeline; Megatron's has none of these
         t = sizes["tensor"] if sp else 1
         one_f_one_b = st.options.pp_schedule == "1f1b"   # jaxpar/pipeline/one_f_one_b.py: the head spread per tick
         spread = shape.stages * shape.head_micro * x / t

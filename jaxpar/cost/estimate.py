@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost import comm, energy, flops, memory, overlap, params, shape, time
+from jaxpar.cost import comm, energy, flops, memory, overlap, params, program_flops, program_memory, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
@@ -147,57 +147,53 @@ def fl_experts(fl: flops.StepFlops) -> float:
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
              software: Software = JAXPAR, imbalance: float = 1.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
-    Memory uses jaxpar's own activation inventory (what JAX's autodiff keeps) for jaxpar, Korthikanti's
-    for other software. Divisibility is not checked here (jaxpar.core.validate.check does it once).
-    `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed dispatch
-    (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path; jaxpar's
-    static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
+    Top-down: the step's shape; its FLOPs (the textbook's under the software's traits, then, for jaxpar's
+    own program, program_flops.py's adjustments); its collectives (comm.py: what the compiled program
+    issues); its memory (the textbook's, memory.py, or jaxpar's program's, program_memory.py); and the
+    time they take on the hardware (time.py). Divisibility is not checked here (jaxpar.core.validate.check
+    does it once). `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed
+    dispatch (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path;
+    jaxpar's static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
     check_modelled(model)
     check_modelled_layout(model, strategy)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    st, m = strategy, model
+    st, m, own = strategy, model, software.jaxpar_program
     dropout, causal = software.dropout, software.causal
     n = st.num_devices
     if n < 1:
         raise ConfigError(f"mesh {st.name}: resolve the -1 axis (Strategy.resolved) before estimating")
     sh = shape.step_shape(m, st, global_batch, seq)
+
+    # FLOPs: ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
     ring = st.options.attention == "ring" and st.sizes["context"] > 1
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
-    # ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
-    remat = st.options.remat
-    one_f = shape.one_f_one_b(st, sh, software.pp_scatter_gather is None)
-    jaxpar_pipeline = sh.stages > 1 and software.pp_scatter_gather is None and not one_f
-    if (remat == "dots_no_batch" and jaxpar_pipeline) or one_f:
-        remat = "full"   # jaxpar/pipeline/gpipe.py: its stage vmap batches every weight dot, none saved (comm.recomputed_tp);
-        #                  jaxpar/pipeline/one_f_one_b.py recomputes its chunk in every backward tick
+    remat = program_flops.recompute_policy(st, sh) if own else st.options.remat
     fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
                           software.rerun_outputs, rows if m.moe_layers else None)
-    if one_f and st.options.remat != "none":   # and the units' own policy inside the chunk (in the stages'
-        inner = "full" if st.options.remat == "dots_no_batch" else st.options.remat   # vmap: no unbatched dots)
-        again = flops.recompute_flops(m, inner, global_batch, seq, causal, False, software.rerun_outputs)
-        fl = dataclasses.replace(fl, recompute=fl.recompute + again.matmul, hardware=fl.hardware + again.matmul,
-                                 elementwise=fl.elementwise + again.other)
-    # critical path per device: layers split over all devices; the head over the pipeline only where the
-    # software spreads it (jaxpar: each stage ceil(M/S) micro-batches; Megatron: the last stage, all M);
-    # routed experts: the most loaded device's (`imbalance` x the mean; static buffers do not vary)
+    head = shape.head_share(sh, software.pp_head_spread)
+    if own:
+        fl = program_flops.chunk_recompute(fl, m, st, sh, global_batch, seq, causal, software.rerun_outputs)
+        head = program_flops.head_share(st, sh, head)
+    # critical path per device: layers split over all devices, the head as `head` says, routed experts
+    # the most loaded device's (`imbalance` x the mean; static buffers do not vary)
     experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
-    head = sh.head_micro * sh.stages / sh.micro if (software.pp_head_spread and sh.stages > 1) else sh.stages
-    head = 1.0 if one_f else head   # jaxpar's 1F1B: each tick's head spread over the stages, 1/S each
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
     hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention,
                                 head / sh.stages)
-    compute = time.compute_seconds(matmul, hbm, hw)
-    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw), hbm / hw.hbm_bw
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
             * flops.TRAIN_FACTOR / n)
-    colls = comm.predicted(m, st, sh, software.pp_scatter_gather, moe_padded=software.moe_padded,
-                           gather_bytes=software.param_gather_bytes)
-    mem = memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, jax_program=software.jax_activations,
-                        fused_attention=software.fused_attention)
-    opt_params = mem.optimizer / memory.ADAM_BYTES
-    comm_s = time.comm_seconds(colls, st, hw, 1.0 if software.moe_padded else imbalance)
-    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, opt_params, hw,
-                       overlap.fractions(software, st, colls, hw, 1.0 if software.moe_padded else imbalance))
+
+    colls = comm.predicted(m, st, sh, software)
+    mem = (program_memory.memory(m, st, global_batch, seq) if own
+           else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention))
+
+    # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
+    compute = time.compute_seconds(matmul, hbm, hw)
+    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw), hbm / hw.hbm_bw
+    skew = 1.0 if software.moe_padded else imbalance
+    comm_s = time.comm_seconds(colls, st, hw, skew)
+    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,
+                       hw, overlap.fractions(software, st, colls, hw, skew))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),

@@ -53,8 +53,8 @@ compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble ite
 """
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import DATA_LIKE, TOKEN_BYTES, held, unit_norms
-from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES
+from jaxpar.cost.held import DATA_LIKE, held, unit_norms
+from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims, zero_rules
 from jaxpar.cost.shape import StepShape
 from jaxpar.models.config import ModelConfig

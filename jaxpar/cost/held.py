@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost.params import BLOCKS, LAYER_BLOCKS, block_counts, block_params, block_weights, per_model, zero_split
-from jaxpar.core.strategy import Strategy
+from jaxpar.core.rules import BASE_RULES
+from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
+
+# axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
+DATA_LIKE = tuple(a for a in AXES if a in BASE_RULES["batch"] + BASE_RULES["seq"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,21 +71,21 @@ def equal_buffers(total: float, n: int) -> list[float]:
     return [total / n] * n if n else []
 
 
-def _norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
+def norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
     """(elements, arrays) of a `block`'s norm weights: those whose only dim is `embed`."""
     vectors = [w for w in block_weights(m, block) if w.names == ("embed",)]
     return sum(w.size for w in vectors), len(vectors)
 
 
 def unit_norms(m: ModelConfig) -> tuple[int, int]:
-    """(elements, arrays) of one pattern unit's norm weights (`_norm_vectors` of each of its blocks)."""
+    """(elements, arrays) of one pattern unit's norm weights (`norm_vectors` of each of its blocks)."""
     unit = arrays = 0
     for kind in m.pattern:
-        elements, n = _norm_vectors(m, "mamba" if kind == "M" else "moe" if kind == "E" else "attention")
+        elements, n = norm_vectors(m, "mamba" if kind == "M" else "moe" if kind == "E" else "attention")
         unit, arrays = unit + elements, arrays + n
     return unit, arrays
 
 
-def _head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:
+def head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:
     """Elements per device of the LM head (0 when tied to the embedding) and the final norm."""
     return (0.0 if m.tie_embeddings else m.vocab * m.d_model / tensor), float(m.d_model)

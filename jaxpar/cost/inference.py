@@ -50,8 +50,8 @@ plus the touched local experts); at T = 1 it is k experts, and it tends to all E
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from jaxpar.collectives import human_bytes
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import flops, params
 from jaxpar.cost.comm import context_parallel
@@ -279,7 +279,6 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
 
 
 def format_inference(e: InferenceEstimate) -> str:
-    from jaxpar.collectives import human_bytes  # noqa: PLC0415
     unit = "prompt tokens/s" if e.phase == "prefill" else "new tokens/s"
     lines = [f"{e.model} {e.phase} on {e.devices} x {e.hardware} [{e.strategy}], batch {e.batch}, prompt {e.prompt}, "
              f"{e.generate} new tokens",

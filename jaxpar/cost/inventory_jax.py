@@ -1,27 +1,20 @@
 """What jaxpar's own program keeps for the backward pass, per token of one layer: the activation
-inventories of JAX's reverse-mode autodiff for models/ (jaxpar/cost/memory.py uses them for software
-with `jax_activations`; its Megatron inventories describe the PyTorch layer). Entries are (name,
+inventories of JAX's reverse-mode autodiff for models/ (jaxpar/cost/program_memory.py uses them for
+software with `jaxpar_program`; jaxpar/cost/memory.py's textbook inventories describe Megatron's PyTorch
+layer). Entries are (name,
 elements per token, byte override or None for the compute dtype, split by tensor?, kept under which
 remat policies), as in memory.py.
 """
 from __future__ import annotations
 
+from jaxpar.cost.memory import attention_half
 from jaxpar.cost.params import mamba_dims, per_model
 from jaxpar.models.config import ModelConfig
-
-# An MoE block's attention half: an attention inventory (Megatron's or jaxpar's) without its MLP entries.
-MLP_ENTRIES = frozenset({"mlp down out", "gate out", "up out", "silu(gate)", "silu(gate)*up", "gelu in", "gelu out",
-                         "mlp-out dropout mask", "gate, up", "silu pieces, silu*up", "gelu (tanh form) pieces"})
-
-
-def attention_half(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
-    """An attention block's inventory without its MLP: an MoE block's attention half."""
-    return tuple(entry for entry in inv if entry[0] not in MLP_ENTRIES)
 
 
 # ---- jaxpar's own program: what JAX's reverse-mode autodiff keeps -----------------------------------
 #
-# The inventories above describe Megatron-LM's PyTorch layer. A jaxpar step keeps what JAX's partial
+# A jaxpar step keeps what JAX's partial
 # evaluation of the scanned layer saves as residuals, read off `jax.ad_checkpoint.print_saved_residuals`
 # on one block of models/ (float32 and bfloat16): RMSNorm works in float32 and keeps its float32 input,
 # x*rsqrt(mean) and the scaled output; softmax keeps exp(s - max) in float32 and the probabilities in

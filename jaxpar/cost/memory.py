@@ -17,9 +17,8 @@ For GPT shapes with dropout in fp16 the inventory is exactly Korthikanti et al. 
 (see `korthikanti_layer_bytes`). Pipelines keep activations of in-flight micro-batches: GPipe (and the
 circular schedule, which is GPipe over v*S virtual stages) holds all M; 1F1B holds S.
 
-jaxpar's own program (`jax_program=True`, what `estimate` uses for the jaxpar software preset) keeps
-what JAX's autodiff saves for models/ instead (`jax_attention_inventory`, `jax_mamba_inventory`), plus
-one layer's backward working set; checked against XLA's memory analysis in tests/test_cost_vs_xla.py.
+This is the textbook accounting; jaxpar's own program keeps what JAX's autodiff saves and what XLA's
+buffers hold instead: jaxpar/cost/program_memory.py states those adjustments.
 """
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ import dataclasses
 import math
 
 from jaxpar.cost.flops import expert_rows
-from jaxpar.cost.inventory_jax import (BOOL, F32, attention_half, jax_attention_inventory, jax_mamba_inventory,
-                                      jax_moe_inventory)
 from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -36,6 +33,7 @@ from jaxpar.models.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 LOGIT_BYTES = 4  # logits are upcast to float32 for the loss
+TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
 # remat policies under which a tensor is kept ("selective" = Korthikanti's selective recompute)
 ALL = frozenset({"none", "full", "dots", "dots_no_batch", "selective"})
@@ -44,6 +42,10 @@ CORE = frozenset({"none"})                                   # attention core: d
 DOT = frozenset({"none", "selective", "dots", "dots_no_batch"})  # outputs of dots without batch dims
 BDOT = frozenset({"none", "dots"})                            # outputs of batched dots
 DOT_ONLY = frozenset({"dots", "dots_no_batch"})               # dot outputs "none" needs no copy of
+
+# The MLP entries of an attention inventory (this module's and jaxpar/cost/inventory_jax.py's)
+MLP_ENTRIES = frozenset({"mlp down out", "gate out", "up out", "silu(gate)", "silu(gate)*up", "gelu in", "gelu out",
+                         "mlp-out dropout mask", "gate, up", "silu pieces, silu*up", "gelu (tanh form) pieces"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +98,11 @@ def state_bytes(m: ModelConfig, st: Strategy) -> tuple[float, float, float]:
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
+
+def attention_half(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """An attention block's inventory without its MLP: an MoE block's attention half."""
+    return tuple(entry for entry in inv if entry[0] not in MLP_ENTRIES)
+
 
 @per_model
 def attention_inventory(m: ModelConfig, s_kv: float, dropout: bool = False) -> tuple[tuple, ...]:
@@ -173,87 +180,76 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
     """Micro-batches whose activations are alive at the peak: GPipe/circular M, 1F1B min(M, S) (Megatron's
-    asynchronous schedule; jaxpar's lockstep 1F1B stashes stage inputs instead: `jax_1f1b_stash_bytes`)."""
+    asynchronous schedule; jaxpar's lockstep 1F1B stashes stage inputs instead:
+    program_memory.one_f_one_b_bytes)."""
     if stages == 1:
         return 1
     return min(microbatches, stages) if schedule == "1f1b" else microbatches
 
 
-def jax_1f1b_stash_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float,
-                         stage_kept: float = 0.0) -> tuple[float, float]:
-    """(stored, transient) activation bytes per device of jaxpar's 1F1B (jaxpar/pipeline/one_f_one_b.py): stored
-    are its 2vS-1 stashed stage inputs (one residual [mb, s, d] each, whatever M is), the embedding output
-    and its cotangent (the batch's) and one micro-batch's lookup partial sums, and with FSDP the gathered stage weights
-    (`fsdp_stage_bytes`); transient the recomputed chunk's inventory in a tick's backward: its k unit
-    slots' layers under remat "none", else what the units' policy keeps of them (`stage_kept`: the stage's
-    v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline/stages.py)."""
-    sz = st.sizes
-    act = DTYPE_BYTES[st.options.dtype]
-    stages = sz["pipeline"]
-    sched_k = _per_chunk(m, st)
-    tokens = b_loc / st.options.microbatches * seq / sz["context"]
-    residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
-    repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
-    # the embedding output and its cotangent, the whole batch's (split over tensor under SP), and one
-    # micro-batch's lookup partial sums at a time (jaxpar/pipeline/one_f_one_b.py looks micro-batches up in turn)
-    embedding = 2 * b_loc * seq / sz["context"] * residual + tokens * m.d_model * act
-    stored = (2 * stages * repeats - 1) * tokens * residual + embedding
-    if st.options.remat == "none":
-        return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
-    return stored + fsdp_stage_bytes(m, st), stage_kept / repeats + layer_transient
-
-
-def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
-    """jaxpar's pipelines look the whole accumulation step's batch up at once, before the schedule: the
-    vocab-parallel lookup's partial sums [b, s, d] before their reduction over `tensor` and, backward, the
-    output gradient gathered for the table's scatter-add, each un-split over `tensor` (llama3-70b
-    TP4 PP8 DP2, 128 sequences of 8k per device: two 32 GiB float32 buffers in XLA:CPU's peak, which
-    promotes the bf16 sums). jaxpar/pipeline/one_f_one_b.py looks the micro-batches up in turn instead."""
-    return 2 * b_loc * seq / st.sizes["context"] * m.d_model * DTYPE_BYTES[st.options.dtype]
-
-
-def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
-    """With FSDP inside a jaxpar pipeline's stages: each device's gathered copy of its stage's v*k unit slots
-    (compute dtype, its tensor shard) and its float32 gradient accumulator, alive the whole step."""
-    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
-    sz = st.sizes
-    if sz["fsdp"] == 1:
-        return 0.0
-    sched = schedule_of(st, m.units)
-    unit = 0.0
-    for block, n in zip(("attention", "mamba", "moe"), block_counts(m)):
-        if n:
-            sharded, kept = zero_split(m, block, 3)
-            unit += n / m.units * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
-    return sched.repeats * sched.per_chunk * unit * (DTYPE_BYTES[st.options.dtype] + GRAD_BYTES)
-
-
-def _per_chunk(m: ModelConfig, st: Strategy) -> int:
-    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
-    return schedule_of(st, m.units).per_chunk
-
-
-def jax_pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: float, layer_transient: float
-                       ) -> tuple[float, float]:
-    """(stored, transient) bytes per device of jaxpar's GPipe / circular pipeline (jaxpar/pipeline/gpipe.py), whose
-    one scan runs T = v*M + S - 1 iterations, bubbles included, each rematerialised as a whole under the
-    policy. Stored: what each of the T iterations saves. Under `full`, and under `dots_no_batch` too (the
-    vmap over the stages gives every weight dot a batch dim, so that policy saves none of them), only the
-    iteration's input, one residual [mb, s, d] (split over tensor under SP); under `none` and `dots` its
-    k unit slots' inventories (`per_layer` is the stage's v*k slots'). Plus, with FSDP inside the stages,
-    each device's gathered copy of its stage's v*k unit slots (compute dtype, its tensor shard) and its
-    float32 gradient accumulator, alive the whole step. Transient: the recomputed chunk in an
-    iteration's backward, its k unit slots' inventories (remat `none` inside the chunk). Checked against
-    XLA's memory analysis of llama3-70b's top plans (`plan --verify`, tests/test_verify_scale.py)."""
-    from jaxpar.core.schedule import schedule_of  # noqa: PLC0415
+def step_tokens(st: Strategy, global_batch: int, seq: int) -> tuple[float, int, float]:
+    """(sequences per device per accumulation step, micro-batches M (1 without a pipeline), tokens per
+    micro-batch on a device)."""
     sz, o = st.sizes, st.options
-    sched = schedule_of(st, m.units)
+    b_loc = global_batch / (sz["data"] * sz["fsdp"] * sz["expert"]) / o.grad_accum
+    micro = o.microbatches if sz["pipeline"] > 1 else 1
+    return b_loc, micro, b_loc / micro * seq / sz["context"]
+
+
+def stage_bytes(m: ModelConfig, inventories: tuple[tuple, tuple, tuple], st: Strategy, policy: str) -> float:
+    """Bytes per token this stage's layers keep under `policy`, from the (attention, Mamba-2, MoE)
+    `inventories` of one layer each."""
+    sz, o = st.sizes, st.options
     act = DTYPE_BYTES[o.dtype]
-    if o.remat in ("full", "dots_no_batch"):
-        stored = sched.iterations * tokens * m.d_model * act / (sz["tensor"] if o.sequence_parallel else 1)
-    else:
-        stored = per_layer * tokens * sched.iterations / sched.repeats
-    return stored + fsdp_stage_bytes(m, st), layer_transient * sched.per_chunk * len(m.pattern)
+    return sum(n * inventory_bytes(inv, act, sz["tensor"], o.sequence_parallel, policy)
+               for n, inv in zip(block_counts(m), inventories)) / sz["pipeline"]
+
+
+def working_bytes(inventories: tuple[tuple, tuple, tuple], st: Strategy) -> float:
+    """Bytes per token of the largest layer's full inventory (what `none` keeps): one layer at work."""
+    sz, o = st.sizes, st.options
+    return max(inventory_bytes(inv, DTYPE_BYTES[o.dtype], sz["tensor"], o.sequence_parallel, "none")
+               for inv in inventories)
+
+
+def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
+    """The float32 logits of `b_loc` sequences: b*s*V/t*4 bytes (vocab-parallel head)."""
+    return b_loc * seq / st.sizes["context"] * m.vocab / st.sizes["tensor"] * LOGIT_BYTES
+
+
+def inventories(m: ModelConfig, st: Strategy, seq: int, dropout: bool = False,
+                fused_attention: bool = False) -> tuple[tuple, tuple, tuple]:
+    """(attention, Mamba-2, MoE) inventories of one layer each (empty where the model has none): scores
+    over `keys_per_query` keys, routed experts at their k copies per token."""
+    na, nm, ne = block_counts(m)
+    keys = keys_per_query(st, seq, fused_attention)
+    rows = expert_rows(m, seq, st.sizes["context"], padded=False)
+    return (attention_inventory(m, keys, dropout) if na else (), mamba_inventory(m) if nm else (),
+            moe_inventory(m, keys, rows, dropout) if ne else ())
+
+
+def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
+                     one_f_one_b: bool = False, fused_attention: bool = False) -> float:
+    """Activation bytes per device at the peak of the backward pass:
+    stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
+           + under remat `full`, one layer's full inventory recomputed at work in the backward pass
+           + float32 logits of one accumulation step, b*s*V/t*4 bytes
+           + the int32 batch (`batch_bytes`).
+    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM."""
+    o = st.options
+    b_loc, micro, tokens = step_tokens(st, global_batch, seq)
+    invs = inventories(m, st, seq, dropout, fused_attention)
+    inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
+    stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
+    transient = tokens * working_bytes(invs, st) if o.remat == "full" else 0.0
+    return stored + transient + logit_bytes(m, st, b_loc, seq) + batch_bytes(st, global_batch, seq)
+
+
+def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
+           one_f_one_b: bool = False, fused_attention: bool = False) -> Memory:
+    """Bytes per device of one training step: model and optimizer state and activations."""
+    params, grads, opt = state_bytes(m, st)
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention))
 
 
 def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:
@@ -264,94 +260,11 @@ def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:
     return seq / st.sizes["context"] if st.options.attention == "ring" else seq
 
 
-def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False,
-                     score_keys: float | None = None) -> float:
-    """Activation bytes per device at the peak of the backward pass.
-
-    stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
-           + one layer's full inventory at work in the backward pass: recomputed (remat `full`) or, in
-             jaxpar's program (`jax_program`), whatever the policy, because XLA copies a layer's slice of
-             the stacked scan residuals out before differentiating it
-           + in jaxpar's program, the float32 gradient of one layer's attention scores (d softmax and
-             d scores are the largest buffers of a layer's backward), h/t*s_kv*4 bytes per token, and the
-             boolean causal mask, once (dense attention; hoisted out of the layer loop)
-           + float32 logits of one accumulation step, b*s*V/t*4 bytes (jaxpar's pipeline: of its stage's
-             ceil(M/S) micro-batches)
-           + the int32 batch (`batch_bytes`).
-    `score_keys` (jaxpar's program, dense attention): the keys each query's stored scores span (default
-    `seq`); 0 leaves the [heads, s, s] scores out, so the difference is what they cost
-    (jaxpar.planning.planner.scores_note)."""
-    sz, o = st.sizes, st.options
-    act = DTYPE_BYTES[o.dtype]
-    t, stages = sz["tensor"], sz["pipeline"]
-    b_loc = global_batch / (sz["data"] * sz["fsdp"] * sz["expert"]) / o.grad_accum
-    micro = o.microbatches if stages > 1 else 1
-    tokens = b_loc / micro * seq / sz["context"]
-    remat, sp = o.remat, o.sequence_parallel
-    na, nm, ne = block_counts(m)
-    ring = o.attention == "ring" and sz["context"] > 1
-    rows = expert_rows(m, seq, sz["context"], padded=jax_program)
-    keys = seq if score_keys is None else score_keys
-    if jax_program:
-        attn = jax_attention_inventory(m, keys, sz["context"] if ring else 0) if na else ()
-        mamba = jax_mamba_inventory(m) if nm else ()
-        moe = jax_moe_inventory(m, keys, sz["context"] if ring else 0, rows) if ne else ()
-    else:
-        attn = attention_inventory(m, keys_per_query(st, seq, fused_attention), dropout) if na else ()
-        mamba = mamba_inventory(m) if nm else ()
-        moe = moe_inventory(m, keys_per_query(st, seq, fused_attention), rows, dropout) if ne else ()
-    def stage_layers(policy: str) -> float:   # bytes per token this stage's layers keep under `policy`
-        return (na * inventory_bytes(attn, act, t, sp, policy) + nm * inventory_bytes(mamba, act, t, sp, policy)
-                + ne * inventory_bytes(moe, act, t, sp, policy)) / stages
-    per_layer = stage_layers(remat)
-    stored = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, stages) * per_layer * tokens
-    transient = 0.0
-    if remat == "full" or jax_program:
-        transient = tokens * max(inventory_bytes(inv, act, t, sp, "none") for inv in (attn, mamba, moe))
-    if jax_program and stages > 1 and o.pp_schedule == "1f1b":   # the units' policy, in the stages' vmap
-        inner = "full" if remat == "dots_no_batch" else remat        # (no dot without a batch dim there)
-        stored, transient = jax_1f1b_stash_bytes(m, st, b_loc, seq, transient, stage_layers(inner) * tokens)
-    elif jax_program and stages > 1:
-        stored, transient = jax_pipeline_bytes(m, st, tokens, per_layer, transient)
-        stored += pipeline_embedding_bytes(m, st, b_loc, seq)
-    in_shard_map = sz["expert"] > 1 or sz["context"] > 1 or t > 1   # jaxpar.ops.moe.moe_experts
-    if jax_program and ne and remat == "none" and st.zero == 3 and sz["fsdp"] > 1 and stages == 1 and in_shard_map:
-        stored += ne * fsdp_experts_bytes(m, st)
-    scores = 0.0
-    if jax_program and (na or ne) and not ring:  # per token: h/t queries heads x s keys
-        scores = tokens * m.heads / t * keys * (F32 + BOOL)
-    logits = b_loc * seq / sz["context"] * m.vocab / t * LOGIT_BYTES
-    if jax_program and stages > 1:  # jaxpar/pipeline/gpipe.py: each stage the head of ceil(M/S) micro-batches
-        logits *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
-    return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
-
-
-def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:
-    """Per MoE layer, jaxpar's program under ZeRO-3 without remat: the routed experts' weights gathered over
-    fsdp (float32, as stored) are the expert kernel's shard_map operands, which its transpose reads, so
-    every layer's gathered copy lives until the backward pass (seen in XLA's memory analysis: moe-tiny
-    d_model=128, fsdp=4 x expert=2; jaxpar/cost/comm_data._fsdp_gathers: not gathered again backward).
-    Dense weights, and the experts where the kernel runs without shard_map (fsdp alone), are gathered
-    again in the backward pass instead. (A program fix would re-gather them too: the gather happens where
-    the layer scan slices the stacked weights, outside any region a jax.checkpoint around the kernel
-    controls; tried, not done.)"""
-    routed, _ = zero_split(m, "moe", 3, experts=True)
-    return routed.per_device(st.sizes["tensor"], st.sizes["expert"]) * F32
-
-
 def batch_bytes(st: Strategy, global_batch: int, seq: int) -> float:
     """The step's input: token ids, labels and positions, int32, for this device's rows
     (batch over data x fsdp x expert, sequence over context; replicated over tensor and pipeline)."""
     sz = st.sizes
     return 3 * 4 * global_batch / (sz["data"] * sz["fsdp"] * sz["expert"]) * seq / sz["context"]
-
-
-def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, jax_program: bool = False, fused_attention: bool = False) -> Memory:
-    params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, jax_program,
-                                                       fused_attention))
 
 
 @per_model  # as inventory_bytes

@@ -33,7 +33,7 @@ from __future__ import annotations
 from jaxpar import xla_presets
 from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
-from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.cost.software import Software
 from jaxpar.cost.time import comm_seconds
 from jaxpar.core.strategy import Strategy
 
@@ -61,7 +61,7 @@ def fractions(software: Software, st: Strategy, predicted: tuple[tuple, ...], hw
     """(tensor, pipeline, data) overlap fractions for time.step_time: the software's own for Megatron;
     for jaxpar, the share of each class's collective seconds that its options hide (module docstring).
     A preset for the other accelerator family is refused (jaxpar.xla_presets.check_platform)."""
-    if software.name != JAXPAR.name:
+    if not software.jaxpar_program:
         return software.tp_overlap, software.pp_overlap, software.dp_overlap
     o = st.options
     if o.xla_preset != "none":

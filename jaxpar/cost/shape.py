@@ -64,7 +64,14 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
                      exec_moe=slots_per_unit * ne, per_chunk=k, head_micro=head_micro)
 
 
-def one_f_one_b(st: Strategy, shape: StepShape, jaxpar_pipeline: bool = True) -> bool:
+def head_share(shape: StepShape, spread: bool) -> float:
+    """The head's FLOPs per device x devices / the step's head FLOPs: S x ceil(M/S)/M where each stage
+    runs the head of its share of the micro-batches (`spread`, Software.pp_head_spread;
+    jaxpar/pipeline/gpipe.py), S where the last stage runs all M (Megatron), 1 without a pipeline."""
+    return shape.head_micro * shape.stages / shape.micro if (spread and shape.stages > 1) else shape.stages
+
+
+def one_f_one_b(st: Strategy, shape: StepShape, jaxpar_program: bool = True) -> bool:
     """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline/one_f_one_b.py): a pipeline, pp_schedule 1f1b,
-    and jaxpar's program (`jaxpar_pipeline`: not another software's pipeline, cost/software.py)."""
-    return jaxpar_pipeline and shape.stages > 1 and st.options.pp_schedule == "1f1b"
+    and jaxpar's program (`Software.jaxpar_program`)."""
+    return jaxpar_program and shape.stages > 1 and st.options.pp_schedule == "1f1b"

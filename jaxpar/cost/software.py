@@ -2,21 +2,25 @@
 
 The same mesh costs differently under different implementations; these switches name the
 differences that matter for the cost model, with one preset for jaxpar itself and one for
-Megatron-LM (the published runs the model is calibrated on).
+Megatron-LM (the published runs the model is calibrated on). A preset is data: a new stack is one
+more `Software(...)` in `SOFTWARE`.
 
+    jaxpar_program     the step is jaxpar's own JAX program as XLA compiles it: the one question "is this
+                       jaxpar's program?" of the cost model. Its program's adjustments to the textbook
+                       figures apply (its activation inventory, jaxpar/cost/inventory_jax.py and
+                       program_memory.py; its pipelines' per-shard weight copies, head spread and
+                       boundary all-reduces, jaxpar/cost/comm_data.py and comm_pipeline.py; its overlap
+                       options, jaxpar/cost/overlap.py); False: another stack, costed by its traits below
     dropout            the model trains with dropout: masks and dropped copies join the activation
                        inventory (Megatron GPT: attention-probability and hidden dropout, Korthikanti 2022)
     causal             count only the lower triangle of attention scores (a causal kernel that skips
                        masked blocks); False counts the full s x s, as dense masked attention computes
     pp_scatter_gather  a stage sends 1/t of its boundary activation and the receiver all-gathers it
-                       over `tensor` (Narayanan et al. 2021, section 4.1); None: only when the
-                       activation is already split over `tensor`, i.e. under sequence parallelism
+                       over `tensor` (Narayanan et al. 2021, section 4.1); False: the activation goes as
+                       it is, split over `tensor` only under sequence parallelism
     pp_1f1b            the pipeline runs one-forward-one-backward (Megatron; Narayanan 2021), so a
                        stage holds activations of S micro-batches, not all M (jaxpar's GPipe/circular
                        schedules are autodiff through a loop: forward for all M, then backward)
-    jax_activations    the activation inventory of jaxpar's JAX program (what autodiff keeps: float32
-                       norm copies, softmax exp and probabilities, ...; jaxpar/cost/memory.py), not
-                       Korthikanti's inventory of Megatron's kernels
     rerun_outputs      full recompute reruns a layer's last projection too (Megatron); XLA drops it,
                        because nothing in the backward pass reads its output (jaxpar/cost/flops.py)
     moe_padded         MoE dispatch into static per-expert buffers of the group capacity (jaxpar.ops.moe:
@@ -53,11 +57,11 @@ import dataclasses
 @dataclasses.dataclass(frozen=True, slots=True)
 class Software:
     name: str = "jaxpar"
+    jaxpar_program: bool = True
     dropout: bool = False
     causal: bool = False
-    pp_scatter_gather: bool | None = None
+    pp_scatter_gather: bool = False
     pp_1f1b: bool = False
-    jax_activations: bool = True
     rerun_outputs: bool = False
     moe_padded: bool = True
     param_gather_bytes: int = 4
@@ -70,8 +74,8 @@ class Software:
 
 
 JAXPAR = Software()
-MEGATRON = Software(name="megatron-lm", dropout=True, causal=False, pp_scatter_gather=True,
-                    pp_1f1b=True, jax_activations=False, rerun_outputs=True, moe_padded=False,
+MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
+                    pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False)
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)

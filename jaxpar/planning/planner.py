@@ -23,7 +23,7 @@ import math
 import pathlib
 
 from jaxpar.core import validate
-from jaxpar.cost import estimate, memory
+from jaxpar.cost import estimate, program_memory
 from jaxpar.cost.estimate import check_modelled, check_modelled_layout
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.software import JAXPAR, Software
@@ -186,8 +186,8 @@ def scores_note(model: ModelConfig, results, software: Software, global_batch: i
     (context splits the queries' rows under ring attention, tensor the heads) buys remat=none. Measured
     on the model: the top plan's options with every device on `fsdp`, one sequence per device per
     accumulation step and remat=none, with and without
-    the score entries of the activation inventory (jaxpar.cost.memory.activation_bytes, score_keys=0)."""
-    if not results or not software.jax_activations or not model.has_attention:
+    the score entries of the activation inventory (jaxpar.cost.program_memory.activation_bytes, score_keys=0)."""
+    if not results or not software.jaxpar_program or not model.has_attention:
         return None
     est, st = results[0]
     split = st.size("context") * st.size("tensor")
@@ -198,8 +198,8 @@ def scores_note(model: ModelConfig, results, software: Software, global_batch: i
     plain = Strategy(name=f"fsdp{n}", mesh=tuple((a, n if a == "fsdp" else 1) for a in AXES),
                      options=dataclasses.replace(st.options, zero=3, remat="none", sequence_parallel=False,
                                                  attention="dense", overlap="none", grad_accum=per_device))
-    kept = memory.activation_bytes(model, plain, global_batch, seq, jax_program=True)
-    scores = kept - memory.activation_bytes(model, plain, global_batch, seq, jax_program=True, score_keys=0)
+    kept = program_memory.activation_bytes(model, plain, global_batch, seq)
+    scores = kept - program_memory.activation_bytes(model, plain, global_batch, seq, score_keys=0)
     if scores < 0.5 * kept:
         return None
     gib = 2 ** 30

@@ -17,7 +17,7 @@ import dataclasses
 from jaxpar.analysis import comm as analysis
 from jaxpar.collectives import human_bytes
 from jaxpar.cost import comm as cost_comm
-from jaxpar.cost import memory
+from jaxpar.cost import program_memory
 from jaxpar.cost.shape import step_shape
 from jaxpar.training.trainer import TrainConfig
 
@@ -53,7 +53,7 @@ def verify_plan(model, strategy, global_batch: int, seq: int, devices: list | No
         predicted[c.axes] = predicted.get(c.axes, 0.0) + c.bytes
     checks = [Check(f"bytes over {','.join(axes)}", predicted.get(axes, 0.0), compiled.get(axes, 0.0))
               for axes in sorted(predicted.keys() | compiled.keys())]
-    mem = memory.memory(model, strategy, global_batch, seq, jax_program=True)
+    mem = program_memory.memory(model, strategy, global_batch, seq)
     checks.append(Check("memory per device", mem.total, report["memory"]["peak"]))
     return checks, report
 

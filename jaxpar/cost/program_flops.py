@@ -1,0 +1,51 @@
+"""jaxpar's own program's compute: where its pipelines recompute more, and run the head elsewhere, than
+the textbook step (jaxpar/cost/flops.py) under the strategy's remat policy. `estimate` applies these for
+software with `jaxpar_program`.
+
+    recompute       GPipe / circular (jaxpar/pipeline/gpipe.py) run the stages under a vmap, which gives
+                    every weight dot a batch dim, so `dots_no_batch` saves none of them and recomputes as
+                    `full`; 1F1B (jaxpar/pipeline/one_f_one_b.py) recomputes its chunk from the stashed
+                    input in every backward tick (`full`), and inside the chunk the units' own policy
+                    reruns again what it drops (`dots_no_batch` as `full`: the same vmap).
+                    tests/test_verify_scale.py::test_dots_no_batch_recomputes_as_full_inside_the_pipeline,
+                    tests/test_cost_vs_xla.py::test_1f1b_applies_the_units_remat_policy_in_its_chunks
+    head            1F1B spreads each steady tick's head over the stages, 1/S of a micro-batch each, so
+                    a device runs 1/S of the step's head (`head_share`); GPipe's spread is the software
+                    trait `pp_head_spread` (jaxpar/cost/software.py)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost import flops
+from jaxpar.cost.shape import StepShape, one_f_one_b
+from jaxpar.core.strategy import Strategy
+from jaxpar.models.config import ModelConfig
+
+
+def recompute_policy(st: Strategy, sh: StepShape) -> str:
+    """The remat policy whose recompute jaxpar's layers run (module docstring: `full` in its pipelines
+    under `dots_no_batch`, and in 1F1B whatever the policy)."""
+    remat = st.options.remat
+    if one_f_one_b(st, sh) or (sh.stages > 1 and remat == "dots_no_batch"):
+        return "full"
+    return remat
+
+
+def chunk_recompute(fl: flops.StepFlops, m: ModelConfig, st: Strategy, sh: StepShape, global_batch: int, seq: int,
+                    causal: bool, rerun_outputs: bool) -> flops.StepFlops:
+    """`fl` plus what 1F1B's chunks rerun inside under the units' own policy (none outside 1F1B or
+    without remat)."""
+    remat = st.options.remat
+    if not one_f_one_b(st, sh) or remat == "none":
+        return fl
+    inner = "full" if remat == "dots_no_batch" else remat   # the stages' vmap: no dot without a batch dim
+    again = flops.recompute_flops(m, inner, global_batch, seq, causal, False, rerun_outputs)
+    return dataclasses.replace(fl, recompute=fl.recompute + again.matmul, hardware=fl.hardware + again.matmul,
+                               elementwise=fl.elementwise + again.other)
+
+
+def head_share(st: Strategy, sh: StepShape, textbook: float) -> float:
+    """shape.head_share for jaxpar's program: 1 under its 1F1B (each tick's head spread over the stages),
+    else the `textbook` share."""
+    return 1.0 if one_f_one_b(st, sh) else textbook
