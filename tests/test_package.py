@@ -12,7 +12,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source folder -> the package it installs as (pyproject.toml [tool.setuptools.package-dir]).
 SOURCES = {"jaxpar": ROOT / "jaxpar", "jaxpar.models": ROOT / "models"}
-MAX_LINES = 400
+# A smoke detector, not a rule: modules are split by concept, never by length; one that passes this
+# has probably taken in a second concept.
+MAX_LINES = 600
 
 
 def modules() -> dict[str, pathlib.Path]:

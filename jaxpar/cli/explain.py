@@ -37,7 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_explain(args) -> int:
-    from jaxpar.planning import explain  # noqa: PLC0415 (defers JAX and the model: the parser loads neither)
+    from jaxpar.planning import explain  # deferred: JAX and the model load only when explain runs, not with the parser
 
     model = model_from(args.model)
     strategy = strategy_from_args(args)
