@@ -3,21 +3,27 @@
 
 The textbook: the hardware and the algorithm, with no compiler or program in them (readable next to
 the scaling book and the papers each docstring cites):
-    hardware   peaks, links, calibration          params   weights per block, split by the rules
-    flops      FLOPs per block and per step       shape    how a step is cut up: batch, micro-batches
+    hardware   peaks, links, calibration, power
+    params     weights per block, split by the rules table
+    flops      FLOPs per block and per step
+    shape      how a step is cut up on a device: batch, micro-batches, loop trip counts
     memory     state and activations (Korthikanti's inventory)
+    held       the weights a device holds, counted for the collectives that move them
     floor      the bytes each parallelism must move per step (why TP costs four sums per layer)
-    time       alpha-beta link time per tier, the roofline, overlap, bubble          energy
+    time       alpha-beta link time per tier, the roofline, overlap, bubble
+    energy     joules per step and per token
 The implementation: what a software stack and XLA make of it, as data and the adjustments it implies:
     software   the stacks' presets (jaxpar, Megatron-LM, Megatron-Core): traits as data, and the one
                question "is this jaxpar's own program?" (`Software.jaxpar_program`)
     compiler   XLA's collective passes per backend, as data
     inventory_jax, program_memory   what jaxpar's program keeps and XLA's buffers hold
     program_flops                   what jaxpar's pipelines recompute
-    held -> comm_data, comm_pipeline -> comm   the collectives the compiled program issues, per
-               parallelism (equal to the compiled HLO: tests/test_cost_vs_hlo.py)
+    program_comm                    how jaxpar's pipelines sum their per-shard weight copies
+    comm_data, comm_pipeline -> comm   the collectives the compiled program issues, per parallelism
+               (equal to the compiled HLO: tests/test_cost_vs_hlo.py)
     overlap    which of them jaxpar's overlap options hide
 Then estimate (all of it, top-down) -> report; inference (prefill and decode); defaults.
+tests/test_cost_layers.py keeps the textbook modules free of the implementation layer's imports.
 """
 from jaxpar.cost.estimate import Estimate, estimate
 from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware

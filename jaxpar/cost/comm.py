@@ -16,13 +16,14 @@ states them as data (`Compiler`: GPU, TPU, CPU), and every function below takes 
 from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost.comm_data import data_parallel, moe_stage_copies
+from jaxpar.cost.comm_data import data_parallel
 from jaxpar.cost.comm_pipeline import one_f_one_b_head, one_f_one_b_recomputed, pipeline_parallel
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler, ar_bytes, reductions, site
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.held import DATA_LIKE
 from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims
+from jaxpar.cost.program_comm import moe_stage_copies
 from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.core.strategy import Strategy
@@ -306,7 +307,7 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
     `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring), but inside
     jaxpar's pipeline they are [1, 1] arrays (2E + 2 floats). With the pipeline's per-data-shard copies
-    (comm_data.moe_stage_copies) the sums run over the other axes in the loop, and the accumulated
+    (program_comm.moe_stage_copies) the sums run over the other axes in the loop, and the accumulated
     statistics of the stage's v*k unit slots over `data` once per accumulation step."""
     sz, e = st.sizes, shape.exec_moe
     c = sz["context"]

@@ -1,7 +1,8 @@
 """Predicted collectives of data parallelism, ZeRO-1 and FSDP (ZeRO-3): gradient reductions, parameter
 gathers and the sharded embedding lookup, per device per step (jaxpar/cost/comm.py has the other
 parallelisms and merges everything; its docstring states the conventions: `Collective` records,
-counts times layer executions, `Compiler` traits from jaxpar/cost/compiler.py).
+counts times layer executions, `Compiler` traits from jaxpar/cost/compiler.py). Inside jaxpar's own
+pipelines the stages' per-shard weight copies are summed as jaxpar/cost/program_comm.py says.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from jaxpar.cost.compiler import A2A, AG, AR, GPU, RS, Compiler, reductions, sit
 from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import zero_rules, zero_split
+from jaxpar.cost.program_comm import (context_grads, copies_grads, fsdp_stage_copies, moe_copies_grads,
+                                      moe_stage_copies, replicated_copies_grads, stage_copies)
 from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -98,8 +101,8 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
         if jaxpar_program and moe_stage_copies(st, shape) and not cc.hoist:
-            return _moe_copies_grads(m, st, shape, cc)
-        # (the pipeline's per-shard copies of `_data_parallel` are those of layouts without `expert`)
+            return moe_copies_grads(m, st, shape, cc)
+        # (program_comm's per-shard copies of `_data_parallel` are those of layouts without `expert`)
         dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes, jaxpar_program=False)
         experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes,
                                  jaxpar_program=False)
@@ -157,16 +160,16 @@ def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
 def _replicated_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, axes: tuple[str, ...],
                       experts: bool | None, jaxpar_program: bool) -> list[tuple]:
     """ZeRO-0 (no weight sharded over the data axes): every gradient all-reduced over `axes`; in jaxpar's
-    pipelines as its per-shard copies (`_replicated_copies_grads`) and `context` sums (`_context_grads`) say."""
+    pipelines as its per-shard copies (`replicated_copies_grads`) and `context` sums (`context_grads`) say."""
     dense, h = experts is not True, held(m, st, experts=experts)
     copies = dense and jaxpar_program and stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
     execs = shape.exec_layers / len(m.pattern)
 
     def per_group(group):   # the copies are per batch shard: `context` sums stay in the loop
         if "context" in group and dense and jaxpar_program and shape.stages > 1 and not cc.hoist:
-            return _context_grads(m, st, shape, cc, group, h)
+            return context_grads(m, st, shape, cc, group, h)
         if copies and not cc.hoist:
-            return _replicated_copies_grads(m, st, shape, cc, group, h)
+            return replicated_copies_grads(m, st, shape, cc, group, h)
         return _grads(cc, group, h, 1, execs)
     return [op for group in _groups(cc, st, axes, experts) for op in per_group(group)]
 
@@ -233,117 +236,10 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     if apart:
         sharded = dataclasses.replace(sharded, emb=sharded.emb - head, emb_arrays=sharded.emb_arrays - 1)
     for group in groups(rest):
-        out += (_copies_grads(m, st, shape, cc, group, sharded, head, norm) if copies
+        out += (copies_grads(m, st, shape, cc, group, sharded, head, norm) if copies
                 else grads(group, sharded, sz["fsdp"] if zero == 3 else 1))
         out += site(cc, AR, group, 1, [apart * GRAD_BYTES / sz["fsdp"]] if apart else [], "backward")
     return out
-
-
-def stage_copies(st: Strategy, shape: StepShape) -> bool:
-    """jaxpar/pipeline/gpipe.py runs the stages with one copy of the (gathered) stage weights per data (x fsdp)
-    shard, so that nothing is summed over `data` inside the schedule's loop (`data` > 1; under context
-    parallelism the sums over `context` stay in the loop; with expert > 1 not modelled)."""
-    sz = st.sizes
-    return shape.stages > 1 and sz["data"] > 1 and sz["expert"] == 1
-
-
-def moe_stage_copies(st: Strategy, shape: StepShape) -> bool:
-    """`stage_copies` with the experts split over `expert` (ZeRO-0, no fsdp or context): `_moe_copies_grads`."""
-    sz = st.sizes
-    return (shape.stages > 1 and sz["data"] > 1 and sz["expert"] > 1 and st.zero == 0 and sz["fsdp"] == 1
-            and sz["context"] == 1)
-
-
-def _moe_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler) -> list[tuple]:
-    """ZeRO-0 gradient sums of a MoE model in jaxpar's pipeline with per-data-shard weight copies, XLA:CPU.
-    In the loop, per unit execution, the weights replicated over `expert` (all but the routed experts) are
-    summed over `expert` (its rows are split there too), the norm scales in an op of their own; after the
-    loop, once per accumulation step, each data shard's copy of the stage's v*k unit slots, experts
-    included, over `data` in one op, the head's and final norm's partial sums with the per-micro-batch
-    losses over data x expert, and the embedding's over data x expert (checked: moe-tiny:layers=4 on
-    pipeline=2 x expert=2 x data=2, tests/test_cost_vs_hlo.py)."""
-    dense, experts = held(m, st, experts=False), held(m, st, experts=True)
-    norms, norm_arrays = unit_norms(m)
-    execs, slots = shape.exec_layers / len(m.pattern), shape.repeats * shape.per_chunk
-    head, norm = head_and_norm(m, st.sizes["tensor"])
-    losses = [shape.head_micro * 4] if cc.combine else []
-    out = site(cc, AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
-    out += site(cc, AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
-    out += site(cc, AR, ("data",), shape.accum, [(dense.unit + experts.unit) * slots * GRAD_BYTES], "backward")
-    out += site(cc, AR, ("data", "expert"), shape.accum, [(head + norm) * GRAD_BYTES] + losses, "backward")
-    return out + site(cc, AR, ("data", "expert"), 1, [(dense.emb - head - norm) * GRAD_BYTES], "backward")
-
-
-def fsdp_stage_copies(st: Strategy, shape: StepShape) -> bool:
-    """`stage_copies` of weights gathered over fsdp (FSDP inside the stages, `data` > 1 too)."""
-    return stage_copies(st, shape) and st.zero == 3 and st.sizes["fsdp"] > 1
-
-
-def _replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
-                             h: Held) -> list[tuple]:
-    """The sums over `group` of weights replicated over it (ZeRO-0) under `stage_copies`, XLA:CPU: once per
-    accumulation step after the schedule's loop, the stage's v*k unit slots (padding included) in one op
-    with the head's and final norm's partial sums and the per-micro-batch losses; the embedding's (its
-    lookup's scatter-add) apart (with gradient accumulation: in that op, per accumulation step). 1F1B under
-    `tensor`: the stage's slots alone, the head's and final norm's with the embedding's. Under `tensor` the head's partial sums (vocab-sharded) are reduced
-    on their own, over `group` then over `pipeline` (`head_apart`: its weight gradient's dot contracts over
-    both; XLA:CPU's grouping, tests/test_verify_scale.py and the catalogue's pp2-tp2-dp2)."""
-    slots = shape.repeats * shape.per_chunk
-    head, norm = head_and_norm(m, st.sizes["tensor"])
-    losses = [shape.head_micro * 4] if cc.combine else []
-    apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
-    if st.options.pp_schedule == "1f1b" and st.sizes["tensor"] > 1:   # the head's and norm's with the embedding's
-        out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays), "backward")
-        return out + site(cc, AR, group, shape.accum, [emb + (head + norm) * GRAD_BYTES], "backward")
-    out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
-               + [(norm + (0.0 if apart else head)) * GRAD_BYTES] + losses + ([emb] if shape.accum > 1 else []),
-               "backward")
-    out += site(cc, AR, group, shape.accum, [head * GRAD_BYTES] if apart and head else [], "backward")
-    return out + site(cc, AR, group, 1, [emb] if shape.accum == 1 else [], "backward")
-
-
-def _context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
-                  h: Held) -> list[tuple]:
-    """ZeRO-0 gradient sums over a group with `context` in jaxpar's pipelines, XLA:CPU: per
-    layer execution in the loop, a unit's weights (with the per-data-shard copies, `stage_copies`, its
-    norm scales in an op of their own); the head's and final norm's (with the loss) once per accumulation
-    step (1F1B: per steady tick, and with the copies apart), and the embedding's apart (llama-tiny:layers=8 pipeline=2 x
-    context=2 x data=2, GPipe and 1F1B, pipeline=2 x context=4: tests/test_cost_vs_hlo.py)."""
-    execs = shape.exec_layers / len(m.pattern)
-    norms, norm_arrays = unit_norms(m) if stage_copies(st, shape) else (0, 0)
-    head, norm = head_and_norm(m, st.sizes["tensor"])
-    one_f = st.options.pp_schedule == "1f1b"
-    out = site(cc, AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
-               "backward")
-    out += site(cc, AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
-    ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and norms else [(head + norm) * GRAD_BYTES]
-    per_micro = shape.accum * (shape.micro if one_f else 1)   # 1F1B: head per tick, lookup per micro-batch
-    out += [op for b in ends for op in site(cc, AR, group, per_micro, [b], "backward")]
-    return out + site(cc, AR, group, per_micro if one_f else 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
-
-
-def head_apart(st: Strategy, shape: StepShape) -> bool:
-    """Under `stage_copies` of replicated weights with `tensor` > 1, the combiner leaves the LM head's
-    gradient reductions (over the data axes, over `pipeline`) apart from the others (`_replicated_copies_grads`)."""
-    return stage_copies(st, shape) and st.zero != 3 and st.sizes["tensor"] > 1 and st.options.pp_schedule != "1f1b"
-
-
-def _copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
-                  sharded: Held, head: float, norm: float) -> list[tuple]:
-    """The sums over `data` under `stage_copies`: once per accumulation step after the schedule's loop
-    (not per layer execution: each data x fsdp shard accumulates into its own copy), the stage's v*k unit
-    slots' fsdp shards (padding included) together with the embedding's shard; the head's fsdp shard over
-    data x pipeline at once (its stages' partial sums and the batch's are one reduction) and the final
-    norm over data x fsdp, un-sharded, with the per-micro-batch losses (XLA:CPU's grouping, checked in
-    tests/test_verify_scale.py)."""
-    f, slots = st.sizes["fsdp"], shape.repeats * shape.per_chunk
-    emb = sharded.emb - head - norm
-    execs = 1 if cc.hoist else shape.accum
-    out = site(cc, AR, group, execs, equal_buffers(sharded.unit * slots * GRAD_BYTES / f, sharded.unit_arrays)
-               + [emb * GRAD_BYTES / f], "backward")
-    out += site(cc, AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
-    losses = [shape.head_micro * 4] if cc.combine else []
-    return out + site(cc, AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
 
 
 def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
@@ -357,7 +253,7 @@ def _without_norms(m: ModelConfig, sharded: Held) -> tuple[Held, Held]:
     same op (ReduceScatterCreator turns the sliced all-reduce into a reduce-scatter). Checked on
     XLA:CPU: the catalogue's dp2-fsdp2-tp2 and fsdp2-ep4 (expert a batch axis; tests/test_strategies.py),
     llama-tiny data=2,fsdp=4 and data=4,fsdp=2 (tests/test_cost_vs_hlo_fsdp.py); jaxpar/pipeline/gpipe.py's
-    stage copies have their own (`_copies_grads`).
+    stage copies have their own (`copies_grads`).
     In the same layouts under `tensor` the LM head's (vocab-sharded) fsdp shard is summed over the other
     data axes in an op of its own, not with the embedding's shard (the combiner's grouping on XLA:CPU;
     over data x fsdp alone the two share one op, as under ZeRO-0, where the head's gradient is whole)."""

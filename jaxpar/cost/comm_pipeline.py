@@ -3,10 +3,10 @@ what jaxpar/cost/comm.py's `predicted` adds for a mesh with pipeline > 1. Record
 count, mean bytes per op, phase), as comm.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.comm_data import fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
-from jaxpar.cost.held import DATA_LIKE, equal_buffers, held
 from jaxpar.cost.compiler import A2A, AG, AR, GPU, PERMUTE, RS, Compiler, ar_bytes, site, together
+from jaxpar.cost.held import DATA_LIKE, equal_buffers, held
 from jaxpar.cost.memory import GRAD_BYTES
+from jaxpar.cost.program_comm import fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -65,7 +65,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
         out += site(cc, AR, ax, shape.accum, [head] if apart else [], "backward")
         data = tuple(a for a in DATA_LIKE if sizes[a] > 1 and a != "fsdp")
         if cc.combine and data and "context" not in data and not (stage_copies(st, shape) or moe_stage_copies(st, shape)):
-            # (else in comm_data's)
+            # (else in program_comm's)
             out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
         units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
         if units != m.units:   # uneven: the weights move to their stages

@@ -206,9 +206,9 @@ def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, ac
 
 
 def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler,
-                 software_padded: bool = True) -> tuple[tuple, ...]:
+                 moe_padded: bool = True) -> tuple[tuple, ...]:
     """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`
-    (`software_padded`: MoE dispatch into static buffers, Software.moe_padded)."""
+    (`moe_padded`: MoE dispatch into static buffers, Software.moe_padded)."""
     t = st.sizes["tensor"]
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]
     b = batch / (st.sizes["data"] * st.sizes["fsdp"] * st.sizes["expert"])
@@ -225,7 +225,7 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
     if m.moe_layers and st.sizes["expert"] > 1:
         # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm.py
         # expert_parallel): E x C_loc rows per sequence, a group being one sequence's q_len tokens
-        buf = expert_rows(m, q_len, 1, software_padded) * q_len * b * m.d_model * act
+        buf = expert_rows(m, q_len, 1, moe_padded) * q_len * b * m.d_model * act
         ops += site(cc, A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in ops:

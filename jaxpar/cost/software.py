@@ -1,15 +1,15 @@
 """What the software stack does that neither the model config nor the mesh says.
 
 The same mesh costs differently under different implementations; these switches name the
-differences that matter for the cost model, with one preset for jaxpar itself and one for
-Megatron-LM (the published runs the model is calibrated on). A preset is data: a new stack is one
-more `Software(...)` in `SOFTWARE`.
+differences that matter for the cost model, with presets for jaxpar itself, for Megatron-LM (the
+published runs the model is calibrated on) and for Megatron-Core. A preset is data: a new stack is
+one more `Software(...)` in `SOFTWARE`.
 
     jaxpar_program     the step is jaxpar's own JAX program as XLA compiles it: the one question "is this
                        jaxpar's program?" of the cost model. Its program's adjustments to the textbook
                        figures apply (its activation inventory, jaxpar/cost/inventory_jax.py and
                        program_memory.py; its pipelines' per-shard weight copies, head spread and
-                       boundary all-reduces, jaxpar/cost/comm_data.py and comm_pipeline.py; its overlap
+                       boundary all-reduces, jaxpar/cost/program_comm.py and comm_pipeline.py; its overlap
                        options, jaxpar/cost/overlap.py); False: another stack, costed by its traits below
     dropout            the model trains with dropout: masks and dropped copies join the activation
                        inventory (Megatron GPT: attention-probability and hidden dropout, Korthikanti 2022)
@@ -74,6 +74,8 @@ class Software:
 
 
 JAXPAR = Software()
+# Megatron-LM as in its published GPT runs (Narayanan et al. 2021; Korthikanti et al. 2022): dropout,
+# 1F1B, scatter/gather between stages, the distributed optimizer's bf16 gathers, routed MoE dispatch
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False)
