@@ -92,3 +92,9 @@ def test_design_layout_names_every_module():
     modules = {str(p.relative_to(ROOT)) for folder in ("jaxpar", "models") for p in (ROOT / folder).rglob("*.py")
                if p.name != "__init__.py" and "__pycache__" not in p.parts}
     assert sorted(modules - named) == [], "docs/design.md's layout does not name these modules"
+
+
+def test_readme_layout_names_every_top_level_module():
+    named = set(layout_tree(ROOT / "README.md"))
+    loose = {f"jaxpar/{p.name}" for p in (ROOT / "jaxpar").glob("*.py") if p.name != "__init__.py"}
+    assert sorted(loose - named) == [], "the README's layout does not name these modules"
