@@ -202,6 +202,11 @@ CHECKS = {
 
 
 
-@pytest.mark.parametrize("name", sorted(CHECKS))
+# The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
+# (CI runs it after `make test`), `make bench` runs them in full.
+SLOW = {"bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)])
 def test_quick_mode(name, tmp_path):
     run_quick(name, tmp_path, CHECKS[name])
