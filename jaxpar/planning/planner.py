@@ -89,8 +89,7 @@ def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: in
     (jaxpar.core.validate.check; ZeRO over sizes that do not divide as padded flat shards) that the cost model
     counts (jaxpar.cost.estimate.check_modelled_layout). Pipeline x context trains (loss and gradients
     equal one device) but is not planned: its compiled memory is above the model's (llama3-8b on 64 devices,
-    TP8 PP4 CP2, seq 8k: 62 GiB per device compiled against 45 predicted, 1F1B 19 against 11; before ring
-    attention's folds got a custom VJP, llama3-70b on 1,024 devices compiled ~410 GiB against ~74), and its
+    TP8 PP4 CP2, seq 8k: 62 GiB per device compiled against 45 predicted, 1F1B 19 against 11), and its
     embedding output is resharded over pipeline x context by a collective-permute the model does not send."""
     validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True)
     check_modelled_layout(model, st)
