@@ -12,18 +12,24 @@ the scaling book and the papers each docstring cites):
     floor      the bytes each parallelism must move per step (why TP costs four sums per layer)
     time       alpha-beta link time per tier, the roofline, overlap, bubble
     energy     joules per step and per token
+  the collectives each parallelism issues, one module each (XLA's passes applied as compiler.py states):
+    comm_data      data parallelism, ZeRO-1, FSDP      comm_tensor    tensor and sequence parallelism
+    comm_context   context parallelism                 comm_pipeline  the sends between pipeline stages
+    comm_expert    expert parallelism, the router's statistics
 The implementation: what a software stack and XLA make of it, as data and the adjustments it implies:
     software   the stacks' presets (jaxpar, Megatron-LM, Megatron-Core): traits as data, and the one
                question "is this jaxpar's own program?" (`Software.jaxpar_program`)
-    compiler   XLA's collective passes per backend, as data
+    compiler   XLA's collective passes per backend, as data, and `site`, which applies them
     inventory_jax, program_memory   what jaxpar's program keeps and XLA's buffers hold
     program_flops                   what jaxpar's pipelines recompute
+    program_pipeline                what jaxpar's pipelines issue and recompute beyond the sends
     program_comm                    how jaxpar's pipelines sum their per-shard weight copies
-    comm_data, comm_pipeline -> comm   the collectives the compiled program issues, per parallelism
+    comm       the recipe: the textbook's collectives, then jaxpar's program's adjustments in their place
                (equal to the compiled HLO: tests/test_cost_vs_hlo.py)
     overlap    which of them jaxpar's overlap options hide
 Then estimate (all of it, top-down) -> report; inference (prefill and decode); defaults.
-tests/test_cost_layers.py keeps the textbook modules free of the implementation layer's imports.
+tests/test_cost_layers.py keeps the textbook modules free of the implementation layer's imports (the
+collective modules import only compiler.py's `site` and its kin) and of 'is this jaxpar's program?'.
 """
 from jaxpar.cost.estimate import Estimate, estimate
 from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware

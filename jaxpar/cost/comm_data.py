@@ -1,23 +1,43 @@
 """Predicted collectives of data parallelism, ZeRO-1 and FSDP (ZeRO-3): gradient reductions, parameter
-gathers and the sharded embedding lookup, per device per step (jaxpar/cost/comm.py has the other
-parallelisms and merges everything; its docstring states the conventions: `Collective` records,
-counts times layer executions, `Compiler` traits from jaxpar/cost/compiler.py). Inside jaxpar's own
-pipelines the stages' per-shard weight copies are summed as jaxpar/cost/program_comm.py says.
+gathers and the sharded embedding lookup, per device per step (jaxpar/cost/comm.py merges every
+parallelism's; its docstring states the conventions: `Collective` records, counts times layer
+executions, `Compiler` traits from jaxpar/cost/compiler.py). Where a program departs from these sums
+(jaxpar's own pipelines, with their per-shard weight copies: jaxpar/cost/program_comm.py `departures`),
+it says how in a `Departures`.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
-from jaxpar.cost.compiler import A2A, AG, AR, GPU, RS, Compiler, reductions, site, together
+from jaxpar.cost.compiler import A2A, AG, AR, RS, Compiler, reductions, site, together
 from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import zero_rules, zero_split
-from jaxpar.cost.program_comm import (context_grads, copies_grads, fsdp_stage_copies, moe_copies_grads,
-                                      moe_stage_copies, replicated_copies_grads, stage_copies)
-from jaxpar.cost.shape import StepShape, one_f_one_b
+from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
+
+Sums = list[tuple]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Departures:
+    """Where a program's data-parallel collectives depart from the textbook's, for the weights other than
+    routed experts (the defaults: none). `replicated_sums(group, held)`: a replicated weight set's gradient
+    sums over `group` (None: the textbook's); `sharded_sums(group, sharded, head, norm)`: the ZeRO-3 shards'
+    sums over the data axes beyond fsdp, in place of the textbook's (and the final norm summed there, not
+    scattered); `stage_gather_bytes`: bytes per element of a pipeline stage's fsdp gathers (None: the
+    compute dtype's); `table_gathered`: the embedding table gathered over fsdp and its gradient scattered,
+    in place of `_embedding_lookup`."""
+    replicated_sums: Callable[[tuple[str, ...], Held], Sums | None] | None = None
+    sharded_sums: Callable[[tuple[str, ...], Held, float, float], Sums] | None = None
+    stage_gather_bytes: int | None = None
+    table_gathered: bool = False
+
+
+TEXTBOOK = Departures()
 
 
 # ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
@@ -40,7 +60,7 @@ def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
 
 
 def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
-                  jaxpar_program: bool = False) -> list[tuple]:
+                  stage_gather_bytes: int | None = None) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
     and final norm gathered forward only: both are gathered once where they are read and the gathered
@@ -52,9 +72,10 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     under remat each layer's norms and o-proj (models/transformer.py) are gathered once in the
     recomputed forward for both their reads.
     Under a pipeline each stage's weights are gathered once per accumulation step instead, forward
-    only: per array of a unit, its v*k unit slots at once; jaxpar's pipeline (`jaxpar_program`) gathers the
-    stored float32 weights (its per-shard copies accumulate their gradients in float32) and casts them
-    in the layers (jaxpar/pipeline/gpipe.py; the all-gather's operand is the float32 parameter in the HLO)."""
+    only: per array of a unit, its v*k unit slots at once, `stage_gather_bytes` per element where a program
+    gathers other than the compute dtype (jaxpar's pipeline gathers the stored float32 weights: its
+    per-shard copies accumulate their gradients in float32, and casts them in the layers,
+    jaxpar/pipeline/gpipe.py; the all-gather's operand is the float32 parameter in the HLO)."""
     t, out = st.sizes["tensor"], []
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if e:
@@ -63,7 +84,7 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
             if shape.stages > 1:
                 per_unit = e / (shape.accum * shape.iterations * shape.per_chunk)   # blocks per unit
                 slots = per_unit * shape.repeats * shape.per_chunk
-                per = PARAM_BYTES / act if jaxpar_program else 1.0
+                per = stage_gather_bytes / act if stage_gather_bytes else 1.0
                 out += site(cc, AG, ("fsdp",), shape.accum, [b * slots * per for b in arrays], "forward")
                 continue
             out += site(cc, AG, ("fsdp",), e, arrays, "forward")
@@ -79,8 +100,8 @@ def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     return out + site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
 
 
-def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler = GPU,
-                  gather_bytes: int = PARAM_BYTES, jaxpar_program: bool = True) -> list[tuple]:
+def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+                  gather_bytes: int = PARAM_BYTES, departures: Departures = TEXTBOOK) -> list[tuple]:
     """ZeRO-0: all-reduce float32 grads over the data-like axes (hoisted: once per step, one per weight
     array; else per layer execution in the loop and once for embedding, head and final norm).
     ZeRO-1 and ZeRO-3 shard the weights with an `embed` dim (params.zero_split reads which from the
@@ -97,17 +118,15 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     norm's gradients are reduce-scattered one by one (not combined).
     Routed experts (MoE under expert > 1) are split over `expert`: their gradients are reduced as above
     over the data-like axes but `expert`, apart from the other weights' (shard_map sums them where the
-    expert kernel is transposed, in the layer loop)."""
+    expert kernel is transposed, in the layer loop); `departures` apply to layouts without them.
+    A program's `departures` (a `Departures`) replace the sums they name."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
     if m.moe_layers and st.sizes["expert"] > 1:
-        if jaxpar_program and moe_stage_copies(st, shape) and not cc.hoist:
-            return moe_copies_grads(m, st, shape, cc)
-        # (program_comm's per-shard copies of `_data_parallel` are those of layouts without `expert`)
-        dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes, jaxpar_program=False)
+        dense = _data_parallel(m, st, shape, act, cc, axes, False, gather_bytes, TEXTBOOK)
         experts = _data_parallel(m, st, shape, act, cc, tuple(a for a in axes if a != "expert"), True, gather_bytes,
-                                 jaxpar_program=False)
+                                 TEXTBOOK)
         return _one_loop(cc, st, shape, m, dense, experts)
-    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, jaxpar_program)
+    return _data_parallel(m, st, shape, act, cc, axes, None, gather_bytes, departures)
 
 
 def _one_loop(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, dense: list[tuple],
@@ -146,36 +165,34 @@ def _grads(cc: Compiler, group: tuple[str, ...], h: Held, shards: int, execs: fl
 
 
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
-                   experts: bool | None, gather_bytes: int, jaxpar_program: bool = False) -> list[tuple]:
+                   experts: bool | None, gather_bytes: int, departures: Departures) -> list[tuple]:
     """`data_parallel` for the weights `experts` selects (params.zero_split), reduced over `axes`; the
     embedding lookup, FSDP gathers and head reductions go with the non-expert weights."""
     zero = st.zero
     # the axes ZeRO shards weights with an `embed` dim over: ZeRO-3 by its params rules, ZeRO-1 by its optimizer's
     shard = tuple(a for a in zero_rules(zero, "optimizer" if zero == 1 else "params")["embed"] if st.sizes[a] > 1)
     if not shard:
-        return _replicated_grads(m, st, shape, cc, axes, experts, jaxpar_program)
-    return _sharded_grads(m, st, shape, act, cc, axes, shard, experts, gather_bytes, jaxpar_program)
+        return _replicated_grads(m, st, shape, cc, axes, experts, departures)
+    return _sharded_grads(m, st, shape, act, cc, axes, shard, experts, gather_bytes, departures)
 
 
 def _replicated_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, axes: tuple[str, ...],
-                      experts: bool | None, jaxpar_program: bool) -> list[tuple]:
-    """ZeRO-0 (no weight sharded over the data axes): every gradient all-reduced over `axes`; in jaxpar's
-    pipelines as its per-shard copies (`replicated_copies_grads`) and `context` sums (`context_grads`) say."""
+                      experts: bool | None, departures: Departures) -> list[tuple]:
+    """ZeRO-0 (no weight sharded over the data axes): every gradient all-reduced over `axes`, per group
+    as `_grads` says or, for the weights other than routed experts, as `departures.replicated_sums`."""
     dense, h = experts is not True, held(m, st, experts=experts)
-    copies = dense and jaxpar_program and stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
     execs = shape.exec_layers / len(m.pattern)
+    departed = departures.replicated_sums if dense else None
 
-    def per_group(group):   # the copies are per batch shard: `context` sums stay in the loop
-        if "context" in group and dense and jaxpar_program and shape.stages > 1 and not cc.hoist:
-            return context_grads(m, st, shape, cc, group, h)
-        if copies and not cc.hoist:
-            return replicated_copies_grads(m, st, shape, cc, group, h)
-        return _grads(cc, group, h, 1, execs)
+    def per_group(group):
+        sums = departed(group, h) if departed else None
+        return _grads(cc, group, h, 1, execs) if sums is None else sums
     return [op for group in _groups(cc, st, axes, experts) for op in per_group(group)]
 
 
 def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
-                   shard: tuple[str, ...], experts: bool | None, gather_bytes: int, jaxpar_program: bool) -> list[tuple]:
+                   shard: tuple[str, ...], experts: bool | None, gather_bytes: int,
+                   departures: Departures) -> list[tuple]:
     """ZeRO-1 and ZeRO-3 (the weights with an `embed` dim sharded over `shard`): `data_parallel`'s docstring."""
     sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
     dense = experts is not True
@@ -187,7 +204,7 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
         return _grads(cc, group, h, shards, execs)
 
-    copies = dense and jaxpar_program and fsdp_stage_copies(st, shape)   # jaxpar/pipeline/gpipe.py's per-shard copies
+    copies = departures.sharded_sums if dense else None
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
     rest = tuple(a for a in axes if a not in shard)
     head, norm = head_and_norm(m, t)
@@ -195,11 +212,10 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     vectors = zero == 3 and dense and bool(rest) and shape.stages == 1 and not copies
     if vectors:
         sharded, norms = _without_norms(m, sharded)
-    one_f = one_f_one_b(st, shape, jaxpar_program)   # its table gathered
     lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * act], "forward")
               + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * GRAD_BYTES],
-                     "backward") if one_f else _embedding_lookup(m, st, shape, act, shard, cc))
-    out = (_fsdp_gathers(m, st, shape, act, cc, jaxpar_program) + lookup
+                     "backward") if departures.table_gathered else _embedding_lookup(m, st, shape, act, shard, cc))
+    out = (_fsdp_gathers(m, st, shape, act, cc, departures.stage_gather_bytes) + lookup
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
@@ -236,7 +252,7 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     if apart:
         sharded = dataclasses.replace(sharded, emb=sharded.emb - head, emb_arrays=sharded.emb_arrays - 1)
     for group in groups(rest):
-        out += (copies_grads(m, st, shape, cc, group, sharded, head, norm) if copies
+        out += (copies(group, sharded, head, norm) if copies
                 else grads(group, sharded, sz["fsdp"] if zero == 3 else 1))
         out += site(cc, AR, group, 1, [apart * GRAD_BYTES / sz["fsdp"]] if apart else [], "backward")
     return out

@@ -53,8 +53,8 @@ import dataclasses
 
 from jaxpar.collectives import human_bytes
 from jaxpar.cost import comm as cost_comm
-from jaxpar.cost import flops, params
-from jaxpar.cost.comm import context_parallel
+from jaxpar.cost import flops, params, program_pipeline
+from jaxpar.cost.comm_context import context_parallel, positions
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, PERMUTE, Compiler, site
 from jaxpar.cost.flops import expert_rows
 from jaxpar.cost.hardware import Hardware, load_hardware
@@ -181,7 +181,7 @@ def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, key
 
 def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, act: int, cc: Compiler) -> list[tuple]:
     """A prefill split over `context` (models/decode.py): attention's K/V exchange and Mamba-2's halos
-    and states are training's forward ones (cost/comm.py context_parallel, on this prompt's shape);
+    and states are training's forward ones (cost/comm_context.py context_parallel, on this prompt's shape);
     then each attention layer's K and V are all-gathered over context into the cache (it is
     replicated over context: a decode step reads it whole), and the last token's hidden state [b, d]
     is sliced out of the context-sharded stream: XLA's partitioner moves it to the first context
@@ -193,7 +193,8 @@ def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, ac
     all-reduce per layer)."""
     sz, c = st.sizes, st.sizes["context"]
     sh = step_shape(m, st, batch, prompt)
-    ops = [op for op in context_parallel(m, st, sh, act, cc) if op[4] == "forward"]
+    moved = program_pipeline.cp_positions(st, sh) if sh.stages > 1 else positions(st, sh)   # as training's
+    ops = [op for op in context_parallel(m, st, sh, act, cc, moved) if op[4] == "forward"]
     e = m.attention_layers + m.moe_layers
     if e:
         full = sh.mb * prompt * m.kv_heads * m.head_dim / min(sz["tensor"], m.kv_heads) * act  # K or V, all slots

@@ -4,16 +4,54 @@ from the textbook's per-layer reductions of jaxpar/cost/comm_data.py. A stage ru
 each shard accumulates its stage's v*k unit slots, and the copies are summed once per accumulation step
 after it (`stage_copies`; with the experts split over `expert`, `moe_stage_copies`; over fsdp,
 `fsdp_stage_copies`). How XLA:CPU's combiner groups those sums is stated per function with the layouts
-it was checked on (tests/test_cost_vs_hlo.py, tests/test_verify_scale.py). Records as comm.py's.
+it was checked on (tests/test_cost_vs_hlo.py, tests/test_verify_scale.py). `data_parallel` is jaxpar's
+program's data parallelism: the textbook's with these `departures`. Records as comm.py's.
 """
 from __future__ import annotations
 
+import functools
+
+from jaxpar.cost import comm_data
 from jaxpar.cost.compiler import AR, Compiler, site
 from jaxpar.cost.held import Held, equal_buffers, head_and_norm, held, unit_norms
-from jaxpar.cost.memory import GRAD_BYTES
-from jaxpar.cost.shape import StepShape
+from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
+from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
+
+
+def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+                  gather_bytes: int) -> list[tuple]:
+    """jaxpar's program's data parallelism: comm_data.data_parallel with `departures`; a MoE model's under
+    `moe_stage_copies` (the loop's sums left to the combiner, not hoisted) is `moe_copies_grads` whole."""
+    if m.moe_layers and moe_stage_copies(st, shape) and not cc.hoist:
+        return moe_copies_grads(m, st, shape, cc)
+    return comm_data.data_parallel(m, st, shape, act, cc, gather_bytes, departures(m, st, shape, cc))
+
+
+def departures(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler) -> comm_data.Departures:
+    """Where jaxpar's program departs from the textbook's data parallelism (comm_data.Departures): its
+    pipelines' replicated weights summed as `replicated_sums`, their fsdp shards as `copies_grads` under
+    `fsdp_stage_copies`; a stage's fsdp gathers move the stored float32 weights (PARAM_BYTES); jaxpar's
+    1F1B gathers the embedding table over fsdp before its loop (jaxpar/pipeline/one_f_one_b.py) in place
+    of the sharded lookup."""
+    return comm_data.Departures(
+        replicated_sums=functools.partial(replicated_sums, m, st, shape, cc),
+        sharded_sums=functools.partial(copies_grads, m, st, shape, cc) if fsdp_stage_copies(st, shape) else None,
+        stage_gather_bytes=PARAM_BYTES, table_gathered=one_f_one_b(st, shape))
+
+
+def replicated_sums(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
+                    h: Held) -> list[tuple] | None:
+    """The sums over `group` of weights replicated over it (ZeRO-0) in jaxpar's pipelines, where the loop's
+    sums are left to the combiner (not hoisted): a group with `context` as `context_grads` (the copies are
+    per batch shard: `context` sums stay in the loop), else under `stage_copies` as
+    `replicated_copies_grads`; None where the textbook's hold."""
+    if cc.hoist or shape.stages == 1:
+        return None
+    if "context" in group:
+        return context_grads(m, st, shape, cc, group, h)
+    return replicated_copies_grads(m, st, shape, cc, group, h) if stage_copies(st, shape) else None
 
 
 def stage_copies(st: Strategy, shape: StepShape) -> bool:

@@ -38,7 +38,7 @@ The collectives follow from the layout by the textbook rules, stated once here p
 
 Bytes are per device per execution, the full buffer (the gathered result, the reduced or pre-scatter
 input), as jaxpar.analysis.tally counts a compiled step; `times` is executions per step. The cost
-model predicts the same collectives for all weights at once (jaxpar/cost/comm_data.py, comm.py), and
+model predicts the same collectives for all weights at once (jaxpar/cost/comm_data.py, comm_tensor.py), and
 tests/test_explain.py finds each one listed here in the compiled step's HLO.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ from jaxpar.core import rules as rules_module
 from jaxpar.core import sharding as sharding_module
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for
 from jaxpar.core.strategy import AXES, Strategy
-from jaxpar.cost import comm as cost_comm
+from jaxpar.cost import comm_tensor as cost_comm_tensor
 from jaxpar.cost import comm_data as cost_comm_data
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
@@ -334,7 +334,7 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
 
 def tensor_moves(v: View, ctx: Context) -> list[Move]:
     """Column- and row-parallel activations' collectives (module docstring)."""
-    lay, where = ctx.layout, definition(cost_comm, "tensor_parallel")
+    lay, where = ctx.layout, definition(cost_comm_tensor, "tensor_parallel")
     inner = [n for n in v.names if n != "experts"]
     split = ctx.kept(v.axes(d for n, d in zip(v.names, v.stored) if n not in ("embed", "experts"))
                      - set(lay.axes("batch")))
@@ -368,7 +368,8 @@ def lookup_moves(v: View, ctx: Context) -> list[Move]:
     an all-to-all, which leaves the gradient sharded like the table, so it is not reduce-scattered."""
     if v.names[0] != "vocab":
         return []
-    lay, where, vocab = ctx.layout, definition(cost_comm_data, "_embedding_lookup"), definition(cost_comm, "tp_vocab")
+    lay, where = ctx.layout, definition(cost_comm_data, "_embedding_lookup")
+    vocab = definition(cost_comm_tensor, "tp_vocab")
     stored = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
     width = ctx.kept(set(v.stored[1] + v.optimizer[1]) & set(lay.axes("batch")))
     rows_split = ctx.kept(set(v.stored[0]) - set(lay.axes("batch")))
@@ -478,7 +479,7 @@ def _notes(found: Found, model: ModelConfig, strategy: Strategy) -> tuple[str, .
     notes = []
     if "experts" in found.names:
         notes.append("routed experts: the tokens' dispatch and return all-to-alls over `expert` are the MoE "
-                     "layer's (jaxpar/cost/comm.py expert_parallel), not listed here")
+                     "layer's (jaxpar/cost/comm_expert.py expert_parallel), not listed here")
     if found.names[0] == "vocab" and model.tie_embeddings:
         notes.append("tied embeddings: the table is also read as the LM head, with a head's collectives "
                      "(see `head` of an untied model)")

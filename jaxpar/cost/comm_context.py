@@ -1,0 +1,79 @@
+"""Context parallelism's collectives (Liu et al. 2023, ring attention; jaxpar/ops/context_parallel.py and
+mamba_cp.py), per layer execution and pass. Records are (kind, axes, count, mean bytes per op, phase) as
+jaxpar/cost/compiler.py's `site` writes them; comm.predicted merges them. How the key positions travel
+is passed in (`Positions`: `positions` below, or jaxpar's pipelines', program_pipeline.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.cost.compiler import AG, PERMUTE, RS, Compiler, site
+from jaxpar.cost.memory import TOKEN_BYTES
+from jaxpar.cost.params import mamba_dims
+from jaxpar.cost.shape import StepShape
+from jaxpar.core.strategy import Strategy
+from jaxpar.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Positions:
+    """How the key positions travel a context-parallel step: `execs` times forward, `nbytes` each
+    (int32 token positions), and `again` times backward (rematerialised: 0 without remat)."""
+    execs: float
+    nbytes: float
+    again: float
+
+
+def positions(st: Strategy, shape: StepShape) -> Positions:
+    """A step's positions travel once per accumulation step (the batch's, before the layer loop), and
+    again in each recomputed layer (remat: no dot output)."""
+    e = shape.exec_attention + shape.exec_moe
+    return Positions(shape.accum, shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES,
+                     e if st.options.remat != "none" else 0)
+
+
+def _cp_passes(st: Strategy, rerun_chunk: bool = False) -> tuple[str, ...]:
+    """Passes of the context-parallel kernels' collectives: their outputs (moved K/V blocks, halos,
+    states) are no dot outputs, so every remat policy recomputes them in the backward pass (and a schedule
+    that reruns each chunk in its backward, `rerun_chunk`, once more)."""
+    return ("forward",) + ("backward",) * (int(st.options.remat != "none") + int(rerun_chunk))
+
+
+def context_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+                     positions: Positions, rerun_chunk: bool = False) -> list[tuple]:
+    """Attention (jaxpar/ops/context_parallel.py), per layer execution and pass: ring (Liu et al.
+    2023): context-1 hops, each a permute of K and one of V (2 ops of the local block's half each),
+    and of dK, dV backward; the key positions travel the ring (c-1 int32 permutes) as `positions`
+    says; all-gather: K and V gathered (2 ops) forward, dK and dV reduce-scattered backward
+    (hand-written: reduce-scatters on every backend), the positions gathered.
+    Mamba-2 (jaxpar/ops/mamba_cp.py): per pass one permute of the packed conv halo ((d_conv-1)
+    tokens x conv channels; zigzag: two, one from each neighbour) and one all-gather of every
+    segment's final SSM state and log-decay (b*m*heads/t*(head_dim*d_state + 1) float32 per shard,
+    m = 1 or 2 segments); their transposes backward. `rerun_chunk`: the schedule reruns each chunk in its
+    backward (jaxpar's 1F1B), one pass more."""
+    c, t = st.sizes["context"], st.sizes["tensor"]
+    ax, out = ("context",), []
+    zigzag = st.options.cp_layout == "zigzag"
+    if shape.exec_attention or shape.exec_moe:
+        e = shape.exec_attention + shape.exec_moe  # an MoE block's attention half is an attention block's
+        half = shape.mb * shape.s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act  # K or V
+        ring = st.options.attention == "ring"
+        for phase in _cp_passes(st, rerun_chunk):
+            out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
+                    else site(cc, AG, ax, e, [half * c, half * c], phase))
+        out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], "backward") if ring
+                else site(cc, RS, ax, e, [half * c, half * c], "backward", partitioner=False))
+        if ring:
+            out += site(cc, PERMUTE, ax, (c - 1) * positions.execs, [positions.nbytes], "forward")
+            out += site(cc, PERMUTE, ax, (c - 1) * positions.again, [positions.nbytes], "backward")
+        else:
+            out += site(cc, AG, ax, positions.execs, [positions.nbytes * c], "forward")
+    if shape.exec_mamba:
+        e, segs = shape.exec_mamba, 2 if zigzag else 1
+        _, conv_dim, heads = mamba_dims(m)
+        halo = shape.mb * (m.d_conv - 1) * conv_dim / t * act
+        state = shape.mb * segs * heads / t * (m.ssm_head_dim * m.d_state + 1) * 4 * c
+        for phase in _cp_passes(st, rerun_chunk):
+            out += site(cc, PERMUTE, ax, e, [halo] * segs, phase) + site(cc, AG, ax, e, [state], phase)
+        out += site(cc, PERMUTE, ax, e, [halo] * segs, "backward")
+        out += site(cc, RS, ax, e, [state], "backward", partitioner=False)
+    return out

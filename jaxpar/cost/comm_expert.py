@@ -1,0 +1,56 @@
+"""Mixture of experts' collectives (jaxpar/ops/moe.py): expert parallelism's all-to-alls, the queue counts
+under context parallelism and the router's balance statistics, per MoE-layer execution. Records are
+(kind, axes, count, mean bytes per op, phase) as jaxpar/cost/compiler.py's `site` writes them;
+comm.predicted merges them."""
+from __future__ import annotations
+
+from jaxpar.cost.compiler import A2A, AG, AR, Compiler, reductions, site
+from jaxpar.cost.flops import expert_rows
+from jaxpar.cost.held import DATA_LIKE
+from jaxpar.cost.memory import TOKEN_BYTES
+from jaxpar.cost.shape import StepShape
+from jaxpar.core.strategy import Strategy
+from jaxpar.models.config import ModelConfig
+
+
+def _passes(st: Strategy) -> tuple[str, ...]:
+    """Phases in which a layer's forward collectives run: forward, plus backward if recomputed."""
+    return ("forward", "backward") if st.options.remat == "full" else ("forward",)
+
+
+def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+                    padded: bool = True, copies: bool = False) -> list[tuple]:
+    """Per MoE-layer execution (jaxpar/ops/moe.py). Under expert > 1, the dispatch buffers go to the
+    experts' owners and back: two all-to-alls over `expert` forward and their two transposes backward
+    (two more backward under remat `full`), each moving a device's whole buffer
+        E x g x C_loc x d x act bytes,   g = sequences per micro-batch, C_loc = min(s_loc, C),
+    C the per-sequence capacity (dropless: the sequence; capacity mode: ceil(cf * s * k / E)), so a
+    dropless kernel sends E/k times the copies that exist (static buffers; the price of XLA's static
+    shapes, see `jaxpar.ops.moe`); `padded=False` (Megatron's token dispatcher) sends only the routed
+    copies, g x s_loc x k x d x act. Under `context` each shard all-gathers every shard's per-(choice,
+    expert) queue counts (g*k*E int32). The balance loss needs each expert's load and mean router
+    probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
+    `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring), but inside
+    jaxpar's pipeline they are [1, 1] arrays (2E + 2 floats). With per-data-shard weight copies (`copies`:
+    program_comm.moe_stage_copies) the sums run over the other axes in the loop, and the accumulated
+    statistics of the stage's v*k unit slots over `data` once per accumulation step."""
+    sz, e = st.sizes, shape.exec_moe
+    c = sz["context"]
+    out = []
+    if sz["expert"] > 1:  # the buffer's rows per token as the FLOPs count them (flops.expert_rows)
+        rows = expert_rows(m, round(shape.s_loc * c), c, padded)
+        buf = rows * shape.s_loc * shape.mb * m.d_model * act
+        out += site(cc, A2A, ("expert",), 2 * e, [buf], "forward")
+        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e, [buf], "backward")
+    if c > 1:
+        counts = shape.mb * m.top_k * m.experts * TOKEN_BYTES * c
+        for phase in _passes(st):
+            out += site(cc, AG, ("context",), e, [counts], phase)
+    stats = tuple(a for a in DATA_LIKE if sz[a] > 1)
+    per = (2 * m.experts + (2 if shape.stages > 1 else 0)) * 4
+    if copies:
+        stats = tuple(a for a in stats if a != "data")
+        out += site(cc, AR, ("data",), shape.accum, [shape.repeats * shape.per_chunk * per], "forward")
+    for group in reductions(cc, st, stats):   # (the balance loss's gradient reads the summed probabilities:
+        out += site(cc, AR, group, e, [per], "forward")   # no sum again under remat, models/moe.py)
+    return out
