@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops import mamba_cp
-from jaxpar.ops.attention import context_attention, dense_attention
+from jaxpar.ops.attention import attention, context_attention, dense_attention, resolve_kernel
 from jaxpar.ops.ssd import causal_conv, ssd
 from jaxpar.core.sharding import constrain, current_layout
 from jaxpar.models.config import ModelConfig, RunConfig
@@ -101,8 +101,9 @@ def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool,
     a decode step over the whole cache, whose positions are `cache_pos` [b, S]."""
     h = constrain(block.attn_norm(x), ("batch", "seq", "act_embed"))
     q, k, v = block.attn.project(h, positions)
+    kernel = block.attn.run.attention_kernel   # the prefill's kernel; a decode step's one query reads the cache densely
     if cp:  # the kernel takes the K/V heads as projected (sharded like the query heads)
-        out = context_attention(q, k, v, positions, impl=cp, causal=True)
+        out = context_attention(q, k, v, positions, impl=cp, kernel=resolve_kernel(kernel, q.dtype), causal=True)
     copies = cache["k"].shape[2] // k.shape[2]
     if copies > 1:  # tensor > kv_heads: each tensor rank keeps a copy of the one head it reads
         k, v = (jnp.repeat(t, copies, axis=2) for t in (k, v))
@@ -110,7 +111,7 @@ def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool,
     ck, cv = (jax.lax.dynamic_update_slice_in_dim(c, t.astype(c.dtype), index, axis=1)
               for c, t in ((cache["k"], k), (cache["v"], v)))
     if prefill and not cp:
-        out = dense_attention(q, k, v, positions, positions, causal=True)
+        out = attention(q, k, v, positions, impl="dense", kernel=kernel, causal=True)
     elif not prefill:
         out = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, causal=True)
     x = constrain(x + block.attn.output(out), RESIDUAL)

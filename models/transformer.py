@@ -35,7 +35,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         q, k, v = self.project(x, positions)
-        return self.output(attention(q, k, v, positions, impl=self.run.attention, causal=True))
+        return self.output(attention(q, k, v, positions, impl=self.run.attention,
+                                     kernel=self.run.attention_kernel, causal=True))
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k

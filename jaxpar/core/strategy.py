@@ -52,8 +52,14 @@ class Options:
     remat: str = _option("none", "rematerialise activations in the backward pass",
                          ("none", "full", "dots", "dots_no_batch"))
     dtype: str = _option("float32", "compute dtype (master weights stay float32)", ("float32", "bfloat16"))
-    attention: str = _option("dense", "attention kernel: ring and allgather shard the sequence over context",
-                             ("dense", "ring", "allgather"))
+    attention: str = _option("dense", "how attention splits the sequence: dense keeps it whole on each device, "
+                                      "ring and allgather shard it over context", ("dense", "ring", "allgather"))
+    attention_kernel: str = _option("dense", "what computes attention on a device (jaxpar/ops/attention.py): dense "
+                                             "keeps the score matrix for the backward pass; blockwise (pure JAX, "
+                                             "online softmax, recomputed backward) keeps memory linear in the "
+                                             "sequence; cudnn is cuDNN's fused flash kernel (NVIDIA GPU, bfloat16); "
+                                             "auto: cudnn on a GPU in bfloat16, else blockwise",
+                                    ("dense", "auto", "blockwise", "cudnn"))
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
                              ("contiguous", "zigzag"))
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")

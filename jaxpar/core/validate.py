@@ -93,6 +93,8 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         check_context_parallel(seq, cp, o.cp_layout, o.attention, model.heads, model.kv_heads, tp)
     elif cp > 1:
         _divides("context", cp, "seq", seq)
+    if model.has_attention:
+        check_attention_kernel(strategy)
 
     # --- pipeline -----------------------------------------------------------------------------
     check_pipeline(model, strategy)
@@ -188,6 +190,29 @@ def check_context_parallel(seq_len: int, context: int, layout: str, attention: s
         raise ConfigError(f"tensor={tensor} does not divide heads={heads}")
     if kv_heads % tensor:
         raise ConfigError(f"tensor={tensor} does not divide kv_heads={kv_heads}")
+
+
+def check_attention_kernel(strategy: Strategy) -> None:
+    """The option `attention_kernel` against the strategy (jaxpar.ops.attention). cuDNN's flash kernel takes
+    16-bit inputs only, and its causal mask compares indices, which are not the tokens' positions once
+    context parallelism splits (and may reorder) the sequence."""
+    o, cp = strategy.options, strategy.size("context")
+    if o.attention_kernel != "cudnn":
+        return
+    if o.dtype != "bfloat16":
+        raise ConfigError(f"attention_kernel=cudnn needs dtype=bfloat16 (cuDNN's flash kernel takes 16-bit inputs), "
+                          f"got dtype={o.dtype}; use --attention-kernel blockwise or auto")
+    if cp > 1:
+        raise ConfigError(f"attention_kernel=cudnn with context={cp} is not supported: cuDNN masks by index, and "
+                          "context parallelism needs masks by position; use --attention-kernel blockwise")
+
+
+def check_backend(strategy: Strategy, platform: str) -> None:
+    """What the run's devices must be (`platform`: a JAX device's platform, cpu | gpu | tpu): cuDNN's kernel
+    runs on NVIDIA GPUs only. Separate from `check`, which the planner also runs for hardware it is not on."""
+    if strategy.options.attention_kernel == "cudnn" and platform != "gpu":
+        raise ConfigError(f"attention_kernel=cudnn needs an NVIDIA GPU, but the devices are {platform}; "
+                          "use --attention-kernel blockwise (or auto, which picks it there)")
 
 
 # ---- Mamba-2 ---------------------------------------------------------------------------------------

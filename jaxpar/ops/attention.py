@@ -1,9 +1,20 @@
-"""Attention kernels: the dense reference, and context parallelism (ring, all-gather).
+"""Attention kernels: the dense reference, the fused ones, and context parallelism (ring, all-gather).
 
 Shapes: q [b, s, hq, d]; k, v [b, s, hkv, d] with hq a multiple of hkv (GQA); positions [b, s]
 are the tokens' global positions, so causal masking is right for any token order (zigzag layouts).
-`attention` dispatches on the run config's `attention` (dense | ring | allgather); the constraints
-on sequence length, context size and heads are checked before compiling, in jaxpar/core/validate.py.
+`attention` dispatches on two strategy options: `attention` (dense | ring | allgather: how the
+sequence is split over `context`) and `attention_kernel` (what computes softmax(q k^T) v on a device):
+
+  dense      the full [hq, s, s] float32 score matrix, kept for the backward pass: the reference.
+  blockwise  online softmax over blocks, in pure JAX, with a backward pass that recomputes the blocks
+             (jaxpar/ops/blockwise_attention.py): memory linear in the sequence, on every backend.
+  cudnn      cuDNN's fused flash kernel through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16).
+             Its mask works on indices, so it runs where positions are 0..s-1 in order (no context
+             parallelism).
+  auto       cudnn on a GPU in a 16-bit dtype, blockwise elsewhere (`resolve_kernel`).
+
+The constraints on sequence length, context size, heads and kernels are checked before compiling,
+in jaxpar/core/validate.py.
 
 Context parallelism
 -------------------
@@ -43,13 +54,12 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core import validate
 from jaxpar.core.sharding import current_layout
 from jaxpar.core.strategy import CHOICES
+from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
 
 LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequence
 
 
 # ---- dense attention and the dispatch -----------------------------------------------------------
-
-MASKED = -1e30  # a large finite negative: fully masked rows stay finite (no NaN from -inf - -inf)
 
 
 def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
@@ -66,15 +76,34 @@ def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
     return out.reshape(b, sq, hq, d)
 
 
-def attention(q, k, v, positions, *, impl: str = "dense", causal: bool = True):
-    """Dispatch on the strategy's `attention` option.
+def cudnn_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
+    """cuDNN's fused flash attention (GQA as is). Its causal mask compares indices: right where q_pos and
+    kv_pos are 0..s-1 in order, which jaxpar/core/validate.py ensures (no context parallelism)."""
+    del q_pos, kv_pos
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
-    dense: plain attention; XLA partitions it on batch and heads (the context axis must be 1).
+
+KERNELS = {"dense": dense_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention}
+
+
+def resolve_kernel(kernel: str, dtype=jnp.float32) -> str:
+    """The kernel `auto` stands for on this process's backend: cudnn on a GPU in a 16-bit dtype (the only
+    ones cuDNN's flash kernel takes), blockwise elsewhere. Any other name is itself."""
+    if kernel != "auto":
+        return kernel
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
+
+
+def attention(q, k, v, positions, *, impl: str = "dense", kernel: str = "dense", causal: bool = True):
+    """Dispatch on the strategy's `attention` and `attention_kernel` options.
+
+    dense: the sequence is not split; XLA partitions the kernel on batch and heads (context must be 1).
     ring / allgather: context parallelism over the `seq` mesh axes (`context_attention` below).
     """
+    kernel = resolve_kernel(kernel, q.dtype)
     if impl == "dense":
-        return dense_attention(q, k, v, positions, positions, causal=causal)
-    return context_attention(q, k, v, positions, impl=impl, causal=causal)
+        return KERNELS[kernel](q, k, v, positions, positions, causal=causal)
+    return context_attention(q, k, v, positions, impl=impl, kernel=kernel, causal=causal)
 
 
 # ---- token layouts ------------------------------------------------------------------------------
@@ -98,16 +127,19 @@ def token_permutation(seq_len: int, context: int, layout: str) -> np.ndarray:
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def context_attention(q, k, v, positions, *, impl: str, causal: bool = True):
+def context_attention(q, k, v, positions, *, impl: str, kernel: str = "dense", causal: bool = True):
     """Attention over a sequence sharded on the layout's `seq` axes (the `context` mesh axis).
 
     Batch stays sharded on its data axes and heads on `tensor`, exactly as the model constrained
     q/k/v, so shard_map introduces no resharding. Without a layout, or with context=1, this is
-    `dense_attention` -- the same function, computed without splitting the sequence.
+    the device kernel `kernel` -- the same function, computed without splitting the sequence.
+    All-gather attention computes its local queries against the gathered K/V with `kernel`; ring
+    attention folds blocks with the blockwise kernel's update whatever `kernel` is.
     """
+    local_kernel = KERNELS[kernel]
     layout = current_layout()
     if layout is None or layout.size("seq") == 1:
-        return dense_attention(q, k, v, positions, positions, causal=causal)
+        return local_kernel(q, k, v, positions, positions, causal=causal)
 
     ring_axes, batch_axes = layout.axes("seq"), layout.axes("batch")
     head_axes, kv_head_axes = layout.axes("act_heads"), layout.axes("act_kv_heads")
@@ -116,11 +148,11 @@ def context_attention(q, k, v, positions, *, impl: str, causal: bool = True):
     pos_spec = P(_dim(batch_axes), _dim(ring_axes))
     # The mesh axes q differs along (check_vma tracks them); constants joining q must be cast up.
     varying = tuple(dict.fromkeys(batch_axes + ring_axes + head_axes + kv_head_axes))
-    kernel = ring_attention if impl == "ring" else allgather_attention
+    split = (ring_attention if impl == "ring"
+             else functools.partial(allgather_attention, kernel=local_kernel))
 
     def local(q, k, v, pos):
-        return kernel(q, k, v, pos, axis=ring_axes, size=layout.size("seq"), causal=causal,
-                      varying=varying)
+        return split(q, k, v, pos, axis=ring_axes, size=layout.size("seq"), causal=causal, varying=varying)
 
     # Inside a pipeline's vmap over stages (spmd_axis_name = pipeline) the batching adds `pipeline` to
     # what q varies over but not to the kernel's cast-up constants, and check_vma refuses the mix: off
@@ -136,8 +168,8 @@ def _dim(axes: tuple[str, ...]):
 
 # ---- all-gather context parallelism ------------------------------------------------------------
 
-def allgather_attention(q, k, v, pos, *, axis, size, causal, varying=()):
-    """Per device: local queries against the all-gathered K/V (and their positions).
+def allgather_attention(q, k, v, pos, *, axis, size, causal, varying=(), kernel=dense_attention):
+    """Per device: local queries against the all-gathered K/V (and their positions), with `kernel`.
 
     Forward: one all-gather each of K, V, positions over `axis`. Backward (by autodiff): the
     transpose of an all-gather is a reduce-scatter, so dK/dV are summed over the ring and each
@@ -145,19 +177,13 @@ def allgather_attention(q, k, v, pos, *, axis, size, causal, varying=()):
     """
     del size, varying
     k_all, v_all, pos_all = jax.lax.all_gather((k, v, pos), axis, axis=1, tiled=True)
-    return dense_attention(q, k_all, v_all, pos, pos_all, causal=causal)
+    return kernel(q, k_all, v_all, pos, pos_all, causal=causal)
 
 
 # ---- ring attention ----------------------------------------------------------------------------
 #
-# Online softmax. For one query row, with scores s_j arriving in blocks, keep
-#     m = max_j s_j,   l = sum_j exp(s_j - m),   acc = sum_j exp(s_j - m) v_j
-# and on a new block B:  m' = max(m, max_B s);  alpha = exp(m - m')
-#     l' = alpha l + sum_B exp(s - m'),   acc' = alpha acc + sum_B exp(s - m') v.
-# After all blocks, out = acc / l = softmax(s) v exactly. Masked scores are MASKED (finite), so a
-# block that is fully masked for a row contributes exp(MASKED - m) = 0 once the row has seen any
-# visible key, and any earlier masked contribution is wiped by alpha = exp(MASKED - m') = 0.
-# The result does not depend on m, so m is held out of autodiff (stop_gradient): exact, cheaper.
+# Online softmax (jaxpar/ops/blockwise_attention.py): each arriving K/V block is folded into running
+# statistics (m, l, acc) with `online_update`, the blockwise kernel's block step.
 
 
 def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
@@ -188,10 +214,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
     stats_shape = (b, hkv, hq // hkv, piece)
 
     def init():
-        m = jnp.full(stats_shape, MASKED, jnp.float32)
-        l = jnp.zeros(stats_shape, jnp.float32)
-        acc = jnp.zeros(stats_shape + (d,), jnp.float32)
-        return jax.lax.pcast((m, l, acc), varying, to="varying")
+        return jax.lax.pcast(empty_stats(stats_shape, d), varying, to="varying")
 
     def fold(stats, kv, qs):
         """Fold one K/V block into every q piece's statistics."""
@@ -203,10 +226,9 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
             for kj, vj, kpos in ks:
                 if causal:
                     visible = jnp.any(qpos[:, :, None] >= kpos[:, None, :])
-                    st = jax.lax.cond(visible, functools.partial(_online_update, causal=True),
-                                      lambda st, *_: st, st, qi, kj, vj, qpos, kpos)
+                    st = jax.lax.cond(visible, _causal_update, lambda st, *_: st, st, qi, kj, vj, qpos, kpos)
                 else:
-                    st = _online_update(st, qi, kj, vj, qpos, kpos, causal=False)
+                    st = online_update(st, qi, kj, vj, None)
             out.append(st)
         return out
 
@@ -248,15 +270,6 @@ def _recomputed(fn):
     return wrapped
 
 
-def _online_update(stats, qg, k, v, q_pos, kv_pos, *, causal):
-    """One online-softmax step: fold scores of qg [b,sq,hkv,g,d] x k [b,sk,hkv,d] into stats."""
-    m, l, acc = stats
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    if causal:
-        allowed = q_pos[:, None, None, :, None] >= kv_pos[:, None, None, None, :]
-        scores = jnp.where(allowed, scores, MASKED)
-    m_new = jax.lax.stop_gradient(jnp.maximum(m, scores.max(axis=-1)))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(scores - m_new[..., None])
-    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+def _causal_update(stats, qg, k, v, q_pos, kv_pos):
+    """`online_update` under the causal mask of these positions."""
+    return online_update(stats, qg, k, v, block_mask(q_pos, kv_pos, causal=True))

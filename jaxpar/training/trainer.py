@@ -74,7 +74,7 @@ class TrainState(NamedTuple):
 def run_config(strategy: Strategy) -> RunConfig:
     """How the model executes under `strategy`: the one place strategy options reach the model."""
     o = strategy.options
-    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention,
+    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention, attention_kernel=o.attention_kernel,
                      ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap,
                      fsdp_prefetch=o.fsdp_prefetch)
 
@@ -93,6 +93,7 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         self.strategy = strategy.resolved(len(devices))
         validate.check(model, self.strategy, batch=tc.batch, seq=tc.seq)
+        validate.check_backend(self.strategy, devices[0].platform)
         self.run = run_config(self.strategy)
         abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))  # nothing allocated
         self.graphdef, abstract_params = nnx.split(abstract)
