@@ -12,12 +12,13 @@ COST = pathlib.Path(__file__).resolve().parent.parent / "jaxpar" / "cost"
 TEXTBOOK = ("hardware", "params", "flops", "shape", "memory", "held", "floor", "time", "energy")
 # the collectives each parallelism issues: textbook, with XLA's passes applied through compiler.py
 COLLECTIVES = ("comm_data", "comm_tensor", "comm_context", "comm_pipeline", "comm_expert")
-COMPILER_KIN = {"Compiler", "site", "together", "reductions", "ar_bytes"}   # what compiler.py applies
-# still branching on a trait of their own (XLA:CPU's reassociation, combiner, unhoisted loop sums, ...)
-COMPILER_BRANCHES = ("comm_data", "comm_tensor")
+COMPILER_KIN = {"Compiler", "site", "together", "reductions", "ar_bytes", "scattered", "input_grads",
+                "input_grad_sums"}   # the passes as compiler.py applies them
+# still branching on a trait of its own (XLA:CPU's unhoisted loop sums and its combiner's grouping)
+COMPILER_BRANCHES = ("comm_data",)
 # the implementation layer, and the modules over both layers (estimate, inference)
-IMPLEMENTATION = ("software", "compiler", "inventory_jax", "program_memory", "program_flops", "program_comm",
-                  "program_pipeline", "comm", "overlap", "estimate", "inference")
+IMPLEMENTATION = ("software", "compiler", "compiler_comm", "inventory_jax", "program_memory", "program_flops",
+                  "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference")
 TRAITS = ("reduce_scatter", "reassociate", "combine", "hoist", "fold", "promote_bf16")   # compiler.Compiler's
 KIND_NAMES = {"AR", "AG", "RS", "A2A", "PERMUTE"}   # the collective kinds' names (compiler.py): no trait
 # the spellings the one question had besides `jaxpar_program`
@@ -47,7 +48,8 @@ def test_the_checker_finds_a_planted_offender():
 
 def trait_reads(source: str) -> list[str]:
     """Every `x.trait` a module reads, trait one of `Compiler`'s."""
-    return [node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute) and node.attr in TRAITS]
+    tree = ast.parse(source)
+    return [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in TRAITS]
 
 
 def test_the_layers_name_every_module():

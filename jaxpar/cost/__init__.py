@@ -20,6 +20,7 @@ The implementation: what a software stack and XLA make of it, as data and the ad
     software   the stacks' presets (jaxpar, Megatron-LM, Megatron-Core): traits as data, and the one
                question "is this jaxpar's own program?" (`Software.jaxpar_program`)
     compiler   XLA's collective passes per backend, as data, and `site`, which applies them
+    compiler_comm   what a backend's unhoisted layer loop and combiner make of the textbook's collectives
     inventory_jax, program_memory   what jaxpar's program keeps and XLA's buffers hold
     program_flops                   what jaxpar's pipelines recompute
     program_pipeline                what jaxpar's pipelines issue and recompute beyond the sends

@@ -24,7 +24,7 @@ included). Recomputed forward collectives (remat `full`) are tallied under `back
 from __future__ import annotations
 
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
-from jaxpar.cost import comm_context, comm_tensor, program_comm, program_pipeline
+from jaxpar.cost import comm_context, comm_tensor, compiler_comm, program_comm, program_pipeline
 from jaxpar.cost.comm_data import data_parallel
 from jaxpar.cost.comm_expert import expert_parallel
 from jaxpar.cost.comm_pipeline import pipeline_parallel
@@ -56,8 +56,10 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
     comm_context, comm_pipeline, comm_expert) and, where the step is jaxpar's own program, its
     adjustments in their place (program_comm: its pipelines' per-shard weight copies' gradient sums,
     `departures` from comm_data's; program_pipeline: what its stages recompute, its 1F1B head, how the
-    positions travel, its head spread and boundary sums). Plain tuples: the time model reads them thousands of times per second."""
-    sz, cc, own = st.sizes, compiler, software.jaxpar_program
+    positions travel, its head spread and boundary sums); where a backend leaves the sums in the layer
+    loop or combines them, compiler_comm's. Plain tuples: the time model reads them thousands of times
+    per second."""
+    sz, cc, own, sp = st.sizes, compiler, software.jaxpar_program, st.options.sequence_parallel
     piped = own and shape.stages > 1            # jaxpar's own pipeline schedules (jaxpar/pipeline/)
     one_f = one_f_one_b(st, shape, own)         # ... its 1F1B: every backward tick reruns its chunk
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
@@ -68,8 +70,10 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
         recomputed = program_pipeline.recomputed_tp(st, shape) if piped else comm_tensor.recomputed_tp(st)
         raw += comm_tensor.tensor_parallel(m, st, shape, act, cc, recomputed, rerun_chunk=one_f)
         raw += (program_pipeline.one_f_one_b_head(cc, st, shape, m, act) if one_f
-                else comm_tensor.tp_vocab(cc, st, shape, m, act))
-        raw += comm_tensor.sp_norms(cc, m, shape, final=not one_f) if st.options.sequence_parallel else []
+                else comm_tensor.tp_vocab(cc, st, shape, m, act, compiler_comm.label_phase(cc, sp)))
+        if sp:
+            raw += (comm_tensor.sp_norms(m, shape) if cc.hoist
+                    else compiler_comm.sp_norms_in_loop(cc, m, shape, final=not one_f))
     if sz["context"] > 1:
         positions = program_pipeline.cp_positions(st, shape) if piped else comm_context.positions(st, shape)
         raw += comm_context.context_parallel(m, st, shape, act, cc, positions, rerun_chunk=one_f)

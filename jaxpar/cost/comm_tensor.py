@@ -5,7 +5,7 @@ jaxpar/cost/compiler.py's `site` writes them; comm.predicted merges them. What a
 recomputes beyond a layer's own remat is passed in (`recomputed`, `rerun_chunk`: program_pipeline.py)."""
 from __future__ import annotations
 
-from jaxpar.cost.compiler import AG, AR, PERMUTE, RS, Compiler, ar_bytes, site
+from jaxpar.cost.compiler import AG, AR, PERMUTE, RS, Compiler, ar_bytes, input_grad_sums, input_grads, scattered, site
 from jaxpar.cost.memory import GRAD_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params
 from jaxpar.cost.shape import StepShape
@@ -54,7 +54,7 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
         return tp_rings(cc, st, e, xr, forward=4, recomputed=3)
     ax = ("tensor",)
     fwd_kind = RS if sp else AR
-    fwd_x = x if (sp and cc.reduce_scatter) else xr
+    fwd_x = scattered(cc, x, xr) if sp else xr
     for _ in range(2):
         if sp:
             out += site(cc, AG, ax, e, [x], "forward")
@@ -65,11 +65,8 @@ def tp_attention(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: flo
     out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") * sums
     if sp:
         out += site(cc, AG, ax, e, [x], "backward") + site(cc, AG, ax, e, [x], "backward")
-    if cc.reassociate:
-        out += site(cc, fwd_kind, ax, e, [fwd_x], "backward") + site(cc, fwd_kind, ax, e, [fwd_x], "backward")
-    else:  # q, k, v and gate, up input gradients: all-reduced (sliced afterwards under SP)
-        out += site(cc, AR, ax, e, [xr] * 3, "backward") + site(cc, AR, ax, e, [xr] * 2, "backward")
-    return out
+    out += input_grad_sums(cc, fwd_kind, ax, e, fwd_x, xr, 3, "backward")   # q, k, v's input gradients
+    return out + input_grad_sums(cc, fwd_kind, ax, e, fwd_x, xr, 2, "backward")   # gate and up's
 
 
 def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
@@ -80,11 +77,11 @@ def tp_mamba(cc: Compiler, st: Strategy, shape: StepShape, x: float, xr: float,
     is the layer's output), but a schedule that reruns each chunk in its backward (`rerun_chunk`: jaxpar's
     1F1B, jaxpar/pipeline/one_f_one_b.py) with k > 1 slots."""
     e, sp, ax = shape.exec_mamba, st.options.sequence_parallel, ("tensor",)
-    again = site(cc, RS if sp else AR, ax, e, [(x if cc.reduce_scatter else xr) if sp else xr], "backward")
+    again = site(cc, RS if sp else AR, ax, e, [scattered(cc, x, xr) if sp else xr], "backward")
     again = again if rerun_chunk and shape.per_chunk > 1 else []   # live when a slot feeds the next
     if not sp:
         return site(cc, AR, ax, e, [xr], "forward") + site(cc, AR, ax, e, [xr], "backward") + again
-    rs = x if cc.reduce_scatter else xr
+    rs = scattered(cc, x, xr)
     regather = site(cc, AG, ax, e, [x], "backward") * (int(st.options.remat != "none") + int(rerun_chunk))  # no dot
     return (site(cc, AG, ax, e, [x], "forward") + site(cc, RS, ax, e, [rs], "forward")
             + site(cc, AG, ax, e, [x], "backward") + site(cc, RS, ax, e, [rs], "backward") + regather + again)
@@ -106,7 +103,7 @@ def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: floa
     e, sp, ax, out = shape.exec_moe, st.options.sequence_parallel, ("tensor",), []
     w = shape.mb * shape.s_loc * m.top_k * 4
     fwd_kind = RS if sp else AR
-    fwd_x = x if (sp and cc.reduce_scatter) else xr
+    fwd_x = scattered(cc, x, xr) if sp else xr
     shared = bool(m.shared_experts)
     rings = st.options.overlap != "none"
     gathers = 1 if rings else 2
@@ -120,54 +117,44 @@ def tp_moe(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, x: floa
         out += site(cc, AG, ax, e, [x], "backward") * gathers
     if rings:
         out += tp_rings(cc, st, e, xr, forward=2, recomputed=2)
-    qkv = [] if rings else [xr] if cc.reassociate else [xr] * 3
-    gate_up = ([xr] if cc.reassociate else [xr] * 2) if shared else []
+    qkv = [] if rings else input_grads(cc, xr, 3)
+    gate_up = input_grads(cc, xr, 2) if shared else []
     return out + site(cc, AR, ax, e, qkv, "backward") + site(cc, AR, ax, e, [xr, w] + gate_up, "backward")
 
 
-def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int) -> list[tuple]:
+def tp_vocab(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfig, act: int,
+             label_phase: str | None = "forward") -> list[tuple]:
     """Vocab-sharded embedding and head, once per accumulation step (head outside the pipeline):
     forward the embedding output is summed over `tensor` (SP: reduce-scattered), the head input is
     gathered under SP, the softmax max and sum-exp are all-reduced (T*4 bytes each), and so is the
-    label's logit (T*4; only the loss value needs it, so XLA:CPU's combiner merges it with the next
-    all-reduce over `tensor`); backward the head input gradient is all-reduced (SP:
-    reduce-scattered) and, under SP, the embedding output gradient gathered. Under pipeline parallelism
-    the embedding sees every micro-batch but the head only its stage's ceil(M/S) (jaxpar/pipeline/gpipe.py)."""
+    label's logit (T*4; only the loss value needs it, so a combiner may issue it with a later all-reduce
+    over `tensor`: `label_phase`, None where it joins another op, compiler_comm.label_phase); backward
+    the head input gradient is all-reduced (SP: reduce-scattered) and, under SP, the embedding output
+    gradient gathered. Under pipeline parallelism the embedding sees every micro-batch but the head only
+    its stage's ceil(M/S) (jaxpar/pipeline/gpipe.py)."""
     tokens = shape.b_loc / shape.accum * shape.s_loc
     head = shape.head_micro * shape.mb * shape.s_loc if shape.stages > 1 else tokens
     x, xr, n = tokens * m.d_model * act, tokens * m.d_model * ar_bytes(cc, act), shape.accum
     hx, hxr = head * m.d_model * act, head * m.d_model * ar_bytes(cc, act)
     sp, ax = st.options.sequence_parallel, ("tensor",)
-    rs, hrs = (x, hx) if cc.reduce_scatter else (xr, hxr)
+    rs, hrs = scattered(cc, x, xr), scattered(cc, hx, hxr)
     out = site(cc, RS if sp else AR, ax, n, [rs if sp else xr], "forward")
     out += site(cc, AR, ax, n, [head * 4], "forward") + site(cc, AR, ax, n, [head * 4], "forward")
     out += site(cc, RS if sp else AR, ax, n, [hrs if sp else hxr], "backward")
     if sp:
         out += site(cc, AG, ax, n, [hx], "forward") + site(cc, AG, ax, n, [x], "backward")
-    if not (sp and cc.combine):  # under SP and the combiner it rides with the final-norm gradient
-        out += site(cc, AR, ax, n, [head * 4], "optimizer" if cc.combine else "forward")
-    return out
+    return out + (site(cc, AR, ax, n, [head * 4], label_phase) if label_phase else [])
 
 
-def sp_norms(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool = True) -> list[tuple]:
-    """Under SP the norm weights see sequence shards: their gradients are summed over `tensor`.
-    Hoisted: once per step; else in the layer loop, per layer execution, and the final norm's
-    after it (with the combiner, together with the label-logit sum; `final` False: the final norm's sum
-    is elsewhere, 1F1B's per tick). An MoE block's two norms count as an attention block's (its router
+def sp_norms(m: ModelConfig, shape: StepShape) -> list[tuple]:
+    """Under SP the norm weights see sequence shards: their gradients are summed over `tensor`, once per
+    step in one op (the sums hoisted out of the layer loop; where a backend leaves them in it:
+    compiler_comm.sp_norms_in_loop). An MoE block's two norms count as an attention block's (its router
     sees the gathered norm output: replicated, nothing to sum)."""
-    ax, d = ("tensor",), m.d_model
+    d = m.d_model
     na, nm = layer_counts(m)
-    if cc.hoist:
-        reps = (na * attention_block_params(m).replicated + nm * mamba_block_params(m).replicated
-                + m.moe_layers * 2 * d)
-        return [(AR, ax, 1, (reps / shape.stages + d) * GRAD_BYTES, "backward")]
-    tokens = shape.b_loc / shape.accum * shape.s_loc   # the label logits': a pipeline stage's head micro-batches
-    if shape.stages > 1:
-        tokens = shape.head_micro * shape.mb * shape.s_loc
-    out = site(cc, AR, ax, shape.exec_attention + shape.exec_moe, [d * GRAD_BYTES] * 2, "backward")
-    out += site(cc, AR, ax, shape.exec_mamba, [d * GRAD_BYTES], "backward")
-    last = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
-    return out + (site(cc, AR, ax, 1, last, "optimizer") if final else [])
+    reps = (na * attention_block_params(m).replicated + nm * mamba_block_params(m).replicated + m.moe_layers * 2 * d)
+    return [(AR, ("tensor",), 1, (reps / shape.stages + d) * GRAD_BYTES, "backward")]
 
 
 def tensor_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,

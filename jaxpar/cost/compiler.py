@@ -100,3 +100,26 @@ def reductions(cc: Compiler, st: Strategy, axes: tuple[str, ...]) -> list[tuple[
     if cc.fold or not axes:
         return [axes] if axes else []
     return [g for g in (tuple(a for a in axes if a in BATCH_AXES), tuple(a for a in axes if a not in BATCH_AXES)) if g]
+
+
+def scattered(cc: Compiler, x: float, xr: float) -> float:
+    """Bytes of one partitioner's reduce-scatter of a buffer of x bytes (xr: as all-reduced): x, or xr
+    where ReduceScatterCreator is absent and it stays an all-reduce of the (promoted) whole (`site`
+    names its kind)."""
+    return x if cc.reduce_scatter else xr
+
+
+def input_grads(cc: Compiler, xr: float, projections: int) -> list[float]:
+    """The buffers summed for the input gradient of `projections` column-parallel matmuls reading one
+    input (q, k, v; gate, up): one with AllReduceReassociate (AR(x) + AR(y) -> AR(x + y)), one per
+    projection without it; xr bytes each."""
+    return [xr] if cc.reassociate else [xr] * projections
+
+
+def input_grad_sums(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, nbytes: float, xr: float,
+                    projections: int, phase: str) -> list[tuple]:
+    """`input_grads` as issued: with AllReduceReassociate one `kind` op of `nbytes` (a reduce-scatter of
+    the sequence shard under SP); without it an all-reduce per projection (sliced afterwards under SP)."""
+    if cc.reassociate:
+        return site(cc, kind, axes, execs, [nbytes], phase)
+    return site(cc, AR, axes, execs, input_grads(cc, xr, projections), phase)

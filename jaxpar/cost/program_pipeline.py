@@ -7,7 +7,7 @@ per-shard weight copies are program_comm.py's."""
 from __future__ import annotations
 
 from jaxpar.cost.comm_context import Positions
-from jaxpar.cost.compiler import A2A, AG, AR, PERMUTE, RS, Compiler, ar_bytes, site, together
+from jaxpar.cost.compiler import A2A, AG, AR, PERMUTE, RS, Compiler, ar_bytes, scattered, site, together
 from jaxpar.cost.held import DATA_LIKE, equal_buffers, held
 from jaxpar.cost.memory import GRAD_BYTES, TOKEN_BYTES
 from jaxpar.cost.program_comm import fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
@@ -150,12 +150,12 @@ def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfi
     ticks, h = shape.micro * shape.accum, shape.mb * shape.s_loc / shape.stages
     hx, hxr = h * d * act, h * d * ar_bytes(cc, act)
     per = shape.micro   # the embedding looked up micro-batch by micro-batch (jaxpar/pipeline/one_f_one_b.py)
-    out = site(cc, RS if sp else AR, ax, ticks, [((x if cc.reduce_scatter else xr) if sp else xr) / per], "forward")
+    out = site(cc, RS if sp else AR, ax, ticks, [(scattered(cc, x, xr) if sp else xr) / per], "forward")
     out += site(cc, AG, ax, ticks, [x / per], "backward") if sp else []
     out += site(cc, AG, ax, ticks, [hx], "forward") if sp else []
     out += site(cc, AR, ax, ticks, [h * 4], "forward") + site(cc, AR, ax, ticks, [h * 4], "forward")
     if sp:   # (a reduce-scatter: apart, XLA:CPU's too)
-        out += site(cc, RS, ax, ticks, [hx if cc.reduce_scatter else hxr], "backward")
+        out += site(cc, RS, ax, ticks, [scattered(cc, hx, hxr)], "backward")
     grads = site(cc, AR, ax, ticks, [d * GRAD_BYTES] if sp else [hxr], "backward")
     out += together(cc, site(cc, AR, ax, ticks, [h * 4], "backward") + grads)
     return out
