@@ -138,8 +138,10 @@ def _tied(*arrays):
 def _varying_like(tree, x):
     """Constants (a scan's or a cond's starting values) typed as varying over the manual mesh axes x varies
     over, as a carry must keep one type under shard_map's check_vma (all-gather attention calls this kernel
-    per device); outside shard_map, the constants as they are."""
-    axes = tuple(jax.typeof(x).manual_axis_type.varying)
+    per device); outside shard_map, the constants as they are. (JAX 0.12 types them as
+    manual_axis_type.varying, earlier releases as vma.)"""
+    aval = jax.typeof(x)
+    axes = tuple(aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying)
     return jax.lax.pcast(tree, axes, to="varying") if axes else tree
 
 
