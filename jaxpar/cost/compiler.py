@@ -23,8 +23,9 @@ same on every backend; what XLA's later passes make of it is not. `Compiler` sta
 none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
 A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
 sums of the gradient norms) are not predicted, because XLA folds them into whichever op is near.
-`site`, `together`, `reductions` and `ar_bytes` apply a `Compiler` to the collectives that cost/comm.py's
-model of the program issues.
+`site`, `together`, `reductions`, `ar_bytes`, `scattered` and `input_grads` apply a `Compiler` to the
+collectives each parallelism issues (cost/comm_*.py); what a backend's unhoisted loop and combiner make
+of them beyond an op's kind and bytes is cost/compiler_comm.py's.
 """
 from __future__ import annotations
 

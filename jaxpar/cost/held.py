@@ -1,6 +1,6 @@
 """What one device holds of the weights, counted for the collectives that move them: elements and arrays
 per pattern unit, per stage and for embedding + final norm + head (jaxpar/cost/comm_data.py and
-comm_pipeline.py reduce them; floor.py bounds them)."""
+program_pipeline.py reduce them; floor.py bounds them)."""
 from __future__ import annotations
 
 import dataclasses

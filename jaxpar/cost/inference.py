@@ -18,7 +18,7 @@ jaxpar.serving.generate sizes it; a decode step is costed at the full cache, its
     collectives    under tensor: the vocab-parallel embedding's sum, two row-parallel sums per
                    attention layer and one per Mamba-2 layer, of [b, s, d] (s = 1 in decode), and the
                    sampling's all-gathers of each rank's best (value, id) (greedy); under expert: each
-                   MoE layer's two dispatch all-to-alls (training's forward ones, cost/comm.py
+                   MoE layer's two dispatch all-to-alls (training's forward ones, cost/comm_expert.py
                    expert_parallel, a group being one sequence's step tokens); the batch axes need
                    none (no gradients)
     memory         weights + KV cache (layers x 2 x b x S x kv heads per device x head_dim, K/V heads
@@ -224,7 +224,7 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
     if c > 1:  # a context-parallel prefill (a decode step never splits its one token)
         ops += _context_prefill(m, st, batch, q_len, act, cc)
     if m.moe_layers and st.sizes["expert"] > 1:
-        # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm.py
+        # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm_expert.py
         # expert_parallel): E x C_loc rows per sequence, a group being one sequence's q_len tokens
         buf = expert_rows(m, q_len, 1, moe_padded) * q_len * b * m.d_model * act
         ops += site(cc, A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")

@@ -9,7 +9,7 @@ one more `Software(...)` in `SOFTWARE`.
                        jaxpar's program?" of the cost model. Its program's adjustments to the textbook
                        figures apply (its activation inventory, jaxpar/cost/inventory_jax.py and
                        program_memory.py; its pipelines' per-shard weight copies, head spread and
-                       boundary all-reduces, jaxpar/cost/program_comm.py and comm_pipeline.py; its overlap
+                       boundary all-reduces, jaxpar/cost/program_comm.py and program_pipeline.py; its overlap
                        options, jaxpar/cost/overlap.py); False: another stack, costed by its traits below
     dropout            the model trains with dropout: masks and dropped copies join the activation
                        inventory (Megatron GPT: attention-probability and hidden dropout, Korthikanti 2022)
