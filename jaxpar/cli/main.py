@@ -122,6 +122,12 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    "checkpoints already in --ckpt-dir (without it, it refuses to start)")
 
 
+def add_phase_flags(p, phase_help: str) -> None:
+    """--phase (a training step, or generation's prefill or decode) and --gen-len, for the cost commands."""
+    p.add_argument("--phase", choices=("train", "prefill", "decode"), default="train", help=phase_help)
+    p.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
+
+
 def add_estimate(sub) -> None:
     e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
     add_model_mesh(e)
@@ -129,10 +135,8 @@ def add_estimate(sub) -> None:
     e.add_argument("--seq", type=POSITIVE, default=4096)
     e.add_argument("--global-batch", type=POSITIVE, default=256, help="sequences per optimizer step")
     e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
-    e.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
-                   help="a training step (default), or one generation step: prefill of --global-batch prompts of "
-                        "--seq tokens, or decode of one token per sequence against a cache of --seq + --gen-len - 1")
-    e.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
+    add_phase_flags(e, "a training step (default), or one generation step: prefill of --global-batch prompts of "
+                       "--seq tokens, or decode of one token per sequence against a cache of --seq + --gen-len - 1")
     add_software_flag(e)
     add_strategy_flags(e)
 
@@ -154,10 +158,8 @@ def add_plan(sub) -> None:
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
                     help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
-    pl.add_argument("--phase", choices=("train", "prefill", "decode"), default="train",
-                    help="search training layouts (default), or inference layouts for a prefill of --global-batch "
-                         "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/planning/inference.py)")
-    pl.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
+    add_phase_flags(pl, "search training layouts (default), or inference layouts for a prefill of --global-batch "
+                        "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/planning/inference.py)")
     add_software_flag(pl)
 
 
