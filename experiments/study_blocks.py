@@ -184,7 +184,8 @@ def block_flops(m, block: str, b_loc: float, seq: int, shards: int) -> float:
 
 def block_collectives(m, block: str, layout: str, b_loc: float, s_loc: float, sizes: dict, gpu=False) -> dict:
     """One layer's non-gradient collectives of `block`, {(kind, fwd|bwd): bytes per device}, as
-    jaxpar/cost/comm.py prices them (tp_attention, tp_mamba, sp_norms, context_parallel), split by block.
+    jaxpar/cost/comm_tensor.py and comm_context.py price them (tp_attention, tp_mamba, sp_norms, context_parallel;
+    compiler_comm.sp_norms_in_loop where the compiler leaves the norms' sums in the layer loop), split by block.
     XLA:CPU (gpu=False): reduce-scatters stay all-reduces of the full buffer, and each projection's
     input gradient is its own all-reduce (q, k, v: 3; gate, up: 2); GPU: one per sub-block, reassociated."""
     t, c, act = sizes.get("tensor", 1), sizes.get("context", 1), 2 if gpu else F32
@@ -202,7 +203,7 @@ def block_collectives(m, block: str, layout: str, b_loc: float, s_loc: float, si
             add("all-gather", "bwd", x)
         backward = 1 if gpu or block == "mamba2" else {"attention": 3, "mlp": 2}[block]
         add("reduce-scatter" if sp and gpu else "all-reduce", "bwd", backward * fx)
-        if sp and block != "mlp":  # the norm weights' gradients (sequence-sharded inputs), sp_norms: XLA
+        if sp and block != "mlp":  # the norm weights' gradients (sequence-sharded inputs): compiler_comm.sp_norms_in_loop
             add("all-reduce", "bwd", (1 if block == "mamba2" else 2) * m.d_model * F32)  # sums both in one op
     if layout == "CP" and block == "attention":
         kv = b_loc * s_loc * m.kv_heads * m.head_dim / min(t, m.kv_heads) * act * c  # K or V, gathered

@@ -8,9 +8,9 @@ and jaxpar.cost.comm's prediction for XLA:CPU must equal the compiled collective
 combiner groups by scheduling: the pipeline's post-loop gradient sums ride with the gradient norm's
 partial sums in several ops, scalars aside the same bytes). Each layout is the fix of one gap
 the 1,024-device verify showed:
-  * the embedding lookup under fsdp x tensor (jaxpar.core.sharding.lookup): no involuntary rematerialisation,
+  * the embedding lookup under fsdp x tensor (jaxpar.xla_workarounds.lookup): no involuntary rematerialisation,
     no collective over pipeline x tensor, the ids gathered and the rows all-to-all'd over fsdp as predicted;
-  * the recomputed tensor-parallel collectives inside the pipeline (cost.comm.recomputed_tp): with fsdp
+  * the recomputed tensor-parallel collectives inside the pipeline (cost.program_pipeline.recomputed_tp): with fsdp
     inside the stages and one unit per chunk;
   * data x fsdp inside the stages (jaxpar/pipeline/gpipe.py's per-shard copies): the weights' gradients are
     reduced over data once per step, not in every iteration, and the step still equals one device.
