@@ -46,7 +46,7 @@ from _study import arguments, finish, md_table, progress  # noqa: E402
 
 from jaxpar.analysis import comm as analysis_comm  # noqa: E402
 from jaxpar.analysis.hlo_text import executed_instructions, parse_module  # noqa: E402
-from jaxpar.analysis.patterns import _one_dot_flops  # noqa: E402
+from jaxpar.analysis.patterns import one_dot_flops  # noqa: E402
 from jaxpar.analysis.tally import collective_ops  # noqa: E402
 from jaxpar.collectives import wire_factor  # noqa: E402
 from jaxpar.cost import flops  # noqa: E402
@@ -147,7 +147,7 @@ def compiled_blocks(model: str, layout: str, batch: int, seq: int) -> dict:
         by_name[instr.name] = instr
         if instr.opcode == "dot" and times:
             b = out.setdefault(owner(instr), {"flops": 0.0, "comm": {}, "weights": 0})
-            b["flops"] += times * _one_dot_flops(instr, shapes)
+            b["flops"] += times * one_dot_flops(instr, shapes)
     shape = tuple(tr.mesh.shape.values())
     for op in collective_ops(module, tr.mesh.axis_names, np.arange(int(np.prod(shape))).reshape(shape)):
         if op.kind == "all-reduce" and op.phase != "forward" and set(op.axes) <= GRADIENT_AXES:

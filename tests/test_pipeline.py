@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis.hlo_text import executed_instructions, parse_module
-from jaxpar.analysis.patterns import _dims, _one_dot_flops
+from jaxpar.analysis.patterns import dims, one_dot_flops
 from jaxpar.analysis.tally import collective_ops, tally_compiled
 from jaxpar.core.mesh import make_mesh
 from jaxpar.core.schedule import default_split, schedule_of, schedule_summary, stored_spec
@@ -28,7 +28,7 @@ from jaxpar.core.strategy import parse_strategy
 from jaxpar.core import validate
 from jaxpar.core.validate import check_pipeline
 from jaxpar.cost import comm as cost_comm
-from jaxpar.cost.comm_data import _fsdp_gathers
+from jaxpar.cost.comm_data import fsdp_gathers
 from jaxpar.cost.compiler import CPU
 from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
@@ -202,7 +202,7 @@ def test_fsdp_gathers_stage_weights_once_per_step():
     # the weights' gathers; the embedding lookup's token ids (int32 [B, s], gathered over fsdp by
     # jaxpar.xla_workarounds.lookup) are not a weight: not compared
     gathers = [op for op in gathers if op.bytes != harness.TC.batch * harness.TC.seq * 4]
-    want = _fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
+    want = fsdp_gathers(m, st, step_shape(m, st, harness.TC.batch, harness.TC.seq), 4, CPU)
     assert sum(count for *_, count, _, _ in want) == len(gathers)
     assert sum(count * nbytes for *_, count, nbytes, _ in want) == pytest.approx(sum(op.bytes for op in gathers), rel=0.01)
 
@@ -243,7 +243,7 @@ def _flops_outside_loops(text: str) -> float:
     head and loss do not)."""
     module = parse_module(text)
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
-    return sum(_one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
+    return sum(one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
                if i.opcode == "dot" and times == 1)
 
 
@@ -262,8 +262,8 @@ def _head_flops(text: str, vocab: int) -> float:
     in an operand or the result), times how often each runs: a 1F1B step's head runs inside its loop."""
     module = parse_module(text)
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
-    return sum(times * _one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
-               if i.opcode == "dot" and any(vocab in _dims(s) for s in [i.shape] + [shapes[o] for o in i.operands[:2]]))
+    return sum(times * one_dot_flops(i, shapes) for i, times, _ in executed_instructions(module)
+               if i.opcode == "dot" and any(vocab in dims(s) for s in [i.shape] + [shapes[o] for o in i.operands[:2]]))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "1f1b" in c and CASES[c][0].startswith("llama")])

@@ -42,19 +42,19 @@ def _sum_dot_flops(module: Module, shapes: dict[str, str]) -> float:
     total = 0.0
     for instr, times, _ in executed_instructions(module):
         if instr.opcode == "dot" and times:
-            total += times * _one_dot_flops(instr, shapes)
+            total += times * one_dot_flops(instr, shapes)
     return total
 
 
-def _one_dot_flops(instr, shapes: dict[str, str]) -> float:
+def one_dot_flops(instr, shapes: dict[str, str]) -> float:
     lhs = instr.operands[0]
-    lhs_dims = _dims(shapes[lhs])
+    lhs_dims = dims(shapes[lhs])
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.text)
     contracted = math.prod(lhs_dims[int(d)] for d in contracting[1].split(",") if d) if contracting else 1
-    return 2.0 * math.prod(_dims(instr.shape)) * contracted
+    return 2.0 * math.prod(dims(instr.shape)) * contracted
 
 
-def _dims(shape: str) -> list[int]:
+def dims(shape: str) -> list[int]:
     match = re.match(r"\s*[a-z][a-z0-9]*\[([^\]]*)\]", shape)
     return [int(d.strip().removeprefix("<=")) for d in match[1].split(",") if d.strip()] if match else []
 
@@ -109,7 +109,7 @@ def _results(instr, users) -> list[tuple[str, str]]:
 
 
 def _elements(shape: str) -> int:
-    return math.prod(_dims(shape))
+    return math.prod(dims(shape))
 
 
 def _only_sliced(name: str, elements: int, n: int, users, computations, exits: tuple[str, ...] = ()) -> bool:

@@ -30,7 +30,7 @@ class Departures:
     sums over the data axes beyond fsdp, in place of the textbook's (and the final norm summed there, not
     scattered); `stage_gather_bytes`: bytes per element of a pipeline stage's fsdp gathers (None: the
     compute dtype's); `table_gathered`: the embedding table gathered over fsdp and its gradient scattered,
-    in place of `_embedding_lookup`."""
+    in place of `embedding_lookup`."""
     replicated_sums: Callable[[tuple[str, ...], Held], Sums | None] | None = None
     sharded_sums: Callable[[tuple[str, ...], Held, float, float], Sums] | None = None
     stage_gather_bytes: int | None = None
@@ -42,7 +42,7 @@ TEXTBOOK = Departures()
 
 # ---- data parallelism, ZeRO-1, FSDP (ZeRO-3) ---------------------------------------------------------
 
-def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
+def embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, shard: tuple[str, ...],
                       cc: Compiler) -> list[tuple]:
     """Embedding table sharded on its model dim over `shard` (ZeRO-3 parameters, ZeRO-1 moments):
     the token ids are all-gathered to look rows up locally and the rows go back to batch sharding by an
@@ -59,12 +59,12 @@ def _embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, 
     return out + site(cc, A2A, shard, shape.accum, [rows / shape.accum], "backward")
 
 
-def _fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
+def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
                   stage_gather_bytes: int | None = None) -> list[tuple]:
     """ZeRO-3: per layer execution, forward and backward, one all-gather over fsdp per array the params
     rules shard (compute dtype; a packed group, Mamba-2's in_proj, is gathered as one array); the head
     and final norm gathered forward only: both are gathered once where they are read and the gathered
-    copy is saved for the backward pass (`jaxpar.core.sharding.gathered`: models/lm.py, models/layers.py's
+    copy is saved for the backward pass (`jaxpar.xla_workarounds.gathered`: models/lm.py, models/layers.py's
     RMSNorm). So are the layers' norm weights, so without remat they are not gathered again backward, nor
     are the routed experts' weights (operands of the expert kernel's shard_map, jaxpar/ops/moe.py, whose
     transpose reads the same gathered operands: XLA:CPU, moe-tiny fsdp=2,expert=4; a memory cost: every
@@ -111,10 +111,10 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     ZeRO-1: reduce-scatter the sharded grads over data x fsdp, all-gather the updated params after the
     update, `gather_bytes` per element (jaxpar gathers its float32 masters; Megatron's distributed
     optimizer the bf16 model weights).
-    ZeRO-3 / FSDP: gathers as `_fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
+    ZeRO-3 / FSDP: gathers as `fsdp_gathers`, and per layer execution the sharded grads reduce-scattered
     over fsdp (under a pipeline once per accumulation step, each stage's v*k unit slots at once:
     jaxpar/pipeline/gpipe.py); then the shards all-reduced over the remaining data-like axes.
-    Under ZeRO-1/3 the embedding is looked up as `_embedding_lookup` says and the head's and final
+    Under ZeRO-1/3 the embedding is looked up as `embedding_lookup` says and the head's and final
     norm's gradients are reduce-scattered one by one (not combined).
     Routed experts (MoE under expert > 1) are split over `expert`: their gradients are reduced as above
     over the data-like axes but `expert`, apart from the other weights' (shard_map sums them where the
@@ -214,8 +214,8 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         sharded, norms = _without_norms(m, sharded)
     lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * act], "forward")
               + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * GRAD_BYTES],
-                     "backward") if departures.table_gathered else _embedding_lookup(m, st, shape, act, shard, cc))
-    out = (_fsdp_gathers(m, st, shape, act, cc, departures.stage_gather_bytes) + lookup
+                     "backward") if departures.table_gathered else embedding_lookup(m, st, shape, act, shard, cc))
+    out = (fsdp_gathers(m, st, shape, act, cc, departures.stage_gather_bytes) + lookup
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
@@ -242,7 +242,7 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
             out += [op for group in groups(axes) for op in (
                 grads(group, norms, 1) if cc.hoist else site(cc, AR, group, 1, [norm * GRAD_BYTES], "backward"))]
     if zero == 1:
-        out += _embedding_lookup(m, st, shape, act, shard, cc) if dense else []
+        out += embedding_lookup(m, st, shape, act, shard, cc) if dense else []
         out += site(cc, AG, shard, 1, equal_buffers(sharded.full * gather_bytes, sharded.arrays), "optimizer")
     for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist

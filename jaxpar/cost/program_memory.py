@@ -163,7 +163,7 @@ def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:
     """Per MoE layer, jaxpar's program under ZeRO-3 without remat: the routed experts' weights gathered over
     fsdp (float32, as stored) are the expert kernel's shard_map operands, which its transpose reads, so
     every layer's gathered copy lives until the backward pass (seen in XLA's memory analysis: moe-tiny
-    d_model=128, fsdp=4 x expert=2; jaxpar/cost/comm_data._fsdp_gathers: not gathered again backward).
+    d_model=128, fsdp=4 x expert=2; jaxpar/cost/comm_data.fsdp_gathers: not gathered again backward).
     Dense weights, and the experts where the kernel runs without shard_map (fsdp alone), are gathered
     again in the backward pass instead. (The gather happens where the layer scan slices the stacked
     weights, outside any region a jax.checkpoint around the kernel controls.)"""

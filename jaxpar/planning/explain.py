@@ -289,7 +289,7 @@ def spec_dims(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
 
 def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
     """Gathers and gradient sums over the axes the reading activations split (module docstring)."""
-    lay, where = ctx.layout, definition(cost_comm_data, "_fsdp_gathers")
+    lay, where = ctx.layout, definition(cost_comm_data, "fsdp_gathers")
     reduced = definition(cost_comm_data, "data_parallel")
     vector = v.names == ("embed",)    # a norm's scale: read by the residual stream (`res_seq`)
     split = ctx.kept(lay.axes("batch") + lay.axes("res_seq" if vector else "seq"))
@@ -368,7 +368,7 @@ def lookup_moves(v: View, ctx: Context) -> list[Move]:
     an all-to-all, which leaves the gradient sharded like the table, so it is not reduce-scattered."""
     if v.names[0] != "vocab":
         return []
-    lay, where = ctx.layout, definition(cost_comm_data, "_embedding_lookup")
+    lay, where = ctx.layout, definition(cost_comm_data, "embedding_lookup")
     vocab = definition(cost_comm_tensor, "tp_vocab")
     stored = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
     width = ctx.kept(set(v.stored[1] + v.optimizer[1]) & set(lay.axes("batch")))
