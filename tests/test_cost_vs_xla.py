@@ -147,6 +147,7 @@ def test_fsdp_experts_stay_gathered_until_the_backward_pass():
     assert pred == pytest.approx(c.peak, rel=0.08), (pred, c.peak)
 
 
+@pytest.mark.slow   # 20 s of compiles
 def test_ring_attention_in_a_pipeline_keeps_no_score_blocks():
     """Ring attention's folds are rematerialised by a custom VJP (jaxpar/ops/attention.py): a pipeline
     iteration's checkpoint policy (remat none: save all but the weight slices) overruled the nested
@@ -161,6 +162,7 @@ def test_ring_attention_in_a_pipeline_keeps_no_score_blocks():
     assert pred.total == pytest.approx(peak, rel=0.20)
 
 
+@pytest.mark.slow   # 25 s of compiles
 def test_1f1b_applies_the_units_remat_policy_in_its_chunks():
     """1F1B's backward tick recomputes its chunk from the stashed input; with remat full each unit inside
     the chunk is rematerialised too (jaxpar/pipeline/stages.py), so the tick holds the chunk's unit inputs

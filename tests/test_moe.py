@@ -181,7 +181,8 @@ def test_expert_parallel_matches_the_local_kernel(mesh, mode):
 @pytest.mark.parametrize("model, mesh, devices, options", [
     ("moe-tiny:capacity_factor=1.0", "data=2,expert=4", 8, {}),
     ("moe-tiny:capacity_factor=1.0", "context=2,expert=4", 8, {"attention": "ring"}),
-    ("moe-tiny", "data=2,context=2,tensor=2", 8, {"attention": "allgather"}),   # local kernel, split sequence
+    pytest.param("moe-tiny", "data=2,context=2,tensor=2", 8, {"attention": "allgather"},   # local kernel, split sequence
+                 marks=pytest.mark.slow),   # 20 s; context x expert runs above
     ("moe-tiny", "data=4,tensor=2", 8, {"sequence_parallel": True}),            # local kernel, XLA-partitioned
     ("moe-tiny:shared_experts=2,router=sigmoid,router_norm=false", "fsdp=2,expert=2,tensor=2", 8,
      {"sequence_parallel": True}),
@@ -191,6 +192,7 @@ def test_model_matches_one_device(model, mesh, devices, options):
     harness.assert_matches_one_device(model, mesh, devices, **options)
 
 
+@pytest.mark.slow   # 30 s of compiles; the dense layers' equality runs in every other case
 def test_dense_patterns_mix_with_moe():
     """'AE' alternates dense and MoE layers: one of each per unit, and the auxiliary losses count the
     MoE layers only."""

@@ -66,7 +66,8 @@ def single_process(mesh: str):
 
 # ---- the launched runs -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh", ["dp2-tp4", pytest.param("fsdp8", marks=pytest.mark.slow), "hybrid"])
+@pytest.mark.parametrize("mesh", ["dp2-tp4", pytest.param("fsdp8", marks=pytest.mark.slow),
+                                  pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_two_processes_match_one(mesh, tmp_path):
     """2 processes x 4 devices: the loss trajectory of 1 process x 8 devices (<= 1e-5); for dp2-tp4 the
     checkpoint the 2 processes write together restores in this one process onto another mesh. fsdp8
