@@ -108,6 +108,13 @@ def test_imports_run_one_way():
         if name.startswith(("jaxpar.cost", "jaxpar.collectives")):  # the analytic model reads no compiled program
             assert not {t for t in targets if t.startswith("jaxpar.analysis")}, (name, targets)
     assert not {t for t in graph["jaxpar.core.validate"] if t.startswith(("jaxpar.models", "jaxpar.ops"))}
+    upper = ("jaxpar.models", "jaxpar.ops", "jaxpar.pipeline", "jaxpar.training", "jaxpar.serving", "jaxpar.cost",
+             "jaxpar.analysis", "jaxpar.planning", "jaxpar.cli")
+    for name, targets in graph.items():
+        if name.startswith("jaxpar.core"):  # the idea sits below everything that runs it
+            assert not {t for t in targets if t.startswith(upper)}, (name, targets)
+        if name.startswith("jaxpar.models"):  # models know no schedule, trainer, server or cost model
+            assert not {t for t in targets if t.startswith(upper[2:])}, (name, targets)
 
 
 def test_modules_stay_small():
