@@ -79,7 +79,8 @@ CASES = {
 
 # The cases whose compiles take longest (20 to 40 s each on 2 cores): `make test-slow` runs them (CI runs it
 # after `make test`); each layout they add is also covered, in a cheaper form, by a case above.
-SLOW_CASES = {"hybrid-U8-S2-M2-gpipe-cp2-ring-zigzag", "mamba-U5-S2-M4-gpipe-tp2-dp2", "S2-M8-circular-tp2-dp2-split"}
+SLOW_CASES = {"hybrid-U8-S2-M2-gpipe-cp2-ring-zigzag", "mamba-U5-S2-M4-gpipe-tp2-dp2", "S2-M8-circular-tp2-dp2-split",
+              "S2-M4-1f1b-cp2-ring", "mamba-U4-S2-M4-1f1b-cp2-zigzag", "U10-S2-M4-1f1b-v2-tp2-sp"}
 CASE_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
 
 
