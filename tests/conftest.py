@@ -58,6 +58,23 @@ SLOW_IDS = (
     "test_multiprocess.py::test_comm_under_two_processes",
     "test_multiprocess.py::test_sigterm_saves_a_checkpoint_and_stops_everything",
     "test_comm.py::test_compare_trains_and_plots",
+    "test_multiprocess.py::test_an_unexpected_error_in_one_process_stops_the_run_at_once",
+    "test_cost_vs_xla.py::test_flops_per_device_match_xla[mamba2-tiny-dp8]",
+    "test_cost_vs_xla.py::test_flops_per_device_match_xla[llama-tiny-tp8]",
+    "test_cost_vs_xla.py::test_flops_per_device_match_xla[llama-tiny-fsdp8]",
+    "test_strategies.py::test_tensor_beyond_kv_heads_replicates_them_and_matches_one_device",
+    "test_mamba_model.py::test_matches_one_device[mamba2-tiny-data=8-8",
+    "test_inference.py::test_greedy_generation_matches_the_unsharded_forward[mamba2-tiny-data=4,tensor=2",
+    "test_moe.py::test_comm_reports_the_all_to_alls_per_moe_layer",
+    "test_experiments_study.py::test_quick_mode[study_moe]",
+    "test_experiments_study.py::test_quick_mode[study_scaling_ladder]",
+    "test_experiments_bench.py::test_quick_mode[bench_inference]",
+    "test_training.py::test_bfloat16_compute_stays_close_and_keeps_float32_masters",
+    "test_training.py::test_hundred_steps_halve_the_loss",
+    "test_attention_kernels.py::test_blockwise_memory_grows_linearly_dense_quadratically",
+    "test_attention_kernels.py::test_blockwise_strategy_matches_one_device[tp4-sp]",
+    "test_gpu_check.py::test_dry_run_writes_every_section_with_numbers",
+    "test_gpu_check.py::test_checkout_packages_registered_without_an_install",
 )
 
 
