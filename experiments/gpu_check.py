@@ -365,11 +365,16 @@ def train_with_fallback(label: str, spec: str, plan: Plan, **options) -> dict:
     return row
 
 
+def prediction_text(p: dict, text) -> str:
+    """The cost model's figure as `text()` words it, or why it could not be had."""
+    return text() if "error" not in p else f"prediction FAILED {p['error']}"
+
+
 def print_train(row: dict) -> None:
     p, x = row["predicted"], row["xla_memory"]
     options = ", ".join(f"{k} {v}" for k, v in row["options"].items()) or "defaults"
-    predicted = (f"predicted {ms(p['step_s'])}, MFU {p['mfu']:.1%}, memory {size(p['memory_bytes'])}"
-                 if "error" not in p else f"prediction FAILED {p['error']}")
+    predicted = prediction_text(p, lambda: f"predicted {ms(p['step_s'])}, MFU {p['mfu']:.1%}, "
+                                           f"memory {size(p['memory_bytes'])}")
     print(f"  {row['label']} ({row['params'] / 1e6:.1f}M params) batch {row['batch']} x seq {row['seq']}, {options}: "
           f"step {ms(row['step_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%} (causal "
           f"{row['mfu_causal']:.1%}), peak in use {size(row['peak_bytes_in_use'])}, XLA {size(x.get('total'))} (temp "
@@ -528,8 +533,8 @@ def decode_row(spec: str, batch: int, plan: Plan) -> dict:
                         "tokens_per_s": batch * bw / step_bytes},
            "predicted": guarded("prediction", lambda: predicted_decode(m, gen.strategy, batch, plan), quiet=True)}
     r, p = row["roofline"], row["predicted"]
-    predicted = (f"predicted {ms(p['step_s'])}, {p['tokens_per_s']:,.0f} tokens/s ({p['bound']}-bound)"
-                 if "error" not in p else f"prediction FAILED {p['error']}")
+    predicted = prediction_text(p, lambda: f"predicted {ms(p['step_s'])}, {p['tokens_per_s']:,.0f} tokens/s "
+                                           f"({p['bound']}-bound)")
     print(f"  batch {batch}, prompt {plan.prompt}, {plan.new_tokens} new: {row['decode_tokens_per_s']:,.0f} decode "
           f"tokens/s, {ms(row['per_token_latency_s'])}/token, first token {ms(row['time_to_first_token_s'])}, "
           f"compile {row['compile_s']:.1f} s | roofline {size(step_bytes)}/step: {ms(r['step_s'])}, "
