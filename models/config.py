@@ -298,9 +298,9 @@ def parse_model(spec: str) -> ModelConfig:
 class RunConfig:
     """How a model executes (set by the strategy's options; never changes the maths)."""
     dtype: str = "float32"        # compute dtype; parameters stay float32
-    remat: str = "none"           # none | full | dots | dots_no_batch
+    remat: str = "none"           # none | full | selective | offload | dots | dots_no_batch
     attention: str = "dense"      # dense | ring | allgather: how the sequence is split (jaxpar/ops/attention.py)
-    attention_kernel: str = "dense"  # dense | auto | blockwise | cudnn: what computes attention on a device
+    attention_kernel: str = "dense"  # dense | auto | blockwise | cudnn | splash: what computes attention on a device
     ssm: str = "chunked"          # Mamba-2 SSD and conv: chunked | context (sequence split over the
                                   # context axis: jaxpar/ops/mamba_cp.py)
     overlap: str = "none"         # none | collective_matmul | collective_matmul_bidir: the attention and

@@ -49,8 +49,11 @@ class Options:
     zero: int | None = _option(None, "0 replicated data parallelism, 1 sharded optimizer state, 3 FSDP "
                                      "(default: 3 if the mesh has fsdp > 1, else 0)", (0, 1, 3))
     sequence_parallel: bool = _option(False, "shard the residual stream's sequence (norms, residuals) over tensor")
-    remat: str = _option("none", "rematerialise activations in the backward pass",
-                         ("none", "full", "dots", "dots_no_batch"))
+    remat: str = _option("none", "rematerialise activations in the backward pass: full keeps only each layer's "
+                                 "input; selective recomputes the attention core only (Korthikanti et al. 2022); "
+                                 "offload keeps the named activations in host memory; dots / dots_no_batch are "
+                                 "JAX's matmul-saving policies",
+                         ("none", "full", "selective", "offload", "dots", "dots_no_batch"))
     dtype: str = _option("float32", "compute dtype (master weights stay float32)", ("float32", "bfloat16"))
     attention: str = _option("dense", "how attention splits the sequence: dense keeps it whole on each device, "
                                       "ring and allgather shard it over context", ("dense", "ring", "allgather"))
@@ -58,8 +61,10 @@ class Options:
                                              "keeps the score matrix for the backward pass; blockwise (pure JAX, "
                                              "online softmax, recomputed backward) keeps memory linear in the "
                                              "sequence; cudnn is cuDNN's fused flash kernel (NVIDIA GPU, bfloat16); "
-                                             "auto: cudnn on a GPU in bfloat16, else blockwise",
-                                    ("dense", "auto", "blockwise", "cudnn"))
+                                             "splash is the Pallas splash-attention kernel (TPU; Pallas interpret "
+                                             "mode elsewhere); auto: cudnn on a GPU in bfloat16, splash on a TPU, "
+                                             "else blockwise",
+                                    ("dense", "auto", "blockwise", "cudnn", "splash"))
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
                              ("contiguous", "zigzag"))
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")
