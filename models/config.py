@@ -19,7 +19,7 @@ import pathlib
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.core.inputs import read_toml
+from jaxpar.core.inputs import did_you_mean, read_toml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +229,9 @@ _FIELDS = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
 
 def _coerce(key: str, raw: Any, where: str) -> Any:
     if key not in _FIELDS or key == "name":
-        known = ", ".join(k for k in _FIELDS if k != "name")
-        raise ConfigError(f"{where}: unknown model field {key!r}; known fields: {known}")
+        known = [k for k in _FIELDS if k != "name"]
+        raise ConfigError(f"{where}: unknown model field {key!r}{did_you_mean(key, known)}; known fields: "
+                          f"{', '.join(known)}")
     default = getattr(ModelConfig, key)
     if isinstance(raw, str):
         text = raw.strip()
@@ -258,7 +259,8 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
 
 def from_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}{did_you_mean(name, PRESETS)}; "
+                          f"presets: {', '.join(PRESETS)}")
     fields = {**PRESETS[name], **{k: _coerce(k, v, f"model {name}") for k, v in overrides.items()}}
     cfg = ModelConfig(name=name, **fields)
     cfg.validate()
@@ -275,7 +277,8 @@ def parse_model(spec: str) -> ModelConfig:
             raise ConfigError(f"{spec}: preset must be a preset name (a string), got {preset!r}")
         base = dict(PRESETS[preset]) if preset in PRESETS else {}
         if preset is not None and preset not in PRESETS:
-            raise ConfigError(f"{spec}: unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"{spec}: unknown model preset {preset!r}{did_you_mean(preset, PRESETS)}; "
+                              f"presets: {', '.join(PRESETS)}")
         fields = {**base, **{k: _coerce(k, v, spec) for k, v in data.items()}}
         cfg = ModelConfig(name=path.stem, **fields)
         cfg.validate()

@@ -9,10 +9,13 @@ before anything compiles or trains. What is checked where:
   - model fields: `ModelConfig.validate`; strategy options: `jaxpar.core.strategy.make_options`;
     combinations of model, strategy and batch: jaxpar/core/validate.py;
   - what this host can hold: `check_host_memory`, and jaxpar/devices.py for simulated devices.
+A name that is not known (a flag, a model field or preset, a mesh axis, a hardware profile) is answered
+with the near matches `did_you_mean` finds, the one place suggestions are made.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import pathlib
@@ -23,6 +26,13 @@ from jaxpar.errors import ConfigError
 
 MAX_SEED = 2**31 - 1
 MAX_CLUSTER_DEVICES = 2**20  # no cluster has more; the planner's search is sized for this
+
+
+def did_you_mean(word: str, known) -> str:
+    """' (did you mean 'layers'?)' for the entries of `known` close to `word` (difflib's ratio >= 0.6,
+    at most three), or '' when none is: the suffix every unknown-name error appends."""
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 # ---- command-line argument types (argparse names the flag in its one-line error) ----------------
@@ -67,6 +77,19 @@ def nonempty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
+
+
+def step_range(text: str) -> tuple[int, int]:
+    """An argparse type: steps A-B (or one step A), counted from 1, inclusive (checked against the
+    run's steps by the train command, which knows them)."""
+    first, dash, last = text.partition("-")
+    try:
+        a, b = int(first), int(last) if dash else int(first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step range A-B (e.g. 2-4)") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"{text!r} must be A-B with 1 <= A <= B")
+    return a, b
 
 
 def png_path(text: str) -> str:

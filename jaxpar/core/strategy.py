@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.core.inputs import read_toml, table
+from jaxpar.core.inputs import did_you_mean, read_toml, table
 from jaxpar.xla_presets import NAMES as XLA_PRESETS
 
 # Canonical order, outermost (slowest links) to innermost (fastest links).
@@ -189,7 +189,7 @@ def make_options(raw: dict[str, Any], where: str) -> Options:
     for key, value in raw.items():
         key = key.replace("-", "_")
         if key not in known:
-            raise ConfigError(f"{where}: unknown option {key!r}; options: {', '.join(known)}")
+            raise ConfigError(f"{where}: unknown option {key!r}{did_you_mean(key, known)}; options: {', '.join(known)}")
         default = known[key].default
         if key == "zero":
             value = None if value is None else _as_int(key, value, where)
@@ -216,7 +216,8 @@ def _as_int(key: str, value: Any, where: str) -> int:
 def _mesh_sizes(raw: dict[str, Any], where: str) -> tuple[tuple[str, int], ...]:
     for axis, size in raw.items():
         if axis not in AXES:
-            raise ConfigError(f"{where}: unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
+            raise ConfigError(f"{where}: unknown mesh axis {axis!r}{did_you_mean(axis, AXES)}; "
+                              f"axes are {', '.join(AXES)}")
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ConfigError(f"{where}: mesh axis {axis}={size!r} must be a positive integer or -1")
     return tuple((a, int(raw.get(a, 1))) for a in AXES)
@@ -292,9 +293,9 @@ def parse_strategy(spec: str) -> Strategy:
     candidate = MESH_CONFIG_DIR / f"{spec}.toml"
     if candidate.exists():
         return load_toml(candidate)
-    names = ", ".join(sorted(p.stem for p in MESH_CONFIG_DIR.glob("*.toml")))
-    raise ConfigError(f"unknown mesh {spec!r}: not an inline spec (data=2,tensor=4), a TOML path, "
-                      f"or a name in mesh_configs/ ({names})")
+    names = sorted(p.stem for p in MESH_CONFIG_DIR.glob("*.toml"))
+    raise ConfigError(f"unknown mesh {spec!r}{did_you_mean(spec, names)}: not an inline spec (data=2,tensor=4), "
+                      f"a TOML path, or a name in mesh_configs/ ({', '.join(names)})")
 
 
 def catalogue() -> list[Strategy]:
