@@ -4,9 +4,15 @@ import pytest
 
 from jaxpar.cost import MEGATRON_CORE, estimate
 from jaxpar.cost.hardware import load_hardware
-from jaxpar.planning.planner import plan, why
+from jaxpar.cost.estimate import HBM_HEADROOM
+from jaxpar.planning.planner import plan, tie_spans, why
 from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import parse_model
+
+
+def ranked(values: list[float], spans: list[tuple[int, int]]) -> bool:
+    """Ascending but for ties (tests/test_plan_cli.py): every value of a tie group <= every value after it."""
+    return all(max(values[first:last + 1]) <= min(values[last + 1:], default=float("inf")) for first, last in spans)
 
 
 def test_nothing_fits_when_adam_state_alone_exceeds_the_cluster():
@@ -21,9 +27,9 @@ def test_best_plan_fits_and_beats_hand_picked_strategies():
     results, _, _ = plan(model, hw, 64, seq=4096, global_batch=256, top=20)
     assert results
     speeds = [est.tokens_per_s for est, _ in results]
-    assert speeds == sorted(speeds, reverse=True)
+    assert ranked([-s for s in speeds], tie_spans(results))
     for est, st in results:
-        assert est.memory.total <= hw.hbm_bytes and st.num_devices == 64
+        assert est.memory.total <= (1 - HBM_HEADROOM) * hw.hbm_bytes and st.num_devices == 64
     for spec, opts in [("fsdp=64", dict(remat="full", dtype="bfloat16", grad_accum=4)),
                        ("fsdp=8,tensor=8", dict(remat="full", dtype="bfloat16", sequence_parallel=True, grad_accum=4))]:
         hand = estimate(model, parse_inline(spec).with_options(**opts), hw, 256, 4096)
@@ -90,10 +96,10 @@ def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path
     assert "units per chunk 8+8+8+8 = 32" in out
     assert cli.main(["estimate", "--model", "llama3-405b", "--mesh", "pipeline=16,data=64,tensor=8", "--hardware",
                      "h100-sxm", "--seq", "8192", "--global-batch", "2048", "--remat", "full"]) == 0
-    assert "units per chunk 7+8+8+8+8+8+8+8+8+8+8+8+8+8+8+7 = 126" in capsys.readouterr().out
+    assert "units per chunk 7+8x14+7 = 126" in capsys.readouterr().out
     assert cli.main(["plan", "--model", "llama3-8b", "--hardware", "h100-sxm", "--devices", "64", "--seq", "4096",
                      "--global-batch", "256", "--top", "2", "--software", "megatron-core", "--write", str(tmp_path)]) == 0
-    first = sorted(tmp_path.glob("plan-01-*.toml"))
+    first = [p for p in tmp_path.glob("plan-01-*.toml") if not p.name.endswith(".run.toml")]
     assert len(first) == 1 and "software megatron-core" in capsys.readouterr().out
     results, _, _ = plan(parse_model("llama3-8b"), "h100-sxm", 64, 4096, 256, top=1, software=MEGATRON_CORE)
     from jaxpar.core.strategy import parse_strategy
@@ -115,7 +121,7 @@ def test_energy_is_idle_power_over_the_step_plus_dynamic_power_over_busy_time():
     assert est.energy.joules_per_token == pytest.approx(8 * per_device / (64 * 4096))
     results, _, _ = plan(model, hw, 64, 4096, 256, top=8, objective="energy")
     joules = [e.energy.joules_per_token for e, _ in results]
-    assert joules == sorted(joules)
+    assert ranked(joules, tie_spans(results, "energy"))
 
 
 def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
@@ -132,28 +138,39 @@ def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
     assert by["bytes over data"].compiled == sum(c["bytes"] for c in report["collectives"])
 
 
-def test_context_wins_in_jaxpars_program_because_of_the_attention_scores():
-    """llama3-8b on 64 H100 at 4k: jaxpar's program ranks context x tensor first (published recipes use
-    FSDP/DP). The term that decides it is memory: with every device on fsdp, one sequence each and no
-    recomputation, the dense attention's stored scores are most of the activations and the layout does
-    not fit, while without them it would; with a fused kernel (megatron-core) a layout with neither
-    context nor tensor parallelism is as fast as the top plan."""
-    import dataclasses
+def test_a_fused_kernel_takes_the_scores_out_of_jaxpars_plans():
+    """llama3-8b on 64 H100 at 4k. The planner plans jaxpar's program with the kernel a run picks there
+    (attention_kernel auto: cuDNN's flash kernel in bfloat16), so no estimate carries an s x s term: the
+    activations per token of a layout do not grow with the sequence (4k x 512 against 8k x 256 sequences),
+    and the top plan is not context-parallel (published recipes use FSDP / DP). Under the dense kernel the
+    stored scores are most of the activations: 4k -> 8k at the same tokens grows them by over half, and the
+    planner's note names them."""
 
     from jaxpar.cost import JAXPAR, program_memory
     from jaxpar.planning.planner import scores_note
     model, hw = parse_model("llama3-8b"), load_hardware("h100-sxm")
     ours, _, _ = plan(model, hw, 64, seq=4096, global_batch=512, top=5)
-    top = ours[0][1]
+    assert all(st.options.attention_kernel == "auto" for _, st in ours)
+    assert ours[0][1].size("context") == 1
+    fused = parse_inline("fsdp=64").with_options(remat="none", dtype="bfloat16", grad_accum=8, attention_kernel="auto")
+    dense = fused.with_options(attention_kernel="dense")
+    grow = {k: estimate(model, st, hw, 256, 8192).memory.activations / estimate(model, st, hw, 512, 4096).memory.activations
+            for k, st in (("fused", fused), ("dense", dense))}
+    assert grow["fused"] == pytest.approx(1.0, abs=0.02) and grow["dense"] > 1.5, grow
+    est = estimate(model, dense, hw, 512, 4096)
+    scores = est.memory.activations - program_memory.activation_bytes(model, dense, 512, 4096, score_keys=0)
+    assert scores > 0.5 * est.memory.activations
+    top = ours[0][1].with_options(attention_kernel="dense")
     assert top.size("context") * top.size("tensor") > 1
-    plain = parse_inline("fsdp=64").with_options(remat="none", dtype="bfloat16", grad_accum=8)
-    est = estimate(model, plain, hw, 512, 4096)
-    no_scores = program_memory.activation_bytes(model, plain, 512, 4096, score_keys=0)
-    scores = est.memory.activations - no_scores
-    assert not est.fits and est.memory.total - scores < hw.hbm_bytes and scores > 0.5 * est.memory.activations
-    note = scores_note(model, ours, JAXPAR, 512, 4096)
+    note = scores_note(model, [(ours[0][0], top)], JAXPAR, 512, 4096)
     assert f"{scores / 2**30:.1f} of the {est.memory.activations / 2**30:.1f} GiB" in note
-    assert scores_note(model, ours, dataclasses.replace(JAXPAR, jaxpar_program=False), 512, 4096) is None
-    theirs, _, _ = plan(model, hw, 64, seq=4096, global_batch=512, top=50, software=MEGATRON_CORE)
-    plain_best = max(e.tokens_per_s for e, st in theirs if st.size("context") == st.size("tensor") == 1)
-    assert plain_best >= theirs[0][0].tokens_per_s * 0.999
+    assert scores_note(model, ours, JAXPAR, 512, 4096) is None   # a fused kernel stores none
+
+
+def test_memory_forces_a_pipeline_for_405b_on_16k_gpus():
+    """llama3-405b on 16,384 H100 at 8k, 2,048 sequences (Llama 3's pre-training shape): with a fused
+    kernel the activations are small, and the weights, gradients and optimizer state of 405B parameters
+    over 8-way tensor parallelism need the layers split: the top plans are pipeline layouts."""
+    model, hw = parse_model("llama3-405b"), load_hardware("h100-sxm")
+    ours, _, _ = plan(model, hw, 16384, seq=8192, global_batch=2048, top=10)
+    assert ours and any(st.size("pipeline") > 1 for _, st in ours[:3])

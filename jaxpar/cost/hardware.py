@@ -46,9 +46,11 @@ class Hardware:
     tdp_w: float = 0.0         # board power at full load, W ([power]; 0: no energy figures)
     idle_w: float = 0.0        # power of an idle device, W (jaxpar/cost/energy.py)
     notes: str = ""
+    platform: str = "gpu"      # gpu | tpu: which fused attention kernel jaxpar's program runs there (auto)
 
 
-_SECTIONS = {"device": ("peak_flops", "hbm_bytes", "hbm_bw"),
+PLATFORMS = ("gpu", "tpu")
+_SECTIONS = {"device": ("platform", "peak_flops", "hbm_bytes", "hbm_bw"),
              "links": ("intra_bw", "inter_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
              "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated"),
              "power": ("tdp_w", "idle_w")}
@@ -81,7 +83,10 @@ def hardware_from_table(data: dict, where: str, default_name: str) -> Hardware:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(extra))} in [{section}]; "
                               f"known: {', '.join(keys)}")
         for key, value in values.items():
-            if types[key] == "bool":
+            if key == "platform":
+                if value not in PLATFORMS:
+                    raise ConfigError(f"{where}: [{section}] platform={value!r} must be one of {', '.join(PLATFORMS)}")
+            elif types[key] == "bool":
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}: [{section}] {key}={value!r} must be true or false")
             else:

@@ -39,16 +39,21 @@ def _jax_norm(prefix: str, width: int, split: bool = False) -> list[tuple]:
 
 
 @per_model
-def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0) -> tuple[tuple, ...]:
+def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0,
+                            fused: bool = False) -> tuple[tuple, ...]:
     """One attention block as jaxpar's JAX program keeps it (see above). Dense attention keeps the
     scores of all `s_kv` keys; ring attention (`ring_blocks` = context > 1) rematerialises each
     block's scores and keeps, per K/V block, the running float32 output and softmax statistics
-    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention)."""
+    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention); a `fused` kernel (blockwise, cuDNN,
+    splash) keeps q, k, v, its output and each query row's float32 logsumexp, nothing per key
+    (jaxpar/ops/blockwise_attention.py, FlashAttention-2's residuals)."""
     d, h, hq, hkv, f = m.d_model, m.heads, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
     sc = h * s_kv
     inv = [("layer input x", d, None, False, REMAT), *_jax_norm("norm1", d), ("norm1 out", d, None, False, NONE_ONLY),
            ("q, k, v", hq + 2 * hkv, None, True, JAX_DOT)]
-    if ring_blocks:
+    if fused:
+        inv += [("softmax logsumexp (float32)", h, F32, True, NONE_ONLY)]
+    elif ring_blocks:
         inv += [("ring running out, max, sum", ring_blocks * (hq + 2 * h), F32, True, NONE_ONLY),
                 ("ring K/V blocks", ring_blocks * 2 * hkv, None, True, NONE_ONLY)]
     else:
@@ -89,7 +94,8 @@ def jax_mamba_inventory(m: ModelConfig) -> tuple[tuple, ...]:
 
 
 @per_model
-def jax_moe_inventory(m: ModelConfig, s_kv: float, ring_blocks: int, rows: float) -> tuple[tuple, ...]:
+def jax_moe_inventory(m: ModelConfig, s_kv: float, ring_blocks: int, rows: float,
+                      fused: bool = False) -> tuple[tuple, ...]:
     """One MoE block as jaxpar's program keeps it (models/moe.py, jaxpar/ops/moe.py), per token: the
     attention half, router logits, scores and probabilities (float32), the queue's one-hots (int32),
     the experts' input buffers at `rows` rows per token (E*C_loc/s_loc: the static buffers; under
@@ -98,7 +104,7 @@ def jax_moe_inventory(m: ModelConfig, s_kv: float, ring_blocks: int, rows: float
     float32 picked copies (the router weights' gradient reads them; the expert outputs themselves
     are not kept)."""
     d, f, e, k, sf = m.d_model, m.moe_mlp_dim, m.experts, m.top_k, m.shared_experts * m.moe_mlp_dim
-    inv = [*attention_half(jax_attention_inventory(m, s_kv, ring_blocks)),
+    inv = [*attention_half(jax_attention_inventory(m, s_kv, ring_blocks, fused)),
            ("router logits, scores, probabilities (float32)", 3 * e, F32, False, NONE_ONLY),
            ("queue one-hots (int32)", 2 * k * e, F32, False, NONE_ONLY),
            ("expert input buffers", rows * d, None, False, NONE_ONLY),

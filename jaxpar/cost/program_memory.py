@@ -12,7 +12,9 @@ Each adjustment once, with what it is and where it is checked against XLA's memo
                     it; tests/test_cost_vs_xla.py
     scores          dense attention: the float32 gradient of one layer's scores (d softmax and d scores
                     are the largest buffers of a layer's backward), h/t x s_kv x 4 bytes per token, and
-                    the boolean causal mask, once (hoisted out of the layer loop); tests/test_cost_vs_xla.py
+                    the boolean causal mask, once (hoisted out of the layer loop); tests/test_cost_vs_xla.py.
+                    A fused kernel keeps none (`kernel`): blockwise holds one block pair's float32 score
+                    tiles (`tile_bytes`), cuDNN and splash keep theirs in on-chip memory
     pipelines       GPipe / circular (`pipeline_bytes`, `pipeline_embedding_bytes`) and 1F1B
                     (`one_f_one_b_bytes`) hold their schedules' carries, not M or S micro-batches'
                     inventories; with FSDP the gathered stage weights (`fsdp_stage_bytes`); each stage the
@@ -28,37 +30,47 @@ from jaxpar.cost.inventory_jax import BOOL, F32, jax_attention_inventory, jax_ma
 from jaxpar.cost.memory import (DTYPE_BYTES, GRAD_BYTES, Memory, batch_bytes, logit_bytes, stage_bytes, state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
+from jaxpar.ops.blockwise_attention import BLOCK_K, BLOCK_Q
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
-def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Memory:
+def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, kernel: str = "dense") -> Memory:
     """Bytes per device of one training step of jaxpar's program: the textbook model and optimizer state
-    (jaxpar/cost/memory.py: jaxpar's is the textbook's) and this module's activations."""
+    (jaxpar/cost/memory.py: jaxpar's is the textbook's) and this module's activations under the attention
+    `kernel` the run uses (jaxpar.cost.software.program_kernel)."""
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq))
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, kernel=kernel))
 
 
-def inventories(m: ModelConfig, st: Strategy, seq: int, score_keys: float | None = None) -> tuple[tuple, tuple, tuple]:
+def inventories(m: ModelConfig, st: Strategy, seq: int, score_keys: float | None = None,
+                fused: bool = False) -> tuple[tuple, tuple, tuple]:
     """(attention, Mamba-2, MoE) inventories of jaxpar's layers (empty where the model has none): dense
-    attention keeps the scores of `score_keys` keys (default `seq`); ring attention per K/V block its
-    carries; MoE at the static buffers' rows per token (flops.expert_rows)."""
+    attention keeps the scores of `score_keys` keys (default `seq`), a `fused` kernel none; ring attention
+    per K/V block its carries; MoE at the static buffers' rows per token (flops.expert_rows)."""
     c = st.sizes["context"]
     na, nm, ne = block_counts(m)
     blocks = c if st.options.attention == "ring" and c > 1 else 0
-    keys = seq if score_keys is None else score_keys
+    keys = 0 if fused else seq if score_keys is None else score_keys
     rows = expert_rows(m, seq, c, padded=True)
-    return (jax_attention_inventory(m, keys, blocks) if na else (), jax_mamba_inventory(m) if nm else (),
-            jax_moe_inventory(m, keys, blocks, rows) if ne else ())
+    return (jax_attention_inventory(m, keys, blocks, fused) if na else (), jax_mamba_inventory(m) if nm else (),
+            jax_moe_inventory(m, keys, blocks, rows, fused) if ne else ())
+
+
+def tile_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
+    """The blockwise kernel's working tiles in its backward pass (jaxpar/ops/blockwise_attention.py
+    `_pair_grads`): the float32 scores, probabilities, dP and dS of one (query block, key block) pair,
+    [b, h/t, block_q, block_k] each."""
+    return 4 * b_loc * m.heads / st.sizes["tensor"] * min(BLOCK_Q, seq) * min(BLOCK_K, seq) * F32
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
-                     score_keys: float | None = None) -> float:
+                     score_keys: float | None = None, kernel: str = "dense") -> float:
     """Activation bytes per device at the peak of the backward pass of jaxpar's program:
     stored = this stage's layers' kept bytes per token x tokens (a pipeline: its schedule's carries)
            + one layer's full inventory at work in the backward pass (the working set, module docstring)
-           + dense attention: one layer's float32 score gradient and the causal mask
+           + dense attention: one layer's float32 score gradient and the causal mask; blockwise: its tiles
            + the float32 logits of the head this device runs, and the int32 batch (`batch_bytes`).
     `score_keys`: the keys each query's stored scores span (default `seq`); 0 leaves the [heads, s, s]
     scores out, so the difference is what they cost (jaxpar.planning.planner.scores_note)."""
@@ -66,7 +78,9 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
     t, stages, remat = sz["tensor"], sz["pipeline"], o.remat
     na, _, ne = block_counts(m)
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
-    invs = inventories(m, st, seq, score_keys)
+    ring = o.attention == "ring" and sz["context"] > 1
+    fused = kernel != "dense" and not ring
+    invs = inventories(m, st, seq, score_keys, fused)
     per_layer = stage_bytes(m, invs, st, remat)
     transient = tokens * working_bytes(invs, st)
     if stages > 1 and o.pp_schedule == "1f1b":   # the units' policy, in the stages' vmap
@@ -81,7 +95,9 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
     if ne and remat == "none" and st.zero == 3 and sz["fsdp"] > 1 and stages == 1 and in_shard_map:
         stored += ne * fsdp_experts_bytes(m, st)
     scores = 0.0
-    if (na or ne) and not (o.attention == "ring" and sz["context"] > 1):  # per token: h/t query heads x s keys
+    if (na or ne) and fused:
+        scores = tile_bytes(m, st, b_loc / micro, seq) if kernel == "blockwise" else 0.0
+    elif (na or ne) and not ring:  # per token: h/t query heads x s keys
         scores = tokens * m.heads / t * (seq if score_keys is None else score_keys) * (F32 + BOOL)
     logits = logit_bytes(m, st, b_loc, seq)
     if stages > 1:  # jaxpar/pipeline/gpipe.py: each stage the head of ceil(M/S) micro-batches

@@ -34,7 +34,10 @@ one more `Software(...)` in `SOFTWARE`.
                        casts them inside the step (4); Megatron-style serving stores bf16 weights (2)
     fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never
                        reach HBM (no score, softmax or score-dropout activations; none stored), and the
-                       backward pass recomputes QK^T from the saved softmax statistics (+1 score matmul)
+                       backward pass recomputes QK^T from the saved softmax statistics (+1 score matmul).
+                       For jaxpar's program both follow the run's `attention_kernel` on the target
+                       hardware (`program_traits`): every kernel but dense is fused and skips the blocks a
+                       causal mask hides
 
 Overlap: the fraction of a class of collectives the software issues concurrently with independent
 compute; time.step_time hides at most that fraction, and never more than the compute there is:
@@ -52,6 +55,9 @@ compute; time.step_time hides at most that fraction, and never more than the com
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+from jaxpar.core.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,3 +90,32 @@ MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, caus
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0)
 SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE)}
+
+
+def program_kernel(st: Strategy, platform: str) -> str:
+    """The attention kernel jaxpar's program runs for `st` on a `platform` (cpu | gpu | tpu) device: the
+    strategy's `attention_kernel`, with `auto` resolved as jaxpar.ops.attention.resolve_kernel resolves it
+    on that backend (cuDNN's flash kernel on a GPU in bfloat16, Pallas splash on a TPU, else blockwise)."""
+    kernel = st.options.attention_kernel
+    if kernel != "auto":
+        return kernel
+    if platform == "tpu":
+        return "splash"
+    return "cudnn" if platform == "gpu" and st.options.dtype == "bfloat16" else "blockwise"
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_traits(software: Software, kernel: str) -> Software:
+    """`software` with the attention traits of `kernel`: any kernel but dense keeps no scores in HBM,
+    recomputes QK^T in its backward pass (jaxpar/ops/blockwise_attention.py, FlashAttention-2's backward)
+    and skips fully masked blocks under a causal mask, so it computes the lower triangle only."""
+    fused = kernel != "dense"
+    return dataclasses.replace(software, fused_attention=fused, causal=fused)
+
+
+def program_traits(software: Software, st: Strategy, platform: str) -> Software:
+    """The traits a step of `software` has under `st` on `platform`: a preset's own, except that
+    jaxpar's program's attention traits follow the kernel the run uses (`program_kernel`)."""
+    if not software.jaxpar_program:
+        return software
+    return kernel_traits(software, program_kernel(st, platform))

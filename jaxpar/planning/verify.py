@@ -19,6 +19,7 @@ from jaxpar.collectives import human_bytes
 from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import program_memory
 from jaxpar.cost.shape import step_shape
+from jaxpar.cost.software import program_kernel
 from jaxpar.training.trainer import TrainConfig
 
 TOLERANCE = 0.05
@@ -53,7 +54,7 @@ def verify_plan(model, strategy, global_batch: int, seq: int, devices: list | No
         predicted[c.axes] = predicted.get(c.axes, 0.0) + c.bytes
     checks = [Check(f"bytes over {','.join(axes)}", predicted.get(axes, 0.0), compiled.get(axes, 0.0))
               for axes in sorted(predicted.keys() | compiled.keys())]
-    mem = program_memory.memory(model, strategy, global_batch, seq)
+    mem = program_memory.memory(model, strategy, global_batch, seq, program_kernel(strategy, "cpu"))
     checks.append(Check("memory per device", mem.total, report["memory"]["peak"]))
     return checks, report
 
