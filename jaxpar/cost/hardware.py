@@ -23,7 +23,7 @@ import functools
 import pathlib
 
 from jaxpar.errors import ConfigError
-from jaxpar.core.inputs import number, parse_toml, read_toml, table
+from jaxpar.core.inputs import did_you_mean, number, parse_toml, read_toml, table
 
 PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "hardware"
 
@@ -113,6 +113,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     if path.suffix != ".toml":
         path = PROFILE_DIR / f"{name_or_path}.toml"
         if not path.exists():
-            raise ConfigError(f"unknown hardware {name_or_path!r}; known: {', '.join(known_profiles())} "
+            raise ConfigError(f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, known_profiles())}; "
+                              f"known: {', '.join(known_profiles())} "
                               f"(or give a path to a TOML profile)")
     return hardware_from_table(read_toml(path, "hardware"), str(path), path.stem)
