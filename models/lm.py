@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
 from jaxpar.core.sharding import constrain
@@ -55,16 +56,37 @@ class Unit(nnx.Module):
         return x, aux
 
 
+UNIT_INPUT = "unit_input"    # checkpoint_name of each unit's input: the residual stream [b, s, d] entering it
+
+OFFLOADED = (UNIT_INPUT,)
+"""What remat = "offload" keeps, and where: each unit's input (the residual stream [batch, seq, d_model] entering
+the unit, in the compute dtype and the residual layout: sequence-sharded under sequence parallelism), one per
+unit, copied to host memory (`pinned_host`) in the forward pass and back in the backward pass; nothing else is
+saved, everything inside the unit is recomputed from that input. So the device holds what remat = "full"
+holds minus the units' inputs (which "full" keeps in device memory), the host holds units x b x s x d
+elements per device's shard, the host link carries them once each way per step, and the compute is "full"'s
+(one more forward of every unit). MaxText's remat_policy=custom with decoder_layer_input=offload
+(AI-Hypercomputer/maxtext: `checkpoint_name(x, "decoder_layer_input")` at the top of each decoder layer)
+makes the same choice. Policy: jax.checkpoint_policies.save_and_offload_only_these_names. On GPU and TPU
+the lowering annotates each saved input `pinned_host` (XLA's host offloading); the CPU lowering drops memory
+kinds (a CPU device's memory is host memory), so there the inputs stay where "full" keeps them."""
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=OFFLOADED,
+        offload_src="device", offload_dst="pinned_host"),
 }
+KEEP_UNITS = ("none", "selective")   # policies under which the layer scan is not checkpointed: selective
+# recomputes only the attention core, inside the block (models/transformer.py), none recomputes nothing
 
 
 def remat(fn, policy: str):
-    """Wrap a scan body in jax.checkpoint under the named policy ("none" leaves it alone)."""
-    if policy == "none":
+    """Wrap a scan body in jax.checkpoint under the named policy ("none" and "selective" leave it alone:
+    selective's recompute is the attention core's own, models/transformer.py)."""
+    if policy in KEEP_UNITS:
         return fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
@@ -135,5 +157,5 @@ def unit_step(graphdef, policy: str, positions: jax.Array):
     """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy).
     Returns (x, the unit's MoE auxiliary vector or None) as (carry, per-unit output)."""
     def step(x, unit_state):
-        return nnx.merge(graphdef, unit_state)(x, positions)
+        return nnx.merge(graphdef, unit_state)(checkpoint_name(x, UNIT_INPUT), positions)
     return remat(step, policy)

@@ -5,9 +5,17 @@ output projection row-parallel, so XLA inserts one all-reduce (or, under sequenc
 reduce-scatter + all-gather pair) per sub-block. Under the `overlap` option the projections call the
 collective-matmul kernels instead (jaxpar/ops/collective_matmul.py), which spell that all-gather and
 reduce-scatter out as ring steps between partial matmuls.
+
+Selective recomputation (remat = "selective"; Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models"): the attention core, softmax(q k^T / sqrt(d)) v with its
+mask, is recomputed in the backward pass from q, k, v, which are saved with every other activation
+of the layer; its score and probability matrices [b, heads, s, s], the activations that grow as s^2,
+are never kept. Its output (the input of the output projection) is saved as the projection's
+input. Other recompute policies act on the whole unit (models/lm.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,7 +23,7 @@ from flax import nnx
 
 from jaxpar.ops.attention import attention
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.core.sharding import constrain
+from jaxpar.core.sharding import constrain, current_layout, use_layout
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
 from jaxpar.xla_workarounds import gathered
@@ -35,8 +43,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         q, k, v = self.project(x, positions)
-        return self.output(attention(q, k, v, positions, impl=self.run.attention,
-                                     kernel=self.run.attention_kernel, causal=True))
+        core = functools.partial(attention, impl=self.run.attention, kernel=self.run.attention_kernel, causal=True)
+        if self.run.remat == "selective":
+            core = recomputed(core)
+        return self.output(core(q, k, v, positions))
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k
@@ -56,12 +66,37 @@ class Attention(nnx.Module):
         """The row-parallel output projection of the attention output [b, s, heads, head_dim]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
         wo, cm, dt = self.wo[...], collective_matmul(self.run), dtype_of(self.run)
-        # under remat only: without it a gathered copy would be kept for the backward pass, every
-        # layer's alive at once, which is what FSDP avoids (jaxpar/xla_workarounds.py)
-        wo = gathered(wo, ("q_heads", "head_dim", "embed"), dt) if self.run.remat != "none" else wo.astype(dt)
+        # when the unit is recomputed only: without it a gathered copy would be kept for the backward
+        # pass, every layer's alive at once, which is what FSDP avoids (jaxpar/xla_workarounds.py)
+        recompute = self.run.remat not in ("none", "selective")
+        wo = gathered(wo, ("q_heads", "head_dim", "embed"), dt) if recompute else wo.astype(dt)
         if cm is not None:  # reduce-scattered onto the residual layout in ring steps
             return row_parallel(out, wo, **cm)
         return jax.numpy.einsum("bshk,hkd->bsd", out, wo)
+
+
+def recomputed(fn):
+    """`fn`, recomputed in the backward pass from its inputs, which are all it keeps (jax.checkpoint with
+    nothing saveable would say the same), written as a custom VJP: an enclosing checkpoint's policy (a
+    pipeline iteration's, jaxpar/pipeline/gpipe.py, which saves everything but the weights) does not reach
+    into it, where it would overrule a nested checkpoint's and keep the scores. The backward pass is traced
+    after the forward's layout context has closed, so it reruns `fn` under the layout it was called in
+    (context-parallel kernels read it: jaxpar/ops/attention.py)."""
+    layout = current_layout()
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, g):
+        with use_layout(layout):
+            return jax.vjp(fn, *args)[1](g)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
 
 
 class AttentionBlock(nnx.Module):

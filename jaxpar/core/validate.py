@@ -87,6 +87,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         check_overlap(model, strategy, seq)
     if o.fsdp_prefetch:
         check_fsdp_prefetch(strategy)
+    check_remat(strategy)
 
     # --- context parallelism ------------------------------------------------------------------
     if model.has_attention and (cp > 1 or o.attention != "dense"):
@@ -160,6 +161,15 @@ def check_fsdp_prefetch(strategy: Strategy) -> None:
     if strategy.size("pipeline") > 1:
         raise ConfigError(f"fsdp_prefetch with pipeline={strategy.size('pipeline')}: the pipeline gathers its "
                           "stage weights once per step already (jaxpar/pipeline/gpipe.py)")
+
+
+def check_remat(strategy: Strategy) -> None:
+    """remat=offload names each layer unit's input inside the layer scan for host memory (models/lm.py
+    OFFLOADED); a pipeline schedule saves its stage inputs itself, on the device, per iteration or stash slot."""
+    pp = strategy.size("pipeline")
+    if strategy.options.remat == "offload" and pp > 1:
+        raise ConfigError(f"remat=offload keeps the layer scan's unit inputs in host memory, but pipeline={pp} "
+                          "saves its stage inputs on the device (jaxpar/pipeline/): use remat=full or selective")
 
 
 def check_token_layout(seq_len: int, context: int, layout: str) -> None:

@@ -85,7 +85,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
-from jaxpar.models.lm import REMAT_POLICIES
+from jaxpar.models.lm import KEEP_UNITS, REMAT_POLICIES
 from jaxpar.models.moe import aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL
 from jaxpar.pipeline.stages import (WEIGHTS_NAME, InStages, axis_name, merge_microbatches, split_microbatches,
@@ -93,8 +93,11 @@ from jaxpar.pipeline.stages import (WEIGHTS_NAME, InStages, axis_name, merge_mic
 
 
 def _iteration_policy(policy: str):
-    """jax.checkpoint policy of one iteration's stage work; never saves the weight slices."""
-    if policy == "none":
+    """jax.checkpoint policy of one iteration's stage work; never saves the weight slices. Under "selective"
+    the iteration saves what "none" saves; the attention core inside recomputes itself
+    (models/transformer.py `recomputed`, which this policy cannot overrule). "offload" is refused with a
+    pipeline (jaxpar/core/validate.py)."""
+    if policy in KEEP_UNITS:
         return jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS_NAME)
     return REMAT_POLICIES[policy]
 

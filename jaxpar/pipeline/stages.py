@@ -213,7 +213,8 @@ def stage_chunk(model, sched: Schedule, layout: Layout, per_shard: bool = True, 
     with F > 1 weight copies (`per_shard`), h's rows run per data x fsdp shard with that shard's copy.
     policy: the remat policy of each unit inside the chunk ("none": the schedule rematerialises whole
     iterations, jaxpar/pipeline/gpipe.py; 1F1B passes the run's, so its backward tick's recompute keeps one
-    unit's activations at a time, not the chunk's k).
+    unit's activations at a time, not the chunk's k; under "selective" the units are not rematerialised and
+    their attention cores recompute themselves, models/transformer.py).
     with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
     shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,
     to be summed over R and micro-batches), or None for a model without MoE blocks."""
