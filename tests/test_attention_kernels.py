@@ -4,6 +4,10 @@
   and not, a zigzag-style order of positions, segment ids, lengths that are not a multiple of the block;
 - `attention_kernel = cudnn` is refused on CPU with a one-line error, before anything compiles;
 - catalogue strategies trained with the blockwise kernel equal the one-device run (tests/harness.py);
+- splash (Pallas interpret mode on CPU) equals dense_attention (float32, 1e-5) in the output and the gradients:
+  GQA, causal and not, segment ids, a length that is not a multiple of 128 (padded), and under a layout (its
+  shard_map over batch and heads, K/V heads replicated across tensor ranks); it is refused under context
+  parallelism and on a GPU; catalogue strategies trained with it equal the one-device run (slow);
 - XLA's memory analysis of llama-tiny's compiled training step on one device: from seq 256 to 1024 the
   blockwise kernel's temporary memory grows about linearly, the dense kernel's about quadratically.
 """
@@ -19,9 +23,11 @@ from jaxpar.core import validate
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
-from jaxpar.core.sharding import use_layout
+from jaxpar.core.mesh import make_mesh
+from jaxpar.core.sharding import model_layout, use_layout
 from jaxpar.ops.attention import context_attention, dense_attention, resolve_kernel, token_permutation
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention
+from jaxpar.ops.splash_attention import splash_attention
 from jaxpar.training.trainer import TrainConfig, Trainer
 from tests.harness import assert_matches_one_device
 from tests.test_context_parallel import layout_for
@@ -103,6 +109,66 @@ def test_context_parallel_with_blockwise_kernel_equals_dense(impl):
     got, want = both(q, k, v, cotangent)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def vjp_pair(kernel, reference, q, k, v, w):
+    """(kernel's output and dq, dk, dv for cotangent w, the reference's), from one jitted function."""
+    def both(q, k, v, w):
+        (out, vjp), (ref, ref_vjp) = jax.vjp(kernel, q, k, v), jax.vjp(reference, q, k, v)
+        return [out, *vjp(w)], [ref, *ref_vjp(w)]
+    return jax.jit(both)(q, k, v, w)
+
+
+@pytest.mark.parametrize("causal, segments", [(True, False), (False, True)], ids=["causal", "full-segments"])
+def test_splash_equals_dense_forward_and_gradients(causal, segments):
+    """GQA (4 query heads on 2 K/V heads), S = 36 tokens padded to splash's 128 (in a segment of their own)."""
+    q, k, v, cotangent = inputs()
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    seg = jnp.asarray(np.stack([np.arange(S) * 3 // S, np.arange(S) * 3 // (S + 9)]), jnp.int32) if segments else None
+    kernel = lambda q, k, v: splash_attention(q, k, v, pos, pos, causal=causal, q_segments=seg, kv_segments=seg)
+    reference = ((lambda q, k, v: segmented_dense(q, k, v, pos, pos, seg, seg, causal=causal)) if segments
+                 else (lambda q, k, v: dense_attention(q, k, v, pos, pos, causal=causal)))
+    got, want = vjp_pair(kernel, reference, q, k, v, cotangent)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_splash_under_a_layout_with_replicated_kv_heads_equals_dense():
+    """Under data=2 x tensor=4 with 2 K/V heads (replicated across tensor ranks, each rank's 2 query heads
+    reading one), at S = 128 (no padding): the shard_map over batch and heads, its K/V head slice, and the
+    transpose summing the replicated K/V's gradients over the ranks."""
+    strategy = parse_strategy("data=2,tensor=4").resolved(8)
+    lay = model_layout(make_mesh(strategy, jax.devices()[:8]), strategy, kv_heads=2)
+    rng = np.random.default_rng(0)
+    q, k, v, w = (rng.standard_normal((2, 128, h, 8), np.float32) for h in (8, 2, 2, 8))
+    pos = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (2, 128))
+
+    def kernel(q, k, v):
+        with use_layout(lay):
+            return splash_attention(q, k, v, pos, pos, causal=True)
+
+    got, want = vjp_pair(kernel, lambda q, k, v: dense_attention(q, k, v, pos, pos, causal=True), q, k, v, w)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_splash_refused_under_context_parallelism_and_on_gpu():
+    model = parse_model("llama-tiny")
+    st = parse_strategy("context=2").with_options(attention_kernel="splash", attention="allgather")
+    with pytest.raises(ConfigError, match="attention_kernel=splash with context=2 is not supported"):
+        validate.check(model, st.resolved(2), batch=2, seq=16)
+    splash = parse_strategy("data=1").with_options(attention_kernel="splash")
+    validate.check(model, splash.resolved(1), batch=2, seq=16)
+    with pytest.raises(ConfigError, match="attention_kernel=splash is a TPU .Mosaic. kernel"):
+        validate.check_backend(splash, "gpu")
+    validate.check_backend(splash, "cpu")   # interpret mode: the test path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["fsdp8", "tp4-sp"])
+def test_splash_strategy_matches_one_device(mesh):
+    """Interpret mode makes each about 11 s of compiling on 2 cores: the kernel-level cases above stay in make test."""
+    assert_matches_one_device("llama-tiny", mesh, attention_kernel="splash")
 
 
 def test_auto_is_blockwise_on_cpu():

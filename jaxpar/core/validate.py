@@ -204,25 +204,32 @@ def check_context_parallel(seq_len: int, context: int, layout: str, attention: s
 
 def check_attention_kernel(strategy: Strategy) -> None:
     """The option `attention_kernel` against the strategy (jaxpar.ops.attention). cuDNN's flash kernel takes
-    16-bit inputs only, and its causal mask compares indices, which are not the tokens' positions once
-    context parallelism splits (and may reorder) the sequence."""
+    16-bit inputs only; its causal mask and splash's (jaxpar/ops/splash_attention.py) compare indices, which
+    are not the tokens' positions once context parallelism splits (and may reorder) the sequence."""
     o, cp = strategy.options, strategy.size("context")
-    if o.attention_kernel != "cudnn":
+    if o.attention_kernel not in ("cudnn", "splash"):
         return
-    if o.dtype != "bfloat16":
+    if o.attention_kernel == "cudnn" and o.dtype != "bfloat16":
         raise ConfigError(f"attention_kernel=cudnn needs dtype=bfloat16 (cuDNN's flash kernel takes 16-bit inputs), "
                           f"got dtype={o.dtype}; use --attention-kernel blockwise or auto")
     if cp > 1:
-        raise ConfigError(f"attention_kernel=cudnn with context={cp} is not supported: cuDNN masks by index, and "
-                          "context parallelism needs masks by position; use --attention-kernel blockwise")
+        who = "cuDNN masks" if o.attention_kernel == "cudnn" else "splash attention's masks work"
+        raise ConfigError(f"attention_kernel={o.attention_kernel} with context={cp} is not supported: {who} by index, "
+                          "and context parallelism needs masks by position; use --attention-kernel blockwise")
 
 
 def check_backend(strategy: Strategy, platform: str) -> None:
     """What the run's devices must be (`platform`: a JAX device's platform, cpu | gpu | tpu): cuDNN's kernel
-    runs on NVIDIA GPUs only. Separate from `check`, which the planner also runs for hardware it is not on."""
-    if strategy.options.attention_kernel == "cudnn" and platform != "gpu":
+    runs on NVIDIA GPUs only; splash is a Mosaic TPU kernel, run in Pallas interpret mode on other backends,
+    which is the CPU test path but on a GPU would be a sequential loop of tiny ops (refused). Separate from
+    `check`, which the planner also runs for hardware it is not on."""
+    kernel = strategy.options.attention_kernel
+    if kernel == "cudnn" and platform != "gpu":
         raise ConfigError(f"attention_kernel=cudnn needs an NVIDIA GPU, but the devices are {platform}; "
                           "use --attention-kernel blockwise (or auto, which picks it there)")
+    if kernel == "splash" and platform == "gpu":
+        raise ConfigError("attention_kernel=splash is a TPU (Mosaic) kernel: on a GPU it would run in Pallas "
+                          "interpret mode, a sequential loop of tiny ops; use --attention-kernel cudnn or auto")
 
 
 # ---- Mamba-2 ---------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ sequence is split over `context`) and `attention_kernel` (what computes softmax(
   cudnn      cuDNN's fused flash kernel through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16).
              Its mask works on indices, so it runs where positions are 0..s-1 in order (no context
              parallelism).
-  auto       cudnn on a GPU in a 16-bit dtype, blockwise elsewhere (`resolve_kernel`).
+  splash     the Pallas splash-attention kernel (jaxpar/ops/splash_attention.py): compiled by Mosaic on
+             a TPU, Pallas interpret mode elsewhere (the CPU tests); GQA and segment ids. Its masks work
+             on indices too, so no context parallelism either.
+  auto       cudnn on a GPU in a 16-bit dtype, splash on a TPU, blockwise elsewhere (`resolve_kernel`).
 
 The constraints on sequence length, context size, heads and kernels are checked before compiling,
 in jaxpar/core/validate.py.
@@ -55,6 +58,7 @@ from jaxpar.core import validate
 from jaxpar.core.sharding import current_layout
 from jaxpar.core.strategy import CHOICES
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
+from jaxpar.ops.splash_attention import splash_attention
 
 LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequence
 
@@ -83,15 +87,19 @@ def cudnn_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-KERNELS = {"dense": dense_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention}
+KERNELS = {"dense": dense_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
+           "splash": splash_attention}
 
 
 def resolve_kernel(kernel: str, dtype=jnp.float32) -> str:
     """The kernel `auto` stands for on this process's backend: cudnn on a GPU in a 16-bit dtype (the only
-    ones cuDNN's flash kernel takes), blockwise elsewhere. Any other name is itself."""
+    ones cuDNN's flash kernel takes), splash on a TPU, blockwise elsewhere. Any other name is itself."""
     if kernel != "auto":
         return kernel
-    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "splash"
+    return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
 
 
 def attention(q, k, v, positions, *, impl: str = "dense", kernel: str = "dense", causal: bool = True):
