@@ -323,7 +323,7 @@ def test_reduced_analysis_matches_the_full_compile(tmp_path):
                           "--devices", "4", "--batch", str(B), "--seq", str(S), "--abstract", "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert "compiled at fsdp=4" in run.stdout
+    assert "compiled at fsdp=4" in run.stdout and f"batch {B} sequences x seq {S} = {B * S:,} tokens per step" in run.stdout
     reduced, full = json.loads(out.read_text()), report("fsdp8")
     assert reduced["reduced_from"]["compiled_mesh"]["fsdp"] == 4 and reduced["reduced_from"]["compiled_batch"] == B // 2
     assert (reduced["mesh"], reduced["devices"]) == (full["mesh"], full["devices"])
@@ -349,6 +349,8 @@ def test_compare_trains_and_plots(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "dp8" in text and "fsdp4-tp2-sp" in text and "loss" in text
+    assert f"batch {B} sequences x seq {S} = {B * S:,} tokens per step\n" in text
+    assert "step time: 8 simulated CPU devices sharing this host's" in text
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["reports"]] == ["dp8", "fsdp4-tp2-sp"]
     for r in data["reports"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 import traceback
 from typing import NoReturn
@@ -235,6 +236,13 @@ def analysis_config(args, model, strategies, **extra):
     return TrainConfig(batch=batch, seq=args.seq or min(model.max_seq, 2048), **extra)
 
 
+def analysis_shape(args, tc) -> str:
+    """The step `comm` and `compare` compiled: its batch and sequence, and whether they were defaults."""
+    unset = [flag for flag, value in (("--batch", args.batch), ("--seq", args.seq)) if value is None]
+    return (f"batch {tc.batch} sequences x seq {tc.seq} = {tc.batch * tc.seq:,} tokens per step"
+            + (f" ({' and '.join(unset)}: this command's defaults, not train's)" if unset else ""))
+
+
 def cmd_comm(args) -> int:
     model = model_from(args.model)
     strategy = strategy_from_args(args)
@@ -242,9 +250,12 @@ def cmd_comm(args) -> int:
     if args.phase != "train":
         report = comm_generation(args, model, strategy, jax.devices()[:n])
     else:
-        report = comm.analyze_strategy(model, strategy, analysis_config(args, model, [strategy]), jax.devices()[:n])
+        tc = analysis_config(args, model, [strategy])
+        report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
     if jax.process_index():
         return 0
+    if args.phase == "train":
+        print(analysis_shape(args, tc))
     print(format_table(report))
     print(format_overlap(report["overlap"]))
     if args.json:
@@ -276,7 +287,11 @@ def cmd_compare(args) -> int:
     n = analysis_devices(args, strategies)
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
     reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
+    print(analysis_shape(args, tc))
     print(compare(reports))
+    if args.run_steps and jax.devices()[0].platform == "cpu":
+        print(f"step time: {n} simulated CPU devices sharing this host's {os.cpu_count()} cores, not accelerators "
+              "(a comparison between strategies at best; jaxpar estimate predicts an accelerator's)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model.name, "reports": reports}, f, indent=1)

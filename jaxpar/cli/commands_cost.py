@@ -13,47 +13,102 @@ from jaxpar.core.schedule import schedule_summary
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost import SOFTWARE, estimate, format_estimate
 from jaxpar.cost.defaults import accelerator_defaults
+from jaxpar.cost.estimate import HBM_HEADROOM
+from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.inference import format_inference, inference_estimate
 from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.planning import planner
 from jaxpar.planning.inference import format_inference_plan, plan_inference as search
+from jaxpar.planning.question import Question, read_run
+
+
+DEFAULT_SEQ, DEFAULT_GLOBAL_BATCH = 4096, 256
+RUN_FLAGS = {"model": "--model", "hardware": "--hardware", "software": "--software", "devices": "--devices",
+             "seq": "--seq", "global_batch": "--global-batch", "hbm_headroom": "--hbm-headroom"}
+
+
+def global_batch_from(args, seq: int) -> int | None:
+    """--global-batch, or --global-batch-tokens over --seq (which must divide it); None when neither is given."""
+    tokens = getattr(args, "global_batch_tokens", None)
+    if tokens is None:
+        return args.global_batch
+    if tokens % seq:
+        below = f"{tokens // seq * seq:,} or " if tokens >= seq else ""
+        raise ConfigError(f"--global-batch-tokens={tokens:,} is not divisible by --seq={seq:,}: a global batch is "
+                          f"whole sequences (nearest: {below}{(tokens // seq + 1) * seq:,} tokens)")
+    return tokens // seq
+
+
+def question_from(args) -> tuple[Question, str]:
+    """`estimate`'s question and mesh: --run FILE's, or the flags'. Beside --run, a flag that sets one of
+    the run file's fields must agree with it (a run file is the whole question; edit it, or ask without it);
+    the strategy flags apply over its mesh file as over --mesh."""
+    if args.run is None:
+        missing = [flag for flag, value in (("--model", args.model), ("--mesh", args.mesh),
+                                            ("--hardware", args.hardware)) if value is None]
+        if missing:
+            raise ConfigError(f"estimate: the following arguments are required: {', '.join(missing)} (or --run FILE)")
+        seq = args.seq or DEFAULT_SEQ
+        batch = global_batch_from(args, seq) or DEFAULT_GLOBAL_BATCH
+        headroom = HBM_HEADROOM if args.hbm_headroom is None else args.hbm_headroom
+        return Question(args.model, args.hardware, args.software or "jaxpar", args.devices or 0, seq, batch,
+                        headroom), args.mesh
+    if args.mesh is not None:
+        raise ConfigError(f"estimate: --run {args.run} names its mesh file; give --run or --mesh, not both")
+    question, mesh = read_run(args.run)
+    given = {field: getattr(args, field) for field in RUN_FLAGS} | {"global_batch": global_batch_from(args, question.seq)}
+    for field, value in given.items():
+        theirs = getattr(question, field)
+        if value is not None and value != theirs:
+            raise ConfigError(f"estimate --run {args.run}: {RUN_FLAGS[field]} {value} disagrees with the run file's "
+                              f"{field} = {theirs!r}; drop the flag, or edit the file")
+    if question.software not in SOFTWARE:
+        raise ConfigError(f"run file {args.run}: software = {question.software!r} is not one of {', '.join(sorted(SOFTWARE))}")
+    return question, mesh
 
 
 def cmd_estimate(args) -> int:
-    model = model_from(args.model)
-    strategy = strategy_from_args(args)
+    question, mesh = question_from(args)
+    model = model_from(question.model)
+    strategy = strategy_from_args(args, mesh)
     if strategy.num_devices < 1:
-        if not args.devices:
+        if not question.devices:
             raise ConfigError(f"mesh {strategy.name} has a -1 axis: give --devices N to resolve it")
-        strategy = strategy.resolved(args.devices)
+        strategy = strategy.resolved(question.devices)
+    elif args.run and strategy.num_devices != question.devices:
+        raise ConfigError(f"run file {args.run}: devices = {question.devices} but mesh {mesh} has {strategy.num_devices}")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
-    strategy, defaults = accelerator_defaults(strategy, args.global_batch, given)
+    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given)
     if args.phase != "train":
-        return estimate_inference(args, model, strategy, defaults)
-    validate.check(model, strategy, batch=args.global_batch, seq=args.seq, padded_zero=True)
-    est = estimate(model, strategy, args.hardware, args.global_batch, args.seq, SOFTWARE[args.software])
-    print(f"software {args.software}; options {strategy.describe_options()}")
+        return estimate_inference(args, question, model, strategy, defaults)
+    validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True)
+    est = estimate(model, strategy, question.hardware, question.global_batch, question.seq,
+                   SOFTWARE[question.software], headroom=question.hbm_headroom)
+    if args.run:
+        print(f"run file {args.run}: the question of plan mesh file {mesh}")
+    print(f"software {question.software}; options {strategy.describe_options()}")
     for line in defaults:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
         print(schedule_summary(strategy, model.units))
-    print(format_estimate(est))
+    print(format_estimate(est, planner.remat_label(strategy, est)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(est.to_json(), f, indent=1)
     return 0
 
 
-def estimate_inference(args, model, strategy, defaults) -> int:
+def estimate_inference(args, question: Question, model, strategy, defaults) -> int:
     """`estimate --phase prefill|decode`: jaxpar/cost/inference.py for --global-batch sequences of a
     --seq-token prompt and --gen-len new tokens."""
     validate.check_phases(strategy)
     strategy = strategy.phase(args.phase)  # a mesh file's [prefill] / [decode] layout, if it gives one
-    validate.check_generation(model, strategy, args.global_batch, args.seq, args.gen_len, args.phase)
-    est = inference_estimate(model, strategy, args.hardware, args.global_batch, args.seq, args.gen_len, args.phase,
-                             SOFTWARE[args.software])
-    print(f"software {args.software}; options {strategy.describe_options()}")
+    batch, seq = question.global_batch, question.seq
+    validate.check_generation(model, strategy, batch, seq, args.gen_len, args.phase)
+    est = inference_estimate(model, strategy, question.hardware, batch, seq, args.gen_len, args.phase,
+                             SOFTWARE[question.software])
+    print(f"software {question.software}; options {strategy.describe_options()}")
     for line in defaults:
         print(f"  default: {line}")
     print(format_inference(est))
@@ -64,23 +119,27 @@ def estimate_inference(args, model, strategy, defaults) -> int:
 
 
 def cmd_plan(args) -> int:
+    args.global_batch = global_batch_from(args, args.seq)
     if getattr(args, "phase", "train") != "train":
         return plan_inference(args)
-    results, considered, valid = planner.plan(model_from(args.model), args.hardware, args.devices,
-                                              args.seq, args.global_batch, args.top, SOFTWARE[args.software],
-                                              args.objective)
+    question = Question(args.model, args.hardware, args.software, args.devices, args.seq, args.global_batch,
+                        args.hbm_headroom)
+    model = model_from(args.model)
+    print(question.header(model, load_hardware(args.hardware)))
+    results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,
+                                              args.top, SOFTWARE[args.software], args.objective, args.hbm_headroom)
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
-    if note := planner.scores_note(model_from(args.model), results, SOFTWARE[args.software], args.global_batch,
-                                   args.seq):
+    if note := planner.scores_note(model, results, SOFTWARE[args.software], args.global_batch, args.seq):
         print(note)
     if args.verify:
-        verify_plans(args, model_from(args.model), results)
+        verify_plans(args, model, results)
     if args.write:
-        paths = planner.write_plans(results, args.write)
-        print(f"wrote {len(paths)} mesh files to {args.write} (jaxpar estimate/train/comm --mesh PATH)")
+        paths = planner.write_plans(results, args.write, question)
+        print(f"wrote {len(paths)} plans to {args.write}: each a mesh file (jaxpar train/comm/estimate --mesh PATH) "
+              "and beside it NAME.run.toml, its question (jaxpar estimate --run PATH)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(planner.to_json(results, considered, valid), f, indent=1)
+            json.dump(planner.to_json(results, considered, valid, args.objective), f, indent=1)
     return 0
 
 
@@ -91,10 +150,10 @@ def verify_plans(args, model, results) -> None:
     simulate_cpu_devices(min(args.devices, MAX_DEVICES))
     print(f"\nverify: each plan's step compiled for jaxpar on XLA:CPU, predicted vs compiled (flag over {TOLERANCE:.0%})")
     flagged = 0
-    for i, (_, st) in enumerate(results, 1):
+    for i, (est, st) in enumerate(results, 1):
         checks, report = verify_plan(model, st, args.global_batch, args.seq)
         flagged += sum(c.flagged for c in checks)
-        print(format_checks(i, planner.describe(st), checks, report))
+        print(format_checks(i, planner.describe(st, est), checks, report))
     print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else
           f"verify: every figure within {TOLERANCE:.0%}")
 

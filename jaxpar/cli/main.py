@@ -16,6 +16,7 @@ from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
                                 nonempty, png_path, real, token_ids)
 from jaxpar.core.strategy import OPTION_FIELDS
+from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE
 from jaxpar.errors import ConfigError
 
@@ -31,13 +32,13 @@ class Parser(argparse.ArgumentParser):
         raise ConfigError(f"{command}: {message}" if command else message)
 
 
-def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False) -> None:
-    p.add_argument("--model", required=True, help="preset (llama-tiny, llama3-8b, ...), preset:key=value,..., a TOML "
+def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="preset (llama-tiny, llama3-8b, ...), preset:key=value,..., a TOML "
                    "path, or hf:DIR (a Hugging Face LLaMA-layout checkpoint's config.json)")
     if meshes:
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:
-        p.add_argument("--mesh", required=True, help="mesh_configs name or TOML path, or inline data=2,tensor=4")
+        p.add_argument("--mesh", required=required, help="mesh_configs name or TOML path, or inline data=2,tensor=4")
     p.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
 
 
@@ -128,28 +129,54 @@ def add_phase_flags(p, phase_help: str) -> None:
     p.add_argument("--gen-len", type=POSITIVE, default=256, help="new tokens per sequence (prefill/decode phases)")
 
 
+def add_global_batch(p, default: int | None) -> None:
+    """--global-batch (sequences) or --global-batch-tokens (a multiple of --seq), not both."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--global-batch", type=POSITIVE, default=default, metavar="N",
+                   help="sequences per optimizer step (default 256)")
+    g.add_argument("--global-batch-tokens", type=POSITIVE, metavar="T",
+                   help="the global batch in tokens (4194304 for a 4M-token batch); must be a multiple of --seq")
+
+
+def add_hbm_headroom(p) -> None:
+    p.add_argument("--hbm-headroom", type=real(0.0, 0.9), metavar="F",
+                   help=f"share of HBM kept free for the runtime's own buffers (XLA scratch, NCCL, allocator); a "
+                        f"layout fits within (1 - F) x HBM (default {HBM_HEADROOM:g})")
+
+
 def add_estimate(sub) -> None:
-    e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step")
-    add_model_mesh(e)
-    e.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
-    e.add_argument("--seq", type=POSITIVE, default=4096)
-    e.add_argument("--global-batch", type=POSITIVE, default=256, help="sequences per optimizer step")
+    e = sub.add_parser("estimate", help="analytic FLOPs / memory / communication / time of one step",
+                       description="--run FILE (a `plan --write` run file) asks its question of its mesh file with "
+                                   "no other flag; a flag beside --run that sets one of its fields (--model, "
+                                   "--hardware, --software, --devices, --seq, --global-batch, --hbm-headroom) must "
+                                   "agree with it, and strategy flags apply over its mesh file as over --mesh.")
+    add_model_mesh(e, required=False)
+    e.add_argument("--run", type=nonempty, metavar="FILE", help="a run file written by `plan --write` (NAME.run.toml): "
+                   "the model, hardware, software, devices, seq and global batch of a plan, and its mesh file")
+    e.add_argument("--hardware", help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path (required "
+                   "without --run)")
+    e.add_argument("--seq", type=POSITIVE, help="tokens per sequence (default 4096)")
+    add_global_batch(e, None)
+    add_hbm_headroom(e)
     e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
     add_phase_flags(e, "a training step (default), or one generation step: prefill of --global-batch prompts of "
                        "--seq tokens, or decode of one token per sequence against a cache of --seq + --gen-len - 1")
     add_software_flag(e)
+    e.set_defaults(software=None, hbm_headroom=None)  # None: not given (a --run file's value, else the default)
     add_strategy_flags(e)
 
 
 def add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="rank strategies for a model on N devices of a hardware type")
-    pl.add_argument("--model", required=True)
-    pl.add_argument("--hardware", required=True)
+    pl.add_argument("--model", required=True, help="preset (llama3-8b, ...), preset:key=value,..., a TOML path, or hf:DIR")
+    pl.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
     pl.add_argument("--devices", type=integer(1, MAX_CLUSTER_DEVICES), required=True, metavar="N",
                     help="devices in the cluster (nothing is simulated)")
-    pl.add_argument("--seq", type=POSITIVE, default=4096)
-    pl.add_argument("--global-batch", type=POSITIVE, default=256)
-    pl.add_argument("--top", type=POSITIVE, default=10)
+    pl.add_argument("--seq", type=POSITIVE, default=4096, help="tokens per sequence (default 4096)")
+    add_global_batch(pl, 256)
+    add_hbm_headroom(pl)
+    pl.set_defaults(hbm_headroom=HBM_HEADROOM)
+    pl.add_argument("--top", type=POSITIVE, default=10, help="plans to list (default 10)")
     pl.add_argument("--json", type=nonempty, help="write the plans as one JSON object to this file")
     pl.add_argument("--verify", action="store_true",
                     help="compile each listed plan on simulated CPU devices (at reduced data parallelism beyond "
@@ -157,7 +184,8 @@ def add_plan(sub) -> None:
     pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
-                    help="write the plans as mesh_configs TOML files (plan-01-<name>.toml, ...) to DIR")
+                    help="write each plan as a mesh_configs TOML file (plan-01-<name>.toml, ...) and beside it its "
+                         "question (plan-01-<name>.run.toml: jaxpar estimate --run FILE) to DIR")
     add_phase_flags(pl, "search training layouts (default), or inference layouts for a prefill of --global-batch "
                         "prompts of --seq tokens or a decode step with --gen-len new tokens (jaxpar/planning/inference.py)")
     add_software_flag(pl)

@@ -112,13 +112,26 @@ def schedule_of(strategy: Strategy, units: int) -> Schedule:
     return Schedule(o.pp_schedule, stages, repeats, o.microbatches, units, split)
 
 
+def split_label(split: tuple[int, ...]) -> str:
+    """Units per chunk as `2+3+3+2`; beyond 8 chunks as runs, `7+8x14+7` or `1x80`, so the line stays short."""
+    if len(split) <= 8:
+        return "+".join(map(str, split))
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "+".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+
 def schedule_summary(strategy: Strategy, units: int) -> str:
     """One line for `jaxpar train`: schedule, split, iteration count and bubble fraction."""
     s = schedule_of(strategy, units)
     if s.stages == 1:
         return "pipeline: none (pipeline=1)"
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages"
-    split = "+".join(map(str, s.split))
+    split = split_label(s.split)
     pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
     formula = "(S-1)/(M+S-1)" if s.repeats == 1 else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches

@@ -10,10 +10,16 @@ import dataclasses
 
 from jaxpar.cost import comm, energy, flops, memory, overlap, params, program_flops, program_memory, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
-from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.cost.software import JAXPAR, Software, program_kernel, program_traits
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
+
+# The share of HBM `jaxpar plan` and `jaxpar estimate` keep free for what the model does not count: the
+# runtime's own buffers (XLA's scratch and collective buffers, NCCL's channels, the CUDA context, allocator
+# fragmentation). PyTorch and JAX users budget 5-10% of device memory for these; 8% is the default of
+# --hbm-headroom.
+HBM_HEADROOM = 0.08
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +40,7 @@ class Estimate:
     peak_flops: float
     busy: tuple[float, float, float] = (0.0, 0.0, 0.0)  # seconds of matmuls, HBM-bound work, collectives
     power: tuple[float, float] = (0.0, 0.0)             # the profile's (tdp_w, idle_w)
+    headroom: float = 0.0                               # share of HBM kept free before a plan "fits"
 
     @property
     def energy(self) -> energy.Energy | None:
@@ -65,8 +72,14 @@ class Estimate:
         return self.flops.hardware / (self.time.total * self.devices * self.peak_flops)
 
     @property
+    def usable_bytes(self) -> float:
+        """The memory per device a step may use: HBM less the `headroom` share (HBM_HEADROOM)."""
+        return (1.0 - self.headroom) * self.hbm_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total <= self.hbm_bytes
+        """The one fit rule of `plan` and `estimate`: memory per device within the usable HBM."""
+        return self.memory.total <= self.usable_bytes
 
     @property
     def dominant(self) -> str:
@@ -87,7 +100,7 @@ class Estimate:
             "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
             "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                        "activations": mem.activations, "total": mem.total},
-            "fits": self.fits, "hbm_bytes": self.hbm_bytes,
+            "fits": self.fits, "hbm_bytes": self.hbm_bytes, "hbm_headroom": self.headroom,
             "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
             "energy": dataclasses.asdict(self.energy) if self.energy else None,
         }
@@ -145,7 +158,7 @@ def fl_experts(fl: flops.StepFlops) -> float:
 
 
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
-             software: Software = JAXPAR, imbalance: float = 1.0) -> Estimate:
+             software: Software = JAXPAR, imbalance: float = 1.0, headroom: float = 0.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
     Top-down: the step's shape; its FLOPs (the textbook's under the software's traits, then, for jaxpar's
     own program, program_flops.py's adjustments); its collectives (comm.py: what the compiled program
@@ -153,10 +166,13 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     time they take on the hardware (time.py). Divisibility is not checked here (jaxpar.core.validate.check
     does it once). `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed
     dispatch (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path;
-    jaxpar's static buffers cost the same whatever the routing (their overflow is dropped in capacity mode)."""
+    jaxpar's static buffers cost the same whatever the routing (their overflow is dropped in capacity mode).
+    `headroom`: the share of HBM kept free for the runtime before the step `fits` (the commands and the
+    planner pass HBM_HEADROOM; 0 compares with the whole HBM, as the studies in experiments/ do)."""
     check_modelled(model)
     check_modelled_layout(model, strategy)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    software = program_traits(software, strategy, hw.platform)
     st, m, own = strategy, model, software.jaxpar_program
     dropout, causal = software.dropout, software.causal
     n = st.num_devices
@@ -184,7 +200,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
             * flops.TRAIN_FACTOR / n)
 
     colls = comm.predicted(m, st, sh, software)
-    mem = (program_memory.memory(m, st, global_batch, seq) if own
+    mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention))
 
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
@@ -197,4 +213,4 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
-                    power=(hw.tdp_w, hw.idle_w))
+                    power=(hw.tdp_w, hw.idle_w), headroom=headroom)

@@ -13,9 +13,12 @@ def _secs(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
 
 
-def format_estimate(est: Estimate) -> str:
+def format_estimate(est: Estimate, recomputed: str = "") -> str:
+    """The estimate as text. `recomputed`: what the step recomputes, named beside the recompute FLOPs
+    (jaxpar.planning.planner.remat_label: `remat=none+QK^T`)."""
     mesh = " x ".join(f"{a}={s}" for a, s in est.mesh if s != 1) or "1 device"
-    lines = [f"{est.model} on {est.devices} x {est.hardware} [{mesh}], batch {est.global_batch} x seq {est.seq}",
+    lines = [f"{est.model} on {est.devices} x {est.hardware} [{mesh}], software {est.software}: global batch "
+             f"{est.global_batch:,} sequences x seq {est.seq:,} = {est.global_batch * est.seq:,} tokens",
              f"  step {_secs(est.step_time_s)}   {est.tokens_per_s:,.0f} tokens/s   "
              f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   dominant: {est.dominant}", "", "time per step:"]
     total = est.step_time_s
@@ -34,7 +37,7 @@ def format_estimate(est: Estimate) -> str:
     for name, mm, other in est.flops.by_block:
         lines.append(f"  {name:<17} {mm:>10.3e} {mm / est.flops.model:>9.1%} {other:>12.3e}")
     if est.flops.recompute:
-        lines.append(f"  {'recompute':<17} {est.flops.recompute:>10.3e}")
+        lines.append(f"  {'recompute':<17} {est.flops.recompute:>10.3e}" + (f"  ({recomputed})" if recomputed else ""))
     lines += ["", "collectives per device per step:",
               f"  {'kind':<19} {'axes':<22} {'phase':<10} {'count':>8} {'bytes':>12} {'wire':>12}"]
     for c in sorted(est.collectives, key=lambda c: -c.wire_bytes):
@@ -48,5 +51,7 @@ def format_estimate(est: Estimate) -> str:
                     ("activations", mem.activations), ("total", mem.total)):
         lines.append(f"  {name:<15} {_bytes(b):>12}")
     verdict = "fits" if est.fits else "does NOT fit"
-    lines.append(f"  {verdict} in {_bytes(est.hbm_bytes)} ({mem.total / est.hbm_bytes:.0%} used)")
+    keep = f", keeping {est.headroom:.0%} for the runtime (--hbm-headroom)" if est.headroom else ""
+    lines.append(f"  {verdict} in {_bytes(est.usable_bytes)} of {_bytes(est.hbm_bytes)} HBM{keep}: "
+                 f"{mem.total / est.hbm_bytes:.0%} of HBM used")
     return "\n".join(lines)

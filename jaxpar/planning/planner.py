@@ -24,10 +24,11 @@ import pathlib
 
 from jaxpar.core import validate
 from jaxpar.cost import estimate, program_memory
-from jaxpar.cost.estimate import check_modelled, check_modelled_layout
+from jaxpar.cost.estimate import HBM_HEADROOM, check_modelled, check_modelled_layout
 from jaxpar.cost.hardware import Hardware, load_hardware
-from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.cost.software import JAXPAR, SOFTWARE, Software
 from jaxpar.errors import ConfigError
+from jaxpar.planning.question import Question, written
 from jaxpar.core.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
 from jaxpar.models.config import ModelConfig
 
@@ -77,7 +78,8 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
         for remat, accum, zero, (kind, v) in itertools.product(("none", "dots_no_batch", "full"), accums, zeros,
                                                                schedules):
             yield Options(zero=zero, remat=remat, dtype="bfloat16", sequence_parallel=sizes["tensor"] > 1,
-                          attention="ring" if sizes["context"] > 1 else "dense", microbatches=micro,
+                          attention="ring" if sizes["context"] > 1 else "dense", attention_kernel="auto",
+                          microbatches=micro,
                           grad_accum=accum, pp_schedule=kind, pp_repeats=v)
 
 
@@ -98,9 +100,12 @@ def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: in
 
 
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
-         top: int = 10, software: Software = JAXPAR, objective: str = "throughput") -> tuple[list, int, int]:
+         top: int = 10, software: Software = JAXPAR, objective: str = "throughput",
+         headroom: float = HBM_HEADROOM) -> tuple[list, int, int]:
     """(best estimates, candidates considered, candidates that were valid), each estimate for `software`,
-    ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power])."""
+    ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power]), ties
+    by memory headroom and simplicity (`rank`). A plan fits within HBM less the `headroom` share
+    (jaxpar.cost.estimate.HBM_HEADROOM)."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -123,19 +128,98 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
             except ConfigError:
                 continue
             valid += 1
-            est = estimate(model, st, hw, global_batch, seq, software)
+            est = estimate(model, st, hw, global_batch, seq, software, headroom=headroom)
             if est.fits:
                 results.append((est, st))
-    if objective == "energy":
-        results.sort(key=lambda r: (r[0].energy.joules_per_token, -r[0].tokens_per_s))
-    else:
-        results.sort(key=lambda r: -r[0].tokens_per_s)
-    return results[:top], considered, valid
+    return rank(results, objective)[:top], considered, valid
 
 
-def describe(st: Strategy) -> str:
+# Plans whose scores (step time, or joules per token) differ by less than this share are ties: the analytic
+# model is not that precise, so among them the plan with more free memory and fewer mesh axes is the safer
+# rent. `tie_band` is the one place that reads it (the cost model's own error band will replace it there).
+TIE_BAND = 0.005
+
+
+def tie_band(est) -> float:
+    """The relative band within which a plan ties with `est` (TIE_BAND)."""
+    return TIE_BAND
+
+
+def score(est, objective: str = "throughput") -> float:
+    """What the ranking minimises: seconds per step, or joules per token."""
+    return est.energy.joules_per_token if objective == "energy" else est.step_time_s
+
+
+def axes_used(st: Strategy) -> int:
+    return sum(1 for _, n in st.mesh if n > 1)
+
+
+def rank(results: list, objective: str = "throughput") -> list:
+    """(estimate, strategy) pairs best first. Ties -- every plan within `tie_band` of the best score not yet
+    placed -- are listed by memory headroom (the most free memory first), then by fewer mesh axes > 1."""
+    left = sorted(results, key=lambda r: (score(r[0], objective), -r[0].tokens_per_s))
+    ranked = []
+    while left:
+        limit = score(left[0][0], objective) * (1.0 + tie_band(left[0][0]))
+        tied = [r for r in left if score(r[0], objective) <= limit]
+        ranked += sorted(tied, key=lambda r: (r[0].memory.total - r[0].usable_bytes, axes_used(r[1]),
+                                              score(r[0], objective)))
+        left = left[len(tied):]
+    return ranked
+
+
+def tie_spans(results: list, objective: str = "throughput") -> list[tuple[int, int]]:
+    """For each row of a `rank`ed list, the (first, last) rows of its tie group (itself alone when untied):
+    the rows within `tie_band` of the best score from the group's first row on."""
+    spans: list[tuple[int, int]] = []
+    while len(spans) < len(results):
+        first = len(spans)
+        best = min(results[first:], key=lambda r: score(r[0], objective))[0]
+        last = first
+        while last + 1 < len(results) and score(results[last + 1][0], objective) <= score(best, objective) * (
+                1.0 + tie_band(best)):
+            last += 1
+        spans += [(first, last)] * (last - first + 1)
+    return spans
+
+
+def recomputed(st: Strategy, est) -> str:
+    """What a step recomputes beyond its remat policy, as the cost model counts it ('' when nothing or
+    nothing more): jaxpar's 1F1B reruns each chunk's forward from the stashed input (`1F1B-chunks`) and
+    its pipelines' stage vmap recomputes `dots_no_batch` as `full` (`full-in-stages`; both
+    jaxpar/cost/program_flops.py); ring attention and a fused attention kernel recompute QK^T in the
+    backward pass (`QK^T`; jaxpar/cost/flops.py)."""
+    if not est.flops.recompute:
+        return ""
+    o, sw = st.options, SOFTWARE.get(est.software, JAXPAR)
+    own, pipelined = sw.jaxpar_program, st.size("pipeline") > 1
+    parts = []
+    if own and pipelined and o.pp_schedule == "1f1b":
+        parts.append("1F1B-chunks")
+    if own and pipelined and o.remat == "dots_no_batch":
+        parts.append("full-in-stages")
+    fused = sw.fused_attention or (own and o.attention_kernel != "dense")
+    if (o.attention == "ring" and st.size("context") > 1) or fused:
+        parts.append("QK^T")
+    return "+".join(parts)
+
+
+RECOMPUTE_NOTE = ("remat=P+X: policy P, and X recomputed beyond it (1F1B-chunks: jaxpar's 1F1B reruns each chunk's "
+                  "forward; full-in-stages: dots_no_batch recomputes as full inside a pipeline's stages; QK^T: ring "
+                  "attention or a fused kernel recompute the scores in the backward pass)")
+
+
+def remat_label(st: Strategy, est=None) -> str:
+    """`remat=P`, or `remat=P+X` where the step recomputes X beyond policy P (`recomputed`; RECOMPUTE_NOTE)."""
+    extra = recomputed(st, est) if est is not None else ""
+    return f"remat={st.options.remat}" + (f"+{extra}" if extra else "")
+
+
+def describe(st: Strategy, est=None) -> str:
+    """The plan in one line: mesh name and the options that differ between plans (what it recomputes
+    beyond the remat policy when `est` is given: `remat_label`)."""
     o = st.options
-    flags = [f"remat={o.remat}"] + ([f"accum={o.grad_accum}"] if o.grad_accum > 1 else [])
+    flags = [remat_label(st, est)] + ([f"accum={o.grad_accum}"] if o.grad_accum > 1 else [])
     if o.sequence_parallel:
         flags.append("sp")
     if st.size("context") > 1:
@@ -148,33 +232,57 @@ def describe(st: Strategy) -> str:
 
 
 def why(est, runner_up, than: str = "the next") -> str:
-    """One line: how much faster than `runner_up` (the next plan), and the two time terms that differ most."""
+    """One line: how much faster than `runner_up` (the next plan), and the two time terms that differ
+    most; a tie within `tie_band`."""
     if runner_up is None:
         return ""
     mine, theirs = est.time.terms(), runner_up.time.terms()
     diffs = sorted(((theirs[k] - mine[k], k) for k in mine), reverse=True)
     parts = [f"{k} {'-' if d > 0 else '+'}{abs(d) * 1e3:.0f} ms" for d, k in diffs[:2] if abs(d) >= 5e-4]
     gain = runner_up.step_time_s - est.step_time_s
-    if gain < 1e-4 * est.step_time_s or not parts:
-        return f"ties with {than}"
-    return f"{gain * 1e3:.0f} ms/step ahead of {than}: " + ", ".join(parts)
+    if abs(gain) <= tie_band(est) * est.step_time_s:
+        return f"ties with {than} (within {tie_band(est):.1%})"
+    if gain < 0:
+        return f"{-gain * 1e3:,.0f} ms/step behind {than}"
+    return f"{gain * 1e3:,.0f} ms/step ahead of {than}" + (": " + ", ".join(parts) if parts else "")
+
+
+def row_why(results: list, spans: list[tuple[int, int]], i: int, objective: str) -> str:
+    """The `why` cell of row i: its tie group, or how far it is ahead of the best of the next group."""
+    first, last = spans[i]
+    if last > first:
+        return f"tie #{first + 1}-#{last + 1}"
+    if last + 1 >= len(results):
+        return ""
+    following = results[last + 1:spans[last + 1][1] + 1]
+    return why(results[i][0], min(following, key=lambda r: score(r[0], objective))[0])
 
 
 def format_plan(results, considered: int, valid: int, software: str = "jaxpar", objective: str = "throughput") -> str:
-    names = [describe(st) for _, st in results]
+    """The ranked plans as a table, with the fit rule above it and what a tie and a label mean below."""
+    names = [describe(st, est) for est, st in results]
     width = max([len("strategy"), *map(len, names)])
     order = "fewest joules per token first" if objective == "energy" else "fastest first"
-    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown (fit in memory, {order}; "
+    fit = (f"fit in {1 - results[0][0].headroom:.0%} of HBM" if results else "fit in memory")
+    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown ({fit}, {order}, ties by headroom; "
              f"software {software})",
-             f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'J/token':>9} "
+             f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'free':>8} {'J/token':>9} "
              f"{'dominant':>14}  why"]
-    for i, ((est, st), name) in enumerate(zip(results, names), 1):
-        nxt = results[i][0] if i < len(results) else None
+    spans = tie_spans(results, objective)
+    for i, ((est, st), name) in enumerate(zip(results, names)):
         joules = f"{est.energy.joules_per_token:>9.3g}" if est.energy else f"{'-':>9}"
-        lines.append(f"{i:>3}  {name:<{width}} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
-                     f"{est.memory.total / 2**30:>7.1f}Gi {joules} {est.dominant:>14}  {why(est, nxt)}")
+        free = (est.usable_bytes - est.memory.total) / 2**30
+        lines.append(f"{i + 1:>3}  {name:<{width}} {est.tokens_per_s:>12,.0f} {est.mfu:>6.1%} "
+                     f"{est.memory.total / 2**30:>7.1f}Gi {free:>6.1f}Gi {joules} {est.dominant:>14}  "
+                     f"{row_why(results, spans, i, objective)}")
     if not results:
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
+    if any(a < b for a, b in spans):
+        what = "joules per token" if objective == "energy" else "step times"
+        lines.append(f"tie: {what} within {tie_band(results[0][0]):.1%} of the group's best (the cost model is not that precise), "
+                     "listed by free memory below the fit limit (`free`, most first), then by fewer mesh axes")
+    if any("+" in n.split("remat=", 1)[1].split(",", 1)[0] for n in names):
+        lines.append(RECOMPUTE_NOTE)
     return "\n".join(lines)
 
 
@@ -189,6 +297,8 @@ def scores_note(model: ModelConfig, results, software: Software, global_batch: i
     if not results or not software.jaxpar_program or not model.has_attention:
         return None
     est, st = results[0]
+    if st.options.attention_kernel != "dense":   # a fused kernel (auto never resolves to dense) keeps no scores
+        return None
     split = st.size("context") * st.size("tensor")
     if split == 1:
         return None
@@ -220,19 +330,25 @@ def to_toml(st: Strategy, est) -> str:
     return f'description = "{desc}"\n[mesh]\n{mesh}\n[options]\n' + "\n".join(options) + "\n"
 
 
-def write_plans(results, directory) -> list:
-    """Write each plan as DIR/plan-<rank>-<name>.toml; return the paths."""
+def write_plans(results, directory, question: Question | None = None) -> list:
+    """Write each plan as DIR/plan-<rank>-<name>.toml (the strategy) and, given the `question`, beside it
+    DIR/plan-<rank>-<name>.run.toml (the question, naming the mesh file: `estimate --run`); return the
+    mesh files' paths."""
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (est, st) in enumerate(results, 1):
         path = out / f"plan-{i:02d}-{st.name}.toml"
         path.write_text(to_toml(st, est))
+        if question is not None:
+            path.with_suffix(".run.toml").write_text(written(question).to_toml(path.name))
         paths.append(path)
     return paths
 
 
-def to_json(results, considered: int, valid: int) -> dict:
+def to_json(results, considered: int, valid: int, objective: str = "throughput") -> dict:
+    """`plan --json`: each plan's estimate, strategy, options and `tie`, the ranks of its tie group."""
+    spans = tie_spans(results, objective)
     return {"considered": considered, "valid": valid,
-            "plans": [dict(est.to_json(), strategy=describe(st), options=dataclasses.asdict(st.options))
-                      for est, st in results]}
+            "plans": [dict(est.to_json(), strategy=describe(st, est), options=dataclasses.asdict(st.options),
+                           tie=[first + 1, last + 1]) for (est, st), (first, last) in zip(results, spans)]}
