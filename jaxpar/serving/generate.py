@@ -15,6 +15,11 @@ tensor/kv_heads copies of each head, one per rank that reads it.
 A run: the prompts are left-padded to the longest (models/decode.py says why), the prefill writes
 their state and samples the first new token (its time is the time to first token), and each decode
 step feeds the newest token of every sequence at cache slot P + t and samples the next.
+
+Serving weights: the parameters are held in the decode layout's `dtype` (float32 by default; with
+bfloat16 they are converted once, as they load, keeping their shardings), since a decode step reads
+every weight once and is bound by those bytes; the prefill casts them to its own dtype when it
+differs. The cache is held in the decode dtype too (models/decode.py `cache_layout`).
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.core import validate
 from jaxpar.core.mesh import make_mesh
-from jaxpar.ops.attention import token_permutation
+from jaxpar.errors import ConfigError
+from jaxpar.ops.attention import resolve_kernel, token_permutation
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
 from jaxpar.models import decode
@@ -39,6 +45,9 @@ from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten
 from jaxpar.training.trainer import TrainState
+
+
+INDEX_MASKED = ("cudnn", "splash")  # attention kernels whose causal mask compares indices (jaxpar/ops/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +149,20 @@ def kv_copies(model: ModelConfig, *tensors: int) -> int:
     return math.lcm(*(t // model.kv_heads if t > model.kv_heads else 1 for t in tensors))
 
 
+def as_dtype(tree, dtype):
+    """`tree` (arrays or ShapeDtypeStructs, e.g. an nnx.State) with its floating leaves in `dtype`; host
+    arrays are converted on the host, abstract leaves described in `dtype`."""
+    dtype = jnp.dtype(dtype)
+
+    def one(a):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype == dtype:
+            return a
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding)
+        return a.astype(dtype)
+    return jax.tree.map(one, tree)
+
+
 def prompt_width(model: ModelConfig, strategy: Strategy, longest: int) -> int:
     """The padded prompt width P: the longest prompt, rounded up so that a context-parallel prefill
     splits it into equal pieces (2 per context rank under zigzag), each at least the conv halo
@@ -173,15 +196,18 @@ class Generator:
         self.model_cfg, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
         pre, dec = self.strategy.phase("prefill"), self.strategy.phase("decode")
         self.batch, self.prompt_len = len(prompts), prompt_width(model, pre, max(len(p) for p in prompts))
-        self.run = RunConfig(dtype=dec.options.dtype)
-        self.prefill_run = RunConfig(dtype=pre.options.dtype)
+        self.run = RunConfig(dtype=dec.options.dtype, attention_kernel=dec.options.attention_kernel)
+        self.prefill_run = RunConfig(dtype=pre.options.dtype, attention_kernel=pre.options.attention_kernel)
+        self.check_prefill_kernel(prompts, devices[0].platform)
+        self.weight_dtype = jnp.dtype(dec.options.dtype)   # the serving weights' dtype (module docstring)
         self.kv_copies = kv_copies(model, pre.size("tensor"), dec.size("tensor"))
         cp = pre.size("context")
         self.order = (token_permutation(self.prompt_len, cp, pre.options.cp_layout)
                       if cp > 1 and pre.options.cp_layout != "contiguous" else None)
 
         abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(0)))
-        self.graphdef, self.abstract_params = nnx.split(abstract)
+        self.graphdef, self.master_params = nnx.split(abstract)   # float32, as training holds them
+        self.abstract_params = as_dtype(self.master_params, self.weight_dtype)
         self.prefill_graphdef = nnx.graphdef(nnx.eval_shape(lambda: LM(model, self.prefill_run, rngs=nnx.Rngs(0))))
         length = self.prompt_len + max_new_tokens - 1  # the last new token is never fed back
         self.cache_layout = decode.cache_layout(model, self.run, self.batch, length, self.kv_copies)
@@ -202,6 +228,8 @@ class Generator:
         self._decode = jax.jit(self._decode_step, in_shardings=(
             d.params, d.cache, d.vector, d.vector, replicated(d), replicated(d)), **out(d))
         self._new_cache = jax.jit(lambda: decode.init_cache(self.cache_layout), out_shardings=p.cache)
+        self._to_weights = jax.jit(lambda t: as_dtype(t, self.weight_dtype), in_shardings=(p.params,),
+                                   out_shardings=p.params)
         self._compiled: tuple | None = None
         self.compile_s = 0.0
 
@@ -225,32 +253,69 @@ class Generator:
         return (f"prefill on {self.prefill.strategy.describe()}, decode on {self.decode.strategy.describe()} "
                 "(weights and cache resharded between them)")
 
+    def check_prefill_kernel(self, prompts: list[list[int]], platform: str) -> None:
+        """The prefill's attention kernel against its layout and the devices (jaxpar/core/validate.py), and
+        against left padding: the kernels whose causal mask compares indices (INDEX_MASKED) would let a
+        prompt's tokens read the pad columns before it, so they take only prompts of the padded width
+        (`prompt_len`)."""
+        pre = self.strategy.phase("prefill")
+        validate.check_attention_kernel(pre)
+        kernel = resolve_kernel(pre.options.attention_kernel, pre.options.dtype)
+        width, lengths = self.prompt_len, sorted({len(p) for p in prompts})
+        if kernel in INDEX_MASKED and lengths != [width] and self.model_cfg.has_attention:
+            named = f"attention_kernel={kernel}" + (" (what auto picks here)" if kernel != pre.options.attention_kernel
+                                                    else "")
+            raise ConfigError(f"generate: {named} masks by index, but prompts of lengths {lengths} are left-padded "
+                              f"to {width} tokens and pads must be masked by position; give prompts of one length "
+                              "or use --attention-kernel blockwise")
+        validate.check_backend(pre, platform)
+
     # ---- parameters -----------------------------------------------------------------------------
     def init_params(self, seed: int = 0):
-        """Freshly initialised parameters (as training initialises them), born sharded."""
-        model, run = self.model_cfg, self.run
-        return jax.jit(lambda: nnx.state(LM(model, run, rngs=nnx.Rngs(seed))), out_shardings=self.param_shardings)()
+        """Freshly initialised parameters (as training initialises them), born sharded, in the serving dtype."""
+        model, run, dt = self.model_cfg, self.run, self.weight_dtype
+        return jax.jit(lambda: as_dtype(nnx.state(LM(model, run, rngs=nnx.Rngs(seed))), dt),
+                       out_shardings=self.param_shardings)()
 
     def place_params(self, params):
-        """Given parameters (host or device arrays, an nnx.State) in this strategy's shardings."""
-        return jax.device_put(params, self.param_shardings)
+        """Given parameters (host or device arrays, an nnx.State; float32 masters or already in the serving
+        dtype) in this strategy's shardings and the serving dtype. Host arrays are converted before they
+        move, device arrays on their devices."""
+        host = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else as_dtype(np.asarray(a), self.weight_dtype),
+                            params)
+        return self.to_weights(jax.device_put(host, self.param_shardings))
+
+    def to_weights(self, params):
+        """Sharded parameters (in this strategy's shardings) in the serving dtype: one jitted conversion
+        whose outputs keep the inputs' shardings; the identity when they are in it already."""
+        if all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(self.abstract_params))):
+            return params
+        return self._to_weights(params)
 
     def restore_params(self, directory: str, step: int | None = None) -> tuple[Any, str]:
         """(parameters, message) from a training checkpoint in `directory` (newest step unless given),
-        read straight into this strategy's shardings; the optimizer state is not read."""
+        read straight into this strategy's shardings as the float32 masters it holds (its checksums are
+        of those bytes), then converted to the serving dtype; the optimizer state is not read."""
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              jax.eval_shape(lambda: self.abstract_params), self.param_shardings)
+                              jax.eval_shape(lambda: self.master_params), self.param_shardings)
         template = TrainState(params, None, None)  # the checkpoint's tree, of which only the params are read
         flat, _, message = restore_arrays(directory, dataclasses.asdict(self.model_cfg), flatten(template), step)
-        return unflatten(template, flat).params, message
+        return self.to_weights(unflatten(template, flat).params), message
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """What generation holds on each device of the decode layout: the weights' and the cache's bytes (each
+        array's shard on one device: sharded arrays split evenly, replicated ones whole)."""
+        def held(tree, shardings, is_leaf=None):
+            return sum(math.prod(sh.shard_shape(tuple(a.shape))) * jnp.dtype(a.dtype).itemsize
+                       for a, sh in zip(jax.tree.leaves(tree, is_leaf=is_leaf), jax.tree.leaves(shardings)))
+        params = jax.eval_shape(lambda: self.abstract_params)
+        return {"weights": held(params, self.decode.params),
+                "cache": held(self.cache_layout, self.decode.cache, decode.is_slot)}
 
     # ---- the steps ------------------------------------------------------------------------------
     def _model(self, params, prefill: bool) -> LM:
         run, graphdef = (self.prefill_run, self.prefill_graphdef) if prefill else (self.run, self.graphdef)
-        dt = jnp.dtype(run.dtype)
-        if dt != jnp.float32:
-            params = jax.tree.map(lambda p: p.astype(dt), params)
-        return nnx.merge(graphdef, params)
+        return nnx.merge(graphdef, as_dtype(params, run.dtype))  # the identity where the weights are in it
 
     def _prefill_step(self, params, cache, tokens, positions, key):
         with use_layout(self.prefill.layout):
@@ -296,6 +361,7 @@ class Generator:
         if len(prompts) != self.batch or max(map(len, prompts)) > self.prompt_len:
             raise ValueError(f"this generator takes {self.batch} prompts of at most {self.prompt_len} tokens")
         validate.check_generate(self.model_cfg, self.strategy, prompts, self.max_new_tokens)
+        self.check_prefill_kernel(prompts, self.prefill.mesh.devices.flat[0].platform)
         self.compile()
         prefill, step = self._compiled
         tokens, positions = pad_prompts(prompts, self.prompt_len)

@@ -16,7 +16,9 @@ weights are [in, out] with the heads split out, stacked over layers:
     model.norm.weight, lm_head.weight      [d], [V, d]   -> final_norm.scale, head = W^T
 Hugging Face's LLaMA applies RoPE in the rotate-half form (its conversion script permutes Meta's q/k
 weights into it), which is jaxpar's (models/layers.py `rope`), so q and k load as they are. Weights
-are read as float32 (jaxpar's masters); a bf16 file is read through the flax framework of safetensors.
+are read as float32 (jaxpar's masters; a bf16 file is read through the flax framework of safetensors)
+and each is given in its abstract parameter's dtype: float32 for training, bfloat16 for bf16 serving
+(`jaxpar generate --dtype bfloat16`), converted on the host before it moves to the devices.
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ def _leaf(cfg: ModelConfig, tensors: dict[str, np.ndarray], key: str) -> np.ndar
 
 def load_params(directory: str, cfg: ModelConfig, abstract_params):
     """jaxpar's parameter tree (the structure of `abstract_params`, an nnx.State of shapes) filled from
-    the directory's tensors, as host float32 arrays; shapes checked against the model."""
+    the directory's tensors, as host arrays of each abstract leaf's dtype; shapes checked against the model."""
     import jax  # deferred: JAX stays out of `jaxpar estimate --model hf:DIR`, which reads only config.json
 
     if cfg.pattern != "A":
@@ -134,5 +136,5 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params):
         if value.shape != tuple(leaf.shape):
             raise ConfigError(f"{directory}: {key.removesuffix('.value')} has shape {value.shape}, the model "
                               f"needs {tuple(leaf.shape)}")
-        return value
+        return value.astype(leaf.dtype, copy=False)
     return jax.tree_util.tree_map_with_path(fill, abstract_params)
