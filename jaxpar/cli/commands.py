@@ -326,6 +326,9 @@ def cmd_generate(args) -> int:
     kv = f"; K/V heads x{gen.kv_copies} across tensor ranks" if gen.kv_copies > 1 else ""
     print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
     print(f"strategy {gen.describe()}{kv}; {source}")
+    held = gen.bytes_per_device()
+    print(f"weights in {gen.weight_dtype.name}: {held['weights'] / 2**20:.2f} MiB per device, cache "
+          f"{held['cache'] / 2**20:.2f} MiB per device")
     print(f"compiled prefill and decode in {gen.compile():.1f} s")
     result = gen.generate(params, prompts)
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens.tolist())):
@@ -341,7 +344,8 @@ def cmd_generate(args) -> int:
                   "prefill_mesh": dict(gen.prefill.strategy.sizes), "decode_mesh": dict(gen.decode.strategy.sizes),
                   "batch": len(prompts), "prompt_lengths": [len(p) for p in prompts],
                   "max_new_tokens": args.max_new_tokens, "sampling": dataclasses.asdict(sampling),
-                  "kv_head_copies": gen.kv_copies, "params": source, **result.to_json()}
+                  "kv_head_copies": gen.kv_copies, "params": source, "weights_dtype": gen.weight_dtype.name,
+                  "bytes_per_device": held, **result.to_json()}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0

@@ -248,9 +248,10 @@ def add_generate(sub) -> None:
                                    "across tensor ranks when tensor > kv_heads), sequences over the data axes. "
                                    "Prints the new token ids, the time to first token, the per-token latency and "
                                    "tokens/s. Without --checkpoint the parameters are a fresh initialisation. "
-                                   "Of the strategy flags, --zero and --dtype (the cache's dtype too) apply; the "
-                                   "training-only ones (remat, grad-accum, microbatches, pp-*, cp-layout) have no "
-                                   "effect.")
+                                   "Of the strategy flags, --zero, --dtype (the weights' and the cache's dtype too: "
+                                   "bfloat16 converts the parameters once as they load) and --attention-kernel (the "
+                                   "prefill's) apply; the training-only ones (remat, grad-accum, microbatches, pp-*, "
+                                   "cp-layout) have no effect.")
     add_model_mesh(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", type=token_ids, metavar="IDS",
