@@ -45,6 +45,19 @@ def test_plan_repeats_its_question_and_its_run_file_reproduces_it(tmp_path, caps
     assert cli.main(["estimate", "--run", str(run_file), "--global-batch", "64"]) == 0   # agreeing flags are fine
 
 
+def test_a_run_file_with_a_missing_or_mistyped_field_is_one_clear_error(tmp_path, capsys):
+    """A hand-edited run file: a missing, mistyped or unknown field is one line naming it (exit 2)."""
+    run = tmp_path / "x.run.toml"
+    for text, message in (('mesh = "fsdp8"\nmodel = "llama3-8b"\n', "missing field(s) hardware, software, devices"),
+                          ('mesh = "m.toml"\nmodel = "llama3-8b"\nhardware = "h100-sxm"\nsoftware = "jaxpar"\n'
+                           'devices = "8"\nseq = 4096\nglobal_batch = 64\n', "devices = '8' is not an integer"),
+                          ('mesh = "m.toml"\nlayers = 3\n', "unknown field(s) layers")):
+        run.write_text(text)
+        assert cli.main(["estimate", "--run", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) == 1, err
+
+
 def test_global_batch_tokens_is_the_batch_in_sequences_times_seq(tmp_path, capsys):
     """--global-batch-tokens T gives the estimate of --global-batch T/seq; one error when seq does not divide T."""
     common = ["estimate", "--model", "llama3-8b", "--mesh", "fsdp=8", "--hardware", "h100-sxm", "--seq", "2048"]

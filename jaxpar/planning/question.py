@@ -17,7 +17,7 @@ file) and holds the rest:
     global_batch = 256
     hbm_headroom = 0.08
 
-A model or hardware given as a TOML path is written as an absolute path, so the run file reads the same
+A model or hardware given as a TOML path (or a model as hf:DIR) is written as an absolute path, so the run file reads the same
 from any directory.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jaxpar.cost.hardware import Hardware
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 
+HF = "hf:"   # a --model naming a Hugging Face checkpoint's directory (jaxpar/serving/hf.py)
 FIELDS = ("model", "hardware", "software", "devices", "seq", "global_batch", "hbm_headroom")
 
 
@@ -69,7 +70,9 @@ class Question:
 
 
 def portable(spec: str) -> str:
-    """A --model or --hardware value as the run file keeps it: an existing TOML path made absolute."""
+    """A --model or --hardware value as the run file keeps it: an existing TOML path or hf:DIR made absolute."""
+    if spec.startswith(HF) and pathlib.Path(spec[len(HF):]).is_dir():
+        return HF + str(pathlib.Path(spec[len(HF):]).resolve())
     path = pathlib.Path(spec)
     return str(path.resolve()) if path.suffix == ".toml" and path.is_file() else spec
 
@@ -90,11 +93,13 @@ def read_run(path: str) -> tuple[Question, str]:
     missing = [k for k in ("mesh", *FIELDS[:-1]) if k not in raw]
     if missing:
         raise ConfigError(f"run file {path}: missing field(s) {', '.join(missing)}")
-    types = {"model": str, "hardware": str, "software": str, "mesh": str, "devices": int, "seq": int,
-             "global_batch": int, "hbm_headroom": (int, float)}
+    text, whole, number = (str, "a string"), (int, "an integer"), ((int, float), "a number")
+    types = {"model": text, "hardware": text, "software": text, "mesh": text, "devices": whole, "seq": whole,
+             "global_batch": whole, "hbm_headroom": number}
     for key, value in raw.items():
-        if not isinstance(value, types[key]) or isinstance(value, bool):
-            raise ConfigError(f"run file {path}: {key} = {value!r} is not a {getattr(types[key], '__name__', 'number')}")
+        kind, name = types[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"run file {path}: {key} = {value!r} is not {name}")
     for key in ("devices", "seq", "global_batch"):
         if raw[key] < 1:
             raise ConfigError(f"run file {path}: {key} = {raw[key]} must be >= 1")
