@@ -187,8 +187,28 @@ def check_bench_pipeline(out: pathlib.Path, stdout: str) -> None:
     assert memory and all(int(r["1F1B bytes"]) < int(r["GPipe bytes"]) for r in memory), memory
 
 
+def check_bench_attention(out: pathlib.Path, stdout: str) -> None:
+    """seq x2 past the blockwise kernel's 512-token blocks: dense's temporaries (every layer's scores) grow
+    by more than x3, blockwise's by less than x2.5; the cost model's activation bytes within 10% of XLA's
+    temp for each; every configuration trained."""
+    text = read_results(out, "bench_attention")
+    rows = table(text, "seq")
+    first, last = rows[0], rows[-1]
+    assert number(last["seq"]) == 2 * number(first["seq"]), rows
+    grow = {k: number(last[f"{k} temp MiB"]) / number(first[f"{k} temp MiB"]) for k in ("dense", "blockwise")}
+    assert grow["dense"] > 3 and grow["blockwise"] < 2.5, grow
+    for r in rows:
+        for k in ("dense", "blockwise"):
+            assert number(r[f"{k} model MiB"]) == pytest.approx(number(r[f"{k} temp MiB"]), rel=0.10), r
+    steps = table(text, "layout", "kernel")
+    assert {(r["layout"], r["kernel"]) for r in steps} == {(a, k) for a in ("fsdp8", "fsdp4-tp2")
+                                                            for k in ("dense", "blockwise")}
+    assert all(number(r["step s"]) > 0 for r in steps), steps
+
+
 CHECKS = {
     "demo": check_demo,
+    "bench_attention": check_bench_attention,
     "bench_comm": check_bench_comm,
     "bench_context_parallel": check_bench_context_parallel,
     "bench_estimate": check_bench_estimate,
@@ -204,7 +224,7 @@ CHECKS = {
 
 # The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
 # (CI runs it after `make test`), `make bench` runs them in full.
-SLOW = {"bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline"}
+SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)])
