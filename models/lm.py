@@ -80,7 +80,8 @@ REMAT_POLICIES = {
         offload_src="device", offload_dst="pinned_host"),
 }
 KEEP_UNITS = ("none", "selective")   # policies under which the layer scan is not checkpointed: selective
-# recomputes only the attention core, inside the block (models/transformer.py), none recomputes nothing
+# recomputes only the attention blocks' cores, inside the block (models/transformer.py; Mamba-2 blocks keep
+# everything, as under none), none recomputes nothing
 
 
 def remat(fn, policy: str):

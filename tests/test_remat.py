@@ -84,8 +84,13 @@ def test_selective_keeps_no_scores():
     assert temp_bytes("selective") < 0.75 * temp_bytes("none")
 
 
-def test_offload_with_a_pipeline_is_refused():
-    st = parse_strategy("data=4,pipeline=2").with_options(remat="offload", microbatches=2).resolved(8)
-    with pytest.raises(ConfigError, match="remat=offload keeps the layer scan's unit inputs in host memory, "
-                                          "but pipeline=2"):
-        validate.check(parse_model(MODEL), st, batch=16, seq=32)
+@pytest.mark.parametrize("model, mesh, options, message", [
+    (MODEL, "data=4,pipeline=2", dict(remat="offload", microbatches=2),
+     "remat=offload keeps the layer scan's unit inputs in host memory, but pipeline=2"),
+    ("mamba2-tiny", "data=8", dict(remat="selective"),
+     "remat=selective recomputes the attention core, but mamba2-tiny .pattern='M'. has no attention block"),
+])
+def test_policies_a_run_cannot_honour_are_refused(model, mesh, options, message):
+    st = parse_strategy(mesh).with_options(**options).resolved(8)
+    with pytest.raises(ConfigError, match=message):
+        validate.check(parse_model(model), st, batch=16, seq=32)

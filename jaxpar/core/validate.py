@@ -87,7 +87,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         check_overlap(model, strategy, seq)
     if o.fsdp_prefetch:
         check_fsdp_prefetch(strategy)
-    check_remat(strategy)
+    check_remat(model, strategy)
 
     # --- context parallelism ------------------------------------------------------------------
     if model.has_attention and (cp > 1 or o.attention != "dense"):
@@ -163,11 +163,15 @@ def check_fsdp_prefetch(strategy: Strategy) -> None:
                           "stage weights once per step already (jaxpar/pipeline/gpipe.py)")
 
 
-def check_remat(strategy: Strategy) -> None:
-    """remat=offload names each layer unit's input inside the layer scan for host memory (models/lm.py
-    OFFLOADED); a pipeline schedule saves its stage inputs itself, on the device, per iteration or stash slot."""
-    pp = strategy.size("pipeline")
-    if strategy.options.remat == "offload" and pp > 1:
+def check_remat(model: ModelConfig, strategy: Strategy) -> None:
+    """remat=selective recomputes the attention core (models/transformer.py), which a model without attention
+    blocks does not have; remat=offload names each layer unit's input inside the layer scan for host memory
+    (models/lm.py OFFLOADED), while a pipeline schedule saves its stage inputs itself, on the device."""
+    remat, pp = strategy.options.remat, strategy.size("pipeline")
+    if remat == "selective" and not model.has_attention:
+        raise ConfigError(f"remat=selective recomputes the attention core, but {model.name} (pattern={model.pattern!r}) "
+                          "has no attention block: use remat=none or full")
+    if remat == "offload" and pp > 1:
         raise ConfigError(f"remat=offload keeps the layer scan's unit inputs in host memory, but pipeline={pp} "
                           "saves its stage inputs on the device (jaxpar/pipeline/): use remat=full or selective")
 
