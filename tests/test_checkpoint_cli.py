@@ -50,7 +50,7 @@ def resume_and_compare(ckpt, tmp_path, reference, expect_from):
     assert out.returncode == 0, out.stderr
     assert f"restored step {expect_from}" in out.stdout
     got = losses(m)
-    assert sorted(got) == list(range(expect_from, STEPS))
+    assert sorted(got) == list(range(expect_from + 1, STEPS + 1))  # steps count from 1
     for step, loss in got.items():
         assert loss == reference[step], (step, loss, reference[step])  # bitwise
 
@@ -127,12 +127,12 @@ def test_sigterm_saves_at_the_end_of_the_step_and_resumes_bitwise(tmp_path):
     out = cli([*LONG, *until, "--metrics", str(ref)])
     assert out.returncode == 0, out.stderr
     reference = losses(ref)
-    assert losses(m) == {s: reference[s] for s in range(saved)}
+    assert losses(m) == {s: reference[s] for s in range(1, saved + 1)}
     resumed = tmp_path / "resumed.jsonl"
     out = cli([*LONG, *until, "--ckpt-dir", str(ckpt), "--resume", "--metrics", str(resumed)])
     assert out.returncode == 0, out.stderr
     assert f"restored step {saved}" in out.stdout
-    assert losses(resumed) == {s: reference[s] for s in range(saved, saved + 3)}  # bitwise
+    assert losses(resumed) == {s: reference[s] for s in range(saved + 1, saved + 4)}  # bitwise
 
 
 def test_sigterm_without_a_checkpoint_directory_stops_cleanly(tmp_path):
@@ -171,7 +171,7 @@ def test_a_damaged_newest_checkpoint_is_refused_and_an_older_one_restores_on_req
     assert out.returncode == 0, out.stderr
     assert "restored step 4" in out.stdout and f"{ckpt}/set-aside/8" in out.stdout
     got = losses(m)
-    assert got == {s: reference[s] for s in range(4, STEPS)}  # bitwise
+    assert got == {s: reference[s] for s in range(5, STEPS + 1)}  # bitwise
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 8, 12]
     assert (ckpt / "set-aside" / "8" / "state").is_dir()  # the damaged one is kept, out of the way
 

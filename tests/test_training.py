@@ -76,7 +76,7 @@ def test_cli_train_writes_metrics_tensorboard_and_a_profile(tmp_path):
     # (a GPU scheduling preset compiles on XLA:CPU, which ignores it; the run records it)
     assert 'strategy dp2-tp4 [data=2 x tensor=4]; options: zero = 0, remat = "full", xla_preset = "gpu_overlap"' in out.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))  # counted from 1, as the bar counts
     peak = 8 * load_hardware("h100-sxm").peak_flops
     for r in rows:
         assert {"step", "loss", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu"} <= r.keys()
@@ -109,10 +109,11 @@ def test_a_diverged_run_is_an_error_not_a_success(tmp_path, monkeypatch, capsys)
     from jaxpar.cli import main as cli
     from jaxpar.training.trainer import Trainer
     monkeypatch.setattr(Trainer, "step", lambda self, state, batch: (state, {"loss": float("nan"), "grad_norm": 0.0}))
+    monkeypatch.setattr(Trainer, "compile", lambda self: None)  # the stub is the step: nothing to compile
     code = cli.main(["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "3", "--batch", "8", "--seq",
                      "16", "--no-progress", "--ckpt-dir", str(tmp_path / "ck")])
     assert code == 2
-    assert capsys.readouterr().err.strip() == ("jaxpar: error: training diverged: loss is nan at step 0 (lr=0.003); "
+    assert capsys.readouterr().err.strip() == ("jaxpar: error: training diverged: loss is nan at step 1 (lr=0.003); "
                                                "no checkpoint was written from this step")
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.isdigit()]
 

@@ -16,16 +16,15 @@ import traceback
 from typing import NoReturn
 
 import jax
-from tqdm import tqdm
 
 from jaxpar import distributed
 from jaxpar.analysis import comm
 from jaxpar.analysis.overlap import format_overlap
 from jaxpar.analysis.report import compare, format_table, plot
+from jaxpar.cli import train_log
 from jaxpar.cli.args import hf_params, model_from, strategy_from_args
 from jaxpar.cli.launch import launch
 from jaxpar.core.inputs import read_prompt_file
-from jaxpar.core.schedule import schedule_summary
 from jaxpar.core.validate import data_parallel_size
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.devices import MAX_DEVICES, backend_started, simulate_cpu_devices
@@ -34,7 +33,8 @@ from jaxpar.serving.generate import Generator, Sampling
 from jaxpar.training.checkpoint import Checkpointer
 from jaxpar.training.data import make_source
 from jaxpar.training.metrics import Sinks
-from jaxpar.training.trainer import Preempted, PreemptionNotice, TrainConfig, Trainer, train
+from jaxpar.training.config import OptimizerConfig, TrainConfig
+from jaxpar.training.trainer import Preempted, PreemptionNotice, Trainer, train
 
 
 def run(args) -> int:
@@ -75,18 +75,26 @@ def leave_on(e: Exception) -> NoReturn:
     distributed.leave(f"jaxpar: error: process {jax.process_index()} failed: {type(e).__name__}: {e}", 1)
 
 
+def train_config(args) -> TrainConfig:
+    """The run's TrainConfig from the train flags, the optimizer's settings in their own config."""
+    optimizer = OptimizerConfig(b1=args.b1, b2=args.b2, weight_decay=args.weight_decay, clip=args.clip,
+                                schedule=args.schedule, min_lr_ratio=args.min_lr_ratio)
+    return TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
+                       warmup=args.warmup, optimizer=optimizer)
+
+
 def cmd_train(args) -> int:
+    began = time.perf_counter()
     check_checkpoint_flags(args)
     model = model_from(args.model)
-    tc = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
-                     warmup=args.warmup)
-    trainer = Trainer(model, strategy_from_args(args), tc)
+    trainer = Trainer(model, strategy_from_args(args), train_config(args))
     trainer.check_host_memory()
     source = make_source(args.data, model.vocab, args.seed)
     main = distributed.is_main()
-    sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
-    peak_flops = load_hardware(args.hardware).peak_flops * trainer.mesh.size if args.hardware else None
+    hardware = load_hardware(args.hardware) if args.hardware else None
     stop = min(args.stop_after or args.steps, args.steps)
+    train_log.check_profile_steps(args, 0, stop)
+    sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
     ckpt = open_checkpoints(args, main) if args.ckpt_dir is not None else None
     state, start = resume(args, ckpt, trainer, stop, main) if args.resume else (None, 0)
     if start >= stop:
@@ -96,36 +104,54 @@ def cmd_train(args) -> int:
         ckpt.close()
         sinks.close()
         return 0
+    if start:  # resumed: is the --profile window still ahead?
+        try:
+            train_log.check_profile_steps(args, start, stop)
+        except ConfigError:
+            ckpt.close()
+            sinks.close()
+            raise
     if state is None and args.hf_checkpoint is not None:  # a fresh run starting from pretrained weights
         state = trainer.state_from_params(hf_params(args.hf_checkpoint, model, trainer.abstract_params))
         if main:
             print(f"parameters from the Hugging Face checkpoint {args.hf_checkpoint} (fresh optimizer state)")
     if main:
-        print_run(trainer)
-    bar = None if not main or args.no_progress else tqdm(total=args.steps, initial=start, unit="step",
-                                                         dynamic_ncols=True)
-    log = StepLog(args, trainer, sinks, bar, peak_flops)
+        print("\n".join(train_log.header(trainer, args.data, hardware, start, stop)))
+    _, compile_s = train_log.timed("compiling the training step", trainer.compile, main)
+    init_s = 0.0
+    if state is None:  # before the bar starts, so that no step's time or ETA includes its compilation
+        state, init_s = train_log.timed("initialising the parameters and optimizer state in their shards",
+                                        trainer.init_state, main)
+    log = train_log.StepLog(args, trainer, sinks, hardware, show=main)
+    code = run_steps(args, trainer, source, log, state, start, ckpt)
+    if main and code == 0:
+        print(log.summary(time.perf_counter() - began, compile_s, init_s))
+    return code
+
+
+def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, start: int, ckpt) -> int:
+    """Steps start + 1 .. --stop-after (or --steps), the last saved with --ckpt-dir; exit 143 on a
+    preemption notice (SIGTERM), after saving the step in flight."""
+    stop = min(args.stop_after or args.steps, args.steps)
+    log.begin(start, stop)
     try:
         with PreemptionNotice():  # SIGTERM: finish the step, save (with --ckpt-dir), exit 143
             state = train(trainer, source, on_step=log, state=state, start=start, stop=args.stop_after,
-                          checkpointer=ckpt)
+                          checkpointer=ckpt, on_save=log.saved)
         if ckpt is not None:
             if stop > start and (args.ckpt_every <= 0 or stop % args.ckpt_every):
-                ckpt.maybe_save(stop, state, trainer, force=True)
+                if ckpt.maybe_save(stop, state, trainer, force=True):
+                    log.saved(stop)
             ckpt.close()
     except Preempted as stopped:
         if ckpt is not None:
             ckpt.close()
-        if main:
+        if log.show:
             print(f"\n{stopped}")
         return 128 + 15  # as if terminated by SIGTERM: the scheduler sees an unfinished run
     finally:
-        if bar is not None:
-            bar.close()
-        sinks.close()
-    if main and log.last:
-        print(f"final loss {log.last['loss']:.4f}  step {log.last['step_time_s'] * 1e3:.1f} ms  "
-              f"{log.last['tokens_per_s']:.0f} tokens/s")
+        log.close()
+        log.sinks.close()
     return 0
 
 
@@ -169,41 +195,6 @@ def resume(args, ckpt: Checkpointer, trainer: Trainer, stop: int, main: bool):
         print(f"newer checkpoints moved aside (kept, not deleted), as this run will write those steps "
               f"again: {', '.join(map(str, moved))}")
     return state, start
-
-
-def print_run(trainer: Trainer) -> None:
-    model, strategy = trainer.model_cfg, trainer.strategy
-    print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
-    print(f"strategy {strategy.describe()}; options: {strategy.describe_options()}")
-    if strategy.size("pipeline") > 1:
-        print(schedule_summary(strategy, model.units))
-
-
-class StepLog:
-    """What `jaxpar train` does after each step: a profiler trace of steps 2-4 (--profile), the MFU
-    (--hardware), the metric sinks, the divergence check, the progress bar. Keeps the last metrics."""
-
-    def __init__(self, args, trainer: Trainer, sinks: Sinks, bar, peak_flops: float | None):
-        self.args, self.trainer, self.sinks, self.bar, self.peak_flops = args, trainer, sinks, bar, peak_flops
-        self.last: dict = {}
-
-    def __call__(self, step: int, m: dict) -> None:
-        args = self.args
-        self.last.update(m)
-        if args.profile and step == 1:
-            jax.profiler.start_trace(args.profile)
-        if args.profile and step == 4:
-            jax.profiler.stop_trace()
-        if self.peak_flops and "model_flops_per_s" in m:
-            m["mfu"] = m["model_flops_per_s"] / self.peak_flops
-        m["xla_preset"] = self.trainer.strategy.options.xla_preset   # what the step was compiled with
-        self.sinks.write(m)
-        if not math.isfinite(m["loss"]):  # never report a diverged run as a success
-            raise ConfigError(f"training diverged: loss is {m['loss']} at step {step} (lr={args.lr}); "
-                              "no checkpoint was written from this step")
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
 
 
 def analysis_devices(args, strategies) -> int:

@@ -8,28 +8,63 @@ multi-process run and simulates `--devices` before JAX's backend starts (importi
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import signal
 import sys
 
+import jaxpar
 from jaxpar.cli import explain
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
-from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs, integer,
-                                nonempty, png_path, real, token_ids)
+from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs,
+                                did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE
 from jaxpar.errors import ConfigError
+from jaxpar.training.config import SCHEDULES, OptimizerConfig, TrainConfig
 
 ANALYTIC = {"estimate": cmd_estimate, "plan": cmd_plan}  # the cost model alone: JAX is never loaded
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, `(default: 50)`, unless it has none (None, or off for a
+    switch) or its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "default" in text.lower():
+            return text
+        return text + " (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (`jaxpar train: error: argument --steps: must be >= 1, got -5`)
-    raised as ConfigError, so `main` reports them as it reports every other bad input."""
+    raised as ConfigError, so `main` reports them as it reports every other bad input; an unknown flag,
+    command or choice is answered with its near matches (`did_you_mean`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # the subcommands' parsers (build_parser)
 
     def error(self, message: str):
         command = self.prog.removeprefix("jaxpar").strip()
         raise ConfigError(f"{command}: {message}" if command else message)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # reported by the subcommand's parser, which knows its flags
+            parser = self.commands.get(getattr(parsed, "command", None), self)
+            flags = [s for a in parser._actions for s in a.option_strings]
+            words = [x + did_you_mean(x.partition("=")[0], flags, "-") if x.startswith("--") else x for x in extras]
+            parser.error(f"unrecognized arguments: {' '.join(words)}")
+        return parsed
+
+    def _check_value(self, action, value):
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            raise argparse.ArgumentError(action, e.message + did_you_mean(str(value), action.choices)) from None
 
 
 def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: bool = True) -> None:
@@ -47,6 +82,9 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("strategy flags (override the mesh file's [options])")
     for f in OPTION_FIELDS:
         flag, choices, help_ = "--" + f.name.replace("_", "-"), f.metadata["choices"], f.metadata["help"]
+        if "default" not in help_:  # the flag's own default is None: the mesh file's value stands
+            shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default or "none"
+            help_ += f" (default: the mesh file's, else {shown})"
         if isinstance(f.default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name == "zero" or isinstance(f.default, int):
@@ -78,29 +116,52 @@ def add_software_flag(p) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch):
         add(sub)
     add_strategy_flags(explain.add_parser(sub))
+    parser.commands = dict(sub.choices)
     return parser
 
 
+def package_version() -> str:
+    """The installed distribution's version (a source tree run without installing: the package's own)."""
+    try:
+        return importlib.metadata.version("jaxpar")
+    except importlib.metadata.PackageNotFoundError:
+        return jaxpar.__version__
+
+
 def add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a model under a strategy")
+    t = sub.add_parser("train", help="train a model under a strategy",
+                       description="Train, printing what the run is (model, strategy, batch, precision, optimizer, "
+                                   "data), the compile time, then a progress bar (or, with --no-progress, a log line "
+                                   "every --log-every steps) and a summary; steps count from 1 everywhere. The "
+                                   "output and the --metrics fields: docs/running.md.")
     add_model_mesh(t)
-    t.add_argument("--steps", type=POSITIVE, default=50)
-    t.add_argument("--batch", type=POSITIVE, default=16, help="global batch, in sequences")
-    t.add_argument("--seq", type=POSITIVE, default=64)
-    t.add_argument("--seed", type=SEED, default=0, help=f"random seed, 0 <= seed <= {MAX_SEED}")
-    t.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3, help="peak learning rate (warmup, then cosine decay)")
-    t.add_argument("--warmup", type=NON_NEGATIVE, default=10, help="learning-rate warmup steps")
-    t.add_argument("--data", type=nonempty, default="synthetic", help="'synthetic' or a .bin file of uint16/uint32 token ids")
+    tc = TrainConfig()
+    t.add_argument("--steps", type=POSITIVE, default=50, help="optimizer steps; the learning-rate schedule spans them")
+    t.add_argument("--batch", type=POSITIVE, default=tc.batch, help="global batch, in sequences (all devices)")
+    t.add_argument("--seq", type=POSITIVE, default=tc.seq, help="tokens per sequence")
+    t.add_argument("--seed", type=SEED, default=tc.seed, help=f"seed of the parameters and the synthetic data, "
+                   f"0 <= seed <= {MAX_SEED}")
+    t.add_argument("--data", type=nonempty, default="synthetic", help="'synthetic' (a bigram rule with 10%% noise: "
+                   "no text) or a .bin file of uint16/uint32 token ids")
+    add_optimizer_flags(t, tc)
     t.add_argument("--metrics", type=nonempty, help="write one JSON object per step to this .jsonl file")
-    t.add_argument("--tensorboard", type=nonempty, metavar="DIR", help="write the per-step scalars (loss, grad norm, step time, "
-                   "tokens/s, model FLOP/s, MFU) as TensorBoard event files to DIR")
-    t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU metric")
-    t.add_argument("--profile", type=nonempty, help="write a jax.profiler trace of steps 2-4 to this directory")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--tensorboard", type=nonempty, metavar="DIR", help="write the per-step scalars (loss, grad norm, "
+                   "lr, tokens, step time, tokens/s, model FLOP/s, MFU) as TensorBoard event files to DIR")
+    t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU; on CPU "
+                   "devices the MFU is nominal: recorded with mfu_nominal=true, not shown")
+    t.add_argument("--profile", type=nonempty, metavar="DIR", help="write a jax.profiler trace of --profile-steps "
+                   "to DIR")
+    t.add_argument("--profile-steps", type=step_range, default="2-4", metavar="A-B", help="the steps --profile "
+                   "traces, counted from 1 as the bar counts; they must lie within the run")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar: a log line every --log-every "
+                   "steps instead (batch jobs, SLURM logs)")
+    t.add_argument("--log-every", type=POSITIVE, default=10, metavar="N", help="with --no-progress: a log line "
+                   "every N steps, and at the last")
     add_checkpoint_flags(t)
     t.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
                    help="start from a Hugging Face LLaMA-layout checkpoint's weights (config.json + *.safetensors; "
@@ -109,6 +170,25 @@ def add_train(sub) -> None:
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
     add_distributed_flags(t)
+
+
+def add_optimizer_flags(p: argparse.ArgumentParser, tc: TrainConfig) -> None:
+    """The learning rate and the optimizer's settings (jaxpar/training/config.py), their defaults the
+    configs' own."""
+    o = OptimizerConfig()
+    g = p.add_argument_group("optimizer (AdamW after global-norm clipping) and learning-rate schedule")
+    g.add_argument("--lr", type=real(0.0, open_lo=True), default=tc.lr, help="peak learning rate")
+    g.add_argument("--warmup", type=NON_NEGATIVE, default=tc.warmup, help="steps of linear warmup from 0 to "
+                   "--lr (0: none)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=o.schedule, help="after warmup: cosine or linear "
+                   "decay to --min-lr-ratio x --lr over the run, or constant at --lr")
+    g.add_argument("--min-lr-ratio", type=real(0.0, 1.0), default=o.min_lr_ratio, metavar="R",
+                   help="the floor of cosine and linear decay, as a fraction of --lr")
+    g.add_argument("--weight-decay", type=real(0.0), default=o.weight_decay, help="AdamW's decoupled weight decay")
+    g.add_argument("--b1", type=real(0.0, 1.0), default=o.b1, help="Adam's first-moment decay, in [0, 1)")
+    g.add_argument("--b2", type=real(0.0, 1.0), default=o.b2, help="Adam's second-moment decay, in [0, 1)")
+    g.add_argument("--clip", type=real(0.0), default=o.clip, help="clip the gradients' global norm to this "
+                   "(0: no clipping)")
 
 
 def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -218,8 +298,8 @@ def add_compare(sub) -> None:
     cp.add_argument("--run-steps", type=NON_NEGATIVE, default=0, metavar="K",
                     help="also train K steps per strategy from the same initial parameters and report "
                          "|loss - 1-device loss| and the step time")
-    cp.add_argument("--seed", type=SEED, default=0)
-    cp.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3)
+    cp.add_argument("--seed", type=SEED, default=0, help="with --run-steps: the parameters' and the data's seed")
+    cp.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3, help="with --run-steps: the peak learning rate")
     cp.add_argument("--json", type=nonempty, help="write {model, reports: [...]} as one JSON object to this file")
     cp.add_argument("--plot", type=png_path, help="write a PNG of bytes per device per step by kind and mesh axes")
     add_strategy_flags(cp)

@@ -28,11 +28,14 @@ MAX_SEED = 2**31 - 1
 MAX_CLUSTER_DEVICES = 2**20  # no cluster has more; the planner's search is sized for this
 
 
-def did_you_mean(word: str, known) -> str:
-    """' (did you mean 'layers'?)' for the entries of `known` close to `word` (difflib's ratio >= 0.6,
-    at most three), or '' when none is: the suffix every unknown-name error appends."""
-    close = difflib.get_close_matches(word, [str(k) for k in known], n=3)
-    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+def did_you_mean(word: str, known, strip: str = "") -> str:
+    """' (did you mean 'layers'?)' for the entries of `known` close to `word` (difflib's similarity ratio
+    >= 0.65, which keeps `stpes` -> steps and drops `stpes` -> dtype; at most three), or '' when none is:
+    the suffix every unknown-name error appends. `strip` is left off both sides before comparing (the
+    dashes of a flag)."""
+    names = {str(k).lstrip(strip): str(k) for k in known}
+    close = difflib.get_close_matches(word.lstrip(strip), names, n=3, cutoff=0.65)
+    return f" (did you mean {' or '.join(repr(names[c]) for c in close)}?)" if close else ""
 
 
 # ---- command-line argument types (argparse names the flag in its one-line error) ----------------

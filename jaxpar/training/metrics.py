@@ -1,15 +1,17 @@
 """Where `jaxpar train` writes its per-step metrics: a JSONL file, TensorBoard event files, or both.
 
-Each step's record is {step, loss, grad_norm, step_time_s, tokens_per_s, model_flops_per_s, xla_preset (the
-compiler scheduling preset the step was compiled with: jaxpar/xla_presets.py)} and, when
-`--hardware` names a device, `mfu` (model FLOP/s over the devices' peak). A model with mixture-of-experts
-layers adds its router statistics, each averaged over the MoE layers (models/moe.py): `moe_aux_loss`
-(the load-balancing loss, 1 when balanced), `moe_z_loss`, `moe_dropped_fraction` (token copies over
-capacity), `moe_load_max` / `moe_load_min` (the busiest / idlest expert's copies over the mean); it has
-no `model_flops_per_s` or `mfu` (the cost model counts no MoE layers yet). JSONL keeps every field at
-full precision; TensorBoard gets the same scalars under `train/` through tensorboardX (TensorBoard's
-event format without TensorFlow), so a run is watched as a MaxText, Levanter or torchtitan run is:
-`tensorboard --logdir DIR`. Only process 0 writes.
+One record per step, its `step` counted from 1 as the progress bar and the log lines count (a checkpoint
+of step N holds the state after it): `loss`, `grad_norm`, `lr` (the learning rate the step applied),
+`tokens` (tokens trained on up to and including this step), `time` (unix seconds when the step ended),
+`step_time_s`, `tokens_per_s`, `model_flops_per_s` (the step's matmul FLOPs, forward and backward,
+without recomputation: jaxpar/cost/flops.py; an MoE model's from its active parameters, the k routed
+experts per token), `xla_preset`; with `--hardware`,
+`mfu` (model FLOP/s over the devices' peak) and `mfu_nominal` (true when the devices are not that
+hardware: simulated CPU devices); an MoE model adds its router statistics. docs/running.md gives every
+field with its unit. JSONL keeps every field at full precision; TensorBoard gets the numeric ones
+under `train/` through tensorboardX (TensorBoard's event format without TensorFlow), at the record's
+step and wall time, so a run is watched as a MaxText, Levanter or torchtitan run is: `tensorboard
+--logdir DIR`. Only process 0 writes.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import pathlib
 
 from jaxpar.errors import ConfigError
 
-SCALARS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu", "moe_aux_loss",
-           "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
+SCALARS = ("loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu",
+           "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
 
 
 class Sinks:
@@ -45,7 +47,7 @@ class Sinks:
         if self._tb is not None:
             for key in SCALARS:
                 if key in record:
-                    self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+                    self._tb.add_scalar(f"train/{key}", record[key], record["step"], walltime=record.get("time"))
             self._tb.flush()
 
     def close(self) -> None:

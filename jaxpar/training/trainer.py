@@ -8,7 +8,6 @@ Follow one parameter from the model to the devices:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import signal
@@ -36,30 +35,35 @@ from jaxpar.models.moe import AUX_FIELDS, aux_metrics
 from jaxpar.ops.attention import token_permutation
 from jaxpar.pipeline import pipelined_loss, pipelined_loss_and_grads, reorder, stacked_paths, unit_order
 from jaxpar.training import faults
+from jaxpar.training.config import TrainConfig
 from jaxpar.training.data import local_batch, process_indices, to_global
 from jaxpar.xla_presets import compiler_options
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    batch: int = 16          # global, in sequences
-    seq: int = 64
-    steps: int = 20
-    lr: float = 3e-3
-    warmup: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
+def make_schedule(tc: TrainConfig) -> optax.Schedule:
+    """The learning rate of each update (optax counts updates from 0: step k, counted from 1, uses
+    schedule(k - 1)): linear warmup from 0 over `warmup` updates, then the decay to the floor at update
+    `steps`."""
+    o, warmup = tc.optimizer, tc.warmup
+    floor = tc.lr * o.min_lr_ratio
+    if o.schedule == "cosine" and warmup:
+        return optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup_steps=warmup,
+                                                  decay_steps=max(tc.steps, warmup + 1), end_value=floor)
+    span = max(tc.steps - warmup, 1)
+    decay = {"cosine": lambda: optax.cosine_decay_schedule(tc.lr, span, alpha=o.min_lr_ratio),
+             "linear": lambda: optax.linear_schedule(tc.lr, floor, span),
+             "constant": lambda: optax.constant_schedule(tc.lr)}[o.schedule]()
+    if not warmup:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, tc.lr, warmup), decay], [warmup])
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on a warmup + cosine schedule, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, tc.lr, warmup_steps=max(tc.warmup, 1), decay_steps=max(tc.steps, tc.warmup + 1),
-        end_value=tc.lr * tc.min_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(tc.clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+    """AdamW on `make_schedule`, after global-norm clipping (the identity when clip is 0: the same
+    empty state, so checkpoints restore across clip settings)."""
+    o = tc.optimizer
+    clip = optax.clip_by_global_norm(o.clip) if o.clip > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(make_schedule(tc), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
 STATE_BYTES_PER_PARAM = 16  # float32 parameter, gradient and two Adam moments
@@ -102,6 +106,7 @@ class Trainer:
         self.mesh = make_mesh(self.strategy, devices)
         self.layout = model_layout(self.mesh, self.strategy, model.kv_heads, model.has_attention)
         self.optimizer = make_optimizer(tc)
+        self.schedule = make_schedule(tc)
         self.order = token_order(self.strategy, tc.seq)
         # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline/order.py)
         self.unit_order = unit_order(self.strategy, model.units)
@@ -125,6 +130,7 @@ class Trainer:
                               in_shardings=(self.param_shardings, self.batch_sharding),
                               out_shardings=(replicated, self.param_shardings),
                               compiler_options=self.compiler_options)
+        self._compiled = None  # the step compiled ahead of the loop (`compile`)
         self._stored = {inverse: jax.jit(functools.partial(self.reorder, inverse=inverse),
                                          in_shardings=(self.state_shardings,), out_shardings=self.state_shardings)
                         for inverse in (False, True)}
@@ -136,11 +142,19 @@ class Trainer:
         if not all(d.platform == "cpu" for d in self.mesh.devices.flat):
             return
         m, tc = self.model_cfg, self.tc
-        n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params))
-        check_host_memory(STATE_BYTES_PER_PARAM * n_params + 3 * 4 * tc.batch * tc.seq
+        check_host_memory(STATE_BYTES_PER_PARAM * self.param_count + 3 * 4 * tc.batch * tc.seq
                           + 4 * tc.batch * tc.seq * m.d_model * m.layers,
                           f"training {m.name} (parameters, gradients, Adam moments, the batch and one "
                           f"residual activation per layer) on batch={tc.batch} x seq={tc.seq}")
+
+    @property
+    def param_count(self) -> int:
+        """The model's parameters (MoE: every expert's)."""
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract_params))
+
+    def lr(self, step: int) -> float:
+        """The learning rate step `step` (counted from 1) applies."""
+        return float(self.schedule(step - 1))
 
     # ---- state --------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -240,7 +254,14 @@ class Trainer:
         return to_global(local, self.batch_sharding, shape)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        return self._step(state, batch)
+        """One update: the step `compile` built ahead if it ran, else the jitted step (compiled at
+        its first call)."""
+        return (self._step if self._compiled is None else self._compiled)(state, batch)
+
+    def compile(self) -> None:
+        """Compile the step from shapes and shardings before the first batch exists, so that no step's
+        time includes compilation."""
+        self._compiled = self.lower_step().compile()
 
     def loss_and_grads(self, params, batch):
         """Loss and gradients of one batch (no update) from a state's (stored-order) parameters, the
@@ -287,34 +308,36 @@ def gather(tree) -> Any:
 
 
 def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,
-          stop: int | None = None, checkpointer=None):
-    """Run steps [start, stop or tc.steps); `on_step(step, metrics)` sees host floats each step;
-    `checkpointer.maybe_save(completed_steps, state, trainer)` runs after every step."""
+          stop: int | None = None, checkpointer=None, on_save=None):
+    """Run steps start + 1 .. stop (or tc.steps), counted from 1 as everywhere a run reports them (a
+    checkpoint of step N holds the state after N steps, so a run resumed from it starts at step N + 1).
+    `on_step(step, metrics)` sees host floats after each step; `checkpointer.maybe_save(step, state,
+    trainer)` runs after every step and `on_save(step)` after each save it starts."""
     state = trainer.init_state() if state is None else state
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
     # model FLOPs (MoE: from the active parameters, the k routed experts per token)
     flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
-    for step in range(start, stop):
-        batch = trainer.batch(source, step)
+    for step in range(start + 1, stop + 1):
+        batch = trainer.batch(source, step - 1)
         t0 = time.perf_counter()
         state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks until the step is done
         dt = time.perf_counter() - t0
         if on_step is not None:
-            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                      "step_time_s": dt, "tokens_per_s": tokens / dt}
-            record["model_flops_per_s"] = flops / dt
+            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": trainer.lr(step),
+                      "tokens": step * tokens, "time": time.time(), "step_time_s": dt, "tokens_per_s": tokens / dt,
+                      "model_flops_per_s": flops / dt}
             record.update((k, float(v)) for k, v in metrics.items() if k not in record)
             on_step(step, record)
-        if checkpointer is not None:
-            checkpointer.maybe_save(step + 1, state, trainer)
-        if preempted(step + 1):
+        if checkpointer is not None and checkpointer.maybe_save(step, state, trainer) and on_save is not None:
+            on_save(step)
+        if preempted(step):
             if checkpointer is not None:
-                checkpointer.maybe_save(step + 1, state, trainer, force=True)
+                checkpointer.maybe_save(step, state, trainer, force=True)
                 checkpointer.wait()
-            raise Preempted(step + 1, saved=checkpointer is not None)
-        faults.after_step(step + 1)
+            raise Preempted(step, saved=checkpointer is not None)
+        faults.after_step(step)
     return state
 
 
