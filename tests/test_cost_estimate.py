@@ -1,10 +1,11 @@
 """The estimate contract (docs/design.md), hardware profiles, and the human view."""
+import dataclasses
 import json
 import pathlib
 
 import pytest
 
-from jaxpar.cost import MEGATRON, estimate, format_estimate, known_profiles, load_hardware
+from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, format_estimate, known_profiles, load_hardware
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import from_preset
@@ -41,7 +42,7 @@ def test_json_contract():
     out = estimate(m, st, "h100-sxm", 256, 8192).to_json()
     json.dumps(out)
     assert {"collectives", "flops_per_step", "step_time_s", "mfu", "tokens_per_s", "memory", "fits"} <= set(out)
-    assert set(out["memory"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(out["memory"]) == {"params", "grads", "optimizer", "activations", "total", "host"}
     assert 0 < out["mfu"] < 1 and isinstance(out["fits"], bool)
     assert out["tokens_per_s"] == pytest.approx(256 * 8192 / out["step_time_s"])
     for c in out["collectives"]:
@@ -70,3 +71,27 @@ def test_mamba_and_hybrid_estimates_run():
         st = parse_inline("data=2,context=2,tensor=2").with_options(attention="ring", remat="dots_no_batch")
         est = estimate(m, st, "tpu-v5p", 16, 256 if preset == "hybrid-tiny" else 2048)
         assert 0 < est.mfu < 1 and est.memory.total > 0
+
+
+def test_offload_keeps_the_unit_inputs_on_the_host_and_selective_recomputes_the_core():
+    """remat offload: the host holds each unit's input, units x b x s x d in the compute dtype (a hand count),
+    the device full's activations less those, and the copies cost host-link time only beyond the compute;
+    a profile that states no host link refuses it. selective: none's memory less the scores, full's FLOPs
+    no, the attention core's once more (Megatron reruns QK^T and PV: 4 b s^2 h d per layer, its preset counting
+    the full s x s)."""
+    m = from_preset("llama3-8b")
+    st = parse_inline("fsdp=8").with_options(dtype="bfloat16", grad_accum=2).resolved(8)
+    est = {r: estimate(m, st.with_options(remat=r), "h100-sxm", 16, 4096) for r in ("none", "selective", "full", "offload")}
+    tokens = 16 // 8 // 2 * 4096
+    assert est["offload"].memory.host == m.layers * tokens * m.d_model * 2
+    assert est["offload"].memory.activations < est["full"].memory.activations < est["selective"].memory.activations
+    assert est["selective"].memory.activations < est["none"].memory.activations
+    assert est["offload"].flops.hardware == est["full"].flops.hardware and est["offload"].time.host >= 0
+    pcie = est["offload"].memory.host * 2 / (64e9 * 0.8)     # both ways over PCIe Gen5 at the link efficiency
+    assert est["offload"].time.host == pytest.approx(max(0.0, pcie - est["offload"].time.compute))
+    no_link = dataclasses.replace(load_hardware("h100-sxm"), host_bw=0.0)
+    with pytest.raises(ConfigError, match="host_bw"):
+        estimate(m, st.with_options(remat="offload"), no_link, 16, 4096)
+    core = 4 * 16 * 4096 ** 2 * m.heads * m.head_dim * m.layers
+    mega = {r: estimate(m, st.with_options(remat=r), "h100-sxm", 16, 4096, software=MEGATRON_CORE) for r in ("none", "selective")}
+    assert mega["selective"].flops.recompute - mega["none"].flops.recompute == pytest.approx(core, rel=1e-9)  # full s x s

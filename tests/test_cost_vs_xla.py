@@ -61,6 +61,8 @@ CASES = [
     ("llama-tiny", "fsdp8", 8, {}),
     ("llama-tiny", "tp8", 8, {}),
     ("llama-tiny", "dp8", 8, {"remat": "full"}),
+    ("llama-tiny", "dp8", 8, {"remat": "selective"}),  # none's inventory less the scores; the core's forward again
+    ("llama-tiny", "dp8", 8, {"remat": "offload"}),    # full's FLOPs; unit inputs on the host (a CPU's own memory)
     ("llama-tiny", "cp8-ring", 8, {}),
     ("llama-tiny", "dp8", 8, {"attention_kernel": "blockwise"}),   # q, k, v, out and logsumexp; no scores
     ("mamba2-tiny", "dp8", 8, {}),
@@ -135,7 +137,7 @@ def test_memory_per_device_matches_xla(index):
           f"total predicted {pred.total:.0f} / XLA peak {c.peak} ({pred.total / c.peak:.3f}); "
           f"grads+activations {pred.grads + pred.activations:.0f} / temp {c.temp}")
     assert state == pytest.approx(c.argument, rel=0.01)
-    assert pred.total == pytest.approx(c.peak, rel=0.20)
+    assert pred.total + pred.host == pytest.approx(c.peak, rel=0.20)   # host: a CPU device's memory is the host's
 
 
 def test_fsdp_experts_stay_gathered_until_the_backward_pass():

@@ -28,6 +28,7 @@ from flax import nnx
 from jaxpar.analysis.hlo_text import parse_module, shape_bytes
 from jaxpar.cli import main as cli
 from jaxpar.core.strategy import parse_strategy
+from jaxpar.cost.inference import inference_estimate
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
@@ -83,6 +84,10 @@ def test_bf16_decode_step_reads_half_the_parameter_bytes():
     assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
     assert bf16.bytes_per_device()["weights"] == 2 * count and f32.bytes_per_device()["weights"] == 4 * count
     assert bf16.cache_layout["units"][0]["k"].dtype == "bfloat16"
+    for gen in (f32, bf16):   # the serving cost model reads the weights in the generator's dtype
+        est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, "decode",
+                                 compiler="cpu")
+        assert est.weights_bytes == parameter_bytes(gen)
 
 
 def assert_bf16_matches_float32(model: str) -> None:

@@ -29,6 +29,7 @@ from jaxpar.cost.comm_data import data_parallel
 from jaxpar.cost.comm_expert import expert_parallel
 from jaxpar.cost.comm_pipeline import pipeline_parallel
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, GPU, PERMUTE, RS, Compiler
+from jaxpar.cost.flops import unit_policy
 from jaxpar.cost.memory import DTYPE_BYTES
 from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.cost.software import JAXPAR, Software
@@ -59,6 +60,8 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
     positions travel, its head spread and boundary sums); where a backend leaves the sums in the layer
     loop or combines them, compiler_comm's. Plain tuples: the time model reads them thousands of times
     per second."""
+    cores = st                                  # the attention core's collectives (context) under the run's policy
+    st = units_strategy(st)                     # every other collective follows the layer unit's policy
     sz, cc, own, sp = st.sizes, compiler, software.jaxpar_program, st.options.sequence_parallel
     piped = own and shape.stages > 1            # jaxpar's own pipeline schedules (jaxpar/pipeline/)
     one_f = one_f_one_b(st, shape, own)         # ... its 1F1B: every backward tick reruns its chunk
@@ -76,7 +79,7 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
                     else compiler_comm.sp_norms_in_loop(cc, m, shape, final=not one_f))
     if sz["context"] > 1:
         positions = program_pipeline.cp_positions(st, shape) if piped else comm_context.positions(st, shape)
-        raw += comm_context.context_parallel(m, st, shape, act, cc, positions, rerun_chunk=one_f)
+        raw += comm_context.context_parallel(m, cores, shape, act, cc, positions, rerun_chunk=one_f)
     if sz["pipeline"] > 1:
         sends = pipeline_parallel(m, st, shape, act, software.pp_scatter_gather)
         raw += (program_pipeline.unused_cooldown_send(sends, st, shape)
@@ -85,6 +88,14 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
         copies = program_comm.moe_stage_copies(st, shape)   # (read for every stack: checked on jaxpar's only)
         raw += expert_parallel(m, st, shape, act, cc, software.moe_padded, copies)
     return merge(raw)
+
+
+def units_strategy(st: Strategy) -> Strategy:
+    """`st` with its remat policy as the layer unit runs it (flops.unit_policy): `selective` recomputes no
+    unit (only the attention core, whose collectives are context parallelism's), `offload` every unit as
+    `full` does."""
+    unit = unit_policy(st.options.remat)
+    return st if unit == st.options.remat else st.with_options(remat=unit)
 
 
 def merge(raw: list[tuple]) -> tuple[tuple, ...]:

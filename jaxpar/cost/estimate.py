@@ -99,7 +99,7 @@ class Estimate:
             "flops_by_block": {name: mm for name, mm, _ in self.flops.by_block},
             "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
             "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                       "activations": mem.activations, "total": mem.total},
+                       "activations": mem.activations, "total": mem.total, "host": mem.host},
             "fits": self.fits, "hbm_bytes": self.hbm_bytes, "hbm_headroom": self.headroom,
             "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
             "energy": dataclasses.asdict(self.energy) if self.energy else None,
@@ -210,6 +210,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     comm_s = time.comm_seconds(colls, st, hw, skew)
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,
                        hw, overlap.fractions(software, st, colls, hw, skew))
+    t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),

@@ -196,10 +196,27 @@ def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
     return Flops(2.0 * tokens * width * m.d_model)
 
 
+# The layer unit's own policy under the stacks' recompute names: `selective` (Korthikanti et al. 2022;
+# Megatron's --recompute-granularity selective) leaves the unit alone and recomputes its attention core
+# (QK^T, softmax, PV) from the saved q, k, v; `offload` (MaxText's host offload; models/lm.py OFFLOADED) saves
+# each unit's input in host memory and recomputes the unit as `full` does.
+UNIT_POLICY = {"selective": "none", "offload": "full"}
+
+
+def unit_policy(remat: str) -> str:
+    """What the layer unit itself does under `remat` (UNIT_POLICY; the other policies are their own)."""
+    return UNIT_POLICY.get(remat, remat)
+
+
 def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False,
                     ring: bool = False, rerun_outputs: bool = True) -> Flops:
-    """Forward work redone in the backward pass under a remat policy (see module docstring)."""
-    if remat == "full":
+    """Forward work redone in the backward pass under a remat policy (see module docstring; `selective`:
+    the attention core's forward once more, UNIT_POLICY, but for PV where the compiler drops the dead
+    output, as it drops full remat's last projection: `rerun_outputs` False)."""
+    if remat == "selective":
+        rec = attention_core_flops(m, batch, seq, causal) * ((1.0 if rerun_outputs else 0.5)
+                                                             * (m.attention_layers + m.moe_layers))
+    elif unit_policy(remat) == "full":
         rec = (attention_block_flops(m, batch, seq, causal) * m.attention_layers
                + mamba_block_flops(m, batch, seq) * m.mamba_layers + moe_block_flops(m, batch, seq, causal) * m.moe_layers)
         if not rerun_outputs:
@@ -233,7 +250,7 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool 
     pad = 0.0
     if m.moe_layers and rows is not None:
         excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers
-        pad = excess * (TRAIN_FACTOR + (1.0 if remat == "full" else 0.0))
+        pad = excess * (TRAIN_FACTOR + (1.0 if unit_policy(remat) == "full" else 0.0))
     fwd = attn + mamba + moe + head
     t, a, k, e = tokens, m.attention_layers, m.mamba_layers, m.moe_layers
     parts = (("attention qkvo", attention_projection_flops(m, t) * (a + e)),

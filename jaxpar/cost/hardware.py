@@ -39,6 +39,7 @@ class Hardware:
     devices_per_node: int      # size of the fast-link domain (GPU node, TPU slice)
     alpha_intra: float = 5e-6  # seconds per ring hop inside a node
     alpha_inter: float = 1e-5  # seconds per ring hop across nodes
+    host_bw: float = 0.0       # per-device link to host memory, bytes/s one direction (remat offload); 0: unknown
     matmul_efficiency: float = 0.6
     link_efficiency: float = 0.8
     elementwise_passes: float = 1.5
@@ -51,7 +52,7 @@ class Hardware:
 
 PLATFORMS = ("gpu", "tpu")
 _SECTIONS = {"device": ("platform", "peak_flops", "hbm_bytes", "hbm_bw"),
-             "links": ("intra_bw", "inter_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
+             "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
              "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated"),
              "power": ("tdp_w", "idle_w")}
 _TOP = ("name", "notes")

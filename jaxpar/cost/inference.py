@@ -10,9 +10,10 @@ jaxpar.serving.generate sizes it; a decode step is costed at the full cache, its
     matmul FLOPs   2 x (active matmul parameters) per token, + attention 4 x hq x keys per query token
                    (dense: the prefill's s x s scores in full; decode: the S cached keys), + the head
                    on the last position only (2 x d x V per sequence), all / (data x tensor)
-    HBM bytes      weights per device (software.serve_weight_bytes per element: jaxpar keeps float32
-                   masters and casts them in the step, so it reads 4) + the KV cache read once (decode)
-                   or written (prefill) + Mamba-2 states read and written
+    HBM bytes      weights per device (`weight_bytes` per element: jaxpar's generate stores the weights
+                   in the serving dtype, converted once when it loads them, so bfloat16 reads 2 and
+                   float32 4; other stacks their preset's serve_weight_bytes) + the KV cache read once
+                   (decode) or written (prefill) + Mamba-2 states read and written
     time           max(matmul / (peak x efficiency), HBM bytes / bandwidth) + collectives (not
                    overlapped): a roofline per step, the hardware profile's calibration constants
     collectives    under tensor: the vocab-parallel embedding's sum, two row-parallel sums per
@@ -236,6 +237,12 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
     return tuple((k, a, p, c, b_) for (k, a, p), (c, b_) in merged.items())
 
 
+def weight_bytes(software: Software, st: Strategy) -> int:
+    """Bytes per parameter a generation step reads: jaxpar's generate converts the weights to the serving
+    dtype once (jaxpar/serving/generate.py), so its strategy's dtype decides; other stacks their preset's."""
+    return DTYPE_BYTES[st.options.dtype] if software.jaxpar_program else software.serve_weight_bytes
+
+
 def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, batch: int, prompt: int,
                        generate: int, phase: str, software: Software = JAXPAR,
                        compiler: Compiler | str = "gpu") -> InferenceEstimate:
@@ -250,13 +257,13 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
     tp, ep = sz["tensor"], sz["expert"]
     cp = sz["context"] if phase == "prefill" else 1  # a decode step repeats on every context rank
     matmul = _forward_matmul(m, batch * q_len, batch, q_len, keys) / (dp * tp * cp)
-    experts = expert_params(m)
-    shared = (params.total_params(m) - experts) / tp * software.serve_weight_bytes  # data axes hold a full copy
-    weights = shared + experts / (tp * ep) * software.serve_weight_bytes
+    experts, per_param = expert_params(m), weight_bytes(software, st)
+    shared = (params.total_params(m) - experts) / tp * per_param  # data axes hold a full copy
+    weights = shared + experts / (tp * ep) * per_param
     touched = routed = None
     if m.moe_layers:
         touched = expected_experts_touched(m.experts, m.top_k, batch / (sz["data"] * sz["fsdp"]) * q_len)
-        routed = shared + experts / m.experts * touched / (tp * ep) * software.serve_weight_bytes
+        routed = shared + experts / m.experts * touched / (tp * ep) * per_param
     cache = cache_bytes(m, st, batch, slots)
     act = DTYPE_BYTES[st.options.dtype]
     acts = batch / dp * q_len / cp * (m.d_model * 4 + m.mlp_dim / tp * 2) * act + batch / dp * m.vocab / tp * 4

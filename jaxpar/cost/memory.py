@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.cost.flops import expert_rows
+from jaxpar.cost.flops import expert_rows, unit_policy
 from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -54,6 +54,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0      # in host memory, not in `total` (remat offload: `host_bytes`)
 
     @property
     def total(self) -> float:
@@ -212,6 +213,18 @@ def working_bytes(inventories: tuple[tuple, tuple, tuple], st: Strategy) -> floa
                for inv in inventories)
 
 
+def host_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> float:
+    """Bytes per device in host memory under remat `offload`: each layer unit's input, the residual stream
+    [b, s, d] in the compute dtype (split over tensor under SP), copied there in the forward pass and back
+    in the backward pass (models/lm.py OFFLOADED; MaxText's decoder_layer_input offload); 0 otherwise."""
+    if st.options.remat != "offload":
+        return 0.0
+    sz, o = st.sizes, st.options
+    _, _, tokens = step_tokens(st, global_batch, seq)
+    split = sz["tensor"] if o.sequence_parallel else 1
+    return m.units / sz["pipeline"] * tokens * m.d_model * DTYPE_BYTES[o.dtype] / split
+
+
 def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
     """The float32 logits of `b_loc` sequences: b*s*V/t*4 bytes (vocab-parallel head)."""
     return b_loc * seq / st.sizes["context"] * m.vocab / st.sizes["tensor"] * LOGIT_BYTES
@@ -241,7 +254,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     invs = inventories(m, st, seq, dropout, fused_attention)
     inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
-    transient = tokens * working_bytes(invs, st) if o.remat == "full" else 0.0
+    transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
     return stored + transient + logit_bytes(m, st, b_loc, seq) + batch_bytes(st, global_batch, seq)
 
 
@@ -249,7 +262,8 @@ def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: b
            one_f_one_b: bool = False, fused_attention: bool = False) -> Memory:
     """Bytes per device of one training step: model and optimizer state and activations."""
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention))
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention),
+                  host_bytes(m, st, global_batch, seq))
 
 
 def keys_per_query(st: Strategy, seq: int, fused: bool = False) -> float:

@@ -25,9 +25,10 @@ Each adjustment once, with what it is and where it is checked against XLA's memo
 """
 from __future__ import annotations
 
-from jaxpar.cost.flops import expert_rows
+from jaxpar.cost.flops import expert_rows, unit_policy
 from jaxpar.cost.inventory_jax import BOOL, F32, jax_attention_inventory, jax_mamba_inventory, jax_moe_inventory
-from jaxpar.cost.memory import (DTYPE_BYTES, GRAD_BYTES, Memory, batch_bytes, logit_bytes, stage_bytes, state_bytes,
+from jaxpar.cost.memory import (DTYPE_BYTES, GRAD_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
+                                state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
 from jaxpar.ops.blockwise_attention import BLOCK_K, BLOCK_Q
@@ -41,7 +42,8 @@ def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, kernel: st
     (jaxpar/cost/memory.py: jaxpar's is the textbook's) and this module's activations under the attention
     `kernel` the run uses (jaxpar.cost.software.program_kernel)."""
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, kernel=kernel))
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, kernel=kernel),
+                  host_bytes(m, st, global_batch, seq))
 
 
 def inventories(m: ModelConfig, st: Strategy, seq: int, score_keys: float | None = None,
@@ -73,24 +75,28 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
            + dense attention: one layer's float32 score gradient and the causal mask; blockwise: its tiles
            + the float32 logits of the head this device runs, and the int32 batch (`batch_bytes`).
     `score_keys`: the keys each query's stored scores span (default `seq`); 0 leaves the [heads, s, s]
-    scores out, so the difference is what they cost (jaxpar.planning.planner.scores_note)."""
+    scores out, so the difference is what they cost (jaxpar.planning.planner.scores_note). The layer unit
+    keeps what its own policy keeps (flops.unit_policy): `selective` none's inventory less the attention
+    core's scores, which it recomputes (one layer's are still at work in its backward); `offload` nothing
+    on the device (jaxpar.cost.memory.host_bytes)."""
     sz, o = st.sizes, st.options
-    t, stages, remat = sz["tensor"], sz["pipeline"], o.remat
+    t, stages, remat = sz["tensor"], sz["pipeline"], unit_policy(o.remat)
     na, _, ne = block_counts(m)
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
     ring = o.attention == "ring" and sz["context"] > 1
     fused = kernel != "dense" and not ring
     invs = inventories(m, st, seq, score_keys, fused)
-    per_layer = stage_bytes(m, invs, st, remat)
+    kept = inventories(m, st, seq, 0, fused) if o.remat == "selective" else invs   # the core's scores recomputed
+    per_layer = stage_bytes(m, kept, st, remat)
     transient = tokens * working_bytes(invs, st)
     if stages > 1 and o.pp_schedule == "1f1b":   # the units' policy, in the stages' vmap
         inner = "full" if remat == "dots_no_batch" else remat        # (no dot without a batch dim there)
-        stored, transient = one_f_one_b_bytes(m, st, b_loc, seq, transient, stage_bytes(m, invs, st, inner) * tokens)
+        stored, transient = one_f_one_b_bytes(m, st, b_loc, seq, transient, stage_bytes(m, kept, st, inner) * tokens)
     elif stages > 1:
         stored, transient = pipeline_bytes(m, st, tokens, per_layer, transient)
         stored += pipeline_embedding_bytes(m, st, b_loc, seq)
     else:
-        stored = per_layer * tokens
+        stored = 0.0 if o.remat == "offload" else per_layer * tokens   # offload: memory.host_bytes
     in_shard_map = sz["expert"] > 1 or sz["context"] > 1 or t > 1   # jaxpar.ops.moe.moe_experts
     if ne and remat == "none" and st.zero == 3 and sz["fsdp"] > 1 and stages == 1 and in_shard_map:
         stored += ne * fsdp_experts_bytes(m, st)

@@ -30,8 +30,9 @@ one more `Software(...)` in `SOFTWARE`.
                        its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
     pp_head_spread     the head and loss of a pipeline run on every stage, each on ceil(M/S) micro-batches
                        (jaxpar/pipeline/gpipe.py); False: on the last stage, for all M (Megatron)
-    serve_weight_bytes bytes per parameter a generation step reads: jaxpar keeps its float32 masters and
-                       casts them inside the step (4); Megatron-style serving stores bf16 weights (2)
+    serve_weight_bytes bytes per parameter a generation step reads: Megatron-style serving stores bf16
+                       weights (2); jaxpar's generate stores them in its strategy's dtype
+                       (jaxpar.cost.inference.weight_bytes)
     fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never
                        reach HBM (no score, softmax or score-dropout activations; none stored), and the
                        backward pass recomputes QK^T from the saved softmax statistics (+1 score matmul).

@@ -26,6 +26,7 @@ import math
 from jaxpar.cost.compiler import A2A, AR, PERMUTE
 from jaxpar.cost.hardware import Hardware
 from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.errors import ConfigError
 
 ADAMW_BYTES_PER_PARAM = 28.0  # read p, g, m, v (16) + write p, m, v (12), float32
 
@@ -41,16 +42,29 @@ class StepTime:
     optimizer: float     # AdamW update, HBM-bound
     data_total: float    # data-parallel collectives before overlap
     expert: float = 0.0  # expert-parallel all-to-alls (exposed)
+    host: float = 0.0    # remat offload's copies to and from host memory beyond the compute they hide under
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tensor + self.context + self.pipeline + self.expert
-                + self.data + self.optimizer)
+                + self.data + self.optimizer + self.host)
 
     def terms(self) -> dict[str, float]:
         return {"compute": self.compute, "bubble": self.bubble, "tensor comm": self.tensor,
                 "context comm": self.context, "pipeline comm": self.pipeline, "expert comm": self.expert,
-                "data comm": self.data, "optimizer": self.optimizer}
+                "data comm": self.data, "optimizer": self.optimizer, "host transfers": self.host}
+
+
+def host_seconds(host_bytes: float, compute: float, hw: Hardware) -> float:
+    """Exposed seconds of remat offload's host copies: each offloaded byte goes to the host in the forward
+    pass and back in the backward, at the host link's achieved bandwidth (host_bw x link_efficiency);
+    XLA issues them asynchronously beside the layers' compute (its host-offloading pass; MaxText's offload
+    policies rely on it), so only what exceeds the compute shows."""
+    if not host_bytes:
+        return 0.0
+    if hw.host_bw <= 0:
+        raise ConfigError(f"remat=offload needs the host link's bandwidth: hardware {hw.name} gives no [links] host_bw")
+    return max(0.0, 2 * host_bytes / (hw.host_bw * hw.link_efficiency) - compute)
 
 
 def axis_span(axes: tuple[str, ...], st: Strategy, devices_per_node: int) -> tuple[int, int]:

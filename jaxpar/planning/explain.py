@@ -63,6 +63,7 @@ from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for
 from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.cost import comm_tensor as cost_comm_tensor
 from jaxpar.cost import comm_data as cost_comm_data
+from jaxpar.cost.flops import unit_policy
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 from jaxpar.models import lm as lm_module
@@ -306,8 +307,8 @@ def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
         dtype = "float32" if vector else ctx.compute
         out.append(Move("forward", "all-gather", held, execs, gathered, dtype,
                         "the shard gathered to the layout its reads use", where))
-        # kept for the backward pass: a norm's scale (but recomputed under remat), the weights outside the loop
-        if found.names[0] == "layers" and (not vector or ctx.strategy.options.remat != "none"):
+        # kept for the backward pass: a norm's scale (but recomputed where the unit is), the weights outside the loop
+        if found.names[0] == "layers" and (not vector or unit_policy(ctx.strategy.options.remat) != "none"):
             out.append(Move("backward", "all-gather", held, execs, gathered, dtype,
                             "gathered again for the backward pass (the forward's copy was freed)", where))
         out.append(Move("backward", "reduce-scatter", held, execs, gathered, "float32",
