@@ -65,9 +65,12 @@ def test_the_header_says_what_the_run_is(run):
     assert f"schedule lr {LR:g} peak, no warmup, constant" in lines
     assert any(line.startswith("data SYNTHETIC tokens") for line in lines)
     assert any(line.startswith("mfu nominal, CPU devices (against 8 x h100-sxm") for line in lines)
-    compiling = [i for i, line in enumerate(lines) if re.fullmatch(r"compiling the training step \.\.\. \d+\.\d s", line)]
+    compiled = re.compile(r"compiling the training step \.\.\. \d+\.\d s")
+    compiling = [i for i, line in enumerate(lines) if compiled.fullmatch(line)]
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert len(compiling) == 1 and compiling[0] < first_step   # compiled before any step ran
+    assert any(line.startswith("initialising the parameters and optimizer state in their shards ... ")
+               for line in lines[compiling[0]:first_step])
 
 
 def test_log_lines_checkpoints_and_summary_agree_with_the_metrics(run):
@@ -142,11 +145,13 @@ def test_version():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--model", "llama-tiny:layrs=4", "--mesh", "dp8"], "unknown model field 'layrs' (did you mean 'layers'?)"),
+    (["train", "--model", "llama-tiny:layrs=4", "--mesh", "dp8"],
+     "unknown model field 'layrs' (did you mean 'layers'?)"),
     (["train", "--model", "llama-tiny", "--mesh", "dp8", "--stpes", "5"],
      "train: unrecognized arguments: --stpes (did you mean '--steps'?) 5"),
     (["train", "--model", "llama-tiny", "--mesh", "dp8", "--remat", "ful"], "invalid choice: 'ful'"),
-    (["train", "--model", "llama-tiny", "--mesh", "data=2,tensr=4"], "unknown mesh axis 'tensr' (did you mean 'tensor'?)"),
+    (["train", "--model", "llama-tiny", "--mesh", "data=2,tensr=4"],
+     "unknown mesh axis 'tensr' (did you mean 'tensor'?)"),
     (["train", "--model", "lama-tiny", "--mesh", "dp8"], "unknown model preset 'lama-tiny' (did you mean 'llama-tiny'"),
     (["estimate", "--model", "llama3-8b", "--mesh", "dp8", "--hardware", "h100-sx"], "(did you mean 'h100-sxm'"),
     (["trian"], "invalid choice: 'trian'"),

@@ -39,7 +39,7 @@ def header(trainer: Trainer, data: str, hardware: Hardware | None, start: int, s
     lines = [f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}; "
              f"{trainer.param_count:,} parameters",
              f"strategy {strategy.describe()}; options: {strategy.describe_options()}; "
-             f"{trainer.mesh.size} {devices[0].platform} devices",
+             f"{trainer.mesh.size} {devices[0].platform} device{'s' if trainer.mesh.size > 1 else ''}",
              f"batch {tc.batch} sequences x {tc.seq} tokens = {tokens:,} tokens per step (global); "
              f"steps {start + 1}-{stop} of {tc.steps}, {(stop - start) * tokens:,} tokens"]
     if strategy.size("pipeline") > 1:
