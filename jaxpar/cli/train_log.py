@@ -77,8 +77,9 @@ def check_profile_steps(args, start: int, stop: int) -> None:
         return
     a, b = args.profile_steps
     if a <= start or b > stop:
+        more = ", or more --steps" if b > stop else ""
         raise ConfigError(f"--profile traces steps {a}-{b} (--profile-steps), but this run takes steps "
-                          f"{start + 1}-{stop}: give --profile-steps within them, or more --steps")
+                          f"{start + 1}-{stop}: give --profile-steps within them{more}")
 
 
 class StepLog:
