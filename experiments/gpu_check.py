@@ -12,8 +12,10 @@ runs the dry run):
              models from llama-tiny to ~1B parameters at seq 2048: step time, tokens/s, MFU, the device's
              peak memory and XLA's memory analysis of the compiled step; the batch is the largest power of
              two whose predicted memory fills at most 70% of the device (halved once on out-of-memory).
-             Then the ~1B model once per strategy option `attention_kernel` that runs on these devices
-             (dense: the row above; blockwise everywhere; cudnn on an NVIDIA GPU).
+             Each model again with `attention_kernel = auto` (cuDNN's flash kernel on a GPU). Then the ~1B
+             model once per `attention_kernel` that runs on these devices (dense: the row above; blockwise
+             everywhere; cudnn on an NVIDIA GPU; splash on a TPU) and with `auto` under `remat` selective,
+             offload (each layer's input in host memory) and full.
   attention  causal GQA attention alone at the ~1B model's shape, forward + backward: jaxpar's
              `dense_attention` against `jax.nn.dot_product_attention` with implementation "cudnn" (the
              fused flash kernel; GPU only) and "xla": time, achieved TFLOP/s, XLA's temporary memory, and
@@ -21,8 +23,8 @@ runs the dry run):
   presets    the ~125M step compiled under each XLA preset of jaxpar/xla_presets.py: one GPU has no
              collectives to overlap, so this checks that XLA:GPU accepts every flag and that the step
              time does not suffer; `overlap = collective_matmul` needs tensor > 1 and is skipped.
-  decode     jaxpar's generation (jaxpar/serving/generate.py: float32 weights cast to bfloat16 inside
-             each step) at batch 1 and 32: decode tokens/s, per-token latency, time to first
+  decode     jaxpar's generation (jaxpar/serving/generate.py, `dtype = bfloat16`: the weights converted to
+             bfloat16 once as they load, a bfloat16 cache) at batch 1 and 32: decode tokens/s, per-token latency, time to first
              token, beside the HBM roofline (the decode step's argument bytes, read once per step, over
              the profile's bandwidth) and the cost model's decode estimate (jaxpar/cost/inference.py).
 The predictions are `jaxpar.cost.estimate` and `inference_estimate` for hardware profile `h100-sxm`
@@ -389,12 +391,26 @@ def kernel_options() -> list[tuple[str, dict]]:
     return [(k, {} if k == "dense" else {"attention_kernel": k}) for k in CHOICES["attention_kernel"] if k != "auto"]
 
 
-def section_train(plan: Plan, clock: Clock) -> dict:
-    """Each model of the plan with dense attention, then the kernel model with each attention kernel."""
-    device = jax.devices()[0].platform
+REMAT_ROWS = ("selective", "offload", "full")   # the kernel model with the fused kernel under each policy
+
+
+def train_runs(plan: Plan) -> list[tuple[str, str, str | None, dict]]:
+    """(label, model, kernel, options): each model of the plan with dense attention and with the kernel `auto`
+    picks on these devices, the kernel model with each attention kernel, and it under each recompute
+    policy of REMAT_ROWS with `auto`'s kernel."""
     name = dict((spec, label) for label, spec in plan.train).get(plan.kernel_model, plan.kernel_model)
+    auto = {"attention_kernel": "auto"}
     runs = [(label, spec, None, {}) for label, spec in plan.train]
+    runs += [(f"{label} auto", spec, "auto", auto) for label, spec in plan.train if spec != plan.kernel_model]
     runs += [(f"{name} {k}", plan.kernel_model, k, options) for k, options in kernel_options()]
+    runs += [(f"{name} auto remat={r}", plan.kernel_model, "auto", {**auto, "remat": r}) for r in REMAT_ROWS]
+    return runs
+
+
+def section_train(plan: Plan, clock: Clock) -> dict:
+    """`train_runs`, each skipped where its kernel needs another platform or the time budget is spent."""
+    device = jax.devices()[0].platform
+    runs = train_runs(plan)
     rows = []
     for label, spec, kernel, options in runs:
         wanted = KERNEL_PLATFORM.get(kernel, device)
@@ -546,7 +562,7 @@ def section_decode(plan: Plan, clock: Clock) -> dict:
     rows = [skipped(f"batch {batch}", reason) if (reason := clock.spent()) else
             guarded(f"batch {batch}", lambda: decode_row(plan.decode_model, batch, plan))
             for batch in plan.decode_batches]
-    return {"model": plan.decode_model, "weights": "float32, cast to bfloat16 in each step", "rows": rows}
+    return {"model": plan.decode_model, "weights": "bfloat16, converted once as they load", "rows": rows}
 
 
 # ---- main ----------------------------------------------------------------------------------------
