@@ -44,7 +44,7 @@ def test_bfloat16_compute_stays_close_and_keeps_float32_masters():
 
 def test_token_file_windows(tmp_path):
     ids = (np.arange(1000) % 256).astype(np.uint16)
-    path = tmp_path / "tokens.bin"
+    path = tmp_path / "tokens.u16.bin"
     ids.tofile(path)
     batch = local_batch(TokenFile(str(path), vocab=256), step=3, rows=range(4), seq=16)
     for row in range(4):

@@ -18,7 +18,7 @@ from typing import NoReturn
 import jax
 
 from jaxpar import distributed
-from jaxpar.analysis import comm
+from jaxpar.analysis import comm, target
 from jaxpar.analysis.overlap import format_overlap
 from jaxpar.analysis.report import compare, format_table, plot
 from jaxpar.cli import train_log
@@ -31,9 +31,13 @@ from jaxpar.devices import MAX_DEVICES, backend_started, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.serving.generate import Generator, Sampling
 from jaxpar.training.checkpoint import Checkpointer
+from jaxpar.training import corpus
+from jaxpar.training import tokenizer as tokenizers
 from jaxpar.training.data import make_source
+from jaxpar.training.loader import Dataset, PreparedSource
 from jaxpar.training.metrics import Sinks
 from jaxpar.training.config import OptimizerConfig, TrainConfig
+from jaxpar.training.tokenizer import Tokenizer
 from jaxpar.training.trainer import Preempted, PreemptionNotice, Trainer, train
 
 
@@ -89,7 +93,8 @@ def cmd_train(args) -> int:
     model = model_from(args.model)
     trainer = Trainer(model, strategy_from_args(args), train_config(args))
     trainer.check_host_memory()
-    source = make_source(args.data, model.vocab, args.seed)
+    source = make_source(args.data, model.vocab, args.seed, args.batch)
+    held_out = eval_source(args, model.vocab, source)
     main = distributed.is_main()
     hardware = load_hardware(args.hardware) if args.hardware else None
     stop = min(args.stop_after or args.steps, args.steps)
@@ -123,13 +128,14 @@ def cmd_train(args) -> int:
         state, init_s = train_log.timed("initialising the parameters and optimizer state in their shards",
                                         trainer.init_state, main)
     log = train_log.StepLog(args, trainer, sinks, hardware, show=main)
-    code = run_steps(args, trainer, source, log, state, start, ckpt)
+    evaluate = evaluator(args, trainer, held_out, log, stop) if held_out is not None else None
+    code = run_steps(args, trainer, source, log, state, start, ckpt, evaluate)
     if main and code == 0:
         print(log.summary(time.perf_counter() - began, compile_s, init_s))
     return code
 
 
-def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, start: int, ckpt) -> int:
+def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, start: int, ckpt, evaluate=None) -> int:
     """Steps start + 1 .. --stop-after (or --steps), the last saved with --ckpt-dir; exit 143 on a
     preemption notice (SIGTERM), after saving the step in flight."""
     stop = min(args.stop_after or args.steps, args.steps)
@@ -137,7 +143,7 @@ def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, sta
     try:
         with PreemptionNotice():  # SIGTERM: finish the step, save (with --ckpt-dir), exit 143
             state = train(trainer, source, on_step=log, state=state, start=start, stop=args.stop_after,
-                          checkpointer=ckpt, on_save=log.saved)
+                          checkpointer=ckpt, on_save=log.saved, evaluate=evaluate)
         if ckpt is not None:
             if stop > start and (args.ckpt_every <= 0 or stop % args.ckpt_every):
                 if ckpt.maybe_save(stop, state, trainer, force=True):
@@ -153,6 +159,43 @@ def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, sta
         log.close()
         log.sinks.close()
     return 0
+
+
+def eval_source(args, vocab: int, source) -> PreparedSource | None:
+    """--eval-every's held-out rows: the validation split of --eval-data, else of --data's directory, in
+    its own order (the same batches at every evaluation); --document-mask's source check."""
+    prepared = isinstance(source, PreparedSource)
+    if args.document_mask:
+        if not prepared:
+            raise ConfigError(f"--document-mask needs prepared data (a `jaxpar data` directory), not --data {args.data}")
+        source.document_mask = True
+    if not args.eval_every:
+        if args.eval_data is not None:
+            raise ConfigError(f"--eval-data {args.eval_data} needs --eval-every N (N >= 1)")
+        return None
+    if args.eval_data is None and not prepared:
+        raise ConfigError(f"--eval-every {args.eval_every} needs held-out text: --eval-data DIR, or --data a "
+                          "`jaxpar data` directory (whose validation split is used)")
+    data = Dataset(args.eval_data, vocab) if args.eval_data is not None else source.data
+    if not data.tokens("val"):
+        raise ConfigError(f"--eval-every: {data.root} has no validation split (prepared with --val-fraction 0)")
+    held = PreparedSource(data, "val", 0, args.batch, shuffle=False)
+    held.document_mask = args.document_mask
+    return held
+
+
+def evaluator(args, trainer: Trainer, held_out: PreparedSource, log: train_log.StepLog, stop: int):
+    """`train`'s evaluate hook: every --eval-every steps and at the last, --eval-batches held-out batches,
+    also shown on the console."""
+    def evaluate(step: int, state) -> dict:
+        if step % args.eval_every and step != stop:
+            return {}
+        fields = trainer.evaluate(state, held_out, args.eval_batches)
+        if log.show:
+            (print if log.bar is None else log.bar.write)(
+                f"step {step}: eval_loss {fields['eval_loss']:.4f}  eval_ppl {fields['eval_ppl']:.2f}")
+        return fields
+    return evaluate
 
 
 def check_checkpoint_flags(args) -> None:
@@ -238,11 +281,13 @@ def cmd_comm(args) -> int:
     model = model_from(args.model)
     strategy = strategy_from_args(args)
     n = analysis_devices(args, [strategy])
+    if args.phase != "train" and args.target != "cpu":
+        raise ConfigError(f"comm --phase {args.phase} compiles on CPU devices only; --target {args.target} is for training steps")
     if args.phase != "train":
         report = comm_generation(args, model, strategy, jax.devices()[:n])
     else:
         tc = analysis_config(args, model, [strategy])
-        report = comm.analyze_strategy(model, strategy, tc, jax.devices()[:n])
+        report = comm.analyze_strategy(model, strategy, tc, target.devices(args.target, n))
     if jax.process_index():
         return 0
     if args.phase == "train":
@@ -277,7 +322,7 @@ def cmd_compare(args) -> int:
     strategies = [strategy_from_args(args, spec) for spec in args.meshes]
     n = analysis_devices(args, strategies)
     tc = analysis_config(args, model, strategies, steps=max(args.run_steps, 1), seed=args.seed, lr=args.lr)
-    reports = comm.compare_strategies(model, strategies, tc, jax.devices()[:n], run_steps=args.run_steps)
+    reports = comm.compare_strategies(model, strategies, tc, target.devices(args.target, n), run_steps=args.run_steps)
     print(analysis_shape(args, tc))
     print(compare(reports))
     if args.run_steps and jax.devices()[0].platform == "cpu":
@@ -292,10 +337,46 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    """`jaxpar data`: prepare text for training (jaxpar/training/corpus.py) and say what was written."""
+    if args.train_tokenizer and args.vocab is None:
+        raise ConfigError("--train-tokenizer needs --vocab N (the trained tokenizer's vocabulary size)")
+    if args.vocab is not None and not args.train_tokenizer:
+        raise ConfigError(f"--vocab {args.vocab} sizes a trained tokenizer; --tokenizer's vocabulary is its own")
+    done = corpus.prepare(args.input, args.output, tokenizer=args.tokenizer, vocab=args.vocab,
+                          val_fraction=args.val_fraction, field=args.text_field, seed=args.seed,
+                          progress=not args.no_progress)
+    m = done.manifest
+    tokens = sum(split["tokens"] for split in m["splits"].values())
+    print(f"wrote {done.path}: {len(m['inputs'])} files; tokenizer {m['tokenizer_source']} ({m['vocab']} ids, "
+          f"{m['dtype']}, end-of-text {m['eot_token']} = {m['eot']})")
+    for name, split in m["splits"].items():
+        print(f"  {name}: {split['documents']} documents, {split['tokens']:,} tokens in {len(split['shards'])} shards")
+    print(f"{tokens:,} tokens in {done.seconds:.1f} s ({tokens / done.seconds:,.0f} tokens/s)")
+    return 0
+
+
+def text_prompts(args) -> tuple[list[list[int]], Tokenizer | None]:
+    """The prompts as token ids, and for --prompt-text the tokenizer that encodes them and decodes the
+    continuation (--tokenizer: a tokenizer.json, an HF directory, or a `jaxpar data` directory)."""
+    if args.prompt_text is None:
+        if args.tokenizer is not None:
+            raise ConfigError(f"--tokenizer {args.tokenizer} is for --prompt-text; --prompt and --prompt-file are ids")
+        return (args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)), None
+    if args.tokenizer is None:
+        raise ConfigError("--prompt-text needs --tokenizer (a tokenizer.json, an HF directory holding one, or the "
+                          "`jaxpar data` directory the model was trained on)")
+    tok = tokenizers.load(args.tokenizer)
+    prompts = [tok.encode(text) for text in args.prompt_text]
+    if empty := [text for text, ids in zip(args.prompt_text, prompts) if not ids]:
+        raise ConfigError(f"--prompt-text {empty[0]!r} encodes to no tokens")
+    return prompts, tok
+
+
 def cmd_generate(args) -> int:
     model = model_from(args.model)
     strategy = strategy_from_args(args)
-    prompts = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
+    prompts, tok = text_prompts(args)
     if args.checkpoint_step is not None and args.checkpoint is None:
         raise ConfigError(f"--checkpoint-step {args.checkpoint_step} needs --checkpoint")
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
@@ -324,6 +405,8 @@ def cmd_generate(args) -> int:
     result = gen.generate(params, prompts)
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens.tolist())):
         print(f"prompt {i} ({len(prompt)} tokens) -> {' '.join(map(str, new))}")
+        if tok is not None:
+            print(f"  {tok.decode(prompt)!r} -> {tok.decode(new)!r}")
     latency = (f"per-token latency {result.per_token_latency_s * 1e3:.1f} ms" if result.decode_step_s
                else "no decode step (--max-new-tokens 1)")
     print(f"time to first token {result.time_to_first_token_s * 1e3:.1f} ms  {latency}  "
@@ -347,4 +430,4 @@ def cmd_launch(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
-            "launch": cmd_launch}
+            "launch": cmd_launch, "data": cmd_data}

@@ -15,8 +15,8 @@ import sys
 import jaxpar
 from jaxpar.cli import explain
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
-from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED, check_outputs,
-                                did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
+from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED,
+                                check_outputs, did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE
@@ -88,7 +88,7 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name == "zero" or isinstance(f.default, int):
-            g.add_argument(flag, type=int if choices else POSITIVE, choices=choices, metavar=None if choices else "N",
+            g.add_argument(flag, type=integer() if choices else POSITIVE, choices=choices, metavar=None if choices else "N",
                            help=help_)
         else:
             g.add_argument(flag, choices=choices, help=help_)
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch):
+    for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
         add(sub)
     add_strategy_flags(explain.add_parser(sub))
     parser.commands = dict(sub.choices)
@@ -147,9 +147,12 @@ def add_train(sub) -> None:
     t.add_argument("--seed", type=SEED, default=tc.seed, help=f"seed of the parameters and the synthetic data, "
                    f"0 <= seed <= {MAX_SEED}")
     t.add_argument("--data", type=nonempty, default="synthetic", help="'synthetic' (a bigram rule with 10%% noise: "
-                   "no text) or a .bin file of uint16/uint32 token ids")
+                   "no text), a `jaxpar data` directory (its train split, shuffled by --seed), or a raw token file "
+                   "named for its width: FILE.u16.bin / FILE.u32.bin")
+    add_eval_flags(t)
     add_optimizer_flags(t, tc)
-    t.add_argument("--metrics", type=nonempty, help="write one JSON object per step to this .jsonl file")
+    t.add_argument("--metrics", type=nonempty, help="write one JSON object per step to this .jsonl file (with "
+                   "--resume: cut back to the restored step, then appended to)")
     t.add_argument("--tensorboard", type=nonempty, metavar="DIR", help="write the per-step scalars (loss, grad norm, "
                    "lr, tokens, step time, tokens/s, model FLOP/s, MFU) as TensorBoard event files to DIR")
     t.add_argument("--hardware", help="device profile (h100-sxm, ...) whose peak FLOP/s gives the MFU; on CPU "
@@ -163,6 +166,8 @@ def add_train(sub) -> None:
     t.add_argument("--log-every", type=POSITIVE, default=10, metavar="N", help="with --no-progress: a log line "
                    "every N steps, and at the last")
     add_checkpoint_flags(t)
+    t.add_argument("--overwrite-metrics", action="store_true", help="a fresh run (no --resume) replaces an existing "
+                   "--metrics file and --tensorboard event files (without it, it refuses to start)")
     t.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
                    help="start from a Hugging Face LLaMA-layout checkpoint's weights (config.json + *.safetensors; "
                         "fresh optimizer state); --model hf:DIR takes the model from its config.json")
@@ -170,6 +175,40 @@ def add_train(sub) -> None:
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
     add_distributed_flags(t)
+
+
+def add_eval_flags(t) -> None:
+    """Held-out evaluation and document masking, for prepared data (`jaxpar data`)."""
+    t.add_argument("--eval-data", type=nonempty, metavar="DIR", help="a `jaxpar data` directory whose validation "
+                   "split to evaluate on (default: --data's own, when --data is one)")
+    t.add_argument("--eval-every", type=NON_NEGATIVE, default=0, metavar="N", help="evaluate every N steps and at "
+                   "the last (0: never); eval_loss and eval_ppl go to the log, --metrics and --tensorboard")
+    t.add_argument("--eval-batches", type=POSITIVE, default=4, metavar="K", help="batches of --batch sequences "
+                   "per evaluation (the same held-out batches every time)")
+    t.add_argument("--document-mask", action="store_true", help="with prepared data: attention stays within each "
+                   "document (segment ids from the end-of-text separators; positions restart per document)")
+
+
+def add_data(sub) -> None:
+    d = sub.add_parser("data", help="tokenize and pack text for training (a manifest, shards, the tokenizer)",
+                       description="Read text (plain text files, one document each; JSON lines with a text field; "
+                                   "Parquet with a text column; files or folders), tokenize it, split it into train "
+                                   "and validation by document, and write packed token shards with an end-of-text "
+                                   "id after every document, the tokenizer and a manifest (vocabulary, token width, "
+                                   "counts, each shard's sha256) to DIR, atomically. `train --data DIR` reads it.")
+    d.add_argument("--input", type=nonempty, nargs="+", required=True, metavar="PATH", help="text files or folders")
+    d.add_argument("--output", type=nonempty, required=True, metavar="DIR", help="a new directory to write")
+    tok = d.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", type=nonempty, metavar="FILE_OR_HF_DIR",
+                     help="a Hugging Face tokenizer.json, or a checkpoint directory holding one")
+    tok.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the input (--vocab)")
+    d.add_argument("--vocab", type=integer(257, 1 << 24), metavar="N", help="with --train-tokenizer: its vocabulary "
+                   "size, the end-of-text token included")
+    d.add_argument("--val-fraction", type=real(0.0, 0.5), default=0.05, metavar="F",
+                   help="the fraction of documents held out for validation")
+    d.add_argument("--text-field", type=nonempty, default="text", help="the JSON lines' and Parquet's text field")
+    d.add_argument("--seed", type=SEED, default=0, help="seed of the validation documents' choice")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser, tc: TrainConfig) -> None:
@@ -212,7 +251,7 @@ def add_phase_flags(p, phase_help: str) -> None:
 def add_global_batch(p, default: int | None) -> None:
     """--global-batch (sequences) or --global-batch-tokens (a multiple of --seq), not both."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--global-batch", type=POSITIVE, default=default, metavar="N",
+    g.add_argument("--global-batch", type=integer(1, MAX_GLOBAL_BATCH), default=default, metavar="N",
                    help="sequences per optimizer step (default 256)")
     g.add_argument("--global-batch-tokens", type=POSITIVE, metavar="T",
                    help="the global batch in tokens (4194304 for a 4M-token batch); must be a multiple of --seq")
@@ -338,6 +377,11 @@ def add_generate(sub) -> None:
                      help="one prompt as comma-separated token ids (1,2,3); repeat for a batch")
     src.add_argument("--prompt-file", type=nonempty, metavar="FILE",
                      help="one prompt per line, token ids separated by commas or spaces")
+    src.add_argument("--prompt-text", action="append", type=nonempty, metavar="TEXT",
+                     help="one prompt as text, tokenized by --tokenizer (or the checkpoint's run's data); repeat "
+                          "for a batch; the continuation is printed as text")
+    g.add_argument("--tokenizer", type=nonempty, metavar="FILE_OR_DIR", help="for --prompt-text: a tokenizer.json, "
+                   "an HF directory holding one, or a `jaxpar data` directory")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=16, metavar="N", help="tokens to generate per prompt")
     g.add_argument("--temperature", type=real(0.0), default=0.0, help="sampling temperature; 0 (default) is greedy")
     g.add_argument("--top-k", type=NON_NEGATIVE, default=0, metavar="K",
@@ -357,6 +401,10 @@ def add_generate(sub) -> None:
 
 
 def add_analysis_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="cpu", metavar="cpu|tpu-TOPOLOGY",
+                   help="the compiler: cpu (default: XLA:CPU on simulated devices) or a TPU topology, e.g. "
+                        "tpu-v5e:2x4, tpu-v5p:8x8x4, compiled by XLA:TPU ahead of time on this host (needs "
+                        "the tpu-aot extra: libtpu; nothing runs on it)")
     p.add_argument("--batch", type=POSITIVE, help="global batch in sequences (default: the smallest valid one, "
                    "one sequence per data-parallel rank and micro-batch)")
     p.add_argument("--seq", type=POSITIVE, help="sequence length (default: the model's max_seq, at most 2048)")

@@ -8,12 +8,14 @@ them into global jax.Arrays with the batch sharding.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import check_readable_file
+from jaxpar.training import corpus, loader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +44,13 @@ class Synthetic:
         return out
 
 
+WIDTHS = {".u16.bin": np.uint16, ".u32.bin": np.uint32}
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenFile:
-    """A flat .bin file of uint16 or uint32 token ids (nanoGPT's format), memory-mapped.
+    """A flat file of token ids (nanoGPT's format), memory-mapped; its name states the ids' width
+    (`tokens.u16.bin`, `tokens.u32.bin`), never guessed from the model's vocabulary.
 
     Row `r` of step `k` is the window starting at a pseudo-random offset drawn from (seed, k, r).
     """
@@ -56,13 +62,18 @@ class TokenFile:
         size = check_readable_file(self.path, "--data").stat().st_size
         if size == 0:
             raise ConfigError(f"--data {self.path} is empty: it holds no token ids")
+        if size % 2:
+            raise ConfigError(f"--data {self.path}: {size} bytes is not a whole number of uint16 or uint32 ids")
+        if self.dtype is None:
+            raise ConfigError(f"--data {self.path} does not state its token width: name it *.u16.bin or *.u32.bin "
+                              "(or prepare text with `jaxpar data`, whose manifest states it)")
         if size % np.dtype(self.dtype).itemsize:
             raise ConfigError(f"--data {self.path}: {size} bytes is not a whole number of "
                               f"{np.dtype(self.dtype).name} ids")
 
     @property
     def dtype(self):
-        return np.uint32 if self.vocab > 65536 else np.uint16
+        return next((dt for suffix, dt in WIDTHS.items() if self.path.endswith(suffix)), None)
 
     @property
     def tokens(self) -> np.memmap:
@@ -76,13 +87,20 @@ class TokenFile:
         for i, row in enumerate(rows):
             start = np.random.default_rng((self.seed, step, int(row))).integers(len(toks) - seq)
             out[i] = toks[start:start + seq + 1]
-        if out.max(initial=0) >= self.vocab:
-            raise ConfigError(f"--data {self.path}: token id {out.max()} >= vocab={self.vocab}")
+            if (bad := np.flatnonzero(out[i] >= self.vocab)).size:
+                raise ConfigError(f"--data {self.path}: token id {out[i, bad[0]]} at position {start + bad[0]} "
+                                  f"is not below the model's vocab={self.vocab}")
         return out
 
 
-def make_source(spec: str, vocab: int, seed: int):
-    return Synthetic(vocab, seed) if spec == "synthetic" else TokenFile(spec, vocab, seed)
+def make_source(spec: str, vocab: int, seed: int, batch: int = 1):
+    """The training rows `--data` names: 'synthetic', a `jaxpar data` directory (its train split, in
+    Grain's shuffled order of `batch`-row steps: jaxpar/training/loader.py) or a raw token file."""
+    if spec == "synthetic":
+        return Synthetic(vocab, seed)
+    if os.path.isdir(spec) or os.path.basename(spec) == corpus.MANIFEST:
+        return loader.PreparedSource(loader.Dataset(spec, vocab), "train", seed, batch)
+    return TokenFile(spec, vocab, seed)
 
 
 def local_batch(source, step: int, rows, seq: int, order: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -94,6 +112,8 @@ def local_batch(source, step: int, rows, seq: int, order: np.ndarray | None = No
         "labels": toks[:, 1:],
         "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (len(rows), seq)),
     }
+    if getattr(source, "document_mask", False):  # attention within documents (jaxpar/training/loader.py)
+        batch["segments"], batch["positions"] = loader.document_layout(batch["inputs"], source.data.eot)
     if order is not None:
         batch = {k: v[:, order] for k, v in batch.items()}
     return {k: np.ascontiguousarray(v) for k, v in batch.items()}

@@ -253,6 +253,20 @@ class Trainer:
             local = {k: np.ascontiguousarray(v[:, positions]) for k, v in local.items()}
         return to_global(local, self.batch_sharding, shape)
 
+    @functools.cached_property
+    def eval_loss(self):
+        """The jitted loss of one batch under the run's strategy (no gradients, no update): parameters in
+        the step's shardings and stored order, the batch in its sharding."""
+        return jax.jit(lambda params, batch: self._loss(params, batch)[0],
+                       in_shardings=(self.param_shardings, self.batch_sharding),
+                       out_shardings=NamedSharding(self.mesh, P()), compiler_options=self.compiler_options)
+
+    def evaluate(self, state: TrainState, source, batches: int) -> dict[str, float]:
+        """eval_loss (the mean loss of `source`'s batches 0 .. batches - 1, each the run's global batch)
+        and eval_ppl = exp(eval_loss)."""
+        loss = sum(float(self.eval_loss(state.params, self.batch(source, k))) for k in range(batches)) / batches
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
+
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One update: the step `compile` built ahead if it ran, else the jitted step (compiled at
         its first call)."""
@@ -308,11 +322,12 @@ def gather(tree) -> Any:
 
 
 def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,
-          stop: int | None = None, checkpointer=None, on_save=None):
+          stop: int | None = None, checkpointer=None, on_save=None, evaluate=None):
     """Run steps start + 1 .. stop (or tc.steps), counted from 1 as everywhere a run reports them (a
     checkpoint of step N holds the state after N steps, so a run resumed from it starts at step N + 1).
     `on_step(step, metrics)` sees host floats after each step; `checkpointer.maybe_save(step, state,
-    trainer)` runs after every step and `on_save(step)` after each save it starts."""
+    trainer)` runs after every step and `on_save(step)` after each save it starts; `evaluate(step, state)`
+    returns the held-out fields to add to the step's record ({} on steps that do not evaluate)."""
     state = trainer.init_state() if state is None else state
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
@@ -324,11 +339,13 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
         state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks until the step is done
         dt = time.perf_counter() - t0
+        held_out = evaluate(step, state) if evaluate is not None else {}
         if on_step is not None:
             record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": trainer.lr(step),
                       "tokens": step * tokens, "time": time.time(), "step_time_s": dt, "tokens_per_s": tokens / dt,
                       "model_flops_per_s": flops / dt}
             record.update((k, float(v)) for k, v in metrics.items() if k not in record)
+            record.update(held_out)
             on_step(step, record)
         if checkpointer is not None and checkpointer.maybe_save(step, state, trainer) and on_save is not None:
             on_save(step)
