@@ -37,7 +37,7 @@ from jaxpar.training import tokenizer as tokenizers
 MANIFEST = "manifest.json"
 FORMAT = "jaxpar-tokens/1"
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
-JSONL_SUFFIXES = (".jsonl", ".json")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 SHARD_TOKENS = 1 << 26  # a shard closes at the first document end past this many tokens

@@ -1,0 +1,126 @@
+"""Training on prepared text (jaxpar/training/loader.py): batches as a pure function of (seed, step, row),
+so resuming is going to a step and processes read disjoint rows; real tokens train every strategy to the
+1-device numbers; the held-out loss is a plain forward's; document masking is each document alone."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.cli.main import main
+from jaxpar.ops.attention import dense_attention
+from jaxpar.ops.blockwise_attention import blockwise_attention
+from jaxpar.training import corpus, loader
+from jaxpar.training.data import local_batch, process_indices
+from jaxpar.training.trainer import gather
+from tests import harness
+from tests.test_data_prepare import small_tokenizer, texts
+
+MODEL = "llama-tiny"  # 256 ids: the test tokenizer's 200 fit
+BATCH, SEQ = harness.TC.batch, harness.TC.seq
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    docs = texts(60)
+    (root / "in").mkdir()
+    for i, d in enumerate(docs):
+        (root / "in" / f"{i:02d}.txt").write_text(d)
+    tok = small_tokenizer(docs, root / "tok.json")
+    corpus.prepare([str(root / "in")], str(root / "data"), tokenizer=str(tok), val_fraction=0.2, progress=False)
+    return root / "data"
+
+
+def source(data, split="train", **kw):
+    return loader.PreparedSource(loader.Dataset(str(data), 256), split, seed=7, batch=BATCH, **kw)
+
+
+def test_resumed_run_reads_bitwise_the_same_batches(data):
+    """Steps 5..9 of a fresh source (a run resumed at step 5, in a new process) equal those of the
+    uninterrupted run; within an epoch no sequence repeats, and the next epoch is another permutation."""
+    run = source(data)
+    whole = [local_batch(run, step, range(BATCH), SEQ) for step in range(10)]
+    resumed = source(data)
+    for step in range(5, 10):
+        for key, value in local_batch(resumed, step, range(BATCH), SEQ).items():
+            np.testing.assert_array_equal(value, whole[step][key])
+    epoch = loader.PackedSequences(run.data.shards("train"), SEQ)
+    n = len(epoch)
+    order = [tuple(run.dataset(SEQ)[i]) for i in range(2 * n)]
+    every = sorted(tuple(epoch[i]) for i in range(n))
+    assert sorted(order[:n]) == every == sorted(order[n:])  # each epoch: every sequence once
+    assert order[:n] != order[n:]  # epoch 2 in another order
+
+
+def test_processes_read_disjoint_rows_whose_union_is_the_batch(data):
+    """Two processes of a dp8 run (devices 0-3 and 4-7), each reading only its rows, feed exactly the
+    rows of the batch one process reads."""
+    tr = harness.trainer(MODEL, "dp8")
+    src = source(data)
+    full = local_batch(src, 3, range(BATCH), SEQ)
+    seen = []
+    for process in (0, 1):
+        rows, _ = process_indices(tr.batch_sharding, (BATCH, SEQ), process, lambda d: d.id // 4)
+        part = local_batch(source(data), 3, rows, SEQ)
+        np.testing.assert_array_equal(part["inputs"], full["inputs"][rows])
+        seen += list(rows)
+    assert sorted(seen) == list(range(BATCH))
+
+
+def test_strategies_on_real_tokens_equal_one_device(data):
+    """Loss and gradients of a real-text batch under fsdp8 and dp2-tp4 equal the 1-device run's."""
+    ref = harness.trainer(MODEL, "data=1", devices=1)
+    params = harness.reference_params(MODEL)
+    ref_loss, ref_grads = ref.loss_and_grads(ref.state_from_params(params).params, ref.batch(source(data), 2))
+    ref_grads = dict(harness.leaves_with_paths(gather(ref_grads)))
+    for mesh in ("fsdp8", "dp2-tp4"):
+        tr = harness.trainer(MODEL, mesh)
+        loss, grads = tr.loss_and_grads(tr.state_from_params(params).params, tr.batch(source(data), 2))
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        for path, g in harness.leaves_with_paths(gather(grads)):
+            np.testing.assert_allclose(g, ref_grads[path], rtol=1e-5, atol=1e-5 * np.abs(ref_grads[path]).max(),
+                                       err_msg=f"{mesh} {path}")
+
+
+def test_eval_loss_equals_a_plain_forward(data):
+    """The sharded eval step's loss over K held-out batches equals a plain one-device forward of them."""
+    tr = harness.trainer(MODEL, "fsdp8")
+    state = tr.state_from_params(harness.reference_params(MODEL))
+    held = source(data, "val", shuffle=False)
+    got = tr.evaluate(state, held, 2)
+    model = nnx.merge(tr.graphdef, harness.reference_params(MODEL))
+    plain = np.mean([float(model(jnp.asarray(b["inputs"]), jnp.asarray(b["positions"]), jnp.asarray(b["labels"])))
+                     for b in (local_batch(held, k, range(BATCH), SEQ) for k in range(2))])
+    np.testing.assert_allclose(got["eval_loss"], plain, rtol=1e-5)
+    np.testing.assert_allclose(got["eval_ppl"], np.exp(plain), rtol=1e-5)
+
+
+def test_document_mask_equals_each_document_alone(data):
+    """Attention over packed rows with the loader's segment ids and per-document positions equals
+    attention over each document run alone (at the kernel level: blockwise, with the dense kernel as
+    the reference for a lone document)."""
+    src = source(data)
+    src.document_mask = True
+    batch = local_batch(src, 0, range(2), SEQ)
+    segments, positions = jnp.asarray(batch["segments"]), jnp.asarray(batch["positions"])
+    assert (batch["segments"][:, -1] > 0).any()  # the rows do hold several documents
+    b, s, h, d = 2, SEQ, 4, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, s, h, d)) for i in range(3))
+    out = blockwise_attention(q, k, v, positions, positions, q_segments=segments, kv_segments=segments,
+                              block_q=8, block_k=8)
+    for row in range(b):
+        for seg in np.unique(batch["segments"][row]):
+            idx = np.flatnonzero(batch["segments"][row] == seg)
+            np.testing.assert_array_equal(batch["positions"][row, idx], np.arange(len(idx)))
+            alone = dense_attention(q[row:row + 1, idx], k[row:row + 1, idx], v[row:row + 1, idx],
+                                    positions[row:row + 1, idx], positions[row:row + 1, idx])
+            np.testing.assert_allclose(out[row, idx], alone[0], rtol=1e-5, atol=1e-6)
+
+
+def test_eval_flags_need_held_out_text(capsys):
+    assert main(["train", "--model", MODEL, "--mesh", "dp8", "--eval-every", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--eval-every 5 needs held-out text" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", "--model", MODEL, "--mesh", "dp8", "--document-mask"]) == 2
+    assert "--document-mask needs prepared data" in capsys.readouterr().err
