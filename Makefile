@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
 	  [ -x $(PY) ] || $$PYTHON -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,plot,tensorboard]'
+	$(PY) -m pip install --quiet -e '.[test,plot,tensorboard,tpu-aot]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,9 +1,18 @@
 """Simulated CPU devices: XLA's CPU backend reads its device count from XLA_FLAGS once, when it starts.
 
 Importing JAX does not start the backend; its first computation (or `jax.devices()`) does. This module
-imports nothing from JAX, so `jaxpar estimate` and `jaxpar plan`, which use it, never load JAX."""
+imports nothing from JAX, so `jaxpar estimate` and `jaxpar plan`, which use it, never load JAX.
+
+With libtpu installed (the `tpu-aot` extra, for compiling to TPU topologies: jaxpar/analysis/target.py),
+JAX's backend start also tries a TPU: on a host without one it prints errors about unset TPU_* variables
+and holds libtpu's lock file for the process's life. `simulate_cpu_devices` then names the platform
+(JAX_PLATFORMS=cpu) when the user set none and the host has no accelerator device files (/dev/accel*,
+/dev/vfio/N: TPU; /dev/nvidia0: NVIDIA GPU), so that a GPU or TPU host keeps its devices. libtpu still
+describes TPU topologies to the compiler under it."""
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import re
 import sys
@@ -32,6 +41,15 @@ def simulate_cpu_devices(n: int) -> None:
                               "set it before the first JAX computation (or in a fresh process)")
         return
     os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
+    if "JAX_PLATFORMS" not in os.environ and importlib.util.find_spec("libtpu") and not has_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:  # jax reads JAX_PLATFORMS when it is imported
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def has_accelerator() -> bool:
+    """Whether this host has TPU or NVIDIA GPU device files (module docstring)."""
+    return any(glob.glob(p) for p in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*"))
 
 
 def with_device_count(xla_flags: str, n: int) -> str:
@@ -46,3 +64,10 @@ def backend_started() -> bool:
     process that has not imported JAX has not started it."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bool(getattr(bridge, "_backends", None))
+
+
+def is_compile_only(device) -> bool:
+    """Whether `device` is one of a TPU topology's devices described by libtpu for ahead-of-time compiles
+    (`jax.experimental.topologies`): it compiles but runs nothing, and belongs to no process's host.
+    jax exposes no predicate; such devices come from a client of the class CompileOnlyPyClient."""
+    return type(getattr(device, "client", None)).__name__ == "CompileOnlyPyClient"

@@ -79,6 +79,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxpar.analysis.overlap import overlap_report
 from jaxpar.analysis.patterns import dot_flops, scatter_like_all_reduces
 from jaxpar.analysis.tally import tally_compiled
+from jaxpar.analysis.target import is_tpu_target, mesh_order
 from jaxpar.collectives import Collective, human_bytes, totals, wire_factor
 from jaxpar.core import validate
 from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings
@@ -121,6 +122,7 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
     tally = tally_compiled(compiled, mesh)
     positions = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
     flops, flops_note = flops_per_device(compiled, text)
+    tpu = is_tpu_target(list(mesh.devices.flat))
     return {
         "model": model_name,
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
@@ -131,7 +133,8 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
         "memory": memory_per_device(compiled),
         "compile_seconds": round(compile_seconds, 3),
         "overlap": overlap_report(text, mesh.axis_names, positions),
-        "warnings": list(tally.warnings) + [flops_note] + _scatter_like_notes(text, mesh),
+        "warnings": list(tally.warnings) + [flops_note] + ([] if tpu else _scatter_like_notes(text, mesh)),
+        "compiler": f"XLA:TPU ({mesh.devices.flat[0].device_kind})" if tpu else "XLA:CPU",
     }
 
 
@@ -246,6 +249,8 @@ def analyze_strategy(model, strategy: Strategy, tc, devices: list | None = None,
     devices = list(jax.devices() if devices is None else devices)
     full = strategy.resolved(strategy.num_devices if -1 not in strategy.sizes.values() else len(devices))
     validate.check(model, full, batch=tc.batch, seq=tc.seq)
+    if is_tpu_target(devices):  # XLA:TPU: the whole topology, compiled as the slice runs it (analysis/target.py)
+        return analyze(Trainer(model, full, tc, mesh_order(devices, full)), compiler_options=None)
     room = min(limit, len(devices))
     if full.num_devices <= room:
         return analyze(Trainer(model, full, tc, devices[:full.num_devices]))
@@ -315,6 +320,9 @@ def compare_strategies(model, strategies: Sequence[Strategy], tc, devices: list,
     trains K steps from the same initial parameters as a 1-device run, on the same batches, and
     its report gets ``run``: {steps, loss (last), loss_diff (max |loss - 1-device loss|), step_time_s}."""
     reports = []
+    if run_steps and is_tpu_target(devices):
+        raise ConfigError("--run-steps trains on the devices, but a TPU --target's chips only compile here "
+                          "(jaxpar/analysis/target.py): drop --run-steps or --target")
     if not run_steps:
         for s in strategies:
             reports.append({"name": s.name, **analyze_strategy(model, s, tc, devices)})

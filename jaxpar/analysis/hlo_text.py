@@ -144,11 +144,14 @@ class _Call(NamedTuple):
     note: str | None  # why ``times`` may be inexact
 
 
-def _calls(instr: Instruction) -> list[_Call]:
+def _calls(instr: Instruction, module: Module | None = None) -> list[_Call]:
     """The computations an instruction runs, with how often."""
     if instr.opcode in ("async-update", "async-done"):
         return []  # the matching async-start already ran the wrapped computation
-    trip = _trip_count(instr) if instr.opcode == "while" else None
+    trip = None
+    if instr.opcode == "while":
+        trip = _trip_count(instr)
+        trip = _counted_loop_trips(instr, module) if trip is None and module else trip
     calls = []
     for attr, value in _CALLED.findall(instr.text):
         times, note = 1, None
@@ -169,11 +172,54 @@ def _trip_count(instr: Instruction) -> int | None:
     return int(match[1]) if match else None
 
 
+_INT_CONSTANT = re.compile(r"^constant\((-?\d+)\)")
+
+
+def _counted_loop_trips(loop: Instruction, module: Module) -> int | None:
+    """The trip count of a counted loop that carries no ``known_trip_count`` (XLA:TPU keeps it elsewhere):
+    condition ``ROOT compare(get-tuple-element(p, index=k), constant(N)), direction=LT``, body element k
+    ``add(get-tuple-element(p, index=k), constant(1))``, initial element k a constant (through copies).
+    None when the loop is not of that form."""
+    comps = module.computations
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", loop.text)
+    body = re.search(r"\bbody=%?([\w.\-]+)", loop.text)
+    if not (cond and body and cond[1] in comps and body[1] in comps) or "direction=LT" not in comps[cond[1]][-1].text:
+        return None
+    cond_by, body_by = ({i.name: i for i in comps[c]} for c in (cond[1], body[1]))
+    index, limit = (cond_by.get(o) for o in comps[cond[1]][-1].operands[:2])
+    k = _tuple_index(index)
+    bound = _constant(limit, cond_by)
+    body_root = comps[body[1]][-1]
+    if k is None or bound is None or body_root.opcode != "tuple" or len(body_root.operands) <= k:
+        return None
+    step = body_by.get(body_root.operands[k])
+    if step is None or step.opcode != "add" or not any(_constant(body_by.get(o), body_by) == 1 for o in step.operands):
+        return None
+    caller = next((c for c in comps.values() if loop in c), [])
+    by_name = {i.name: i for i in caller}
+    init = by_name.get(loop.operands[0]) if loop.operands else None
+    start = _constant(by_name.get(init.operands[k]), by_name) if init and init.opcode == "tuple" else None
+    return None if start is None else max(bound - start, 0)
+
+
+def _tuple_index(instr: Instruction | None) -> int | None:
+    match = instr and instr.opcode == "get-tuple-element" and re.search(r"\bindex=(\d+)", instr.text)
+    return int(match[1]) if match else None
+
+
+def _constant(instr: Instruction | None, by_name: dict) -> int | None:
+    """The integer a constant holds, seen through copies and bitcasts."""
+    while instr is not None and instr.opcode in ("copy", "bitcast", "convert"):
+        instr = by_name.get(instr.operands[0]) if instr.operands else None
+    match = instr is not None and _INT_CONSTANT.match(instr.text)
+    return int(match[1]) if match else None
+
+
 def executed_instructions(module: Module) -> Iterator[tuple[Instruction, int, set[str]]]:
     """Each instruction reachable from ENTRY, with its runs per step (loop trip counts applied) and
     notes on why that count may be inexact."""
     computations, entry = module
-    calls = {name: [c for instr in instrs for c in _calls(instr)] for name, instrs in computations.items()}
+    calls = {name: [c for instr in instrs for c in _calls(instr, module)] for name, instrs in computations.items()}
     callers: dict[str, set[str]] = {entry: set()}
     pending = [entry]
     while pending:

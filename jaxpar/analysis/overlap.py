@@ -8,6 +8,9 @@ between its start and its done runs while the data moves: the collective is *ove
 matmul (a ``dot``/``convolution``, a fusion holding one, or a GEMM custom-call) sits there, and
 *exposed* otherwise (a synchronous collective is always exposed: the device waits for it).
 
+XLA:TPU (a `--target tpu-...` compile) issues asynchronous collectives as fusions: a start, continuations that carry
+the collective beside compute, and a done (jaxpar/analysis/fused.py); the span is start .. done alike.
+
 The cost model's overlap terms (jaxpar/cost/time.py, software presets in jaxpar/cost/software.py)
 use the same notion: a collective class is hidden up to the compute that runs while it is in flight.
 
@@ -76,6 +79,13 @@ def _async_span(instrs: list[Instruction], k: int) -> list[Instruction] | None:
     return None
 
 
+def _fused_span(instrs: list[Instruction], k: int, done: str | None) -> list[Instruction] | None:
+    """XLA:TPU's asynchronous fusions (jaxpar.analysis.fused): what runs between the start at position k
+    and its done, the continuation fusions (a matmul carried with the collective) included."""
+    names = [i.name for i in instrs]
+    return instrs[k + 1:names.index(done)] if done in names[k + 1:] else None
+
+
 def overlap_report(hlo: str | Module, axis_names: Sequence[str], device_ids: np.ndarray) -> dict:
     """The overlap report of a compiled module (module docstring); ``device_ids`` as for
     jaxpar.analysis.tally.tally."""
@@ -89,7 +99,7 @@ def overlap_report(hlo: str | Module, axis_names: Sequence[str], device_ids: np.
             op = ops.get(instr.name)
             if op is None:
                 continue
-            span = _async_span(instrs, k) if instr.opcode.endswith("-start") else None
+            span = _async_span(instrs, k) if instr.opcode.endswith("-start") else _fused_span(instrs, k, op.done)
             is_async = span is not None
             asynchronous |= is_async
             hidden = is_async and any(i.name in matmuls for i in span)

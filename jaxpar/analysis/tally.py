@@ -74,6 +74,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxpar.analysis.fused import fused_collectives
 from jaxpar.analysis.hlo_text import (Instruction, Module, closing_bracket, executed_instructions, is_scalar,
                                       parse_module, result_shape, shape_bytes, tuple_elements)
 from jaxpar.collectives import KINDS, OPTIMIZER_SCOPE, PHASES, UNMATCHED_AXES, Collective, wire_factor
@@ -105,6 +106,7 @@ class CollectiveOp:
     bytes: int  # per execution: the full buffer ("Bytes" in the module docstring)
     scalar_bytes: int  # per execution, the part of ``bytes`` in rank-0 arrays (f32[]: a loss, a norm partial)
     phase: str
+    done: str | None = None  # XLA:TPU's asynchronous fusions: the instruction completing it (``name`` starts it)
 
     @property
     def wire_bytes(self) -> float:
@@ -124,13 +126,15 @@ def collective_ops(
     ``hlo``: the module text or ``parse_module``'s result; ``device_ids`` as for ``tally``."""
     mesh = _MeshIndex.build(axis_names, device_ids)
     module = parse_module(hlo) if isinstance(hlo, str) else hlo
+    fused = fused_collectives(module)
     ops: list[CollectiveOp] = []
     warnings: list[str] = []
     for instr, times, notes in executed_instructions(module):
         if instr.opcode in _UNTALLIED_OPCODES:
             warnings.append(f"{instr.opcode} %{instr.name} is not tallied")
         kind = _KIND_OF_OPCODE.get(instr.opcode)
-        if kind is None or times == 0:
+        reading = fused.get(instr.name)
+        if kind is None or times == 0 or (reading is not None and not reading.counted):
             continue
         axes, n = _communicator(instr, mesh)
         if not axes:
@@ -140,8 +144,12 @@ def collective_ops(
         warnings.extend(notes)
         result = result_shape(instr)
         scalars = sum(shape_bytes(e) for e in tuple_elements(result) if is_scalar(e))
-        ops.append(CollectiveOp(instr.name, kind, axes, n, times, _buffer_bytes(instr, kind, n), scalars,
-                                phase_of(instr.op_name, optimizer_scope)))
+        if reading is None:
+            ops.append(CollectiveOp(instr.name, kind, axes, n, times, _buffer_bytes(instr, kind, n), scalars,
+                                    phase_of(instr.op_name, optimizer_scope)))
+        else:  # XLA:TPU's fused forms (jaxpar.analysis.fused); a fused reduce-scatter's all-reduce holds its buffer
+            ops.append(CollectiveOp(reading.at, reading.kind, axes, n, times, shape_bytes(result), scalars,
+                                    phase_of(reading.op_name, optimizer_scope), reading.done))
     return Tally(ops, dict.fromkeys(warnings))
 
 

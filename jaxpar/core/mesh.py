@@ -22,6 +22,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.core import validate
+from jaxpar.devices import is_compile_only
 from jaxpar.distributed import process_hosts
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import AXES, Strategy
@@ -47,7 +48,11 @@ def make_mesh(strategy: Strategy, devices: list | None = None) -> Mesh:
 
 
 def host_of(devices: list) -> dict:
-    """device -> host number."""
+    """device -> host number. The devices of a TPU topology compiled for ahead of time
+    (jaxpar/analysis/target.py) belong to no process: they form one slice, whose chips ICI joins, so
+    they are one granule (multi-slice topologies would be one per slice)."""
+    if is_compile_only(devices[0]):
+        return {d: getattr(d, "slice_index", 0) for d in devices}
     hosts = process_hosts()
     return {d: hosts[d.process_index] for d in devices}
 
