@@ -46,10 +46,11 @@ class Unit(nnx.Module):
     def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in cfg.pattern])
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array | None]:
         aux = None
-        for block in self.blocks:
-            x = block(x, positions)
+        for block in self.blocks:  # segment ids (packed documents) reach the attention blocks only
+            x = block(x, positions) if segments is None else block(x, positions, segments)
             if isinstance(x, tuple):  # a MoE block: (x, auxiliary vector)
                 x, a = x
                 aux = a if aux is None else jnp.concatenate([aux, a])
@@ -117,13 +118,15 @@ class LM(nnx.Module):
     def apply_stack(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.apply_stack_aux(x, positions)[0]
 
-    def apply_stack_aux(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks)."""
+    def apply_stack_aux(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array | None]:
+        """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks);
+        `segments`: packed documents' ids, which attention keeps apart."""
         graphdef, stacked = nnx.split(self.units)
         if self.run.fsdp_prefetch:  # (remat = "full": the prefetched scan recomputes each unit backward)
-            x, aux = prefetched_scan(lambda h, unit: nnx.merge(graphdef, unit)(h, positions), x, stacked)
+            x, aux = prefetched_scan(lambda h, unit: nnx.merge(graphdef, unit)(h, positions, segments), x, stacked)
         else:
-            x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions), x, stacked)
+            x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions, segments), x, stacked)
         if aux is None:
             return x, None
         return x, aux_sum(self.cfg, aux)
@@ -149,14 +152,15 @@ class LM(nnx.Module):
             loss = loss + aux_loss(self.cfg, aux)
         return loss
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, labels: jax.Array) -> jax.Array:
-        x, aux = self.apply_stack_aux(self.embed(tokens), positions)
+    def __call__(self, tokens: jax.Array, positions: jax.Array, labels: jax.Array,
+                 segments: jax.Array | None = None) -> jax.Array:
+        x, aux = self.apply_stack_aux(self.embed(tokens), positions, segments)
         return self.loss(x, labels, aux=aux)
 
 
-def unit_step(graphdef, policy: str, positions: jax.Array):
+def unit_step(graphdef, policy: str, positions: jax.Array, segments: jax.Array | None = None):
     """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy).
     Returns (x, the unit's MoE auxiliary vector or None) as (carry, per-unit output)."""
     def step(x, unit_state):
-        return nnx.merge(graphdef, unit_state)(checkpoint_name(x, UNIT_INPUT), positions)
+        return nnx.merge(graphdef, unit_state)(checkpoint_name(x, UNIT_INPUT), positions, segments)
     return remat(step, policy)

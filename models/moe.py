@@ -132,8 +132,9 @@ class MoEBlock(AttentionBlock):
         self.init_attention(cfg, run, rngs)
         self.moe = MoE(cfg, run, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x, h = self.attend(x, positions)
+    def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        x, h = self.attend(x, positions, segments)
         # under `overlap` attend leaves h in the residual layout for the MLP's rings; the router and the
         # experts read it gathered (once for both), as without the option
         y, aux = self.moe(constrain(h, ("batch", "seq", "act_embed")))

@@ -41,12 +41,12 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"),
                         std=(h * hd) ** -0.5 / math.sqrt(2 * cfg.layers))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project(x, positions)
         core = functools.partial(attention, impl=self.run.attention, kernel=self.run.attention_kernel, causal=True)
         if self.run.remat == "selective":
             core = recomputed(core)
-        return self.output(core(q, k, v, positions))
+        return self.output(core(q, k, v, positions, segments))
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k
@@ -112,15 +112,15 @@ class AttentionBlock(nnx.Module):
         self.attn = Attention(cfg, run, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
 
-    def attend(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def attend(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(x + Attention(norm(x)), its normed copy: the feed-forward's input). The normed copies are
         gathered to the block's sequence layout, except under `overlap`, where the projections'
         collective matmuls gather them (so they stay in the residual layout here)."""
         inner = RESIDUAL if collective_matmul(self.attn.run) else ("batch", "seq", "act_embed")
         h = constrain(self.attn_norm(x), inner)
-        x = constrain(x + self.attn(h, positions), RESIDUAL)
+        x = constrain(x + self.attn(h, positions, segments), RESIDUAL)
         return x, constrain(self.mlp_norm(x), inner)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x, h = self.attend(x, positions)
+    def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        x, h = self.attend(x, positions, segments)
         return constrain(x + self.mlp(h), RESIDUAL)

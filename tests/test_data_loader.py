@@ -1,6 +1,9 @@
 """Training on prepared text (jaxpar/training/loader.py): batches as a pure function of (seed, step, row),
 so resuming is going to a step and processes read disjoint rows; real tokens train every strategy to the
-1-device numbers; the held-out loss is a plain forward's; document masking is each document alone."""
+1-device numbers; the held-out loss is a plain forward's; document masking is each document alone.
+The second strategy and the blockwise-kernel case of document masking run under -m slow."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +11,9 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli.main import main
-from jaxpar.ops.attention import dense_attention
-from jaxpar.ops.blockwise_attention import blockwise_attention
+from jaxpar.errors import ConfigError
+from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.lm import LM
 from jaxpar.training import corpus, loader
 from jaxpar.training.data import local_batch, process_indices
 from jaxpar.training.trainer import gather
@@ -68,19 +72,24 @@ def test_processes_read_disjoint_rows_whose_union_is_the_batch(data):
     assert sorted(seen) == list(range(BATCH))
 
 
-def test_strategies_on_real_tokens_equal_one_device(data):
-    """Loss and gradients of a real-text batch under fsdp8 and dp2-tp4 equal the 1-device run's."""
-    ref = harness.trainer(MODEL, "data=1", devices=1)
-    params = harness.reference_params(MODEL)
-    ref_loss, ref_grads = ref.loss_and_grads(ref.state_from_params(params).params, ref.batch(source(data), 2))
-    ref_grads = dict(harness.leaves_with_paths(gather(ref_grads)))
-    for mesh in ("fsdp8", "dp2-tp4"):
-        tr = harness.trainer(MODEL, mesh)
-        loss, grads = tr.loss_and_grads(tr.state_from_params(params).params, tr.batch(source(data), 2))
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-        for path, g in harness.leaves_with_paths(gather(grads)):
-            np.testing.assert_allclose(g, ref_grads[path], rtol=1e-5, atol=1e-5 * np.abs(ref_grads[path]).max(),
-                                       err_msg=f"{mesh} {path}")
+@functools.cache
+def real_loss_and_grads(data, mesh: str, devices: int = 8):
+    tr = harness.trainer(MODEL, mesh, devices)
+    loss, grads = tr.loss_and_grads(tr.state_from_params(harness.reference_params(MODEL)).params,
+                                    tr.batch(source(data), 2))
+    return float(loss), dict(harness.leaves_with_paths(gather(grads)))
+
+
+@pytest.mark.parametrize("mesh", ["fsdp8", pytest.param("dp2-tp4", marks=pytest.mark.slow)])
+def test_strategies_on_real_tokens_equal_one_device(data, mesh):
+    """Loss and gradients of a real-text batch under a strategy equal the 1-device run's."""
+    ref_loss, ref_grads = real_loss_and_grads(data, "data=1", 1)
+    loss, grads = real_loss_and_grads(data, mesh)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for path, g in grads.items():
+        np.testing.assert_allclose(g, ref_grads[path], rtol=1e-5, atol=1e-5 * np.abs(ref_grads[path]).max(),
+                                   err_msg=f"{mesh} {path}")
 
 
 def test_eval_loss_equals_a_plain_forward(data):
@@ -96,26 +105,30 @@ def test_eval_loss_equals_a_plain_forward(data):
     np.testing.assert_allclose(got["eval_ppl"], np.exp(plain), rtol=1e-5)
 
 
-def test_document_mask_equals_each_document_alone(data):
-    """Attention over packed rows with the loader's segment ids and per-document positions equals
-    attention over each document run alone (at the kernel level: blockwise, with the dense kernel as
-    the reference for a lone document)."""
+@pytest.mark.parametrize("kernel, remat", [("dense", "none"),
+                                           pytest.param("blockwise", "selective", marks=pytest.mark.slow)])
+def test_document_masked_model_equals_each_document_alone(data, kernel, remat):
+    """The model's output over a packed row with the loader's segment ids and per-document positions
+    equals the model run on each document alone."""
     src = source(data)
     src.document_mask = True
-    batch = local_batch(src, 0, range(2), SEQ)
-    segments, positions = jnp.asarray(batch["segments"]), jnp.asarray(batch["positions"])
-    assert (batch["segments"][:, -1] > 0).any()  # the rows do hold several documents
-    b, s, h, d = 2, SEQ, 4, 8
-    q, k, v = (jax.random.normal(jax.random.key(i), (b, s, h, d)) for i in range(3))
-    out = blockwise_attention(q, k, v, positions, positions, q_segments=segments, kv_segments=segments,
-                              block_q=8, block_k=8)
-    for row in range(b):
-        for seg in np.unique(batch["segments"][row]):
-            idx = np.flatnonzero(batch["segments"][row] == seg)
-            np.testing.assert_array_equal(batch["positions"][row, idx], np.arange(len(idx)))
-            alone = dense_attention(q[row:row + 1, idx], k[row:row + 1, idx], v[row:row + 1, idx],
-                                    positions[row:row + 1, idx], positions[row:row + 1, idx])
-            np.testing.assert_allclose(out[row, idx], alone[0], rtol=1e-5, atol=1e-6)
+    batch = next(b for b in (local_batch(src, 0, [row], SEQ) for row in range(BATCH))
+                 if len(np.unique(b["segments"])) > 2)
+    model = nnx.merge(*nnx.split(LM(parse_model(MODEL), RunConfig(attention_kernel=kernel, remat=remat),
+                                    rngs=nnx.Rngs(0))))
+    run = jax.jit(lambda t, p, s: model.apply_stack_aux(model.embed(t), p, s)[0])
+    packed = run(*(jnp.asarray(batch[k]) for k in ("inputs", "positions", "segments")))
+    segments = batch["segments"][0]
+    for seg in np.unique(segments):
+        idx = np.flatnonzero(segments == seg)
+        alone = model.apply_stack(model.embed(jnp.asarray(batch["inputs"][:, idx])), jnp.asarray(batch["positions"][:, idx]))
+        np.testing.assert_allclose(packed[0, idx], alone[0], rtol=2e-5, atol=2e-5)
+
+
+def test_document_mask_is_refused_where_documents_would_mix():
+    tr = harness.trainer(MODEL, "cp8-ring")
+    with pytest.raises(ConfigError, match="--document-mask: context-parallel attention takes no segment ids"):
+        tr.use_document_mask()
 
 
 def test_eval_flags_need_held_out_text(capsys):

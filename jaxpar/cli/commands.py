@@ -35,6 +35,7 @@ from jaxpar.training import corpus
 from jaxpar.training import tokenizer as tokenizers
 from jaxpar.training.data import make_source
 from jaxpar.training.loader import Dataset, PreparedSource
+from jaxpar.training import metrics
 from jaxpar.training.metrics import Sinks
 from jaxpar.training.config import OptimizerConfig, TrainConfig
 from jaxpar.training.tokenizer import Tokenizer
@@ -90,8 +91,12 @@ def train_config(args) -> TrainConfig:
 def cmd_train(args) -> int:
     began = time.perf_counter()
     check_checkpoint_flags(args)
+    if distributed.is_main():  # a fresh run overwrites no metrics unasked (paths checked writable by cli.main)
+        metrics.check(args.metrics, args.tensorboard, resume=args.resume, overwrite=args.overwrite_metrics)
     model = model_from(args.model)
     trainer = Trainer(model, strategy_from_args(args), train_config(args))
+    if args.document_mask:
+        trainer.use_document_mask()
     trainer.check_host_memory()
     source = make_source(args.data, model.vocab, args.seed, args.batch)
     held_out = eval_source(args, model.vocab, source)
@@ -99,7 +104,6 @@ def cmd_train(args) -> int:
     hardware = load_hardware(args.hardware) if args.hardware else None
     stop = min(args.stop_after or args.steps, args.steps)
     train_log.check_profile_steps(args, 0, stop)
-    sinks = Sinks(args.metrics, args.tensorboard) if main else Sinks()  # paths checked before any compile
     ckpt = open_checkpoints(args, main) if args.ckpt_dir is not None else None
     state, start = resume(args, ckpt, trainer, stop, main) if args.resume else (None, 0)
     if start >= stop:
@@ -107,15 +111,16 @@ def cmd_train(args) -> int:
         if main:
             print(f"nothing to do: checkpoint step {start} >= {limit}")
         ckpt.close()
-        sinks.close()
         return 0
     if start:  # resumed: is the --profile window still ahead?
         try:
             train_log.check_profile_steps(args, start, stop)
         except ConfigError:
             ckpt.close()
-            sinks.close()
             raise
+    # a resumed run's metrics are cut back to the restored step, then appended to (jaxpar/training/metrics.py)
+    sinks = (Sinks(args.metrics, args.tensorboard, resumed_at=start if args.resume else None,
+                   overwrite=args.overwrite_metrics) if main else Sinks())
     if state is None and args.hf_checkpoint is not None:  # a fresh run starting from pretrained weights
         state = trainer.state_from_params(hf_params(args.hf_checkpoint, model, trainer.abstract_params))
         if main:

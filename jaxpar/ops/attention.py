@@ -66,8 +66,9 @@ LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequenc
 # ---- dense attention and the dispatch -----------------------------------------------------------
 
 
-def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
-    """softmax(q k^T / sqrt(d) + mask) v, with K/V heads shared by hq/hkv query heads each."""
+def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segments=None, kv_segments=None):
+    """softmax(q k^T / sqrt(d) + mask) v, with K/V heads shared by hq/hkv query heads each (with segment
+    ids [b, s]: a query sees a key only in its own segment)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, sq, hkv, hq // hkv, d)
@@ -75,6 +76,8 @@ def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
     if causal:
         allowed = q_pos[:, None, None, :, None] >= kv_pos[:, None, None, None, :]
         scores = jnp.where(allowed, scores, MASKED)
+    if q_segments is not None:
+        scores = jnp.where(q_segments[:, None, None, :, None] == kv_segments[:, None, None, None, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
     return out.reshape(b, sq, hq, d)
@@ -102,13 +105,19 @@ def resolve_kernel(kernel: str, dtype=jnp.float32) -> str:
     return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
 
 
-def attention(q, k, v, positions, *, impl: str = "dense", kernel: str = "dense", causal: bool = True):
+def attention(q, k, v, positions, segments=None, *, impl: str = "dense", kernel: str = "dense",
+              causal: bool = True):
     """Dispatch on the strategy's `attention` and `attention_kernel` options.
 
     dense: the sequence is not split; XLA partitions the kernel on batch and heads (context must be 1).
     ring / allgather: context parallelism over the `seq` mesh axes (`context_attention` below).
+    segments [b, s]: packed documents kept apart (dense impl; the dense, blockwise and splash kernels:
+    jaxpar/training/trainer.py `Trainer.use_document_mask` refuses the rest).
     """
     kernel = resolve_kernel(kernel, q.dtype)
+    if segments is not None:
+        return KERNELS[kernel](q, k, v, positions, positions, causal=causal, q_segments=segments,
+                               kv_segments=segments)
     if impl == "dense":
         return KERNELS[kernel](q, k, v, positions, positions, causal=causal)
     return context_attention(q, k, v, positions, impl=impl, kernel=kernel, causal=causal)

@@ -32,7 +32,8 @@ from jaxpar.cost.flops import step_flops
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.moe import AUX_FIELDS, aux_metrics
-from jaxpar.ops.attention import token_permutation
+from jaxpar.errors import ConfigError
+from jaxpar.ops.attention import resolve_kernel, token_permutation
 from jaxpar.pipeline import pipelined_loss, pipelined_loss_and_grads, reorder, stacked_paths, unit_order
 from jaxpar.training import faults
 from jaxpar.training.config import TrainConfig
@@ -189,16 +190,17 @@ class Trainer:
             if self.strategy.size("pipeline") > 1:  # the head and loss run inside (spread over the stages)
                 loss, aux = pipelined_loss(model, x, batch["positions"], batch["labels"], self.strategy, self.layout)
             else:
-                x, aux = self.apply_stack(model, x, batch["positions"])
+                x, aux = self.apply_stack(model, x, batch["positions"], batch.get("segments"))
                 loss = model.loss(x, batch["labels"], aux=aux)
             if aux is None:
                 return loss, {}
             return loss, aux_metrics(self.model_cfg, aux)
 
-    def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def apply_stack(self, model: LM, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array | None]:
         """The layer stack as a plain scan (a pipeline runs in `jaxpar.pipeline.gpipe.pipelined_loss`), and the MoE
-        layers' auxiliary vector or None."""
-        return model.apply_stack_aux(x, positions)
+        layers' auxiliary vector or None; `segments`: packed documents' ids (`use_document_mask`)."""
+        return model.apply_stack_aux(x, positions, segments)
 
     def _value_and_grad(self, params, batch):
         """((loss, extra metrics), gradients) of one batch: jax.value_and_grad of `_loss`, but under the
@@ -253,6 +255,24 @@ class Trainer:
             local = {k: np.ascontiguousarray(v[:, positions]) for k, v in local.items()}
         return to_global(local, self.batch_sharding, shape)
 
+    document_mask = False  # batches carry segment ids (`use_document_mask`)
+
+    def use_document_mask(self) -> None:
+        """Batches will carry segment ids (packed documents, jaxpar/training/loader.py) that attention keeps
+        apart; refused, before compiling, where the model or strategy cannot: a recurrence (Mamba layers)
+        carries state across documents, the pipeline and context-parallel kernels take no segment ids,
+        and cuDNN's kernel here is called without them."""
+        s, m = self.strategy, self.model_cfg
+        kernel = resolve_kernel(s.options.attention_kernel, jnp.dtype(self.run.dtype))
+        for bad, why in (("M" in m.pattern, f"model {m.name} has Mamba layers, whose recurrence crosses documents"),
+                         (s.size("pipeline") > 1, "pipeline parallelism does not pass segment ids to its stages"),
+                         (s.size("context") > 1, "context-parallel attention takes no segment ids"),
+                         (kernel == "cudnn", "attention_kernel cudnn is called without segment ids")):
+            if bad:
+                raise ConfigError(f"--document-mask: {why}")
+        self.document_mask = True
+        self._compiled = None
+
     @functools.cached_property
     def eval_loss(self):
         """The jitted loss of one batch under the run's strategy (no gradients, no update): parameters in
@@ -304,7 +324,7 @@ class Trainer:
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              self.abstract_state(), self.state_shardings)
         batch = {k: jax.ShapeDtypeStruct((self.tc.batch, self.tc.seq), jnp.int32, sharding=self.batch_sharding)
-                 for k in ("inputs", "labels", "positions")}
+                 for k in ("inputs", "labels", "positions") + (("segments",) if self.document_mask else ())}
         return self._step.lower(state, batch)
 
     def _abstract_state(self) -> TrainState:
