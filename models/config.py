@@ -19,7 +19,7 @@ import pathlib
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.core.inputs import did_you_mean, read_toml
+from jaxpar.core.inputs import did_you_mean, parse_int, parse_real, read_toml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +228,12 @@ _FIELDS = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
 
 
 def _coerce(key: str, raw: Any, where: str) -> Any:
-    if key not in _FIELDS or key == "name":
+    """One model field's value from a spec override (text) or a TOML file (typed), checked against the
+    field's type; numbers in text through jaxpar.core.inputs' parsers (ASCII digits only)."""
+    if key == "name":
+        raise ConfigError(f"{where}: name={raw!r} cannot be set: a model is named by its spec (the preset with "
+                          "its overrides) or its TOML file's name")
+    if key not in _FIELDS:
         known = [k for k in _FIELDS if k != "name"]
         raise ConfigError(f"{where}: unknown model field {key!r}{did_you_mean(key, known)}; known fields: "
                           f"{', '.join(known)}")
@@ -241,9 +246,9 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
                     raise ValueError
                 return text.lower() in ("true", "1")
             if isinstance(default, int):
-                return int(text)
+                return parse_int(text)
             if isinstance(default, float):
-                return float(text)
+                return parse_real(text)
             return text
         except ValueError:
             raise ConfigError(f"{where}: {key}={raw!r} is not a valid {type(default).__name__}") from None
@@ -257,7 +262,7 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
     return raw
 
 
-def from_preset(name: str, **overrides: Any) -> ModelConfig:
+def from_preset(name: str, /, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}{did_you_mean(name, PRESETS)}; "
                           f"presets: {', '.join(PRESETS)}")

@@ -9,6 +9,7 @@ import json
 
 from jaxpar.cli.args import model_from, strategy_from_args
 from jaxpar.core import validate
+from jaxpar.core.inputs import MAX_GLOBAL_BATCH
 from jaxpar.core.schedule import schedule_summary
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost import SOFTWARE, estimate, format_estimate
@@ -37,7 +38,14 @@ def global_batch_from(args, seq: int) -> int | None:
         below = f"{tokens // seq * seq:,} or " if tokens >= seq else ""
         raise ConfigError(f"--global-batch-tokens={tokens:,} is not divisible by --seq={seq:,}: a global batch is "
                           f"whole sequences (nearest: {below}{(tokens // seq + 1) * seq:,} tokens)")
-    return tokens // seq
+    return check_global_batch(tokens // seq, f"--global-batch-tokens={tokens:,} / --seq={seq:,}")
+
+
+def check_global_batch(batch: int, what: str) -> int:
+    """A global batch within MAX_GLOBAL_BATCH sequences (the parser bounds --global-batch itself)."""
+    if batch > MAX_GLOBAL_BATCH:
+        raise ConfigError(f"{what} = {batch:,} sequences per step: at most {MAX_GLOBAL_BATCH:,} (no run takes more)")
+    return batch
 
 
 def question_from(args) -> tuple[Question, str]:
@@ -63,6 +71,7 @@ def question_from(args) -> tuple[Question, str]:
         if value is not None and value != theirs:
             raise ConfigError(f"estimate --run {args.run}: {RUN_FLAGS[field]} {value} disagrees with the run file's "
                               f"{field} = {theirs!r}; drop the flag, or edit the file")
+    check_global_batch(question.global_batch, f"run file {args.run}: global_batch")
     if question.software not in SOFTWARE:
         raise ConfigError(f"run file {args.run}: software = {question.software!r} is not one of {', '.join(sorted(SOFTWARE))}")
     return question, mesh
@@ -78,6 +87,9 @@ def cmd_estimate(args) -> int:
         strategy = strategy.resolved(question.devices)
     elif args.run and strategy.num_devices != question.devices:
         raise ConfigError(f"run file {args.run}: devices = {question.devices} but mesh {mesh} has {strategy.num_devices}")
+    elif question.devices and strategy.num_devices != question.devices:
+        raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
+                          f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
     strategy, defaults = accelerator_defaults(strategy, question.global_batch, given)
     if args.phase != "train":
@@ -119,6 +131,8 @@ def estimate_inference(args, question: Question, model, strategy, defaults) -> i
 
 
 def cmd_plan(args) -> int:
+    if args.target != "cpu" and not args.verify:
+        raise ConfigError(f"plan --target {args.target} is the compiler of --verify: add --verify")
     args.global_batch = global_batch_from(args, args.seq)
     if getattr(args, "phase", "train") != "train":
         return plan_inference(args)
@@ -144,14 +158,18 @@ def cmd_plan(args) -> int:
 
 
 def verify_plans(args, model, results) -> None:
-    """`plan --verify`: compile each listed plan on simulated devices (jaxpar/planning/verify.py)."""
+    """`plan --verify`: compile each listed plan on simulated devices, or with `--target tpu-...` for a TPU
+    topology of --devices chips (jaxpar/planning/verify.py, jaxpar/analysis/target.py)."""
+    from jaxpar.analysis import target  # deferred: JAX, only for --verify
     from jaxpar.planning.verify import TOLERANCE, format_checks, verify_plan  # deferred: JAX, only for --verify
 
     simulate_cpu_devices(min(args.devices, MAX_DEVICES))
-    print(f"\nverify: each plan's step compiled for jaxpar on XLA:CPU, predicted vs compiled (flag over {TOLERANCE:.0%})")
+    devices = None if target.parse_target(args.target) is None else target.devices(args.target, args.devices)
+    compiler = "XLA:CPU" if devices is None else f"XLA:TPU for {args.target.removeprefix(target.PREFIX)}"
+    print(f"\nverify: each plan's step compiled for jaxpar on {compiler}, predicted vs compiled (flag over {TOLERANCE:.0%})")
     flagged = 0
     for i, (est, st) in enumerate(results, 1):
-        checks, report = verify_plan(model, st, args.global_batch, args.seq)
+        checks, report = verify_plan(model, st, args.global_batch, args.seq, devices)
         flagged += sum(c.flagged for c in checks)
         print(format_checks(i, planner.describe(st, est), checks, report))
     print(f"verify: {flagged} figure(s) over {TOLERANCE:.0%}" if flagged else

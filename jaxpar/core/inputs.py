@@ -19,6 +19,7 @@ import difflib
 import math
 import os
 import pathlib
+import re
 import tomllib
 from typing import Any
 
@@ -26,6 +27,7 @@ from jaxpar.errors import ConfigError
 
 MAX_SEED = 2**31 - 1
 MAX_CLUSTER_DEVICES = 2**20  # no cluster has more; the planner's search is sized for this
+MAX_GLOBAL_BATCH = 2**24  # sequences per optimizer step: 16,777,216, thousands of times any published run's
 
 
 def did_you_mean(word: str, known, strip: str = "") -> str:
@@ -36,6 +38,29 @@ def did_you_mean(word: str, known, strip: str = "") -> str:
     names = {str(k).lstrip(strip): str(k) for k in known}
     close = difflib.get_close_matches(word.lstrip(strip), names, n=3, cutoff=0.65)
     return f" (did you mean {' or '.join(repr(names[c]) for c in close)}?)" if close else ""
+
+
+# ---- numbers written as text ---------------------------------------------------------------------
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_REAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
+
+
+def parse_int(text: str) -> int:
+    """An integer written in ASCII digits with an optional sign (surrounding spaces allowed): the one
+    parser of integers from text (flags, inline mesh specs, model overrides, step ranges, token ids).
+    Python's int() also takes `0_8` and other scripts' digits (`٨`), which no config means: ValueError."""
+    if not _INTEGER.fullmatch(text.strip()):
+        raise ValueError(f"{text!r} is not an integer")
+    return int(text)
+
+
+def parse_real(text: str) -> float:
+    """A number written in ASCII (digits, one point, an exponent; nan and inf, refused by the checks
+    that need a finite value): as `parse_int`, float() alone would take `1_0.5` and `١.٥`."""
+    if not _REAL.fullmatch(text.strip()):
+        raise ValueError(f"{text!r} is not a number")
+    return float(text)
 
 
 # ---- command-line argument types (argparse names the flag in its one-line error) ----------------
@@ -62,12 +87,12 @@ def _argument_type(kind: str, convert, lo, hi, open_lo: bool = False):
 
 def integer(lo: int | None = None, hi: int | None = None):
     """An argparse type: an integer in [lo, hi]."""
-    return _argument_type("integer", int, lo, hi)
+    return _argument_type("integer", parse_int, lo, hi)
 
 
 def real(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
     """An argparse type: a finite float in [lo, hi] ((lo, hi] if open_lo)."""
-    return _argument_type("number", float, lo, hi, open_lo)
+    return _argument_type("number", parse_real, lo, hi, open_lo)
 
 
 POSITIVE = integer(1)
@@ -87,7 +112,7 @@ def step_range(text: str) -> tuple[int, int]:
     run's steps by the train command, which knows them)."""
     first, dash, last = text.partition("-")
     try:
-        a, b = int(first), int(last) if dash else int(first)
+        a, b = parse_int(first), parse_int(last) if dash else parse_int(first)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step range A-B (e.g. 2-4)") from None
     if not 1 <= a <= b:
@@ -109,7 +134,7 @@ def token_ids(text: str) -> list[int]:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty prompt: give at least one token id, e.g. 1,2,3")
     try:
-        ids = [int(t) for t in items]
+        ids = [parse_int(t) for t in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
     if min(ids) < 0:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.core.inputs import did_you_mean, read_toml, table
+from jaxpar.core.inputs import did_you_mean, parse_int, read_toml, table
 from jaxpar.xla_presets import NAMES as XLA_PRESETS
 
 # Canonical order, outermost (slowest links) to innermost (fastest links).
@@ -154,6 +154,7 @@ class Strategy:
         if product != num_devices:
             desc = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
             raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}")
+        check_dcn(self.name, tuple(sizes.items()), self.dcn)
         return dataclasses.replace(self, mesh=tuple(sizes.items()),
                                    phases=tuple((p, st.resolved(num_devices)) for p, st in self.phases))
 
@@ -213,14 +214,32 @@ def _as_int(key: str, value: Any, where: str) -> int:
     return value
 
 
-def _mesh_sizes(raw: dict[str, Any], where: str) -> tuple[tuple[str, int], ...]:
+def _mesh_sizes(raw: dict[str, Any], where: str, *, fill: bool = True) -> tuple[tuple[str, int], ...]:
+    """The axis sizes of a [mesh] table or an inline spec, every axis in AXES order (1 if not named):
+    positive integers, and at most one -1 (`fill`: the axis that takes the remaining devices)."""
     for axis, size in raw.items():
         if axis not in AXES:
             raise ConfigError(f"{where}: unknown mesh axis {axis!r}{did_you_mean(axis, AXES)}; "
                               f"axes are {', '.join(AXES)}")
-        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ConfigError(f"{where}: mesh axis {axis}={size!r} must be a positive integer or -1")
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and (size != -1 or not fill)):
+            raise ConfigError(f"{where}: mesh axis {axis}={size!r} must be a positive integer"
+                              + (" or -1" if fill else ""))
+    free = [a for a, s in raw.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"{where}: only one axis may be -1, got {', '.join(free)}")
     return tuple((a, int(raw.get(a, 1))) for a in AXES)
+
+
+def check_dcn(name: str, mesh: tuple[tuple[str, int], ...], dcn: tuple[tuple[str, int], ...]) -> None:
+    """A [mesh.dcn] table against its mesh: axis a = dcn[a] host groups x the devices inside one host
+    (jaxpar/core/mesh.py), so each across-host factor divides its axis (an axis still -1 is checked
+    once `resolved` fills it)."""
+    sizes = dict(mesh)
+    for axis, n in dcn:
+        if sizes[axis] != -1 and sizes[axis] % n:
+            how = "is larger than" if n > sizes[axis] else "does not divide"
+            raise ConfigError(f"mesh {name}: [mesh.dcn] {axis}={n} {how} the mesh axis {axis}={sizes[axis]} (the "
+                              "axis is dcn host groups x the devices inside one host: dcn must divide it)")
 
 
 def parse_inline(spec: str) -> Strategy:
@@ -233,7 +252,7 @@ def parse_inline(spec: str) -> Strategy:
         if axis in raw:
             raise ConfigError(f"mesh spec {spec!r} gives axis {axis} twice ({raw[axis]} and {value.strip()})")
         try:
-            raw[axis] = int(value)
+            raw[axis] = parse_int(value)
         except ValueError:
             raise ConfigError(f"malformed mesh spec {spec!r}: size {value!r} of {axis} is not an integer") from None
     return Strategy(name=spec, mesh=_mesh_sizes(raw, f"mesh {spec!r}"))
@@ -278,9 +297,11 @@ def _from_tables(name: str, data: dict, where: str) -> Strategy:
         raise ConfigError(f"{where}: needs a [mesh] table with axis sizes")
     dcn = table(mesh, "dcn", where) if "dcn" in mesh else {}
     mesh.pop("dcn", None)
-    return Strategy(name=name, mesh=_mesh_sizes(mesh, where),
-                    options=make_options(dict(table(data, "options", where)), where),
-                    dcn=tuple((a, s) for a, s in _mesh_sizes(dcn, where + " [mesh.dcn]") if s != 1) if dcn else ())
+    sizes = _mesh_sizes(mesh, where)
+    across = tuple((a, s) for a, s in _mesh_sizes(dcn, where + " [mesh.dcn]", fill=False) if s != 1)
+    check_dcn(name, sizes, across)
+    return Strategy(name=name, mesh=sizes, options=make_options(dict(table(data, "options", where)), where),
+                    dcn=across)
 
 
 def parse_strategy(spec: str) -> Strategy:

@@ -40,6 +40,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     allowed, as padded flat shards (Megatron's distributed optimizer; jaxpar/cost/memory.py counts the
     padding); the trainer shards ZeRO state on the model dim, so a run needs the division."""
     model.validate()
+    check_options_apply(strategy)
     s, o = strategy.sizes, strategy.options
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
@@ -116,6 +117,33 @@ def check_kv_heads(model: ModelConfig, tensor: int) -> None:
                           "which needs tensor to be a multiple of kv_heads")
     if tensor <= model.kv_heads:
         _divides("tensor", tensor, "kv_heads", model.kv_heads)
+
+
+# ---- options that the layout ignores -------------------------------------------------------------
+
+def check_options_apply(strategy: Strategy, layouts: tuple[Strategy, ...] = ()) -> None:
+    """Refuse an option set away from its default that changes nothing on this mesh: the pipeline's
+    options without a pipeline axis, context parallelism's without a context axis (an option at its
+    default is never refused, whoever set it). `layouts`: generate's phase layouts, of which any one
+    may use an option (a prefill's context axis uses `attention`)."""
+    o, layouts = strategy.options, layouts or (strategy,)
+    if max(st.size("pipeline") for st in layouts) == 1:
+        if o.microbatches > 1:
+            raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
+                              "for gradient accumulation without a pipeline)")
+        if o.pp_stages != "":
+            raise ConfigError(f"option pp_stages={o.pp_stages!r} splits layers over pipeline stages, but the mesh "
+                              "has pipeline=1")
+        for name, default in (("pp_schedule", "gpipe"), ("pp_repeats", 1)):
+            if getattr(o, name) != default:
+                raise ConfigError(f"{name}={getattr(o, name)} has no effect: it schedules a pipeline, but the mesh "
+                                  f"has pipeline=1 (drop it, or add a pipeline axis)")
+    if max(st.size("context") for st in layouts) == 1:
+        for name, default, what in (("attention", "dense", "how attention splits the sequence over context"),
+                                    ("cp_layout", "contiguous", "the token layout over context")):
+            if getattr(o, name) != default:
+                raise ConfigError(f"{name}={getattr(o, name)} has no effect: it sets {what}, but the mesh has "
+                                  f"context=1 (drop it, or add a context axis)")
 
 
 # ---- collective matmul ---------------------------------------------------------------------------
@@ -302,12 +330,7 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     o = strategy.options
     pp = strategy.size("pipeline")
     if pp == 1:
-        if o.microbatches > 1:
-            raise ConfigError(f"microbatches={o.microbatches} needs a pipeline axis > 1 (use grad_accum "
-                              "for gradient accumulation without a pipeline)")
-        if o.pp_stages != "":
-            raise ConfigError(f"option pp_stages={o.pp_stages!r} splits layers over pipeline stages, but the mesh "
-                              "has pipeline=1")
+        check_options_apply(strategy)  # the pipeline's options, set without a pipeline
         return
     if o.pp_repeats > 1 and o.pp_schedule == "gpipe":
         raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular or 1f1b (gpipe runs one chunk per stage)")
@@ -371,7 +394,11 @@ def check_generate(model: ModelConfig, strategy: Strategy, prompts: list[list[in
 
 def check_phases(strategy: Strategy) -> None:
     """A strategy's [prefill] and [decode] layouts (jaxpar.core.strategy.load_toml) run on the same devices
-    (generate reshards weights and cache between them): equal device counts (a -1 axis always fits)."""
+    (generate reshards weights and cache between them): equal device counts (a -1 axis always fits); and
+    no option that neither layout uses (`check_options_apply`)."""
+    layouts = tuple(strategy.phase(p) for p in ("prefill", "decode"))
+    for layout in layouts:
+        check_options_apply(layout, layouts)
     counts = {p: strategy.phase(p).num_devices for p in ("prefill", "decode")}
     if min(counts.values()) > 0 and counts["prefill"] != counts["decode"]:
         raise ConfigError(f"mesh {strategy.name}: the prefill layout {strategy.phase('prefill').describe()} has "

@@ -29,13 +29,25 @@ Odd cases, each with a clear outcome:
   - a directory that cannot be written -> ConfigError before any training
   - a crash (SIGKILL) mid-training     -> resume from the newest complete checkpoint: at most K
                                           steps lost, plus the step during which a save was written
+  - a save that fails (disk full, the directory gone or turned read-only)
+                                       -> SaveFailed (a ConfigError) naming the save's step, the step
+                                          the run reached, the cause and the newest complete checkpoint
+                                          left; the run stops there, the older checkpoints untouched
+  - a second run on the same directory -> ConfigError naming the holder of DIR/jaxpar.lock (host, pid,
+                                          start); a dead holder's lock is broken (`DirectoryLock`)
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
+import logging
 import os
 import pathlib
+import re
+import socket
+import sys
+import time
 from typing import Any
 
 import jax
@@ -43,7 +55,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxpar.training import faults
-from jaxpar.training.integrity import DamagedCheckpoint, checksums, read_error, verify
+from jaxpar.training.integrity import (DamagedCheckpoint, check_meta, checksums, quiet_failed_reads, read_error,
+                                       verify)
 from jaxpar.errors import ConfigError
 
 MARKER = "jaxpar.json"
@@ -60,14 +73,71 @@ def unflatten(template, flat: dict[str, Any]):
     return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
 
 
+class OrbaxErrorLog(logging.Filter):
+    """Drops orbax's ERROR log records: orbax logs a failed write from each background thread it
+    passes through, with a traceback, before the error reaches the caller, and jaxpar reports it
+    there in one line (SaveFailed, DamagedCheckpoint)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+ORBAX_ERROR_LOG = OrbaxErrorLog()
+
+
+def orbax_unraisable(hook):
+    """sys.unraisablehook without two kinds of noise a failed orbax write leaves behind, each already
+    reported as SaveFailed: tensorstore's callbacks for the writes still in flight, which find the
+    event loop orbax closed on the first failure ("Event loop is closed", raised inside asyncio alone),
+    and those writes' coroutines, collected at interpreter exit."""
+
+    def filtered(u) -> None:
+        frames = [code.co_filename for code in _frames(u.exc_traceback)]
+        closed_loop = (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+                       and all(f"{os.sep}asyncio{os.sep}" in f for f in frames))
+        code = getattr(u.object, "cr_code", None)
+        orbax_write = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        if not (closed_loop or orbax_write):
+            hook(u)
+
+    filtered.orbax_quiet = True
+    return filtered
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb.tb_frame.f_code
+        tb = tb.tb_next
+
+
+def quiet_orbax() -> None:
+    """Leave the report of a failed checkpoint write to jaxpar's one line (idempotent)."""
+    logging.getLogger("absl").addFilter(ORBAX_ERROR_LOG)
+    if not getattr(sys.unraisablehook, "orbax_quiet", False):
+        sys.unraisablehook = orbax_unraisable(sys.unraisablehook)
+
+
+
+class SaveFailed(ConfigError):
+    """A checkpoint could not be written; the message says which, why, where the run stopped, and
+    what is left to resume from."""
+
+
 class Checkpointer:
     def __init__(self, directory: str, every: int, keep: int = 3):
         self.dir = pathlib.Path(directory).resolve()
         self.every = every
+        self.lock = DirectoryLock(self.dir) if jax.process_index() == 0 else None
+        quiet_orbax()
         self._check_directory()
+        # cleanup_tmp_directories: a save that failed half-way (disk full) leaves a temporary directory,
+        # never listed as a checkpoint; the next run on the directory removes it
         self.manager = ocp.CheckpointManager(
-            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
             item_names=("state", "meta"))
+        self._pending: int | None = None  # the step whose save is in flight
+        self._saved: int | None = None    # the newest step this run saved completely
+        self._reached = 0                 # the newest step the run completed (for the error of a failed save)
 
     def _check_directory(self) -> None:
         """Refuse a directory jaxpar did not write. Every process checks (read-only, so all agree);
@@ -92,6 +162,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             try:  # os.access says yes to root even on a read-only mount: a real write decides
                 self.dir.mkdir(parents=True, exist_ok=True)
+                self.lock.acquire()  # in multi-process runs process 0 holds it for the run
                 tmp = self.dir / (f".{MARKER}.tmp" if fresh else f".write-test.{os.getpid()}")
                 tmp.write_text(json.dumps(FORMAT))
                 if fresh:
@@ -109,25 +180,79 @@ class Checkpointer:
         """Save after `step` completed steps if it is a multiple of `every`.
 
         The write is asynchronous but overlaps only the one training step that follows: the next
-        call waits for it. So a crash loses at most K steps plus the one step in flight."""
-        self.manager.wait_until_finished()
+        call waits for it. So a crash loses at most K steps plus the one step in flight. A save that
+        fails raises SaveFailed at that wait (or at once if it cannot start): the run stops with the
+        older checkpoints as they were."""
+        self._reached = max(self._reached, step)
+        self.wait()
         if not force and (self.every <= 0 or step % self.every):
             return False
+        self._check_writable(step)
         flat = flatten(trainer.stored_state(state, inverse=True))   # layer order under every strategy
         meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
                 "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size,
                 "checksums": checksums(flat)}  # every process takes part (one all-gather)
-        saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                                                                 meta=ocp.args.JsonSave(meta)))
+        self._pending = step
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
+                                                                     meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for a failed write
+            raise self._failed(e) from None
         faults.after_save_started(step)
         return bool(saved)
 
+    def _check_writable(self, step: int) -> None:
+        """Before a save: the directory and its marker are still there, a file can be written in it,
+        and the lock still names this run (process 0). Found here, before orbax starts its writer
+        threads, a directory deleted or turned read-only mid-run stops the run at once (a save that
+        fails as it starts leaves orbax's threads waiting for it, and the process cannot exit)."""
+        where = f"checkpoint of step {step} not written; training stopped after step {self._reached}"
+        if not (self.dir / MARKER).is_file():
+            what = "is gone" if not self.dir.exists() else f"lost its {MARKER} marker"
+            raise SaveFailed(f"--ckpt-dir {self.dir} {what}: {where}; {self._left()}")
+        probe = self.dir / f".write-test.{socket.gethostname()}.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise SaveFailed(f"--ckpt-dir {self.dir} cannot be written any more ({e.strerror or e}): {where}; "
+                             f"{self._left()}") from None
+        if self.lock is not None:
+            self.lock.check(self._reached)
+
+    def _failed(self, e: BaseException) -> SaveFailed:
+        step, self._pending = self._pending, None
+        return SaveFailed(f"checkpoint of step {step} could not be written to {self.dir}: {write_error(e)}; "
+                          f"training stopped after step {self._reached}; {self._left()}")
+
+    def _left(self) -> str:
+        """What a resume can start from, for the message of a failed save."""
+        try:
+            self.manager.reload()
+            steps = sorted(self.manager.all_steps()) if self.dir.is_dir() else []
+        except Exception:  # noqa: BLE001 - the directory may be unreadable by now
+            steps = []
+        if steps:
+            return f"the newest complete checkpoint there is step {steps[-1]} (--resume continues from it)"
+        mine = f" (this run's last, step {self._saved}, is gone)" if self._saved is not None else ""
+        return f"no complete checkpoint is left there{mine}"
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is written; SaveFailed if it could not be."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from None
+        if self._pending is not None:
+            self._saved, self._pending = self._pending, None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+            self.manager.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     # ---- restore ----------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -141,6 +266,7 @@ class Checkpointer:
         """(state, step, message) from checkpoint `step` (default: the newest complete one), on
         `trainer`'s mesh; (None, 0, message) if there is none. A damaged checkpoint raises
         DamagedCheckpoint naming it and the older steps one may ask for instead."""
+        quiet_failed_reads()
         steps = self.steps()
         if step is None:
             if not steps:
@@ -165,7 +291,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
             raise DamagedCheckpoint(f"{where} cannot be read: its metadata: "
                                     f"{read_error(e, [], self.dir / str(step))}") from None
-        check_model(meta.get("model", {}), dataclasses.asdict(trainer.model_cfg), step)
+        check_model(check_meta(meta, where).get("model", {}), dataclasses.asdict(trainer.model_cfg), step)
         abstract = trainer.abstract_state()
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
                   for (k, v), s in zip(flatten(abstract).items(), flatten(trainer.state_shardings).values())}
@@ -224,6 +350,29 @@ def _listing(steps: list[int]) -> str:
     return "no checkpoints" if not steps else f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
 
+ERRNO = re.compile(r"No space left on device|Read-only file system|No such file or directory|Permission denied|"
+                   r"Disk quota exceeded|Input/output error")
+
+
+def write_error(e: BaseException) -> str:
+    """The cause of a failed write in a few words: the operating system's error where one is named
+    anywhere in the chain (orbax wraps tensorstore's, which wraps the OS's), else the first line."""
+    chain, seen = [e], set()
+    while chain[-1].__cause__ or chain[-1].__context__:
+        nxt = chain[-1].__cause__ or chain[-1].__context__
+        if id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        chain.append(nxt)
+    for x in chain:
+        if isinstance(x, OSError) and x.strerror:
+            return x.strerror + (f" ({x.filename})" if x.filename else "")
+        if m := ERRNO.search(str(x)):
+            return m.group(0)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return first[:200]
+
+
 def check_model(saved: dict, current: dict, step: int) -> None:
     for key in sorted(set(saved) | set(current)):
         if key == "name":
@@ -248,6 +397,7 @@ def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: in
         ok = False
     if not ok:
         raise ConfigError(f"--checkpoint {path} was not written by jaxpar (no {MARKER})")
+    quiet_failed_reads()
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
                                     item_names=("state", "meta"))
     try:
@@ -262,7 +412,7 @@ def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: in
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
             raise DamagedCheckpoint(f"{where} cannot be read: its metadata: {read_error(e, [], path / str(step))}") from None
-        check_model(meta.get("model", {}), model, step)
+        check_model(check_meta(meta, where).get("model", {}), model, step)
         restore = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                          partial_restore=True)
         try:
@@ -274,3 +424,146 @@ def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: in
     if "checksums" in meta:
         verify(flat, meta["checksums"], where)
     return flat, step, f"restored {len(flat)} arrays of step {step} from {path} (written under {meta.get('strategy')})"
+
+
+# ---- the directory lock: one run writes a --ckpt-dir at a time ------------------------------------
+
+LOCK = "jaxpar.lock"
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat field 22), or None where
+    /proc cannot tell (not Linux, no such process). With the pid it names one process: a pid reused by
+    a later process has a later start."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def holder_alive(holder: dict) -> bool | None:
+    """Whether the process a lock names still runs: None when it is on another host (nothing here can
+    tell), False when no process has its pid or the pid now belongs to a later process."""
+    if holder.get("host") != this_host():
+        return None
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    ticks = process_start_ticks(int(holder["pid"]))
+    return holder.get("start_ticks") is None or ticks is None or ticks == holder["start_ticks"]
+
+
+def describe_holder(holder: dict) -> str:
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+class DirectoryLock:
+    """DIR/jaxpar.lock: the run that writes DIR, as JSON {host, pid, started, start_ticks}.
+
+    Taken with an atomic exclusive create (O_CREAT | O_EXCL: of two runs, exactly one creates it), then
+    read back: the run holds the lock only if the file names it. A second run on DIR is refused,
+    naming the holder. A lock whose holder is gone (same host, and no process with its pid and start
+    time) is broken: renamed to a name of this process's own (atomic: of two runs breaking it, one
+    wins the rename), read again to make sure it is the dead holder's, deleted, and the create tried
+    again. A lock of another host is never broken automatically, as nothing here can tell whether
+    that run still writes: delete DIR/jaxpar.lock by hand once no run there uses DIR. The holder
+    checks the lock still names it before every save (`check`), and deletes it when done (`release`,
+    also at interpreter exit; a killed run leaves it, and the next run on the host breaks it)."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.path = directory / LOCK
+        self.me = {"host": this_host(), "pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()),
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        self.broken: dict | None = None  # the dead holder whose lock this run broke, if any
+
+    def _read(self, path: pathlib.Path | None = None) -> dict | None:
+        try:
+            holder = json.loads((path or self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) and "pid" in holder else None
+
+    def _ours(self, holder: dict | None) -> bool:
+        return holder is not None and (holder.get("host"), holder.get("pid")) == (self.me["host"], self.me["pid"])
+
+    def acquire(self) -> None:
+        for _ in range(20):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._judge(self._read())
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if self._ours(self._read()):
+                atexit.register(self.release)
+                return
+        raise ConfigError(f"--ckpt-dir {self.path.parent}: could not take the lock {self.path} (it keeps "
+                          "changing hands: several runs are starting on this directory at once)")
+
+    def _judge(self, holder: dict | None) -> None:
+        """Return to try the create again (the lock is gone, or it was ours, or its dead holder's lock
+        is broken); raise if another run holds it."""
+        if holder is None:  # being written by a run that just created it, or damaged
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return
+            if age < 10:
+                time.sleep(0.1)
+                return
+            raise ConfigError(f"--ckpt-dir {self.path.parent}: the lock {self.path} is unreadable; if no run "
+                              "uses this directory, delete the lock file and start again")
+        if self._ours(holder):  # this process took it before (a second Checkpointer on the same directory)
+            self.path.unlink(missing_ok=True)
+            return
+        alive = holder_alive(holder)
+        if alive is None:
+            raise ConfigError(f"--ckpt-dir {self.path.parent} is in use by another run ({describe_holder(holder)}: "
+                              f"its lock {self.path}); a lock of another host is not broken automatically: if that "
+                              "run has ended, delete the lock file and start again")
+        if alive:
+            raise ConfigError(f"--ckpt-dir {self.path.parent} is in use by another run ({describe_holder(holder)}, "
+                              f"still running: its lock {self.path}); wait for it to end or stop it first")
+        self._break(holder)
+
+    def _break(self, dead: dict) -> None:
+        aside = self.path.with_name(f"{LOCK}.broken-by-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:  # another run broke it first
+            return
+        if self._read(aside) == dead:
+            aside.unlink()
+            self.broken = dead
+            return
+        try:  # what we moved is a live run's new lock: put it back
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass
+        aside.unlink()
+
+    def check(self, step: int) -> None:
+        holder = self._read()
+        if not self._ours(holder):
+            now = f"now names {describe_holder(holder)}" if holder else "is gone"
+            raise ConfigError(f"the lock {self.path} of this run {now}: another run may be writing "
+                              f"--ckpt-dir {self.path.parent}; stopped after step {step} rather than write beside it")
+
+    def release(self) -> None:
+        atexit.unregister(self.release)
+        if self._ours(self._read()):
+            try:
+                self.path.unlink()
+            except OSError:  # gone, or the directory turned read-only: the next run breaks it (holder dead)
+                pass

@@ -19,6 +19,8 @@ A checkpoint that carries no checksums restores with a note that it was not veri
 """
 from __future__ import annotations
 
+import logging
+import os
 import pathlib
 import re
 import zlib
@@ -117,6 +119,34 @@ def verify(flat: dict[str, Any], saved: dict[str, dict[str, int]], where: str) -
         raise DamagedCheckpoint(f"{where} is damaged: {why}")
 
 
+# ---- the `meta` item -----------------------------------------------------------------------------
+
+META_TYPES = {"step": int, "seed": int, "model": dict, "strategy": str, "devices": int, "checksums": dict}
+_KIND = {int: "an integer", str: "a string", dict: "a table"}
+
+
+def check_meta(meta: Any, where: str) -> dict:
+    """The `meta` item read back (JSON): a table whose known items have the types a save writes, and
+    checksums of the form {array: {slice: crc32}}; DamagedCheckpoint naming the first item that is not
+    (`where`: "checkpoint step N in DIR")."""
+    def damaged(item: str, value: Any, kind: type) -> DamagedCheckpoint:
+        return DamagedCheckpoint(f"{where} is damaged: its metadata {item} is {type(value).__name__} "
+                                 f"{shorten(repr(value), 60)}, not {_KIND[kind]}")
+
+    if not isinstance(meta, dict):
+        raise damaged("item", meta, dict)
+    for key, kind in META_TYPES.items():
+        if key in meta and (isinstance(meta[key], bool) or not isinstance(meta[key], kind)):
+            raise damaged(repr(key), meta[key], kind)
+    for key, sums in meta.get("checksums", {}).items():
+        if not isinstance(sums, dict):
+            raise damaged(f"checksums of {key}", sums, dict)
+        for slice_, value in sums.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise damaged(f"checksum of {key} [{slice_}]", value, int)
+    return meta
+
+
 # ---- errors from orbax / TensorStore -------------------------------------------------------------
 
 def shorten(text: str, limit: int = 300) -> str:
@@ -134,6 +164,26 @@ def _chain(e: BaseException | None) -> list[BaseException]:
         out.append(e)
         e = e.__cause__ or e.__context__
     return out
+
+
+class _UnretrievedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records of orbax's read coroutines: when one
+    array of a restore fails, orbax abandons its sibling reads, whose errors asyncio logs when they are
+    collected (each with TensorStore's whole spec: a page), after `read_error` has named the first."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in text)
+
+
+UNRETRIEVED_READS = _UnretrievedReads()
+
+
+def quiet_failed_reads() -> None:
+    """Leave a failed restore's report to its one line (`read_error`); idempotent."""
+    log = logging.getLogger("asyncio")
+    if UNRETRIEVED_READS not in log.filters:
+        log.addFilter(UNRETRIEVED_READS)
 
 
 def read_error(e: BaseException, keys, step_dir: pathlib.Path) -> str:
