@@ -153,3 +153,12 @@ def test_comm_compiles_llama3_70b_for_a_256_chip_v5p_slice():
     assert time.perf_counter() - t0 < 120
     assert "reduce-scatter" in out.stdout and "memory per device" in out.stdout
     assert "async" in out.stdout.split("overlap (compiled schedule):")[1]
+
+
+@pytest.mark.slow
+def test_plan_verify_holds_the_top_plan_against_xla_tpu():
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "plan", "--model", "llama-tiny", "--hardware",
+                          "tpu-v5e", "--devices", "8", "--top", "1", "--seq", "256", "--global-batch", "16",
+                          "--verify", "--target", "tpu-v5e:2x4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "XLA:TPU for v5e:2x4" in out.stdout and "memory per device" in out.stdout

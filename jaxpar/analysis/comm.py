@@ -109,7 +109,13 @@ def analyze(trainer, *, compiler_options: dict | None = ANALYSIS_COMPILER_OPTION
     Pass ``compiler_options=None`` to compile the executable a run would use (``compare_strategies``)."""
     lowered = trainer.lower_step()
     t0 = time.perf_counter()
-    compiled = lowered.compile(compiler_options)   # (merged with the step's own: its xla_preset)
+    try:
+        compiled = lowered.compile(compiler_options)   # (merged with the step's own: its xla_preset)
+    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a step that cannot fit the chip's HBM
+        if "RESOURCE_EXHAUSTED" not in str(e) or not is_tpu_target(list(trainer.mesh.devices.flat)):
+            raise
+        raise ConfigError(f"mesh {trainer.strategy.name} does not fit: XLA:TPU says "
+                          f"{str(e).splitlines()[0].removeprefix('RESOURCE_EXHAUSTED: ')}") from None
     report = analyze_compiled(compiled, trainer.mesh, trainer.model_cfg.name, time.perf_counter() - t0)
     report["warnings"] += _moe_notes(tally_compiled(compiled, trainer.mesh), trainer)
     return report

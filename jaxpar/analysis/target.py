@@ -30,6 +30,7 @@ from jaxpar.errors import ConfigError
 
 PREFIX = "tpu-"
 LIBTPU = "libtpu==0.0.52"  # the `tpu-aot` extra of pyproject.toml, paired with the installed jax
+_ACCELERATOR_TYPES = {"v5e": "v5litepod", "v6e": "v6e", "v5p": "v5p", "v4": "v4"}  # generation -> GCE type prefix
 _TOPOLOGY = re.compile(r"(v\d+[a-z]*|tpu\d+x?):\d+(x\d+)*")
 
 
@@ -57,6 +58,10 @@ def topology(name: str) -> list:
     # libtpu locks a file so that one process drives a host's TPU chips; compile-only devices drive none,
     # and concurrent compiles (another analysis, a test worker) must not refuse each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu's start-up asks the host's metadata for its accelerator and workers, printing errors on a host
+    # that is no TPU VM; naming one host of the target's generation answers it (the topology is `name`'s).
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", _ACCELERATOR_TYPES.get(name.split(":")[0], "v5p") + "-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
     except (jax.errors.JaxRuntimeError, RuntimeError, ValueError) as e:

@@ -300,6 +300,9 @@ def add_plan(sub) -> None:
     pl.add_argument("--verify", action="store_true",
                     help="compile each listed plan on simulated CPU devices (at reduced data parallelism beyond "
                          "2048) and print predicted vs compiled bytes per mesh-axis group and memory per device")
+    pl.add_argument("--target", default="cpu", metavar="cpu|tpu-TOPOLOGY",
+                    help="with --verify: compile with XLA:CPU (default) or for a TPU topology of --devices chips, e.g. "
+                         "tpu-v5p:8x8x4 (XLA:TPU ahead of time; needs the tpu-aot extra)")
     pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
