@@ -9,6 +9,7 @@ import json
 
 from jaxpar.cli.args import model_from, strategy_from_args
 from jaxpar.core import validate
+from jaxpar.core.inputs import MAX_GLOBAL_BATCH
 from jaxpar.core.schedule import schedule_summary
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost import SOFTWARE, estimate, format_estimate
@@ -37,7 +38,14 @@ def global_batch_from(args, seq: int) -> int | None:
         below = f"{tokens // seq * seq:,} or " if tokens >= seq else ""
         raise ConfigError(f"--global-batch-tokens={tokens:,} is not divisible by --seq={seq:,}: a global batch is "
                           f"whole sequences (nearest: {below}{(tokens // seq + 1) * seq:,} tokens)")
-    return tokens // seq
+    return check_global_batch(tokens // seq, f"--global-batch-tokens={tokens:,} / --seq={seq:,}")
+
+
+def check_global_batch(batch: int, what: str) -> int:
+    """A global batch within MAX_GLOBAL_BATCH sequences (the parser bounds --global-batch itself)."""
+    if batch > MAX_GLOBAL_BATCH:
+        raise ConfigError(f"{what} = {batch:,} sequences per step: at most {MAX_GLOBAL_BATCH:,} (no run takes more)")
+    return batch
 
 
 def question_from(args) -> tuple[Question, str]:
@@ -63,6 +71,7 @@ def question_from(args) -> tuple[Question, str]:
         if value is not None and value != theirs:
             raise ConfigError(f"estimate --run {args.run}: {RUN_FLAGS[field]} {value} disagrees with the run file's "
                               f"{field} = {theirs!r}; drop the flag, or edit the file")
+    check_global_batch(question.global_batch, f"run file {args.run}: global_batch")
     if question.software not in SOFTWARE:
         raise ConfigError(f"run file {args.run}: software = {question.software!r} is not one of {', '.join(sorted(SOFTWARE))}")
     return question, mesh
@@ -78,6 +87,9 @@ def cmd_estimate(args) -> int:
         strategy = strategy.resolved(question.devices)
     elif args.run and strategy.num_devices != question.devices:
         raise ConfigError(f"run file {args.run}: devices = {question.devices} but mesh {mesh} has {strategy.num_devices}")
+    elif question.devices and strategy.num_devices != question.devices:
+        raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
+                          f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
     strategy, defaults = accelerator_defaults(strategy, question.global_batch, given)
     if args.phase != "train":
