@@ -1,4 +1,5 @@
 # make demo   train llama-tiny under several strategies on 8 simulated CPU devices
+# make demo-text  train llama-tiny on the standard library's .py files (text in, held-out loss, text out)
 # make test   the test suite (8 simulated CPU devices; two pytest workers, one test file each at a time)
 # make test-slow  the slow tests (-m slow), which CI runs after make test
 # make bench  print throughput / memory / speed figures (no assertions)
@@ -7,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench experiments clean
+.PHONY: demo demo-text test test-slow bench experiments clean
 
 $(STAMP): pyproject.toml
 	@PYTHON=$$(bash scripts/find-python.sh) || exit 1; \
@@ -19,6 +20,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) experiments/demo.py
+
+demo-text: $(STAMP)
+	$(PY) experiments/demo_text.py
 
 test: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; \
