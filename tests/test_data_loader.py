@@ -57,6 +57,16 @@ def test_resumed_run_reads_bitwise_the_same_batches(data):
     assert order[:n] != order[n:]  # epoch 2 in another order
 
 
+def test_batches_are_the_same_on_any_mesh(data):
+    """The global batch of a step, gathered, is the same under any strategy (a run resumed on another mesh
+    continues with the batches the first would have read)."""
+    want = local_batch(source(data), 4, range(BATCH), SEQ)
+    for mesh in ("fsdp8", "dp2-tp4"):
+        got = gather(harness.trainer(MODEL, mesh).batch(source(data), 4))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{mesh} {key}")
+
+
 def test_processes_read_disjoint_rows_whose_union_is_the_batch(data):
     """Two processes of a dp8 run (devices 0-3 and 4-7), each reading only its rows, feed exactly the
     rows of the batch one process reads."""
@@ -129,6 +139,15 @@ def test_document_mask_is_refused_where_documents_would_mix():
     tr = harness.trainer(MODEL, "cp8-ring")
     with pytest.raises(ConfigError, match="--document-mask: context-parallel attention takes no segment ids"):
         tr.use_document_mask()
+
+
+def test_train_flags_on_prepared_data_are_checked_before_compiling(data, capsys):
+    common = ["train", "--model", MODEL, "--mesh", "dp8", "--data", str(data)]
+    assert main(common + ["--seq", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "max_seq" in err and len(err.strip().splitlines()) == 1
+    assert main(common[:2] + ["llama-tiny:vocab=128"] + common[3:]) == 2
+    assert "exceeds the model's vocab=128" in capsys.readouterr().err
 
 
 def test_eval_flags_need_held_out_text(capsys):

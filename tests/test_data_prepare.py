@@ -181,3 +181,14 @@ def test_raw_token_files_state_their_width_and_ids_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"token id 250 at position 123 .* vocab=200"):
         for step in range(50):
             local_batch(TokenFile(str(tmp_path / "t.u16.bin"), vocab=200), step, range(4), 64)
+
+
+def test_text_prompts_use_the_data_directory_tokenizer(prepared, capsys):
+    data, _ = prepared
+    tok = tokenizers.load(str(data))
+    assert tok.decode(tok.encode("def f3(x):")) == "def f3(x):"
+    err = one_line_error(["generate", "--model", "llama-tiny", "--mesh", "dp8", "--prompt-text", "def f"], capsys)
+    assert "--prompt-text needs --tokenizer" in err
+    err = one_line_error(["generate", "--model", "llama-tiny", "--mesh", "dp8", "--prompt", "1,2",
+                          "--tokenizer", str(data)], capsys)
+    assert "--tokenizer" in err and "is for --prompt-text" in err
