@@ -19,8 +19,9 @@ import pytest
 from jax.experimental import mesh_utils
 
 from jaxpar.analysis import comm, target
+from jaxpar.analysis.overlap import overlap_report
 from jaxpar.analysis.patterns import scatter_like_all_reduces
-from jaxpar.analysis.tally import tally_compiled
+from jaxpar.analysis.tally import collective_ops, tally_compiled
 from jaxpar.core.mesh import host_of
 from jaxpar.core.strategy import AXES, catalogue, parse_strategy
 from jaxpar.cost import comm as cost_comm
@@ -162,3 +163,88 @@ def test_plan_verify_holds_the_top_plan_against_xla_tpu():
                           "--verify", "--target", "tpu-v5e:2x4"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "XLA:TPU for v5e:2x4" in out.stdout and "memory per device" in out.stdout
+
+
+ADD = """%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+"""
+
+COUNTED_LOOP = ADD + """%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %two = s32[] constant(2)
+  %next = s32[] add(%i, %two)
+  %x = f32[4] get-tuple-element(%p), index=1
+  %s = f32[4] all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[4]) tuple(%next, %s)
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %one = s32[] constant(1)
+  %c = s32[] copy(%one)
+  %init = (s32[], f32[4]) tuple(%c, %x)
+  %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_counted_loop_without_known_trip_count_runs_its_condition_s_trips():
+    """XLA:TPU leaves out known_trip_count: i = 1, 3, 5, 7, 9 < 10 is 5 trips, read off the loop."""
+    ops = collective_ops(COUNTED_LOOP, ("x",), np.arange(2))
+    assert [(op.kind, op.times) for op in ops] == [("all-reduce", 5)] and not ops.warnings
+
+
+FUSED = ADD + """%ag_start (p: f32[2,4]) -> (f32[2,4], f32[4,4]) {
+  %p = f32[2,4] parameter(0)
+  %g1 = f32[4,4] all-gather(%p), channel_id=7, replica_groups={{0,1}}, dimensions={0}, metadata={op_name="jit(step)/w"}
+  ROOT %s = (f32[2,4], f32[4,4]) custom-call(%g1), custom_call_target="AsyncCollectiveStart"
+}
+%ag_more (p: f32[2,4], w: f32[4,4]) -> f32[4,4] {
+  %p = f32[2,4] parameter(0)
+  %w = f32[4,4] parameter(1)
+  %g2 = f32[4,4] all-gather(%p), channel_id=7, replica_groups={{0,1}}, dimensions={0}
+  ROOT %d = f32[4,4] dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+%ag_done (p: f32[2,4]) -> f32[4,4] {
+  %p = f32[2,4] parameter(0)
+  %g3 = f32[4,4] all-gather(%p), channel_id=7, replica_groups={{0,1}}, dimensions={0}
+  ROOT %d = f32[4,4] custom-call(%g3), custom_call_target="AsyncCollectiveDone"
+}
+%all-reduce-scatter (x: f32[4,4]) -> f32[2,4] {
+  %x = f32[4,4] parameter(0)
+  %r = f32[4,4] all-reduce(%x), channel_id=8, replica_groups={{0,1}}, to_apply=%add
+  %i = s32[] partition-id()
+  %z = s32[] constant(0)
+  ROOT %s = f32[2,4] dynamic-slice(%r, %i, %z), dynamic_slice_sizes={2,4}
+}
+ENTRY %main (x: f32[2,4], w: f32[4,4]) -> f32[2,4] {
+  %x = f32[2,4] parameter(0)
+  %w = f32[4,4] parameter(1)
+  %start = (f32[2,4], f32[4,4]) fusion(%x), kind=kCustom, calls=%ag_start
+  %more = f32[4,4] fusion(%x, %w), kind=kOutput, calls=%ag_more
+  %done = f32[4,4] fusion(%x), kind=kCustom, calls=%ag_done
+  ROOT %rs = f32[2,4] fusion(%done), kind=kCustom, calls=%all-reduce-scatter, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+}
+"""
+
+
+def test_xla_tpu_fused_forms_count_once_and_overlap_from_start_to_done():
+    """An asynchronous all-gather held by three fusions runs once, its span holding the continuation's
+    matmul; the fused all-reduce + dynamic-slice is a reduce-scatter of the all-reduced buffer. (Instruction
+    names are unique in a module, as XLA prints them.)"""
+    ops = collective_ops(FUSED, ("x",), np.arange(2))
+    assert [(op.kind, op.name, op.done, op.bytes, op.phase) for op in ops] == [
+        ("all-gather", "start", "done", 64, "forward"), ("reduce-scatter", "rs", None, 64, "backward")]
+    rows = {r["kind"]: r for r in overlap_report(FUSED, ("x",), np.arange(2))["rows"]}
+    assert rows["all-gather"]["async_runs"] == rows["all-gather"]["overlapped_runs"] == 1
+    assert rows["reduce-scatter"]["async_runs"] == 0

@@ -178,7 +178,8 @@ _INT_CONSTANT = re.compile(r"^constant\((-?\d+)\)")
 def _counted_loop_trips(loop: Instruction, module: Module) -> int | None:
     """The trip count of a counted loop that carries no ``known_trip_count`` (XLA:TPU keeps it elsewhere):
     condition ``ROOT compare(get-tuple-element(p, index=k), constant(N)), direction=LT``, body element k
-    ``add(get-tuple-element(p, index=k), constant(1))``, initial element k a constant (through copies).
+    ``add(get-tuple-element(p, index=k), constant(s))`` with s > 0, initial element k a constant (through
+    copies): ceil((N - start) / s) trips.
     None when the loop is not of that form."""
     comps = module.computations
     cond = re.search(r"\bcondition=%?([\w.\-]+)", loop.text)
@@ -192,14 +193,16 @@ def _counted_loop_trips(loop: Instruction, module: Module) -> int | None:
     body_root = comps[body[1]][-1]
     if k is None or bound is None or body_root.opcode != "tuple" or len(body_root.operands) <= k:
         return None
-    step = body_by.get(body_root.operands[k])
-    if step is None or step.opcode != "add" or not any(_constant(body_by.get(o), body_by) == 1 for o in step.operands):
+    add = body_by.get(body_root.operands[k])
+    steps = [_constant(body_by.get(o), body_by) for o in add.operands] if add is not None and add.opcode == "add" else []
+    step = next((c for c in steps if c is not None and c > 0), None)
+    if step is None:
         return None
     caller = next((c for c in comps.values() if loop in c), [])
     by_name = {i.name: i for i in caller}
     init = by_name.get(loop.operands[0]) if loop.operands else None
     start = _constant(by_name.get(init.operands[k]), by_name) if init and init.opcode == "tuple" else None
-    return None if start is None else max(bound - start, 0)
+    return None if start is None else max(-(-(bound - start) // step), 0)
 
 
 def _tuple_index(instr: Instruction | None) -> int | None:
