@@ -16,6 +16,7 @@ Otherwise the run is a single process and nothing is initialised.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -24,10 +25,12 @@ import re
 import socket
 import sys
 import threading
+import time
 from typing import NoReturn
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed  # global_state.client: what `watch_peers` asks
 from jax.experimental import multihost_utils
 
 from jaxpar.errors import ConfigError
@@ -99,7 +102,7 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
     `timeout_s`, this process prints a clear error and exits with status 2 (JAX's own timeout ends
     the process from C++ with an abort, so a watchdog thread acts first). A process that stops
     sending heartbeats for `heartbeat_s` is declared dead, and JAX's coordination service then
-    terminates the others instead of leaving them hanging in a collective.
+    tells the others, which leave (`watch_peers`) instead of hanging in a collective.
     """
     where = f"coordinator {cluster.coordinator}" if cluster.coordinator else f"the {cluster.source} coordinator"
     who = "process" if cluster.process_id is None else f"process {cluster.process_id}"
@@ -118,10 +121,12 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
     watchdog.daemon = True
     watchdog.start()
     try:
+        jax.config.update("jax_enable_recoverability", True)  # a dead process is reported: `watch_peers`
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    initialization_timeout=timeout_s + 30, heartbeat_timeout_seconds=heartbeat_s,
                                    shutdown_timeout_seconds=heartbeat_s)
         check_processes(cluster.num_processes)
+        watch_peers(jax.process_index(), heartbeat_s, timeout_s)
     except Exception as e:  # noqa: BLE001 - XLA raises bare runtime errors
         if isinstance(e, ConfigError):
             raise
@@ -129,6 +134,49 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
         raise ConfigError(f"{who} could not join the run{n} through {where}: {first}") from None
     finally:
         watchdog.cancel()
+
+
+def watch_peers(process: int | None, heartbeat_s: int, exit_timeout_s: int) -> None:
+    """Start a daemon thread that leaves this process, with one line naming the dead process (exit 3,
+    as `leave_on` for a failed collective), once the coordination service counts a process no longer
+    alive (no heartbeat for `heartbeat_s`), or stops answering itself (process 0, which hosts it, died).
+    The thread acts, not the main thread, which may be blocked in a collective that never completes.
+    JAX's own reaction to a dead process is an abort from C++ with pages of stack frames, so `initialize`
+    turns on recoverability (jax_enable_recoverability: the service reports a dead process instead of
+    failing every other one) and this thread is what stops the run. With recoverability JAX's shutdown
+    no longer waits for every process, so the processes meet at a barrier on their way out (at exit,
+    at most `exit_timeout_s`) before the watch stands down: none leaves while another still needs it."""
+    client = jax_distributed.global_state.client
+    everyone = list(range(jax.process_count()))
+    period = max(heartbeat_s / 10, 0.2)
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            try:
+                live = client.get_live_nodes(everyone)
+            except Exception as e:  # noqa: BLE001 - the service is gone with process 0
+                if _leaving:
+                    return
+                first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                leave(f"jaxpar: error: process {process}: the coordinator (process 0) stopped answering "
+                      f"({first}): it was killed or its host died; stopping this process too", 3)
+            dead = [p for p in everyone if p not in live]
+            if dead and not _leaving:
+                who = ", ".join(f"process {p}" for p in dead)
+                leave(f"jaxpar: error: process {process}: {who} stopped sending heartbeats for {heartbeat_s} s "
+                      "(killed, or its host died); stopping this process too", 3)
+
+    def finish() -> None:
+        global _leaving
+        try:
+            client.wait_at_barrier("jaxpar-exit", exit_timeout_s * 1000)
+        except Exception:  # noqa: BLE001 - a process gone meanwhile: the watch has said so, or leaving anyway
+            pass
+        _leaving = True
+
+    threading.Thread(target=watch, name="jaxpar-peer-watch", daemon=True).start()
+    atexit.register(finish)
 
 
 def check_processes(expected: int | None = None) -> None:
@@ -152,6 +200,7 @@ def check_processes(expected: int | None = None) -> None:
 
 
 _joining = False
+_leaving = False  # this process is leaving on purpose: the peer watch stays quiet
 ENV_HOST = "JAXPAR_HOST"  # overrides the host name: `jaxpar launch` makes each process a host of its own
 
 
@@ -181,6 +230,8 @@ def joining() -> bool:
 def leave(message: str, code: int) -> NoReturn:
     """Print `message` and leave a multi-process run at once: a normal interpreter exit would wait in
     jax.distributed's shutdown barrier for processes that will never reach it."""
+    global _leaving
+    _leaving = True
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)

@@ -206,6 +206,21 @@ def check_bench_attention(out: pathlib.Path, stdout: str) -> None:
     assert all(number(r["step s"]) > 0 for r in steps), steps
 
 
+def check_soak(out: pathlib.Path, stdout: str) -> None:
+    """3 SIGKILLs of a 60-step run, each resumed: every resume restored, the final state bitwise the
+    uninterrupted run's (the script compares the two last checkpoints' arrays), each step logged once, and
+    no kill lost more than a checkpoint interval plus the step a save overlaps."""
+    text = read_results(out, "soak", figure=False)
+    rows = {r["measure"]: r["value"] for r in table(text, "measure")}
+    assert number(rows["kills"]) == 3 == number(rows["resumes"]), rows
+    assert sum(number(rows[f"kills during {k}"]) for k in ("step", "save", "compile")) == 3, rows
+    assert number(rows["resumes that failed to restore"]) == 0, rows
+    assert number(rows["arrays differing from the uninterrupted run"]) == 0, rows
+    assert rows["metrics JSONL holds every step once"] == "yes", rows
+    assert number(rows["steps lost per kill (max)"]) <= number(rows["bound on steps lost per kill"]), rows
+    assert number(rows["checkpoints left, each restored"]) >= 1, rows
+
+
 CHECKS = {
     "demo": check_demo,
     "bench_attention": check_bench_attention,
@@ -218,13 +233,14 @@ CHECKS = {
     "bench_moe": check_bench_moe,
     "bench_overlap": check_bench_overlap,
     "bench_pipeline": check_bench_pipeline,
+    "soak": check_soak,
 }
 
 
 
 # The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
 # (CI runs it after `make test`), `make bench` runs them in full.
-SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline"}
+SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline", "soak"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)])

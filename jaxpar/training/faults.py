@@ -10,11 +10,16 @@ process stops itself where the test asks, and the test then does to it what it w
                              print HOLD_LINE to stderr and block until killed
   JAXPAR_RAISE_AFTER_STEP=N  after step N completed, raise RuntimeError (an unexpected error); with
                              JAXPAR_FAULT_PROCESS=I only in process I of a multi-process run
+  JAXPAR_SHELL_AFTER_STEP=N:COMMAND
+                             after step N completed, run COMMAND in a shell and wait for it (a
+                             fault of the environment at a known point: delete the checkpoint
+                             directory, remount it read-only inside the test's mount namespace)
 """
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -23,6 +28,7 @@ import jax
 KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
 HOLD_AFTER_STEP = "JAXPAR_HOLD_AFTER_STEP"
 RAISE_AFTER_STEP = "JAXPAR_RAISE_AFTER_STEP"
+SHELL_AFTER_STEP = "JAXPAR_SHELL_AFTER_STEP"
 FAULT_PROCESS = "JAXPAR_FAULT_PROCESS"
 HOLD_LINE = "jaxpar: test hook: holding after step {step} until killed"
 
@@ -45,5 +51,8 @@ def after_step(step: int) -> None:
     if _asked(HOLD_AFTER_STEP, step):
         print(HOLD_LINE.format(step=step), file=sys.stderr, flush=True)
         threading.Event().wait()
+    at, _, command = os.environ.get(SHELL_AFTER_STEP, "").partition(":")
+    if command and at == str(step):
+        subprocess.run(command, shell=True, check=True)
     if _asked(RAISE_AFTER_STEP, step):
         raise RuntimeError(f"test hook: an unexpected error after step {step}")
