@@ -1,6 +1,7 @@
-"""Training data: a synthetic stream with learnable structure, and memory-mapped token files.
+"""Training data: a synthetic stream with learnable structure, memory-mapped raw token files, and
+(through jaxpar/training/loader.py) text prepared by `jaxpar data`.
 
-Both are deterministic functions of (seed, step, row): a process asks only for the rows it feeds
+Each is a deterministic function of (seed, step, row): a process asks only for the rows it feeds
 (`rows`), so no process reads another's slice, and a resumed run sees exactly the batches it would
 have seen. `process_indices` says which rows (and sequence span) a process feeds; `to_global` turns
 them into global jax.Arrays with the batch sharding.

@@ -50,7 +50,8 @@ class Dataset:
         root = root.parent if root.name == corpus.MANIFEST else root
         file = root / corpus.MANIFEST
         if not file.is_file():
-            raise ConfigError(f"--data {path}: no {corpus.MANIFEST} (prepare text with `jaxpar data`)")
+            raise ConfigError(f"--data {path} is a directory without {corpus.MANIFEST}: not prepared data (make "
+                              "it with `jaxpar data`)")
         try:
             self.manifest = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
