@@ -236,3 +236,18 @@ def test_a_damaged_checkpoint_in_a_fresh_process_prints_nothing_else(stopped, tm
     out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", *argv, "--devices", "8"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300, env={**os.environ, "XLA_FLAGS": FAST_COMPILE})
     assert_one_line(out.returncode, out.stderr, *DAMAGE[how])
+
+
+@pytest.mark.slow
+def test_bad_input_in_a_launched_run_is_one_line_naming_the_first_error():
+    """Every process refuses the option; the launcher prints the first refusal once, naming its process,
+    and none of the coordination service's C++ frames from the processes it stops."""
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
+                          "--devices-per-process", "2", "--", *TRAIN[:-1], "--mesh", "data=4", "--batch", "4",
+                          "--steps", "1", "--pp-schedule", "1f1b"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300, env={**os.environ, "XLA_FLAGS": FAST_COMPILE})
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("jaxpar: error: process "), out.stderr[-3000:]
+    assert "pp_schedule=1f1b has no effect" in errors[0]
+    assert "Check failure" not in out.stderr and "Source Location Trace" not in out.stderr

@@ -12,7 +12,12 @@ local port, and the collectives between processes go over gloo (TCP). The launch
     cannot complete) are stopped: SIGTERM, then SIGKILL after the grace period; the launcher exits
     non-zero, naming the process;
   * takes its children with it if it dies itself (Linux: PR_SET_PDEATHSIG), leaving no orphans;
-  * returns 0 only when every child returned 0.
+  * returns 0 only when every child returned 0;
+  * reports the first error once (`Relay`): the children's standard error passes through line by line,
+    but their last words, `jaxpar: error: ...`, are held; when a child fails, the launcher prints the
+    first such line (bad input, exit 2: that one line, naming the process) and drops whatever the
+    others print while they are stopped (the pages of C++ frames a coordination service prints when
+    its peers vanish).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from jaxpar import distributed
@@ -78,8 +84,9 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
     coordinator = f"127.0.0.1:{free_port()}"
     children = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", *command], start_new_session=True,
                                  env=child_env(os.environ, coordinator, processes, i, devices_per_process),
-                                 preexec_fn=die_with_parent)
+                                 preexec_fn=die_with_parent, stderr=subprocess.PIPE)
                 for i in range(processes)]
+    relay = Relay(children)
     received: list[int] = []     # signals forwarded to the children
     kill_after: list[float] = []  # JAX turns SIGTERM into a preemption notice and keeps running
 
@@ -96,14 +103,14 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
             codes = [c.poll() for c in children]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed and not received:
+                relay.failed([i for i, _ in failed])
                 running = [c for c in children if c.poll() is None]
-                what = "; ".join(f"process {i} {describe_exit(code)}" for i, code in failed)
-                print(f"jaxpar launch: {what}; stopping the other {len(running)} process(es)",
-                      file=sys.stderr, flush=True)
+                report_failure(relay, failed, len(running))
                 stop(running, grace_s)
-                code = failed[0][1]
+                code = relay.first(failed)[1]
                 return code if code > 0 else 128 - code
             if all(c is not None for c in codes):
+                relay.finish()
                 return 128 + received[0] if received else 0
             if kill_after and time.monotonic() > kill_after[0]:
                 stop([c for c in children if c.poll() is None], 0)
@@ -112,6 +119,73 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
         stop([c for c in children if c.poll() is None], grace_s)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+ERROR = "jaxpar: error: "  # how a child's last line starts when it stops on an error (jaxpar.cli)
+
+
+class Relay:
+    """The children's standard error, copied to the launcher's line by line by one thread per child,
+    except their `jaxpar: error:` lines, held for `report_failure`. After `failed`, nothing more is
+    copied (the others are being stopped, and what they print then is the failure seen from their side)."""
+
+    def __init__(self, children: list[subprocess.Popen]):
+        self.lock = threading.Lock()
+        self.errors: list[tuple[float, int, str]] = []  # (when read, process, line)
+        self.quiet = False
+        self.threads = [threading.Thread(target=self._copy, args=(i, c.stderr), daemon=True)
+                        for i, c in enumerate(children)]
+        for t in self.threads:
+            t.start()
+
+    def _copy(self, process: int, stream) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            with self.lock:
+                if line.startswith(ERROR):
+                    self.errors.append((time.monotonic(), process, line.rstrip("\n")))
+                    self.quiet = True  # its process is about to exit: the others' output is its echo
+                elif not self.quiet:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+
+    def failed(self, processes: list[int]) -> None:
+        """`processes` failed: copy nothing more, and wait (briefly) for their last lines."""
+        with self.lock:
+            self.quiet = True
+        for p in processes:
+            self.threads[p].join(timeout=2.0)
+
+    def first(self, failed: list[tuple[int, int]]) -> tuple[int, int]:
+        """(process, exit code) of the first failure: the first child that said why, else the first exit."""
+        codes = dict(failed)
+        said = [p for _, p, _ in sorted(self.errors) if p in codes]
+        return (said[0], codes[said[0]]) if said else failed[0]
+
+    def line(self, process: int) -> str | None:
+        return next((line for _, p, line in sorted(self.errors) if p == process), None)
+
+    def finish(self) -> None:
+        """Every child has exited: copy the rest and the held lines (a run stopped by a signal)."""
+        for t in self.threads:
+            t.join(timeout=5.0)
+        for _, _, line in sorted(self.errors):
+            print(line, file=sys.stderr, flush=True)
+
+
+def report_failure(relay: Relay, failed: list[tuple[int, int]], running: int) -> None:
+    """One line for bad input (exit 2: the first process's error, naming it), else its error line (its
+    traceback has passed through) and the launcher's line naming every failed process."""
+    process, code = relay.first(failed)
+    line = relay.line(process)
+    if code == 2 and line is not None:
+        stopped = f"; the launcher stopped the other {running} process(es)" if running else ""
+        print(f"{ERROR}process {process}: {line.removeprefix(ERROR)}{stopped}", file=sys.stderr, flush=True)
+        return
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    what = "; ".join(f"process {i} {describe_exit(code)}" for i, code in failed)
+    print(f"jaxpar launch: {what}; stopping the other {running} process(es)", file=sys.stderr, flush=True)
 
 
 def die_with_parent() -> None:
