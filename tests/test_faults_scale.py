@@ -22,6 +22,7 @@ import pytest
 
 from jaxpar.cli.launch import free_port
 from jaxpar.core.strategy import parse_strategy
+from jaxpar.devices import with_device_count
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
 from jaxpar.training import checkpoint, faults
@@ -37,7 +38,7 @@ CHECKPOINT_KIB = 940  # one checkpoint of TRAIN's model with its optimizer state
 
 
 def env(**extra) -> dict:
-    return dict(os.environ, XLA_FLAGS=FAST_COMPILE, **extra)
+    return {**os.environ, "XLA_FLAGS": FAST_COMPILE, **extra}
 
 
 def in_namespace(script: str, **extra) -> subprocess.CompletedProcess:
@@ -226,7 +227,6 @@ def test_a_killed_process_stops_the_other_in_time_and_the_resume_is_bitwise(tmp_
     itself while its save of step 4 is in flight (`save`). Process 0 leaves within the timeout with one
     line naming process 1 (exit 3); `jaxpar launch` resumes from the newest complete checkpoint, and its
     step 5 is bitwise the killed run's."""
-    from jaxpar.devices import with_device_count  # noqa: PLC0415 - only the slow case needs it
     ck, first, resumed = tmp_path / "ck", tmp_path / "first.jsonl", tmp_path / "resumed.jsonl"
     coordinator = f"127.0.0.1:{free_port()}"
     hook = {faults.HOLD_AFTER_STEP: "5"} if where == "step" else {faults.KILL_DURING_SAVE: "4"}
