@@ -11,7 +11,9 @@ layout), TP and TP + sequence parallelism (SP) compare for one long sequence per
 Method. (1) the analytic model's activation bytes per device at the backward pass's peak
 (jaxpar/cost/memory.py), one sequence on 8 devices: Llama under TP8 + SP, Mamba-2 (whose heads cannot
 be split: ngroups = 1) on one device's share with no split; software megatron-core (fused attention:
-memory linear in the sequence) and, for contrast, jaxpar (dense attention: the s x s scores in HBM).
+memory linear in the sequence) and, for contrast, jaxpar's program with its dense kernel (the s x s scores
+in HBM). In (2) jaxpar plans with `attention_kernel = auto`, the kernel a run picks on an H100 (cuDNN's
+fused kernel), as `jaxpar plan` does.
 (2) on 64 H100 (8 nodes), 8M tokens per step (64 x 131,072 tokens, so data parallelism 64 stays
 possible at every length: the question is memory, not batch), the best fitting layout with context = 1
 against the best with context > 1 (experiments/_study.py search over the planner's candidates).
@@ -45,7 +47,7 @@ MODELS = ("llama3.1-8b", "llama3.1-70b", "mamba2-2.7b:max_seq=131072")
 DEVICES, TOKENS = 64, 64 * 131072
 QUICK = dict(seqs="8192,131072", models="llama3.1-70b,mamba2-2.7b:max_seq=131072", node_seq=0)
 SOFTWARE = {"megatron-core": MEGATRON_CORE, "jaxpar": JAXPAR}
-JAXPAR_TOO = "llama3.1-70b"  # part (2) also for jaxpar's own program (dense attention)
+JAXPAR_TOO = "llama3.1-70b"  # part (2) also for jaxpar's own program (its auto kernel)
 
 
 def activations(name: str, seq: int) -> dict[str, float]:

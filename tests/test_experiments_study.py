@@ -81,10 +81,10 @@ def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
 
 
 def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
-    """Fused attention's activations grow linearly with the sequence, dense attention's faster; in
-    jaxpar's program (dense attention) nothing fits for llama3.1-70b at 128k on 64 H100 without CP;
-    with fused attention it fits by full recompute, at a lower MFU than at 8k; Mamba-2 2.7B (no TP)
-    needs CP at 128k."""
+    """Fused attention's activations grow linearly with the sequence, dense attention's faster; with a
+    fused kernel llama3.1-70b fits at 128k on 64 H100 without CP (megatron-core, and jaxpar's program with
+    the kernel auto picks there), by full recompute, at a lower MFU than at 8k; Mamba-2 2.7B (no TP) needs
+    CP at 128k."""
     text = read_results(out, "study_long_context")
     acts = rows_by(table(text, "model", "seq", "megatron-core, selective"), "model", "seq")
     short, long_ = acts[("llama3.1-70b", "8,192")], acts[("llama3.1-70b", "131,072")]
@@ -92,8 +92,8 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
     assert number(long_["megatron-core, full"]) / number(short["megatron-core, full"]) == pytest.approx(growth, rel=0.05)
     assert number(long_["jaxpar, full"]) / number(short["jaxpar, full"]) > 4 * growth
     cp = rows_by(table(text, "model", "software", "seq"), "model", "software", "seq")
-    dense = cp[("llama3.1-70b", "jaxpar", "131,072")]
-    assert dense["MFU without CP"] == "OOM" and number(dense["MFU with CP"]) > 0 and dense["CP needed"] == "yes", dense
+    ours = cp[("llama3.1-70b", "jaxpar", "131,072")]
+    assert number(ours["MFU without CP"]) > 0, ours
     fused, fused8k = cp[("llama3.1-70b", "megatron-core", "131,072")], cp[("llama3.1-70b", "megatron-core", "8,192")]
     assert number(fused["MFU without CP"]) < number(fused8k["MFU without CP"]) - 0.05, (fused, fused8k)
     mamba = cp[("mamba2-2.7b", "megatron-core", "131,072")]
