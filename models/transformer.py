@@ -21,9 +21,9 @@ import math
 import jax
 from flax import nnx
 
-from jaxpar.ops.attention import attention
+from jaxpar.ops.attention import attention, recomputed
 from jaxpar.ops.collective_matmul import column_parallel, row_parallel
-from jaxpar.core.sharding import constrain, current_layout, use_layout
+from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
 from jaxpar.xla_workarounds import gathered
@@ -73,30 +73,6 @@ class Attention(nnx.Module):
         if cm is not None:  # reduce-scattered onto the residual layout in ring steps
             return row_parallel(out, wo, **cm)
         return jax.numpy.einsum("bshk,hkd->bsd", out, wo)
-
-
-def recomputed(fn):
-    """`fn`, recomputed in the backward pass from its inputs, which are all it keeps (jax.checkpoint with
-    nothing saveable would say the same), written as a custom VJP: an enclosing checkpoint's policy (a
-    pipeline iteration's, jaxpar/pipeline/gpipe.py, which saves everything but the weights) does not reach
-    into it, where it would overrule a nested checkpoint's and keep the scores. The backward pass is traced
-    after the forward's layout context has closed, so it reruns `fn` under the layout it was called in
-    (context-parallel kernels read it: jaxpar/ops/attention.py)."""
-    layout = current_layout()
-
-    @jax.custom_vjp
-    def wrapped(*args):
-        return fn(*args)
-
-    def forward(*args):
-        return fn(*args), args
-
-    def backward(args, g):
-        with use_layout(layout):
-            return jax.vjp(fn, *args)[1](g)
-
-    wrapped.defvjp(forward, backward)
-    return wrapped
 
 
 class AttentionBlock(nnx.Module):

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import validate
-from jaxpar.core.sharding import current_layout
+from jaxpar.core.sharding import current_layout, use_layout
 from jaxpar.core.strategy import CHOICES
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
 from jaxpar.ops.splash_attention import splash_attention
@@ -249,7 +249,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
             out.append(st)
         return out
 
-    fold_block = _recomputed(fold)
+    fold_block = recomputed(fold)
     stats = fold_block([init() for _ in range(halves)], (k, v, pos), qs)
 
     perm = [(i, (i + 1) % size) for i in range(size)]  # send to the right, receive from the left
@@ -269,10 +269,15 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
     return jnp.concatenate(outs, axis=1).reshape(b, s, hq, d).astype(q.dtype)
 
 
-def _recomputed(fn):
-    """`fn`, recomputed in the backward pass from its inputs (as jax.checkpoint with nothing saveable), as a
-    custom VJP: an enclosing checkpoint's policy (a pipeline iteration's, jaxpar/pipeline/gpipe.py) does not
-    reach into it, where it would overrule a nested checkpoint's and keep every block's scores."""
+def recomputed(fn):
+    """`fn`, recomputed in the backward pass from its inputs, which are all it keeps (as jax.checkpoint with
+    nothing saveable), as a custom VJP: an enclosing checkpoint's policy (a pipeline iteration's,
+    jaxpar/pipeline/gpipe.py, which saves all but the weights) does not reach into it, where it would
+    overrule a nested checkpoint's and keep every block's scores. Ring attention's folds and remat
+    "selective"'s attention core (models/transformer.py) use it. The backward pass is traced after the
+    forward's layout context has closed, so it reruns `fn` under the layout it was called in."""
+    layout = current_layout()
+
     @jax.custom_vjp
     def wrapped(*args):
         return fn(*args)
@@ -281,7 +286,8 @@ def _recomputed(fn):
         return fn(*args), args
 
     def backward(args, g):
-        return jax.vjp(fn, *args)[1](g)
+        with use_layout(layout):
+            return jax.vjp(fn, *args)[1](g)
 
     wrapped.defvjp(forward, backward)
     return wrapped
