@@ -113,6 +113,7 @@ def one_line_error(argv, capsys) -> str:
     ("no-text-field", "line 2: no 'text' string field"),
     ("empty-files", "no text"),
     ("missing", "no such file"),
+    ("parquet-numbers", "row 0: the 'text' column holds int"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, case, expected):
     bad = tmp_path / case
@@ -128,6 +129,9 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, case, expected)
     elif case == "no-text-field":
         bad = tmp_path / "x.jsonl"
         bad.write_text('{"text": "a"}\n{"body": "b"}\n')
+    elif case == "parquet-numbers":
+        bad = tmp_path / "x.parquet"
+        pq.write_table(pa.table({"text": [1, 2]}), bad)
     elif case == "empty-files":
         bad = tmp_path / "x.txt"
         bad.write_text("")

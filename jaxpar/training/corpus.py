@@ -95,7 +95,12 @@ def documents(path: pathlib.Path, field: str) -> list[str]:
             raise ConfigError(f"--input {path}: unreadable as Parquet ({str(e).splitlines()[0]})") from None
         if field not in table.column_names:
             raise ConfigError(f"--input {path}: no '{field}' column (columns: {', '.join(table.column_names)})")
-        return [t for t in table.column(field).to_pylist() if t]
+        column = table.column(field).to_pylist()
+        bad = next((i for i, t in enumerate(column) if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
+            raise ConfigError(f"--input {path} row {bad}: the '{field}' column holds {type(column[bad]).__name__}, "
+                              "not text")
+        return [t for t in column if t]
     text = read_text(path)
     if path.suffix not in JSONL_SUFFIXES:
         return [text] if text else []
