@@ -81,7 +81,9 @@ def cases(tmp: pathlib.Path):
             ("flag-integer", TRAIN, "--steps", "1_0", "argument --steps: '1_0' is not an integer"),
             ("flag-real", TRAIN, "--lr", "\u0661.0", "argument --lr: '\u0661.0' is not a number"),
             ("flag-zero", ESTIMATE, "--zero", "\u0663", "argument --zero: '\u0663' is not an integer"),
-            ("step-range", TRAIN, "--profile-steps", "1-\u0663", "is not a step range")]:
+            ("step-range", TRAIN, "--profile-steps", "1-\u0663", "is not a step range"),
+            ("pp-stages", with_flag(ESTIMATE, "--mesh", "pipeline=2,data=4"), "--pp-stages", "1_6,16",
+             "pp_stages='1_6,16' must list positive unit counts")]:
         yield f"number-{where}", with_flag(argv, flag, value), [words]
     for flag, value, *words in NO_EFFECT:
         yield f"train{flag}", with_flag(TRAIN, flag, value), words
@@ -111,7 +113,7 @@ def test_each_class_is_one_line_before_compiling(tmp_path, capsys, monkeypatch):
         except (AssertionError, pytest.fail.Exception) as e:
             failures.append(f"{name} {argv}: {e}")
     assert failures == [], "\n".join(failures)
-    assert count >= 36
+    assert count >= 37
 
 
 def test_defaults_and_the_catalogue_and_the_planners_candidates_use_every_option_they_set():

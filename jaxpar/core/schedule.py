@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.errors import ConfigError
+from jaxpar.core.inputs import parse_int
 from jaxpar.core.strategy import Strategy
 
 
@@ -38,7 +39,7 @@ def default_split(units: int, chunks: int) -> tuple[int, ...]:
 def parse_split(text, units: int, chunks: int, what: str) -> tuple[int, ...]:
     """The `pp_stages` option: comma-separated unit counts, one per chunk, summing to `units`."""
     try:
-        sizes = tuple(int(p) for p in str(text).split(","))
+        sizes = tuple(parse_int(p) for p in str(text).split(","))
     except ValueError:
         sizes = ()
     if not isinstance(text, str) or not sizes or min(sizes) < 1:
