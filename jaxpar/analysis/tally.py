@@ -15,7 +15,9 @@ Collectives
     ``reduce-scatter-start`` / ``all-to-all-start`` (``((operands), results, ...)``), and
     ``async-start(...), calls=%c``, which runs the collective inside ``%c`` once per start.
     ``-update`` / ``-done`` ops are skipped. ``send``, ``recv``, ``ragged-all-to-all`` and
-    ``collective-broadcast`` are not tallied; they add a warning.
+    ``collective-broadcast`` are not tallied; they add a warning. XLA:TPU's collectives inside fusions
+    (asynchronous start/continuation/done copies, counted once at the start; all-reduce + dynamic-slice
+    fusions, reduce-scatters) are read as jaxpar.analysis.fused says; the op is then named by its fusion.
 Replica groups
     explicit ``replica_groups={{0,2},{1,3}}`` [seen] and ``replica_groups={}`` (all devices)
     [XLA]; iota ``replica_groups=[4,2]<=[2,2,2]T(1,0,2)`` [seen] and ``[2,4]<=[8]`` [XLA];

@@ -63,8 +63,9 @@ COMPILERS = {c.name: c for c in (GPU, TPU, CPU)}
 # What XLA:TPU (libtpu 0.0.52) makes of a jaxpar step that `TPU` does not predict (llama-tiny on a v5e 2x4
 # slice, tests/test_tpu_compile.py); bytes per axis group agree unless a gap says otherwise.
 TPU_GAPS = {
-    "combine": "XLA:TPU combines the reduce-scatters of a layer loop body (and the data-parallel all-reduces) "
-               "into tuple-shaped ops: fewer, bigger collectives than the textbook's one per weight array",
+    "combine": "XLA:TPU reduces the weight gradients inside the layer loop (unrolled 2x), one combined "
+               "reduce-scatter per iteration, and combines the data-parallel all-reduces: fewer, bigger ops "
+               "than the textbook's one per stacked weight array after the loop (bytes equal)",
     "rs-left-as-all-reduce": "inside the (2x unrolled) layer loop some weight gradients stay all-reduces whose "
                              "result a dynamic-update-slice fusion slices into the stacked gradient, so "
                              "ReduceScatterCreator does not see the slice: same bytes, twice the wire bytes",
