@@ -99,6 +99,10 @@ def cases(tmp: pathlib.Path):
             ["argument --global-batch: must be <= 16777216"]
     yield "estimate-global-batch-tokens", with_flag(ESTIMATE, "--global-batch-tokens", str(2**62)), \
         ["sequences per step: at most 16,777,216"]
+    # a resumed run's metrics file that is not one
+    (tmp / "notes.txt").write_text("step 1 went well\nstep 2 too\n")
+    yield "resume-metrics-not-jsonl", [*TRAIN, "--ckpt-dir", str(tmp / "ck"), "--resume", "--metrics",
+                                       str(tmp / "notes.txt")], ["notes.txt, line 1: not a JSON record"]
 
 
 def test_each_class_is_one_line_before_compiling(tmp_path, capsys, monkeypatch):
@@ -113,7 +117,7 @@ def test_each_class_is_one_line_before_compiling(tmp_path, capsys, monkeypatch):
         except (AssertionError, pytest.fail.Exception) as e:
             failures.append(f"{name} {argv}: {e}")
     assert failures == [], "\n".join(failures)
-    assert count >= 37
+    assert count >= 38
 
 
 def test_defaults_and_the_catalogue_and_the_planners_candidates_use_every_option_they_set():
@@ -227,6 +231,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_it(stopped, tmp_path, capsys, h
     line = assert_one_line(cli.main(argv), capsys.readouterr().err, f"checkpoint step 5 in {tmp_path / 'ck'}",
                            *DAMAGE[how])
     assert "TensorStore(" not in line and "--resume-step 4" in line
+    if how == "meta-type":  # generate reads the same item
+        assert_one_line(cli.main([*with_flag(GENERATE, "--mesh", "tp8"), "--checkpoint", str(tmp_path / "ck")]),
+                        capsys.readouterr().err, *DAMAGE[how])
 
 
 @pytest.mark.slow
