@@ -28,7 +28,7 @@ def _row_order(keys: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str
 def format_table(report: dict) -> str:
     """One report as text: kind x axes x phase with totals, then FLOPs, memory and warnings."""
     lines = [f"{report['model']} on {mesh_label(report['mesh'])} ({report['devices']} devices), "
-             "per device per step"]
+             f"per device per step, compiled by {report.get('compiler', 'XLA:CPU')}"]
     if "reduced_from" in report:
         r = report["reduced_from"]
         lines.append(f"  compiled at {mesh_label(r['compiled_mesh'])} ({r['compiled_devices']} devices, "
@@ -62,7 +62,9 @@ def compare(reports: Sequence[dict]) -> str:
     width = max(14, *(len(n) + 2 for n in names))
     label = 47
     head = f"{'kind / axes / phase':<{label}}" + "".join(f"{n:>{width}}" for n in names)
-    lines = [f"model {reports[0]['model']}, per device per step (bytes)", "", head, "-" * len(head)]
+    compilers = sorted({r.get("compiler", "XLA:CPU") for r in reports})
+    lines = [f"model {reports[0]['model']}, per device per step (bytes), compiled by {', '.join(compilers)}", "",
+             head, "-" * len(head)]
     all_rows = [_rows(r) for r in reports]
     for key in _row_order(k for rows in all_rows for k in rows):
         cells = [human_bytes(rows[key]["bytes"]) if key in rows else "-" for rows in all_rows]
