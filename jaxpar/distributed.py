@@ -229,9 +229,12 @@ def joining() -> bool:
 
 def leave(message: str, code: int) -> NoReturn:
     """Print `message` and leave a multi-process run at once: a normal interpreter exit would wait in
-    jax.distributed's shutdown barrier for processes that will never reach it."""
+    jax.distributed's shutdown barrier for processes that will never reach it. Bad input (code 2) is
+    also left with the coordination service for the others to name (`report_error`)."""
     global _leaving
     _leaving = True
+    if code == 2:
+        report_error(message.removeprefix("jaxpar: error: "))
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
@@ -245,10 +248,46 @@ def is_main() -> bool:
 PEER_FAILURE = re.compile(r"gloo|connection (closed|reset)|heartbeat|unavailable|coordination service", re.I)
 
 
+FIRST_ERROR = "jaxpar/first-error"  # the coordination service's key: the first process's reason to stop
+
+
+def report_error(message: str) -> None:
+    """Leave `message` (why this process stops) with the coordination service, where the first report
+    stays, so that the processes which see this one vanish name the cause (`first_error`), not only
+    the vanishing. Best effort and bounded: the service leaves with process 0."""
+    client = jax_distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+
+    def put() -> None:
+        try:  # (allow_overwrite=False: a second report is refused, the first kept)
+            client.key_value_set(FIRST_ERROR, f"process {jax.process_index()}: {message}")
+        except Exception:  # noqa: BLE001 - another process reported first, or the service is gone
+            pass
+
+    writer = threading.Thread(target=put, daemon=True)
+    writer.start()
+    writer.join(timeout=2.0)
+
+
+def first_error() -> str | None:
+    """The first report a process left with `report_error`, or None (none, or the service is gone)."""
+    client = jax_distributed.global_state.client
+    if client is None:
+        return None
+    try:
+        return client.key_value_try_get(FIRST_ERROR)
+    except Exception:  # noqa: BLE001 - NOT_FOUND, or the service is gone
+        return None
+
+
 def peer_failure(e: BaseException) -> str | None:
-    """If `e` is a collective failing because another process died, a one-line explanation."""
+    """If `e` is a collective failing because another process died, a one-line explanation, naming the
+    first error another process reported (`report_error`) when there is one."""
     if jax.process_count() == 1 or not PEER_FAILURE.search(str(e)):
         return None
+    if (reported := first_error()) is not None:
+        return f"{reported} (process {jax.process_index()} stopped with it)"
     first = str(e).strip().splitlines()[0][:200]
     return (f"process {jax.process_index()}: a collective with the other processes failed ({first}); "
             "another process probably died: see its output")
