@@ -255,13 +255,14 @@ def report_error(message: str) -> None:
     """Leave `message` (why this process stops) with the coordination service, where the first report
     stays, so that the processes which see this one vanish name the cause (`first_error`), not only
     the vanishing. Best effort and bounded: the service leaves with process 0."""
-    client = jax_distributed.global_state.client
-    if client is None or jax.process_count() == 1:
+    state = jax_distributed.global_state  # (not jax.process_index(): that would start a backend)
+    client = state.client
+    if client is None or (state.num_processes or 1) == 1:
         return
 
     def put() -> None:
         try:  # (allow_overwrite=False: a second report is refused, the first kept)
-            client.key_value_set(FIRST_ERROR, f"process {jax.process_index()}: {message}")
+            client.key_value_set(FIRST_ERROR, f"process {state.process_id}: {message}")
         except Exception:  # noqa: BLE001 - another process reported first, or the service is gone
             pass
 
