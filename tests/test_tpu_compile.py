@@ -7,6 +7,7 @@ where its absence fails (the extra is part of the CI install).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -83,6 +84,9 @@ def test_bad_targets_are_one_line_config_errors(monkeypatch):
         target.parse_target("v5e:2x4")
     with pytest.raises(ConfigError, match="has 8 chips .* needs 16"):
         target.mesh_order(target.topology(TOPOLOGY), parse_strategy("fsdp=16"))
+    multi_slice = dataclasses.replace(parse_strategy("data=2,fsdp=4"), dcn=(("data", 2),))
+    with pytest.raises(ConfigError, match=r"\[mesh.dcn\] table .* compiles one TPU slice"):
+        target.mesh_order(target.topology(TOPOLOGY), multi_slice)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"needs libtpu: pip install 'jaxpar\[tpu-aot\]'"):
         target.check_libtpu("tpu-v5e:2x4")

@@ -13,7 +13,9 @@ real slice (inner mesh axes along the torus's physical axes). `mesh_order` retur
 order, flattened, so that jaxpar.core.mesh.make_mesh's reshape rebuilds the same array.
 
 `--target cpu` is the default (`None` here). A strategy must use every chip of the topology: a slice runs
-one program on all its chips.
+one program on all its chips. One slice: libtpu describes several (`num_slices`), but XLA:TPU's module for
+them numbers its device groups per slice, which the tally does not map onto the mesh; a `[mesh.dcn]` layout
+is refused.
 """
 from __future__ import annotations
 
@@ -84,6 +86,9 @@ def mesh_order(chips: list, strategy: Strategy) -> list:
     if math.prod(shape) != len(chips):
         raise ConfigError(f"--target: the topology has {len(chips)} chips ({kind}) but mesh {strategy.name} "
                           f"needs {math.prod(shape)}: a slice runs one program on all its chips")
+    if strategy.dcn:
+        raise ConfigError(f"mesh {strategy.name} has a [mesh.dcn] table (several slices over DCN); --target "
+                          "compiles one TPU slice: drop [mesh.dcn], or analyse the multi-slice layout on CPU")
     try:
         array = mesh_utils.create_device_mesh(shape, chips, allow_split_physical_axes=True)
     except (AssertionError, NotImplementedError, ValueError) as e:
