@@ -120,6 +120,10 @@ def check_against_tpu_traits(tpu_tr, tpu_step) -> None:
         assert got.get(("reduce-scatter", axes), [0])[0] <= want.get(("reduce-scatter", axes), [0])[0], report
     tp_back = _sums(predicted, ("backward",)).get(("all-reduce", ("tensor",)))
     assert tp_back == _sums(compiled, ("backward",)).get(("all-reduce", ("tensor",))), report
+    # label-sum: the head's label-logit sum moves from the forward to the scalar sums after the backward
+    tp = lambda cs: sum(c.bytes for c in cs if c.kind == "all-reduce" and c.axes == ("tensor",))
+    assert tp(compiled) == pytest.approx(tp(predicted), rel=0.01), report
+    assert got.get(("all-to-all", ("fsdp",))) == want.get(("all-to-all", ("fsdp",))), report
     # gather-in-compute-dtype: bf16 weight gathers, between half and all of the float32 prediction
     for phase in ("forward", "backward"):
         w, g = (_sums(x, (phase,))[("all-gather", ("fsdp",))][1] for x in (predicted, compiled))

@@ -75,6 +75,8 @@ TPU_GAPS = {
                        "with the backward pass, not after it",
     "decomposed-collectives": "at scale XLA:TPU decomposes FSDP all-gathers and reduce-scatters around big matmuls "
                               "into collective-permute rings (windowed einsums) that the textbook counts as one op",
+    "label-sum": "the vocab-parallel head's label-logit sum (over tensor) is combined with the scalar sums "
+                 "after the backward pass, as XLA:CPU's combiner does, not issued in the forward",
     "scalars": "the loss's and gradient norms' scalar all-reduces (as for every compiler: not predicted)",
 }
 
