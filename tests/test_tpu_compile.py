@@ -27,6 +27,7 @@ from jaxpar.analysis.tally import collective_ops, tally_compiled
 from jaxpar.core.mesh import host_of
 from jaxpar.core.strategy import AXES, catalogue, parse_strategy
 from jaxpar.cost import comm as cost_comm
+from jaxpar.cost.compiler import TPU_GAPS
 from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
@@ -126,7 +127,7 @@ def check_against_tpu_traits(tpu_tr, tpu_step) -> None:
     assert got.get(("all-to-all", ("fsdp",))) == want.get(("all-to-all", ("fsdp",))), report
     # gather-in-compute-dtype: bf16 weight gathers, between half and all of the float32 prediction
     for phase in ("forward", "backward"):
-        w, g = (_sums(x, (phase,))[("all-gather", ("fsdp",))][1] for x in (predicted, compiled))
+        w, g = (_sums(x, (phase,)).get(("all-gather", ("fsdp",)), [0, 0])[1] for x in (predicted, compiled))
         assert w / 2 * 0.99 <= g <= w, f"all-gather fsdp {phase}\n{report}"
 
 
@@ -140,6 +141,15 @@ def test_fsdp8_against_cpu_and_the_cost_model():
     layout = _compile("fsdp8")
     check_reduce_scatters_where_cpu_slices(*layout)
     check_against_tpu_traits(*layout[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp8", "dp8", "zero1-dp8", pytest.param(
+    "fsdp4-tp2-sp", marks=pytest.mark.xfail(reason=TPU_GAPS["sequence-parallel"], strict=True))])
+def test_catalogue_layout_against_the_tpu_traits(name):
+    st = STRATEGIES[name]
+    tr = Trainer(parse_model("llama-tiny"), st, TC, target.mesh_order(target.topology(TOPOLOGY), st))
+    check_against_tpu_traits(tr, tr.lower_step().compile())
 
 
 def test_overlap_report_lists_the_asynchronous_collectives(compiled):
