@@ -7,11 +7,12 @@ must end bitwise where an uninterrupted run ends, with nothing lost on the way.
 Trains llama-tiny on 8 simulated CPU devices (fsdp8) through `jaxpar train` in fresh processes, a
 checkpoint every --every steps. First an uninterrupted run (the reference), then the soak: the same run
 SIGKILLed --kills times, each kill followed by `--resume` on the same --ckpt-dir and --metrics file. A
-kill's moment is drawn at random among three kinds: during the steps (after a random step, with a
-random delay of up to 30 ms), during a save (the process kills itself right after the save of a random
-checkpoint step has started: faults.KILL_DURING_SAVE), or before the first step (during start-up,
-restore and compilation, at a random fraction of the previous start-up's time; if a step was logged
-before the kill landed, it is counted as a kill during the steps).
+kill's moment is one of three kinds (as many of each as the count allows, in random order): during the steps (0 to 30 ms after a random step
+completed, so in the next step or in a save: faults.KILL_AFTER_STEP), during a save (right after the
+save of a random checkpoint step has started: faults.KILL_DURING_SAVE), or before the first step
+(during start-up, restore and compilation: at a random fraction of the uninterrupted run's time to its
+first step; if a step was logged before the kill landed, it is counted as a kill during the steps).
+The process kills itself where a hook says, so no kill misses its moment on a fast or a loaded machine.
 
 Checks, each reported (the script exits 1 if one fails):
   * every resume restored (no kill left the directory unrestorable), and each complete checkpoint
@@ -100,7 +101,7 @@ class Run:
 
 
 def wait_for(run: Run, done, what: str, timeout_s: float = 900) -> bool:
-    """Poll until done() or the process ends; False if it ended first."""
+    """Poll until done() or the process ends; False if it ended first (the metrics may be written at the end)."""
     deadline = time.monotonic() + timeout_s
     while not done():
         if run.proc.poll() is not None:
@@ -113,46 +114,45 @@ def wait_for(run: Run, done, what: str, timeout_s: float = 900) -> bool:
 
 
 def plan(args, rng: random.Random) -> list[tuple[str, int]]:
-    """The kills: (kind, step) in run order; `step` is where a step or save kill lands."""
-    targets = sorted(rng.sample(range(2, args.steps - 1), args.kills))
-    return [(rng.choice(KINDS), t) for t in targets]
+    """The kills: (kind, step) in run order; `step` is where a step or save kill lands. The kinds as even
+    as the count allows (3 kills: one of each), in random order."""
+    targets = sorted(rng.sample(range(2, args.steps - 2), args.kills))
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.kills)]
+    rng.shuffle(kinds)
+    return list(zip(kinds, targets))
 
 
 def one_kill(args, work: pathlib.Path, n: int, kind: str, target: int, startup_s: float, rng) -> dict:
     """Start run n (a resume unless n == 0) and kill it as `kind` says. Returns the kind that happened,
     the step the run resumed from (None if killed before it said) and the newest step it logged."""
     metrics = work / "m.jsonl"
-    if kind == "save":
-        newest = max((int(d.name) for d in (work / "ck").glob("*") if d.name.isdigit()), default=0)
-        # the first checkpoint step at or after the target that this run writes (it resumes from `newest`)
-        save_at = min(args.every * -(-max(target, newest + 1) // args.every), args.steps)
-        run = Run(args, work, n, n > 0, **{faults.KILL_DURING_SAVE: str(save_at)})
-        run.proc.wait()
-        if run.proc.returncode != -signal.SIGKILL:
-            raise SystemExit(f"soak: run {n} did not die in its save of step {save_at}:\n{run.text()[-3000:]}")
-    else:
+    newest = max((int(d.name) for d in (work / "ck").glob("*") if d.name.isdigit()), default=0)
+    target = max(target, newest + 1)  # this run resumes from `newest`: its first step is newest + 1
+    if kind == "compile":
         run = Run(args, work, n, n > 0)
-        if kind == "compile":
-            time.sleep(rng.uniform(0.2, 0.9) * startup_s)
-        else:
-            wait_for(run, lambda: (s := logged_steps(metrics)) and s[-1] >= target and s[-1] > (run.restored() or 0),
-                     f"step {target}")
-            time.sleep(rng.uniform(0, 0.03))
+        time.sleep(rng.uniform(0.2, 0.9) * startup_s)
         if run.proc.poll() is not None:
             raise SystemExit(f"soak: run {n} ended before its kill (exit {run.proc.returncode}):\n{run.text()[-3000:]}")
         run.kill()
+    else:
+        save_at = min(args.every * -(-target // args.every), args.steps)  # the first save at or after it
+        hook = ({faults.KILL_DURING_SAVE: str(save_at)} if kind == "save" else
+                {faults.KILL_AFTER_STEP: f"{target}:{rng.randint(0, 30)}"})  # in the next step, or a save
+        run = Run(args, work, n, n > 0, **hook)
+        if run.proc.wait() != -signal.SIGKILL:
+            raise SystemExit(f"soak: run {n} was not killed ({hook}; exit {run.proc.returncode}):\n{run.text()[-3000:]}")
     text = run.text()
     start = int(m.group(1)) if (m := re.search(r"restored step (\d+)", text)) else (0 if n == 0 or "no checkpoint in" in text else None)
     steps = logged_steps(metrics)
     ran = steps[-1] if steps and start is not None and steps[-1] > start else start
-    actual = "step" if kind == "compile" and "step_time_s" in metrics.read_text() and ran and start is not None and ran > start else kind
+    actual = "step" if kind == "compile" and ran is not None and start is not None and ran > start else kind
     return {"kind": actual, "start": start, "reached": ran}
 
 
-def soak(args, work: pathlib.Path, rng: random.Random) -> dict:
-    """The killed-and-resumed run; its figures."""
+def soak(args, work: pathlib.Path, rng: random.Random, startup_s: float) -> dict:
+    """The killed-and-resumed run (`startup_s`: the reference run's time to its first step); its figures."""
     t0 = time.monotonic()
-    kills, startup_s = [], 20.0
+    kills = []
     for n, (kind, target) in enumerate(plan(args, rng)):
         kills.append(one_kill(args, work, n, kind, target, startup_s, rng))
         print(f"  kill {n + 1}/{args.kills}: {kills[-1]['kind']:<7} resumed from {kills[-1]['start']}, "
@@ -232,11 +232,13 @@ def main() -> int:
         print(f"uninterrupted run of {args.steps} steps ...", flush=True)
         t0 = time.monotonic()
         run = Run(args, ref, 0, False)
+        wait_for(run, lambda: logged_steps(ref / "m.jsonl"), "first step")
+        startup_s = time.monotonic() - t0
         if run.proc.wait() != 0:
             raise SystemExit(f"soak: the uninterrupted run failed:\n{run.text()[-3000:]}")
         ref_s = time.monotonic() - t0
         print(f"soak: {args.kills} kills ...", flush=True)
-        figures = soak(args, work, rng)
+        figures = soak(args, work, rng, startup_s)
         want, _ = final_state(ref / "ck", args.steps)
         got, found = final_state(work / "ck", args.steps)
         differ = compare(want, got)

@@ -117,7 +117,6 @@ def quiet_orbax() -> None:
         sys.unraisablehook = orbax_unraisable(sys.unraisablehook)
 
 
-
 class SaveFailed(ConfigError):
     """A checkpoint could not be written; the message says which, why, where the run stopped, and
     what is left to resume from."""
@@ -163,6 +162,9 @@ class Checkpointer:
             try:  # os.access says yes to root even on a read-only mount: a real write decides
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self.lock.acquire()  # in multi-process runs process 0 holds it for the run
+                if self.lock.broken is not None:
+                    print(f"--ckpt-dir {self.dir}: broke the lock of {describe_holder(self.lock.broken)}, "
+                          "which no longer runs")
                 tmp = self.dir / (f".{MARKER}.tmp" if fresh else f".write-test.{os.getpid()}")
                 tmp.write_text(json.dumps(FORMAT))
                 if fresh:

@@ -10,6 +10,9 @@ process stops itself where the test asks, and the test then does to it what it w
                              print HOLD_LINE to stderr and block until killed
   JAXPAR_RAISE_AFTER_STEP=N  after step N completed, raise RuntimeError (an unexpected error); with
                              JAXPAR_FAULT_PROCESS=I only in process I of a multi-process run
+  JAXPAR_KILL_AFTER_STEP=N:MS
+                             SIGKILL this process MS milliseconds after step N completed, wherever
+                             it then is (in the next step, in a save, in the metrics' write)
   JAXPAR_SHELL_AFTER_STEP=N:COMMAND
                              after step N completed, run COMMAND in a shell and wait for it (a
                              fault of the environment at a known point: delete the checkpoint
@@ -28,6 +31,7 @@ import jax
 KILL_DURING_SAVE = "JAXPAR_KILL_DURING_SAVE"
 HOLD_AFTER_STEP = "JAXPAR_HOLD_AFTER_STEP"
 RAISE_AFTER_STEP = "JAXPAR_RAISE_AFTER_STEP"
+KILL_AFTER_STEP = "JAXPAR_KILL_AFTER_STEP"
 SHELL_AFTER_STEP = "JAXPAR_SHELL_AFTER_STEP"
 FAULT_PROCESS = "JAXPAR_FAULT_PROCESS"
 HOLD_LINE = "jaxpar: test hook: holding after step {step} until killed"
@@ -51,6 +55,11 @@ def after_step(step: int) -> None:
     if _asked(HOLD_AFTER_STEP, step):
         print(HOLD_LINE.format(step=step), file=sys.stderr, flush=True)
         threading.Event().wait()
+    at, _, ms = os.environ.get(KILL_AFTER_STEP, "").partition(":")
+    if at == str(step):
+        timer = threading.Timer(int(ms or 0) / 1000, os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
     at, _, command = os.environ.get(SHELL_AFTER_STEP, "").partition(":")
     if command and at == str(step):
         subprocess.run(command, shell=True, check=True)
