@@ -260,3 +260,18 @@ def test_bad_input_in_a_launched_run_is_one_line_naming_the_first_error():
     assert len(errors) == 1 and errors[0].startswith("jaxpar: error: process "), out.stderr[-3000:]
     assert "pp_schedule=1f1b has no effect" in errors[0]
     assert "Check failure" not in out.stderr and "Source Location Trace" not in out.stderr
+
+
+def test_tensorboard_holds_the_held_out_fields_under_eval(tmp_path):
+    """An evaluation's eval_loss and eval_ppl reach TensorBoard as eval/<field> at their step, beside the
+    train/<field> scalars (docs/running.md)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from jaxpar.training.metrics import Sinks
+    sinks = Sinks(None, str(tmp_path))
+    sinks.write({"step": 1, "loss": 3.0, "time": 1.0})
+    sinks.write({"step": 2, "loss": 2.5, "eval_loss": 2.75, "eval_ppl": 15.6, "time": 2.0})
+    sinks.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/eval_loss")] == [(2, 2.75)]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]

@@ -37,6 +37,7 @@ from jaxpar.errors import ConfigError
 
 SCALARS = ("loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "model_flops_per_s", "mfu",
            "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max", "moe_load_min")
+EVAL_SCALARS = ("eval_loss", "eval_ppl")   # held-out evaluation (--eval-every), on the steps it runs
 EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -146,6 +147,9 @@ class Sinks:
             for key in SCALARS:
                 if key in record:
                     self._tb.add_scalar(f"train/{key}", record[key], record["step"], walltime=record.get("time"))
+            for key in EVAL_SCALARS:
+                if key in record:
+                    self._tb.add_scalar(f"eval/{key}", record[key], record["step"], walltime=record.get("time"))
             self._tb.flush()
 
     def close(self) -> None:
