@@ -244,7 +244,10 @@ CHECKS = {
 
 
 # Scripts with no --quick mode, each checked by a test file of its own.
-TESTED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py (its --dry-run on CPU)"}
+TESTED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py (its --dry-run on CPU)",
+                    "demo_text": "its parts in tests/test_data_prepare.py and tests/test_data_loader.py (prepare, "
+                                 "train on text equal to one device, held-out loss, generate from text); "
+                                 "make demo-text runs it whole (minutes)"}
 
 
 def test_every_experiment_is_covered():
