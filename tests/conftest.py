@@ -75,6 +75,28 @@ SLOW_IDS = (
     "test_attention_kernels.py::test_blockwise_strategy_matches_one_device[tp4-sp]",
     "test_gpu_check.py::test_dry_run_writes_every_section_with_numbers",
     "test_gpu_check.py::test_checkout_packages_registered_without_an_install",
+    # the same rule, for this session's additions (checked cheaper by the cases named beside them)
+    "test_checkpoint_cli.py::test_a_finished_run_a_fresh_run_and_overwrite",       # test_bad_input_35's refusals
+    "test_checkpoint_cli.py::test_a_damaged_newest_checkpoint",                     # test_checkpoint_integrity
+    "test_checkpoint_cli.py::test_sigterm_saves_at_the_end_of_the_step",            # ...without_a_checkpoint_directory
+    "test_pipeline.py::test_1f1b_head_flops_once_per_step[S2-M4-1f1b-cp2-ring]",    # the other 1F1B cases
+    "test_pipeline.py::test_1f1b_head_flops_once_per_step[U10-S2-M4-1f1b-v2-tp2-sp]",
+    "test_pipeline.py::test_loss_and_gradients_match_one_device[S4-M8-1f1b-v2-dp2]",   # interleaved: head-flops cases
+    "test_pipeline.py::test_loss_and_gradients_match_one_device[S4-M4-circular-fsdp2]",  # ...circular-tp2-sp-remat
+    "test_pipeline.py::test_loss_and_gradients_match_one_device[U10-S4-M4-1f1b-fsdp2]",  # the other 1F1B layouts
+    "test_pipeline.py::test_loss_and_gradients_match_one_device[U10-S4-M2-gpipe-fsdp2]",
+    "test_strategies.py::test_loss_and_gradients_match_one_device[dp2-ep4]",         # ep8, ep4-tp2
+    "test_strategies.py::test_loss_and_gradients_match_one_device[fsdp2-ep4]",
+    "test_strategies.py::test_loss_and_gradients_match_one_device[pp2-tp2-dp2]",     # pp4-dp2, pp4-circular
+    "test_strategies.py::test_training_trajectory_matches_one_device[cp4-tp2-ring]",  # cp8-ring's trajectory
+    "test_strategies.py::test_training_trajectory_matches_one_device[dp2-ep4]",
+    "test_strategies.py::test_training_trajectory_matches_one_device[dp2-cp4-zigzag]",
+    "test_mamba_model.py::test_matches_one_device[hybrid-tiny-fsdp=8-8-options7]",   # mamba2-tiny-fsdp=8
+    "test_experiments_study.py::test_quick_mode[study_measured]",
+    "test_multiprocess.py::test_process_count_mismatch",
+    "test_checkpoint.py::test_restore_onto_another_mesh_gives_the_same_next_step[fsdp8-8-tp8-8]",
+    "test_checkpoint.py::test_restore_onto_another_mesh_gives_the_same_next_step[dp2-fsdp2-tp2-8-fsdp=4-4]",
+    "test_data_loader.py::test_stopped_run_on_text_resumes_bitwise",               # ...reads_bitwise_the_same_batches
 )
 
 
