@@ -34,10 +34,8 @@ from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
 from jaxpar.serving.generate import Generator
 from jaxpar.serving.hf import load_params, read_config
-from jaxpar.training.checkpoint import Checkpointer
-from jaxpar.training.trainer import TrainConfig, Trainer
 from tests.test_hf import write_checkpoint
-from tests.test_inference import NEW, PROMPTS, generated, host_params
+from tests.test_inference import NEW, PROMPTS, generated, host_params, saved_training_state
 
 # bfloat16 keeps 8 significant bits: one rounding errs by up to 2^-8 of the value. The bf16 run rounds the
 # weights once and the activations at every matmul input and the cache in each layer; these errors add up
@@ -155,12 +153,7 @@ def test_every_source_converts_once_keeping_shardings(tmp_path):
 def test_checkpoint_restores_float32_masters_then_converts(tmp_path):
     """A jaxpar checkpoint (float32 masters, checksummed) restores into the bf16 generator's shardings."""
     gen = Generator(parse_model("llama-tiny"), parse_strategy(TP).with_options(dtype="bfloat16"), PROMPTS, NEW)
-    trainer = Trainer(parse_model("llama-tiny"), parse_strategy("data=1"), TrainConfig(batch=1, seq=8, seed=3),
-                      devices=jax.devices()[:1])
-    state = trainer.init_state()
-    ckpt = Checkpointer(str(tmp_path), every=1)
-    ckpt.maybe_save(7, state, trainer, force=True)
-    ckpt.close()
+    state = saved_training_state(tmp_path)
     restored, message = gen.restore_params(str(tmp_path))
     assert "step 7" in message
     assert_bf16_of(gen, restored, state.params)

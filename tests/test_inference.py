@@ -193,17 +193,23 @@ def test_cli_generate_json(tmp_path, capsys):
     assert "time to first token" in printed and "prompt 3 (4 tokens) ->" in printed
 
 
-def test_restore_trained_parameters(tmp_path):
-    """A training checkpoint's parameters restore onto the inference mesh; another model's is refused."""
+def saved_training_state(directory):
+    """A llama-tiny training state (seed 3) saved as the checkpoint of step 7 in `directory`; returned."""
     from jaxpar.training.checkpoint import Checkpointer  # noqa: PLC0415
     from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: PLC0415
 
     trainer = Trainer(parse_model("llama-tiny"), parse_strategy("data=1"), TrainConfig(batch=1, seq=8, seed=3),
                       devices=jax.devices()[:1])
     state = trainer.init_state()
-    ckpt = Checkpointer(str(tmp_path), every=1)
+    ckpt = Checkpointer(str(directory), every=1)
     ckpt.maybe_save(7, state, trainer, force=True)
     ckpt.close()
+    return state
+
+
+def test_restore_trained_parameters(tmp_path):
+    """A training checkpoint's parameters restore onto the inference mesh; another model's is refused."""
+    state = saved_training_state(tmp_path)
     gen, _, _ = generated("llama-tiny", "data=2,tensor=4")
     params, message = gen.restore_params(str(tmp_path))
     assert "step 7" in message
