@@ -161,7 +161,10 @@ def soak(args, work: pathlib.Path, rng: random.Random, startup_s: float) -> dict
     last.proc.wait()
     if last.proc.returncode != 0:
         raise SystemExit(f"soak: the final run failed (exit {last.proc.returncode}):\n{last.text()[-3000:]}")
+    # the step each kill's work resumed from: the next run that got as far as restoring
     starts = [k["start"] for k in kills[1:]] + [int(re.search(r"restored step (\d+)", last.text()).group(1))]
+    for i in reversed(range(len(starts) - 1)):
+        starts[i] = starts[i + 1] if starts[i] is None else starts[i]
     lost = [k["reached"] - s for k, s in zip(kills, starts) if k["reached"] is not None]
     # a resume that cannot restore stops with an error (a killed run prints none); the run after a kill
     # before the first checkpoint starts afresh ("no checkpoint in ...")

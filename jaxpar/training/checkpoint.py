@@ -45,8 +45,10 @@ import logging
 import os
 import pathlib
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -111,10 +113,16 @@ def _frames(tb):
 
 
 def quiet_orbax() -> None:
-    """Leave the report of a failed checkpoint write to jaxpar's one line (idempotent)."""
+    """Leave the report of a failed checkpoint write to jaxpar's one line (idempotent), and ignore
+    SIGPIPE: orbax wakes its asyncio loops through a socket pair, and a wake-up from a tensorstore
+    callback that races the loop's close writes to a closed socket. With SIGPIPE at its default (the
+    CLI sets it, so that `jaxpar estimate ... | head` stops quietly) that write kills the process in
+    the middle of training; ignored, it fails with EPIPE, which asyncio ignores."""
     logging.getLogger("absl").addFilter(ORBAX_ERROR_LOG)
     if not getattr(sys.unraisablehook, "orbax_quiet", False):
         sys.unraisablehook = orbax_unraisable(sys.unraisablehook)
+    if hasattr(signal, "SIGPIPE") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
 
 class SaveFailed(ConfigError):
