@@ -174,9 +174,26 @@ def watch_peers(process: int | None, heartbeat_s: int, exit_timeout_s: int) -> N
         except Exception:  # noqa: BLE001 - a process gone meanwhile: the watch has said so, or leaving anyway
             pass
         _leaving = True
+        if process == 0:   # the service's host leaves last: the others' shutdown calls need it
+            outlive(client, everyone[1:], heartbeat_s)
 
     threading.Thread(target=watch, name="jaxpar-peer-watch", daemon=True).start()
     atexit.register(finish)
+
+
+def outlive(client, others: list[int], wait_s: float) -> None:
+    """Process 0 at exit: wait (at most `wait_s`) until `others` have shut down their link to the
+    coordination service this process hosts; leaving first would fail their shutdown call, which JAX
+    answers with an abort (SIGABRT) in those processes."""
+    deadline = time.monotonic() + wait_s
+    time.sleep(min(1.0, wait_s))   # their shutdown calls follow the exit barrier by milliseconds
+    while others and time.monotonic() < deadline:
+        try:
+            if not set(others) & set(client.get_live_nodes(others)):
+                return
+        except Exception:  # noqa: BLE001 - nothing left to wait for
+            return
+        time.sleep(0.05)
 
 
 def check_processes(expected: int | None = None) -> None:
