@@ -59,6 +59,7 @@ import dataclasses
 import functools
 
 from jaxpar.core.strategy import Strategy
+from jaxpar.ops.attention import resolve_kernel
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,14 +96,8 @@ SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE)}
 
 def program_kernel(st: Strategy, platform: str) -> str:
     """The attention kernel jaxpar's program runs for `st` on a `platform` (cpu | gpu | tpu) device: the
-    strategy's `attention_kernel`, with `auto` resolved as jaxpar.ops.attention.resolve_kernel resolves it
-    on that backend (cuDNN's flash kernel on a GPU in bfloat16, Pallas splash on a TPU, else blockwise)."""
-    kernel = st.options.attention_kernel
-    if kernel != "auto":
-        return kernel
-    if platform == "tpu":
-        return "splash"
-    return "cudnn" if platform == "gpu" and st.options.dtype == "bfloat16" else "blockwise"
+    strategy's `attention_kernel`, `auto` resolved as the run resolves it (jaxpar.ops.attention.resolve_kernel)."""
+    return resolve_kernel(st.options.attention_kernel, st.options.dtype, platform)
 
 
 @functools.lru_cache(maxsize=64)

@@ -94,12 +94,13 @@ KERNELS = {"dense": dense_attention, "blockwise": blockwise_attention, "cudnn": 
            "splash": splash_attention}
 
 
-def resolve_kernel(kernel: str, dtype=jnp.float32) -> str:
-    """The kernel `auto` stands for on this process's backend: cudnn on a GPU in a 16-bit dtype (the only
-    ones cuDNN's flash kernel takes), splash on a TPU, blockwise elsewhere. Any other name is itself."""
+def resolve_kernel(kernel: str, dtype=jnp.float32, platform: str | None = None) -> str:
+    """The kernel `auto` stands for on `platform` (cpu | gpu | tpu; default this process's backend): cudnn on
+    a GPU in a 16-bit dtype (the only ones cuDNN's flash kernel takes), splash on a TPU, blockwise elsewhere.
+    Any other name is itself. The cost model asks it for the hardware it prices (cost.software)."""
     if kernel != "auto":
         return kernel
-    backend = jax.default_backend()
+    backend = platform or jax.default_backend()
     if backend == "tpu":
         return "splash"
     return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
