@@ -25,7 +25,7 @@ from jaxpar.core.strategy import parse_strategy
 from jaxpar.devices import with_device_count
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
-from jaxpar.training import checkpoint, faults
+from jaxpar.training import checkpoint, faults, lock
 from jaxpar.training.checkpoint import Checkpointer
 from jaxpar.training.trainer import TrainConfig, Trainer
 from tests.conftest import FAST_COMPILE
@@ -138,14 +138,14 @@ def test_a_directory_deleted_mid_run_stops_it(tmp_path):
 def made_dir(tmp_path) -> pathlib.Path:
     """A checkpoint directory as a finished run leaves it (marker, no lock)."""
     Checkpointer(str(tmp_path / "ck"), every=1).close()
-    assert not (tmp_path / "ck" / checkpoint.LOCK).exists()
+    assert not (tmp_path / "ck" / lock.LOCK).exists()
     return tmp_path / "ck"
 
 
 def write_lock(directory: pathlib.Path, pid: int, host: str | None = None, ticks="live") -> dict:
-    holder = {"host": host or checkpoint.this_host(), "pid": pid, "started": "2026-01-01 00:00:00 UTC",
-              "start_ticks": checkpoint.process_start_ticks(pid) if ticks == "live" else ticks}
-    (directory / checkpoint.LOCK).write_text(json.dumps(holder))
+    holder = {"host": host or lock.this_host(), "pid": pid, "started": "2026-01-01 00:00:00 UTC",
+              "start_ticks": lock.process_start_ticks(pid) if ticks == "live" else ticks}
+    (directory / lock.LOCK).write_text(json.dumps(holder))
     return holder
 
 
@@ -155,13 +155,13 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
     try:
         write_lock(ck, holder.pid)
         with pytest.raises(ConfigError, match=rf"--ckpt-dir {ck} is in use by another run \(pid {holder.pid} on host "
-                                              rf"{re.escape(checkpoint.this_host())}, started 2026-01-01 00:00:00 "
+                                              rf"{re.escape(lock.this_host())}, started 2026-01-01 00:00:00 "
                                               r"UTC, still running"):
             Checkpointer(str(ck), every=1)
     finally:
         holder.kill()
         holder.wait()
-    assert json.loads((ck / checkpoint.LOCK).read_text())["pid"] == holder.pid  # left as it was
+    assert json.loads((ck / lock.LOCK).read_text())["pid"] == holder.pid  # left as it was
 
 
 def test_a_dead_holders_lock_is_broken_and_taken(tmp_path):
@@ -171,10 +171,10 @@ def test_a_dead_holders_lock_is_broken_and_taken(tmp_path):
     dead = write_lock(ck, gone.pid, ticks=1)
     ckpt = Checkpointer(str(ck), every=1)
     assert ckpt.lock.broken == dead
-    assert json.loads((ck / checkpoint.LOCK).read_text())["pid"] == os.getpid()
-    assert sorted(p.name for p in ck.iterdir()) == [checkpoint.MARKER, checkpoint.LOCK]
+    assert json.loads((ck / lock.LOCK).read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in ck.iterdir()) == [checkpoint.MARKER, lock.LOCK]
     ckpt.close()
-    assert not (ck / checkpoint.LOCK).exists()
+    assert not (ck / lock.LOCK).exists()
 
 
 def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
@@ -182,7 +182,7 @@ def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
     ck = made_dir(tmp_path)
     holder = subprocess.Popen(["sleep", "60"])
     try:
-        write_lock(ck, holder.pid, ticks=checkpoint.process_start_ticks(holder.pid) - 1)
+        write_lock(ck, holder.pid, ticks=lock.process_start_ticks(holder.pid) - 1)
         Checkpointer(str(ck), every=1).close()
     finally:
         holder.kill()
