@@ -125,7 +125,7 @@ def initialize(cluster: Cluster, timeout_s: int = 300, heartbeat_s: int = 30) ->
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    initialization_timeout=timeout_s + 30, heartbeat_timeout_seconds=heartbeat_s,
                                    shutdown_timeout_seconds=heartbeat_s)
-        check_processes(cluster.num_processes)
+        check_processes(cluster.num_processes, heartbeat_s)
         watch_peers(jax.process_index(), heartbeat_s, timeout_s)
     except Exception as e:  # noqa: BLE001 - XLA raises bare runtime errors
         if isinstance(e, ConfigError):
@@ -196,7 +196,24 @@ def outlive(client, others: list[int], wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def check_processes(expected: int | None = None) -> None:
+def leave_together(client, everyone: list[int], heartbeat_s: int) -> None:
+    """Every process shuts its link to the coordination service down, process 0 (which hosts the
+    service) last: a barrier (at most `heartbeat_s`), then the others shut down while process 0
+    `outlive`s them. With recoverability on, JAX's own shutdown no longer waits for everyone, and a
+    process whose shutdown call finds the service gone is aborted (SIGABRT) by JAX."""
+    try:
+        client.wait_at_barrier("jaxpar-leave", heartbeat_s * 1000)
+    except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
+        pass
+    if jax.process_index() == 0:
+        outlive(client, [p for p in everyone if p != 0], heartbeat_s)
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a peer already gone: leave anyway, with the reason
+        pass
+
+
+def check_processes(expected: int | None = None, heartbeat_s: int = 30) -> None:
     """Every process has the same number of devices, and there are as many processes as asked."""
     if expected is not None and jax.process_count() != expected:
         raise ConfigError(f"num_processes={expected} but {jax.process_count()} processes joined the run")
@@ -205,13 +222,9 @@ def check_processes(expected: int | None = None) -> None:
         per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
     if len(set(per_process.values())) > 1:
         counts = ", ".join(f"process {p}: {n}" for p, n in sorted(per_process.items()))
-        # Every process reads the same list and leaves: together (jax.distributed's shutdown barrier, bounded
-        # by the heartbeat timeout), or the first to exit would read as a dead peer to the others, whose
-        # coordination agent then aborts them (SIGABRT) before they can say why.
-        try:
-            jax.distributed.shutdown()
-        except Exception:  # noqa: BLE001 - a peer already gone: leave anyway, with the reason
-            pass
+        # Every process reads the same list and leaves, together: the first to exit would read as a dead
+        # peer to the others, whose coordination agent then aborts them (SIGABRT) before they can say why.
+        leave_together(jax_distributed.global_state.client, list(per_process), heartbeat_s)
         raise ConfigError(f"processes have different device counts ({counts}); every process must "
                           "bring the same number of devices")
 
