@@ -91,10 +91,11 @@ def cmd_estimate(args) -> int:
         raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
                           f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
-    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given)
+    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, SOFTWARE[question.software])
     if args.phase != "train":
         return estimate_inference(args, question, model, strategy, defaults)
-    validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True)
+    validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True,
+                   program=SOFTWARE[question.software].jaxpar_program)
     est = estimate(model, strategy, question.hardware, question.global_batch, question.seq,
                    SOFTWARE[question.software], headroom=question.hbm_headroom)
     if args.run:

@@ -67,8 +67,9 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
     one_f = one_f_one_b(st, shape, own)         # ... its 1F1B: every backward tick reruns its chunk
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
     gather = software.param_gather_bytes
+    weights = 1 if software.fp8_gathers and st.options.dtype == "float8" else act   # float8 FSDP gathers
     raw = (program_comm.data_parallel(m, st, shape, act, cc, gather) if own
-           else data_parallel(m, st, shape, act, cc, gather))
+           else data_parallel(m, st, shape, weights, cc, gather))
     if sz["tensor"] > 1:
         recomputed = program_pipeline.recomputed_tp(st, shape) if piped else comm_tensor.recomputed_tp(st)
         raw += comm_tensor.tensor_parallel(m, st, shape, act, cc, recomputed, rerun_chunk=one_f)

@@ -8,16 +8,24 @@ the user set them (a flag, or a mesh file's [options]):
     microbatches   under pipeline parallelism, M = 4 x stages when the batch allows it (bubble
                    (S-1)/(M+S-1) under 16% for GPipe), else the largest M the local batch divides:
                    one micro-batch would leave every stage idle (S-1)/S of the step
+And what another stack's own recipes set (jaxpar/cost/software.py), where the user did not:
+    zero           1 where the stack shards the optimizer state over data (`distributed_optimizer`:
+                   Megatron-Core, NeMo) and the mesh has data > 1 and no fsdp
+    sequence_parallel  on wherever tensor > 1, where the stack's tensor parallelism always shards the
+                   sequence between blocks (`sequence_parallel`: Megatron-Core, torchtitan)
+    pp_schedule    1f1b under a pipeline, where the stack runs one-forward-one-backward (`pp_1f1b`)
 Each default is returned as a line to print beside the estimate.
 """
 from __future__ import annotations
 
 from jaxpar.core.strategy import Options, Strategy
+from jaxpar.cost.software import JAXPAR, Software
 
 DEFAULTS = Options()
 
 
-def accelerator_defaults(st: Strategy, global_batch: int, given: set[str]) -> tuple[Strategy, list[str]]:
+def accelerator_defaults(st: Strategy, global_batch: int, given: set[str],
+                         software: Software = JAXPAR) -> tuple[Strategy, list[str]]:
     """(`st` with the defaults above applied where neither `given` flags nor its mesh file set them,
     one line per default applied)."""
     o, notes, changes = st.options, [], {}
@@ -32,4 +40,27 @@ def accelerator_defaults(st: Strategy, global_batch: int, given: set[str]) -> tu
             changes["microbatches"] = fits[-1]
             why = "4 x stages" if fits[-1] == 4 * stages else f"the most <= 4 x {stages} stages the local batch {local} divides"
             notes.append(f"microbatches = {fits[-1]} ({why}; --microbatches to change)")
-    return (st.with_options(**changes) if changes else st), notes
+    stack, lines = stack_defaults(st, software, given)
+    changes |= stack
+    return (st.with_options(**changes) if changes else st), notes + lines
+
+
+def stack_defaults(st: Strategy, software: Software, given: set[str]) -> tuple[dict, list[str]]:
+    """(option changes, one line each) that `software`'s recipes make where `given` flags and `st`'s mesh
+    file left the option at its default (module docstring)."""
+    o, changes, notes, sizes = st.options, {}, [], st.sizes
+
+    def free(key: str) -> bool:
+        return key not in given and getattr(o, key) == getattr(DEFAULTS, key)
+
+    if (software.distributed_optimizer and free("zero") and sizes["fsdp"] == 1
+            and sizes["data"] * sizes["expert"] * sizes["context"] > 1):
+        changes["zero"] = 1
+        notes.append(f"zero = 1 ({software.name}'s distributed optimizer; --zero 0 to change)")
+    if software.sequence_parallel and free("sequence_parallel") and sizes["tensor"] > 1:
+        changes["sequence_parallel"] = True
+        notes.append(f"sequence parallel ({software.name}'s tensor parallelism; --no-sequence-parallel to change)")
+    if software.pp_1f1b and free("pp_schedule") and sizes["pipeline"] > 1:
+        changes["pp_schedule"] = "1f1b"
+        notes.append(f"pp_schedule = 1f1b ({software.name}'s schedule; --pp-schedule to change)")
+    return changes, notes

@@ -157,6 +157,13 @@ def fl_experts(fl: flops.StepFlops) -> float:
     return sum(mm for name, mm, _ in fl.by_block if name == "moe experts")
 
 
+def fp8_share(st: Strategy, matmul: float, core: float, head: float) -> float:
+    """The matmul FLOPs per device a float8 step runs in float8: every linear layer's, not the attention
+    cores' (`core`: forward, backward and recomputed; QK^T and PV stay bf16 in Transformer Engine's and torchao's float8 recipes) nor the head's
+    (torchtitan and Megatron keep the output projection in bf16). 0 unless dtype=float8."""
+    return max(0.0, matmul - core - head) if st.options.dtype == "float8" else 0.0
+
+
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
              software: Software = JAXPAR, imbalance: float = 1.0, headroom: float = 0.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
@@ -204,8 +211,10 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention))
 
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
-    compute = time.compute_seconds(matmul, hbm, hw)
-    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw), hbm / hw.hbm_bw
+    cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
+    low = fp8_share(st, matmul, cores, fl.head * head / n)
+    compute = time.compute_seconds(matmul, hbm, hw, low)
+    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low), hbm / hw.hbm_bw
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,

@@ -48,10 +48,21 @@ class Hardware:
     idle_w: float = 0.0        # power of an idle device, W (jaxpar/cost/energy.py)
     notes: str = ""
     platform: str = "gpu"      # gpu | tpu: which fused attention kernel jaxpar's program runs there (auto)
+    fp8_flops: float = 0.0     # dense float8 FLOP/s per device; 0: the device has no float8 matmuls
+
+    def matmul_peak(self, dtype: str) -> float:
+        """The peak FLOP/s of matmuls in `dtype` (dense bf16 for float32 and bfloat16 alike: the cost model
+        prices mixed-precision steps, whose matmuls take 16-bit inputs)."""
+        if dtype != "float8":
+            return self.peak_flops
+        if not self.fp8_flops:
+            raise ConfigError(f"dtype=float8: hardware {self.name} states no float8 peak ([device] fp8_flops); "
+                              "it has no float8 matmuls")
+        return self.fp8_flops
 
 
 PLATFORMS = ("gpu", "tpu")
-_SECTIONS = {"device": ("platform", "peak_flops", "hbm_bytes", "hbm_bw"),
+_SECTIONS = {"device": ("platform", "peak_flops", "fp8_flops", "hbm_bytes", "hbm_bw"),
              "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
              "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated"),
              "power": ("tdp_w", "idle_w")}

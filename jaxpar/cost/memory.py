@@ -30,7 +30,7 @@ from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, z
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 2}  # float8 steps keep activations in bf16 (casts per matmul)
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 LOGIT_BYTES = 4  # logits are upcast to float32 for the loss
 TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics

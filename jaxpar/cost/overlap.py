@@ -34,7 +34,7 @@ from jaxpar import xla_presets
 from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
 from jaxpar.cost.software import Software
-from jaxpar.cost.time import comm_seconds
+from jaxpar.cost.time import axis_span, comm_seconds
 from jaxpar.core.strategy import Strategy
 
 _PIPELINED = ("gpu_overlap", "gpu_windowed_einsum", "tpu_overlap")   # presets that pipeline the layer loop's collectives
@@ -56,13 +56,24 @@ def _hidden(kind: str, axes: tuple[str, ...], phase: str, st: Strategy) -> bool:
     return o.xla_preset == "tpu_overlap" and kind == AR and phase == "backward"
 
 
+def inside_nodes(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware) -> float:
+    """The share of the tensor collectives' seconds spent in groups inside one node (NVLink, one TPU slice):
+    what another stack's tensor overlap can hide (jaxpar/cost/software.py, tp_overlap)."""
+    tensor = tuple(c for c in predicted if "tensor" in c[1])
+    inside = tuple(c for c in tensor if axis_span(c[1], st, hw.devices_per_node)[1] == 1)
+    total = comm_seconds(tensor, st, hw)["tensor"]
+    return comm_seconds(inside, st, hw)["tensor"] / total if total else 1.0
+
+
 def fractions(software: Software, st: Strategy, predicted: tuple[tuple, ...], hw: Hardware,
               imbalance: float = 1.0) -> tuple[float, float, float]:
-    """(tensor, pipeline, data) overlap fractions for time.step_time: the software's own for Megatron;
+    """(tensor, pipeline, data) overlap fractions for time.step_time: another stack's own (its tensor
+    overlap inside nodes only, `inside_nodes`; with async_tp, under --overlap);
     for jaxpar, the share of each class's collective seconds that its options hide (module docstring).
     A preset for the other accelerator family is refused (jaxpar.xla_presets.check_platform)."""
     if not software.jaxpar_program:
-        return software.tp_overlap, software.pp_overlap, software.dp_overlap
+        tp = software.tp_overlap or (1.0 if software.async_tp and st.options.overlap != "none" else 0.0)
+        return tp * inside_nodes(predicted, st, hw) if tp else 0.0, software.pp_overlap, software.dp_overlap
     o = st.options
     if o.xla_preset != "none":
         xla_presets.check_platform(o.xla_preset, "tpu" if hw.name.startswith("tpu") else "gpu")

@@ -40,12 +40,26 @@ one more `Software(...)` in `SOFTWARE`.
                        hardware (`program_traits`): every kernel but dense is fused and skips the blocks a
                        causal mask hides
 
+    fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
+                       float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
+    async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
+                       collective_matmul`: torchtitan's async TP, PyTorch SymmetricMemory; MaxText's and
+                       XLA's collective matmul): its tensor collectives hide under the GEMMs inside a node
+    distributed_optimizer  the stack's recipes shard the optimizer state over the data-parallel ranks
+                       (Megatron --use-distributed-optimizer, NeMo's default): estimate defaults to zero=1
+    sequence_parallel  the stack's tensor parallelism always shards the norms' sequence (Megatron-Core
+                       recipes; torchtitan's TP plan shards the sequence between blocks): estimate
+                       defaults to sequence parallelism wherever tensor > 1
+
 Overlap: the fraction of a class of collectives the software issues concurrently with independent
 compute; time.step_time hides at most that fraction, and never more than the compute there is:
     tp_overlap   tensor/sequence-parallel all-gathers and reduce-scatters decomposed into the GEMMs
                  that consume or produce them (Megatron-Core --tp-comm-overlap over Transformer
                  Engine's userbuffers; Wang et al. 2023, "Overlap communication with dependent
-                 computation via decomposition"); 0 when the collective waits between GEMMs
+                 computation via decomposition"); 0 when the collective waits between GEMMs. Only
+                 inside a node (NVLink, a TPU slice's ICI): userbuffers and SymmetricMemory need
+                 peer-to-peer device memory, so a tensor group across InfiniBand or DCN waits
+                 (jaxpar/cost/overlap.py)
     dp_overlap   gradient reduce-scatters / all-reduces issued bucket by bucket as the backward pass
                  produces them, and the distributed optimizer's parameter all-gathers issued with the
                  next forward (Megatron-Core --overlap-grad-reduce, --overlap-param-gather; PyTorch
@@ -79,6 +93,11 @@ class Software:
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     pp_overlap: float = 0.0
+    fp8_gathers: bool = False
+    async_tp: bool = False
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    sources: str = ""
 
 
 JAXPAR = Software()
@@ -89,9 +108,41 @@ MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, caus
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False)
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
-MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True,
-                                    tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0)
-SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE)}
+MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True, causal=True,
+                                    tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
+                                    distributed_optimizer=True, sequence_parallel=True,
+                                    sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
+                                            "Megatron-Bridge performance summaries; cuDNN fused attention skips "
+                                            "masked blocks under is_causal")
+# torchtitan (Liang et al. 2024, arXiv 2410.06511; its train_configs): FSDP2 (fully_shard, bf16 parameter
+# gathers, float32 gradient reduce-scatter: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)),
+# implicit prefetch of the next block's gather and the reduce-scatter beside the backward pass, SDPA
+# flash attention (causal), 1F1B / interleaved 1F1B pipelines (torch.distributed.pipelining) with the
+# loss on the last stage, activation checkpointing of whole blocks (which reruns the output projection),
+# async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao).
+TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=True,
+                      rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
+                      pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
+                      sequence_parallel=True, sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
+# MaxText (AI-Hypercomputer/maxtext: configs/base.yml): XLA's SPMD program like jaxpar's, splash (TPU) or
+# cuDNN flash (GPU) attention, scanned layers, float32 weights (weight_dtype) gathered as stored, the
+# latency-hiding scheduler overlapping FSDP gathers and gradient reductions with the layers, its pipeline
+# a circular schedule differentiated by autodiff (not 1F1B), MoE with fixed-capacity buffers unless
+# megablox (sparse_matmul) is on; XLA drops the rerun of a layer's last projection, as for jaxpar.
+MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=False,
+                   rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
+                   pp_head_spread=False, dp_overlap=1.0, async_tp=True,
+                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention); MaxText README")
+# MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
+# Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
+# (causal), forward/backward prefetch, full-layer activation checkpointing; no TP or PP.
+LLM_FOUNDRY = Software(name="llm-foundry", jaxpar_program=False, causal=True, fused_attention=True,
+                       rerun_outputs=True, param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False,
+                       dp_overlap=1.0, sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
+SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAXTEXT, LLM_FOUNDRY)}
+# Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).
+ALIASES = {"nemo": "megatron-core", "megatron-bridge": "megatron-core"}
+SOFTWARE |= {alias: SOFTWARE[name] for alias, name in ALIASES.items()}
 
 
 def program_kernel(st: Strategy, platform: str) -> str:

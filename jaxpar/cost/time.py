@@ -149,9 +149,11 @@ def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware, imbal
     return out
 
 
-def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware) -> float:
-    """Roofline sum: matmuls at the calibrated efficiency, elementwise work at HBM bandwidth."""
-    return matmul_flops / (hw.peak_flops * hw.matmul_efficiency) + hbm_bytes / hw.hbm_bw
+def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flops: float = 0.0) -> float:
+    """Roofline sum: matmuls at the calibrated efficiency, elementwise work at HBM bandwidth; `fp8_flops`
+    of them (float8 linears) at the device's float8 peak (Hardware.matmul_peak)."""
+    fp8 = fp8_flops / (hw.matmul_peak("float8") * hw.matmul_efficiency) if fp8_flops else 0.0
+    return (matmul_flops - fp8_flops) / (hw.peak_flops * hw.matmul_efficiency) + fp8 + hbm_bytes / hw.hbm_bw
 
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],

@@ -86,14 +86,14 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1):
 OBJECTIVES = ("throughput", "energy")
 
 
-def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: int) -> None:
+def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: int, program: bool = True) -> None:
     """What the planner (and the guide's studies, experiments/_study.py) rank: layouts a run takes
     (jaxpar.core.validate.check; ZeRO over sizes that do not divide as padded flat shards) that the cost model
     counts (jaxpar.cost.estimate.check_modelled_layout). Pipeline x context trains (loss and gradients
     equal one device) but is not planned: its compiled memory is above the model's (llama3-8b on 64 devices,
     TP8 PP4 CP2, seq 8k: 62 GiB per device compiled against 45 predicted, 1F1B 19 against 11), and its
     embedding output is resharded over pipeline x context by a collective-permute the model does not send."""
-    validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True)
+    validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True, program=program)
     check_modelled_layout(model, st)
     if st.size("pipeline") > 1 and st.size("context") > 1:
         raise ConfigError(f"{st.name}: pipeline x context is not planned (its compiled memory is not modelled yet)")
@@ -124,7 +124,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
             name = "-".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "single"
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
             try:
-                check_plannable(model, st, global_batch, seq)
+                check_plannable(model, st, global_batch, seq, software.jaxpar_program)
             except ConfigError:
                 continue
             valid += 1

@@ -1,0 +1,143 @@
+"""Other stacks' presets in the cost model (jaxpar/cost/software.py): their defaults, float8, overlap by
+link tier, and the published runs of those stacks (experiments/study_stacks.py) read and predicted."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from jaxpar.cli import main as cli
+from jaxpar.core import validate
+from jaxpar.core.strategy import parse_inline
+from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
+from jaxpar.cost.compiler import AG, RS
+from jaxpar.cost.defaults import stack_defaults
+from jaxpar.cost.overlap import fractions
+from jaxpar.errors import ConfigError
+from jaxpar.models.config import from_preset
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def study():
+    spec = importlib.util.spec_from_file_location("study_stacks", ROOT / "experiments/study_stacks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_stack_preset_states_its_sources_and_nemo_is_megatron_core():
+    for name, sw in SOFTWARE.items():
+        assert sw.jaxpar_program == (name == "jaxpar")
+        assert name == "jaxpar" or name == "megatron-lm" or sw.sources, name
+    assert SOFTWARE["nemo"] is SOFTWARE["megatron-core"] is SOFTWARE["megatron-bridge"]
+
+
+def test_stack_defaults_are_the_stacks_recipes_and_flags_win():
+    """Llama 3 405B's layout (TP8 PP16 DP64) under megatron-core: the distributed optimizer, sequence
+    parallelism and 1F1B, as Megatron runs it; a flag the user gave is left alone; jaxpar sets none."""
+    st = parse_inline("data=64,pipeline=16,tensor=8")
+    changes, lines = stack_defaults(st, SOFTWARE["megatron-core"], set())
+    assert changes == {"zero": 1, "sequence_parallel": True, "pp_schedule": "1f1b"} and len(lines) == 3
+    assert "zero" not in stack_defaults(st, SOFTWARE["megatron-core"], {"zero"})[0]
+    assert stack_defaults(st, SOFTWARE["jaxpar"], set())[0] == {}
+    assert stack_defaults(parse_inline("fsdp=8"), SOFTWARE["torchtitan"], set())[0] == {}
+
+
+def test_estimate_prints_the_stack_defaults_and_a_program_rule_does_not_refuse_another_stack(capsys):
+    """jaxpar's 1F1B head needs the sequence piece divisible by the stages (seq 1000 / 16 is not): the rule
+    refuses jaxpar's program, not megatron-core's estimate."""
+    args = ["estimate", "--model", "llama3-405b", "--mesh", "data=64,pipeline=16,tensor=8", "--hardware", "h100-sxm",
+            "--seq", "1000", "--global-batch", "2048"]
+    assert cli.main([*args, "--software", "megatron-core"]) == 0
+    out = capsys.readouterr().out
+    for line in ("default: zero = 1", "default: sequence parallel", "default: pp_schedule = 1f1b"):
+        assert line in out
+    assert cli.main([*args, "--pp-schedule", "1f1b", "--sequence-parallel"]) == 2
+    assert "must be divisible by pipeline=16" in capsys.readouterr().err
+
+
+def test_float8_runs_the_linears_at_the_float8_peak():
+    """A torchtitan float8 step against the same step in bf16: the compute seconds differ by exactly the
+    linear layers' FLOPs at the bf16 vs float8 peak (hand count: the attention core and the head stay bf16)."""
+    m = from_preset("llama3-8b")
+    st = parse_inline("fsdp=8").with_options(remat="none").resolved(8)
+    hw = load_hardware("h100-sxm")
+    bf16, fp8 = (estimate(m, st.with_options(dtype=d), hw, 16, 4096, SOFTWARE["torchtitan"]) for d in ("bfloat16", "float8"))
+    f = bf16.flops
+    cores = flops.attention_core_flops(m, 16, 4096, causal=True).matmul * m.layers * 3.5 / 8  # fwd, bwd, QK^T again
+    assert f.recompute / 8 == pytest.approx(cores / 7, rel=1e-9)   # the fused kernel's QK^T: all it recomputes
+    linear = (f.layers + f.recompute) / 8 - cores
+    saved = linear * (1 / hw.peak_flops - 1 / hw.fp8_flops) / hw.matmul_efficiency
+    assert bf16.time.compute - fp8.time.compute == pytest.approx(saved, rel=1e-6)
+    fsdp = {(c[0], c[2]): c[4] for c in fp8.predicted if c[1] == ("fsdp",)}
+    assert fsdp[(AG, "forward")] < {(c[0], c[2]): c[4] for c in bf16.predicted if c[1] == ("fsdp",)}[(AG, "forward")]
+
+
+def test_float8_is_refused_where_it_cannot_run():
+    m = from_preset("llama3-8b")
+    st = parse_inline("fsdp=8").with_options(dtype="float8").resolved(8)
+    with pytest.raises(ConfigError, match="hardware a100-80gb states no float8 peak"):
+        estimate(m, st, "a100-80gb", 16, 4096, SOFTWARE["torchtitan"])
+    with pytest.raises(ConfigError, match="jaxpar's program computes in float32 or bfloat16"):
+        validate.check(m, st, batch=16, seq=4096)
+    validate.check(m, st, batch=16, seq=4096, program=False)
+
+
+def test_tensor_overlap_stops_at_the_node():
+    """torchtitan's async TP hides tensor collectives under GEMMs inside a node only: a tensor group of 8 on
+    8-GPU nodes is hidden whole, the same group on 4-GPU nodes (crossing InfiniBand) not at all."""
+    m = from_preset("llama3-8b")
+    st = parse_inline("fsdp=2,tensor=8").with_options(dtype="bfloat16", sequence_parallel=True,
+                                                       overlap="collective_matmul").resolved(16)
+    hw = load_hardware("h100-sxm")
+    tt = SOFTWARE["torchtitan"]
+    inside = estimate(m, st, hw, 16, 4096, tt)
+    assert fractions(tt, st, inside.predicted, hw)[0] == 1.0
+    small = dataclasses.replace(hw, devices_per_node=4)
+    across = estimate(m, st, small, 16, 4096, tt)
+    assert fractions(tt, st, across.predicted, small)[0] == 0.0
+    assert across.time.tensor > inside.time.tensor == 0.0
+    assert any(c[0] in (AG, RS) and "tensor" in c[1] for c in across.predicted)
+    assert fractions(tt, st.with_options(overlap="none"), inside.predicted, hw)[0] == 0.0
+
+
+@pytest.fixture(scope="module")
+def published():
+    s = study()
+    if not s.REFERENCE.exists():
+        pytest.skip(f"published runs reference not found at {s.REFERENCE}")
+    return s, *s.read_rows()
+
+
+def test_every_published_training_row_is_read_and_expressible_or_names_its_feature(published):
+    """Every training row of the reference is read by its source's reader; a row is refused only for an
+    architecture the cost model does not represent, with the feature named, never by jaxpar's own rules."""
+    s, rows, skipped = published
+    import tomllib
+    data = tomllib.loads(s.REFERENCE.read_text())
+    training = sum(len(src["rows"]) for src in data["source"] if src["kind"] == "training")
+    assert len(rows) == training
+    ok, refused = s.predictions(rows)
+    assert len(ok) >= training - 2
+    assert all(why.startswith("not modelled: ") for _, why in refused), refused
+    assert all(skip.startswith("trtllm") for skip in skipped)
+
+
+def test_out_of_sample_predictions_use_other_sources_only(published):
+    """Leave one source out: a held-out source's fitted efficiency never comes from its own rows (its rows
+    are not among the ones it was fitted on), and the study prints per-source median and worst errors."""
+    s, rows, _ = published
+    ok, _ = s.predictions(rows)
+    loso = s.leave_one_source_out(ok)
+    assert set(loso) == set(range(len(ok)))
+    for i, (row, _st) in enumerate(ok):
+        own = sum(1 for r, _ in ok if r.source == row.source and s.FAMILY[r.hardware] == s.FAMILY[row.hardware])
+        same_family = sum(1 for r, _ in ok if s.FAMILY[r.hardware] == s.FAMILY[row.hardware])
+        how = loso[i][1]
+        if "fitted on" in how:
+            assert int(how.split("fitted on ")[1].split()[0]) == same_family - own
