@@ -1,10 +1,13 @@
-"""Pipeline x expert parallelism (jaxpar/pipeline/gpipe.py with the MoE kernel, jaxpar/ops/moe.py, inside the stages):
-loss, every gradient and the router metrics equal one device's, GPipe and circular, uneven splits; 1F1B is
-refused; the planner takes the layouts.
+"""Pipeline x expert parallelism (jaxpar/pipeline/gpipe.py and one_f_one_b.py with the MoE kernel, jaxpar/ops/moe.py,
+inside the stages): loss, every gradient and the router metrics equal one device's, GPipe, circular, 1F1B and
+interleaved 1F1B, uneven splits; the planner takes the layouts.
 
 The router's auxiliary losses are made of per-layer sums over the batch (models/moe.py: `router_stats`), which
 the pipeline adds up over micro-batches (bubbles masked) before it turns them into losses: so the load-balance
 loss, a product of two batch means, is the whole batch's, as on one device, not a mean of per-micro-batch losses.
+1F1B runs a micro-batch's backward before the last forward: it seeds every backward with the cotangent of the
+whole batch's statistics, collected by a forward pass first; a 10% error in that cotangent moves the router's
+gradient by 1e-3 relative, a hundred times the tolerance.
 Capacity mode (capacity_factor=1.0) drops copies, so `moe_dropped_fraction` and the load extremes are not trivial.
 
 Each case compiles once: `(loss, metrics, gradients)` of `Trainer._loss_and_grads` in one jit.
@@ -15,7 +18,6 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.errors import ConfigError
 from jaxpar.planning.planner import check_plannable
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import parse_strategy
@@ -31,7 +33,16 @@ CASES = {
     "gpipe-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=2)),
     # every batch row of a stage on `expert` (no copies), circular with padding slots, M > S
     "circular-uneven-ep4": ("pipeline=2,expert=4", dict(microbatches=4, pp_schedule="circular", pp_repeats=2)),
+    # 1F1B: the backward of micro-batch 0 before the forward of micro-batch 3, uneven 2+3. The padded expert
+    # kernel: 1F1B vmaps the stages' chunk over stages and batch shards, and JAX 0.12's CPU expansion of a
+    # ragged_dot (the grouped kernel) under two vmaps fails (a numpy integer as a vmap axis)
+    "1f1b-uneven-ep4": ("pipeline=2,expert=4", dict(microbatches=4, pp_schedule="1f1b", moe_kernel="padded")),
+    # interleaved 1F1B with weight copies per data shard and padding slots
+    "1f1b-v2-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=4, pp_schedule="1f1b", pp_repeats=2,
+                                                                 moe_kernel="padded")),
 }
+SLOW_CASES = {"1f1b-v2-uneven-ep2-dp2"}
+CASE_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
 
 
 @functools.cache
@@ -43,7 +54,7 @@ def run(mesh: str, devices: int = 8, **options):
     return tr, float(loss), {k: float(v) for k, v in metrics.items()}, gather(tr.reorder(grads, inverse=True))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_loss_gradients_and_router_metrics_match_one_device(case):
     mesh, options = CASES[case]
     _, ref_loss, ref_metrics, ref_grads = run("data=1", devices=1)
@@ -62,24 +73,14 @@ def test_loss_gradients_and_router_metrics_match_one_device(case):
         np.testing.assert_allclose(g, ref[path], rtol=1e-5, atol=1e-5 * np.max(np.abs(ref[path])), err_msg=path)
 
 
-def test_1f1b_with_moe_is_refused():
-    from jaxpar.core.validate import check  # noqa: PLC0415
-    st = parse_strategy("pipeline=2,expert=4").with_options(microbatches=4, pp_schedule="1f1b").resolved(8)
-    with pytest.raises(ConfigError, match=r"pp_schedule=1f1b with pipeline=2 and mixture-of-experts layers "
-                                          r"\(model moe-tiny:layers=4, pattern='E'\): the balance loss's gradient needs the whole batch's"):
-        check(parse_model("moe-tiny:layers=4"), st, batch=16, seq=32)
-
-
 def test_planner_takes_pipeline_x_expert():
-    """`plan` and `estimate` rank pipeline x expert layouts (GPipe and circular); 1F1B stays out."""
+    """`plan` and `estimate` rank pipeline x expert layouts, every schedule."""
     from jaxpar.cost.estimate import estimate  # noqa: PLC0415
     model = parse_model("moe-tiny:layers=4")
-    for options in (dict(microbatches=4), dict(microbatches=4, pp_schedule="circular", pp_repeats=2)):
+    for options in (dict(microbatches=4), dict(microbatches=4, pp_schedule="circular", pp_repeats=2),
+                    dict(microbatches=4, pp_schedule="1f1b"), dict(microbatches=4, pp_schedule="1f1b", pp_repeats=2)):
         st = parse_strategy("pipeline=2,expert=2,data=2").with_options(**options).resolved(8)
         check_plannable(model, st, 64, 256)
         est = estimate(model, st, "h100-sxm", 64, 256)
         kinds = {(c.kind, c.axes) for c in est.collectives}
         assert {("all-to-all", ("expert",)), ("collective-permute", ("pipeline",))} <= kinds
-    with pytest.raises(ConfigError, match="pp_schedule=1f1b"):
-        check_plannable(model, parse_strategy("pipeline=2,expert=4").with_options(
-            microbatches=4, pp_schedule="1f1b").resolved(8), 64, 256)

@@ -301,11 +301,6 @@ def check_moe(model: ModelConfig, strategy: Strategy) -> None:
     # (the shared experts' width, shared_experts x expert_mlp_dim, is then divisible too)
     _divides("tensor", tp, "expert_mlp_dim" if model.expert_mlp_dim else "expert_mlp_dim (= mlp_dim)",
              model.moe_mlp_dim)
-    if strategy.size("pipeline") > 1 and strategy.options.pp_schedule == "1f1b":
-        raise ConfigError(f"pp_schedule=1f1b with pipeline={strategy.size('pipeline')} and mixture-of-experts layers "
-                          f"(model {model.name}, pattern={model.pattern!r}): the balance loss's gradient needs the "
-                          "whole batch's routed fractions, which 1F1B has not seen when its first backward runs "
-                          "(per-micro-batch losses would differ from one device's); use pp_schedule=gpipe or circular")
     if model.capacity_factor > 0 and strategy.size("context") > 1 and strategy.options.cp_layout == "zigzag":
         raise ConfigError(f"capacity_factor={model.capacity_factor} with cp_layout=zigzag: capacity drops tokens in "
                           "sequence order, and the zigzag layout permutes the sequence, so other tokens would be "

@@ -64,7 +64,8 @@ Mixture of experts inside the stages: the expert kernel's shard_map (jaxpar/ops/
 The router's auxiliary losses are per-layer functions of batch means (models/moe.py), so each item's router
 statistics (sums over its tokens) are added, bubbles masked, into an accumulator per stage, repeat and unit
 slot (= per layer) and the losses are made from the whole batch's sums after the loop: loss, gradients and
-router metrics equal one device's (tests/test_pipeline_moe.py). 1F1B does not carry them (refused).
+router metrics equal one device's (tests/test_pipeline_moe.py). 1F1B collects them in a forward pass of its own
+(jaxpar/pipeline/one_f_one_b.py).
 
 Communication per step, over `pipeline`: T collective-permutes of the stage state [mb, s, d]
 (its per-device shard) forward and T backward; one all-to-all of the output [M', mb, s, d] forward

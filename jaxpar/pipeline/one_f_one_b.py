@@ -59,9 +59,24 @@ permutes of the stage state each way; M all-to-alls of the last stage's output f
 cotangent backward; the input's cotangent (only stage 0's is non-zero) and the head's gradients summed
 over the stages (all-reduces).
 
+Mixture of experts: the router's auxiliary losses are functions of sums over the whole batch (models/moe.py),
+and the balance loss's gradient w.r.t. a token's router probabilities is E f_e / tokens, with f_e the
+fraction of the batch's token copies routed to expert e: known only after every micro-batch's forward,
+which 1F1B has not run when its first backward does. So the step first runs every micro-batch forward
+through the stages for the router statistics alone (`_router_statistics`: the timetable's vM + S - 1
+forward ticks, nothing stashed, no head, no autodiff), makes the losses and their gradient w.r.t. the
+statistics from the whole batch's sums (`_aux_cotangent`), and each backward tick seeds its chunk's
+statistics with that cotangent (the same for every micro-batch: the statistics add up) besides the
+state's: loss, gradients and router metrics equal one device's (tests/test_pipeline_moe.py). The price is
+one more chunk forward per stage and item (a third more stage FLOPs with remat none), and no memory: the
+pass keeps nothing but the sums. Per-micro-batch losses (Megatron-LM's) would not equal one device's. The
+expert kernel runs inside the vmaps over stages and batch shards; its all-to-alls are over `expert`, whose
+rows are not weight-copy shards ("rows", not "shards": `_shard_rules`), so the experts stay where they are.
+
 The code follows that order: `Ticks` is the timetable (which item each stage runs in a tick), `_Plan` what
 the step is made of before any array, `_prologue` the differentiable part before the loop, `_forward`,
-`_head` and `_backward` one batch shard of one stage, and `_warm_up`, `_steady_state` and `_cool_down` the
+`_head` and `_recompute` (with `_stashed` and `_seed`) one batch shard of one stage, `_backward_fn` the
+stages' backward, `_router_statistics` the MoE pass, and `_warm_up`, `_steady_state` and `_cool_down` the
 three phases, each a loop of ticks over the explicit state `_Carry`.
 """
 from __future__ import annotations
@@ -75,15 +90,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.core.rules import Rules
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
+from jaxpar.models.moe import aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL
-from jaxpar.pipeline.stages import (InStages, axis_name, param_spec, split_microbatches, stage_chunk, stage_shift,
-                                    stage_weights, unit_names, valid_slots)
+from jaxpar.pipeline.stages import (COPY_AXES, InStages, axis_name, param_spec, split_microbatches, stage_chunk,
+                                    stage_shift, stage_weights, unit_names, valid_slots)
 
-STATE = ("stages", "batch", None, "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
-LABELS = ("stages", "batch", None, "seq")                    # [S, N, rows, s]
+STATE = ("stages", "shards", "rows", "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
+LABELS = ("stages", "shards", "rows", "seq")                    # [S, N, rows, s]
 
 
 # ---- the timetable -------------------------------------------------------------------------------------
@@ -183,13 +200,30 @@ class _Outside:
         return tuple(self.variables[i].get_metadata().get("out_sharding") or (None,) * self.leaves[i].ndim)
 
 
-class _PerShard(InStages):
-    """The layout inside the vmap over batch shards: the vmapped dim is the batch's whole device share."""
+def _shard_rules(rules, inner: bool):
+    """`rules` with the batch split in two: "shards" (the weight-copy axes, data x fsdp: one copy of the
+    weights each) and "rows" (the other batch axes, `expert`: the expert kernel's all-to-alls run over
+    them); inside the vmap over the shards (`inner`) the batch is its rows."""
+    rules = dict(rules)
+    rules["shards"] = tuple(a for a in rules["batch"] if a in COPY_AXES)
+    rules["rows"] = tuple(a for a in rules["batch"] if a not in COPY_AXES)
+    if inner:
+        rules["batch"] = rules["rows"]
+    return Rules(rules)
+
+
+class _Outer(Layout):
+    """The step's layout around the loop: the batch's logical names plus "shards" and "rows"."""
 
     def rules(self, purpose: str):
-        rules = dict(super().rules(purpose))
-        rules["batch"] = ()
-        return type(super().rules(purpose))(rules)
+        return _shard_rules(super().rules(purpose), inner=False)
+
+
+class _PerShard(InStages):
+    """The layout inside the vmap over batch shards: the vmapped dim is the shards' share of the batch."""
+
+    def rules(self, purpose: str):
+        return _shard_rules(super().rules(purpose), inner=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,25 +237,25 @@ class _Shards:
 
     @classmethod
     def of(cls, layout: Layout) -> _Shards:
-        batch_axes = layout.axes("batch")
-        return cls(layout, int(np.prod([layout.mesh.shape[a] for a in batch_axes])),
-                   axis_name(batch_axes) if batch_axes else None,
+        shard_axes = layout.axes("shards")
+        return cls(layout, int(np.prod([layout.mesh.shape[a] for a in shard_axes])),
+                   axis_name(shard_axes) if shard_axes else None,
                    _PerShard(layout.mesh, layout.strategy, layout.replicate_kv_heads))
 
     def copies(self, a, names: tuple, lead: int, lead_spec: tuple):
         """a (a parameter with logical `names` after `lead` dims) broadcast to one copy per batch shard
         after its `lead` dims (each device keeps what it holds), gathered over fsdp."""
         a = jnp.broadcast_to(jnp.expand_dims(a, lead), a.shape[:lead] + (self.count,) + a.shape[lead:])
-        drop = ("fsdp",) + tuple(self.layout.axes("batch"))
+        drop = ("fsdp",) + tuple(self.layout.axes("shards"))
         spec = param_spec(names, self.layout, drop, lead=lead_spec + (self.axis,))
         return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(self.layout.mesh, spec))
 
     def rows(self, a, names: tuple, microbatches: int):
         """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches, then
-        each batch shard's rows, in place."""
+        each batch shard's rows (on the `rows` axes), in place."""
         a = constrain(split_microbatches(a, microbatches), (None, "batch") + names)
         a = a.reshape((microbatches, self.count, a.shape[1] // self.count) + a.shape[2:])
-        return constrain(a, (None, "batch", None) + names)
+        return constrain(a, (None, "shards", "rows") + names)
 
     def staged(self, fn: Callable, stage_axes_in: tuple, shard_axes_in: tuple) -> Callable:
         """fn over the stages (spmd: the pipeline axes) and, in each, over the batch shards."""
@@ -234,7 +268,8 @@ class _Shards:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The step's fixed parts, known before any array: the schedule and its timetable, the layouts, the
-    parameters outside the stages, the compute dtype and the chunk one stage runs."""
+    parameters outside the stages, the compute dtype, the chunk one stage runs (with MoE blocks, `moe`:
+    it returns (y, router statistics [k, 1, n]), jaxpar/pipeline/stages.py) and the model's config."""
     graphdef: Any
     layout: Layout
     sched: Schedule
@@ -243,6 +278,7 @@ class _Plan:
     shards: _Shards
     dtype: Any
     chunk: Callable
+    cfg: Any                      # the model's ModelConfig
 
     @classmethod
     def of(cls, graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str) -> _Plan:
@@ -252,7 +288,12 @@ class _Plan:
         dt = jnp.dtype(dtype)
         return cls(graphdef, layout, sched, Ticks(sched.stages, sched.microbatches, sched.repeats),
                    _Outside.of(model, rows, seq, dt), _Shards.of(layout), dt,
-                   stage_chunk(model, sched, layout, per_shard=False, policy=strategy.options.remat))
+                   stage_chunk(model, sched, layout, per_shard=False, with_aux=True, policy=strategy.options.remat),
+                   model.cfg)
+
+    @property
+    def moe(self) -> bool:
+        return "E" in self.cfg.pattern
 
     def cast(self, tree):
         """`tree` in the compute dtype."""
@@ -274,7 +315,7 @@ def _embedded(plan: _Plan, leaves: list, ids):
     with use_layout(shards.inner):
         x = jax.vmap(embed_shard, in_axes=(0, 1), out_axes=1, spmd_axis_name=shards.axis)(
             [shards.copies(leaves[i], outside.names(i), 0, ()) for i in outside.embedding], ids)
-    return constrain(x, (None, "batch", None) + RESIDUAL[1:])
+    return constrain(x, (None, "shards", "rows") + RESIDUAL[1:])
 
 
 def _prologue(plan: _Plan, ids, params):
@@ -332,15 +373,51 @@ def _head(loss_fn, seed: float, hw, z, labels):
     return loss * seed, d_hw, dz
 
 
-def _backward(chunk, ticks: Ticks, ws, ok, s, g, stash, t, pos):
-    """Stage s's backward in tick t: its chunk recomputed from the stashed input and its vjp taken with
-    the received cotangent g (zero for a bubble): (input cotangent, weights' gradient)."""
+def _stashed(ticks: Ticks, s, stash, t):
+    """The input of stage s's backward in tick t, from its stash."""
+    _, _, r = ticks.backward_item(t, s)
+    return jax.lax.dynamic_index_in_dim(stash, ticks.stashed_at(t, s, r), 0, keepdims=False)
+
+
+def _recompute(chunk, ticks: Ticks, ws, ok, s, h, t, pos):
+    """Stage s's chunk in the repeat of its backward in tick t, on its stashed input h."""
+    return chunk(ws, ok, ticks.backward_item(t, s)[2], h, pos)
+
+
+def _seed(ticks: Ticks, s, g, g_aux, t):
+    """The cotangent of stage s's chunk output in tick t: the received g, zero for a bubble; with MoE
+    blocks also its router statistics', g_aux [v, k, 1, n] in the repeat's row (`_aux_cotangent`)."""
     ok_b, _, r = ticks.backward_item(t, s)
     g = jnp.where(ok_b, g, jnp.zeros_like(g))
-    h = jax.lax.dynamic_index_in_dim(stash, ticks.stashed_at(t, s, r), 0, keepdims=False)
-    _, chunk_vjp = jax.vjp(lambda ws, h: chunk(ws, ok, r, h, pos), ws, h)
-    d_ws, d_h = chunk_vjp(g)
-    return d_h, d_ws
+    if g_aux is None:
+        return g
+    return g, jnp.where(ok_b, jax.lax.dynamic_index_in_dim(g_aux, r, 0, keepdims=False), 0.0)
+
+
+def _backward_fn(shards: _Shards, chunk, ticks: Ticks, ok) -> Callable:
+    """backward(ws, valid, stage, g, g_aux, stash, t, pos) -> (input cotangents, weights' gradients): every
+    stage's chunk recomputed from its stashed input and its vjp taken with the received cotangents. The vjp
+    is of the stage- and shard-vmapped recompute (the vmap is traced first, as jax.grad of GPipe's loop
+    does: JAX 0.12 cannot vmap some transposes, ragged_dot's among them)."""
+    stashed = shards.staged(functools.partial(_stashed, ticks), (0, 0, None), (None, 0, None))
+    recompute = shards.staged(functools.partial(_recompute, chunk, ticks), (0, ok, 0, 0, None, 0),
+                              (0, None, None, 0, None, 0))
+    seed = shards.staged(functools.partial(_seed, ticks), (0, 0, 0, None), (None, 0, None, None))
+
+    def backward(ws, valid, stage, g, g_aux, stash, t, pos):
+        _, chunk_vjp = jax.vjp(lambda ws, h: recompute(ws, valid, stage, h, t, pos), ws, stashed(stage, stash, t))
+        d_ws, d_h = chunk_vjp(seed(stage, g, g_aux, t))
+        return d_h, d_ws
+    return backward
+
+
+def _stats_forward(chunk, ticks: Ticks, ws, ok, s, h_in, x_t, t, pos):
+    """Stage s's forward in tick t for its router statistics alone: (output, the statistics [v, k, 1, n]
+    in the row of its repeat, zeros for a bubble)."""
+    valid, _, r = ticks.forward_item(t, s)
+    y, aux = chunk(ws, ok, r, jnp.where((s == 0) & (r == 0), x_t, h_in), pos)
+    at = valid & (jnp.arange(ticks.repeats) == r)
+    return y, jnp.where(at.reshape((-1,) + (1,) * aux.ndim), aux[None], 0.0)
 
 
 # ---- the loop --------------------------------------------------------------------------------------------
@@ -362,7 +439,9 @@ class _Carry(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Loop:
     """What every tick reads and nothing changes: the timetable, the weights, the micro-batches' embedding
-    outputs, positions and labels [M, N, rows, ...], and the stage-vmapped work."""
+    outputs, positions and labels [M, N, rows, ...], the stage-vmapped work, and with MoE blocks the
+    forward that only collects router statistics and the statistics' cotangent [S, v, k, 1, n]
+    (`_aux_cotangent`; None until it is known, and without MoE blocks)."""
     ticks: Ticks
     weights: list
     valid: Any
@@ -379,6 +458,8 @@ class _Loop:
     stage: jax.Array
     last: jax.Array
     dtype: Any
+    stats_forward: Callable | None = None
+    g_aux: Any = None
 
     @classmethod
     def of(cls, plan: _Plan, batch: dict, xs, weights: list, head_w: list) -> _Loop:
@@ -395,25 +476,27 @@ class _Loop:
         last = (stage == S - 1).reshape((S,) + (1,) * (xs.ndim - 1))
         spread, piece = _pieces_fns(plan.layout, S)
         ok = None if valid is None else 0
+        chunk = (lambda *a: plan.chunk(*a)[0]) if plan.moe else plan.chunk
         return cls(tk, weights, valid, head_w, xs, ps, ls,
-                   shards.staged(functools.partial(_forward, plan.chunk, tk), (0, ok, 0, 0, 0, None, None, 0),
+                   shards.staged(functools.partial(_forward, chunk, tk), (0, ok, 0, 0, 0, None, None, 0),
                                  (0, None, None, 0, 0, 0, None, 0)),
                    shards.staged(functools.partial(_head, head_loss, seed), (None, 0, 0), (0, 0, 0)),
-                   shards.staged(functools.partial(_backward, plan.chunk, tk), (0, ok, 0, 0, 0, None, 0),
-                                 (0, None, None, 0, 0, None, 0)),
+                   _backward_fn(shards, plan.chunk, tk, ok),
                    stage_shift(plan.layout.mesh, plan.layout.axes("stages")), spread, piece, stage, last,
-                   plan.dtype)
+                   plan.dtype,
+                   shards.staged(functools.partial(_stats_forward, plan.chunk, tk), (0, ok, 0, 0, None, None, 0),
+                                 (0, None, None, 0, 0, None, 0)) if plan.moe else None)
 
     def positions(self, item):
         """Each stage's micro-batch positions [S, N, rows, s] for its item."""
-        return constrain(jnp.take(self.ps, item[1] % self.ticks.microbatches, axis=0), ("stages", "batch", None, "seq"))
+        return constrain(jnp.take(self.ps, item[1] % self.ticks.microbatches, axis=0), LABELS)
 
     def zeros(self) -> _Carry:
         """The carry before tick 0."""
         S, D, xs, dt = self.ticks.stages, self.ticks.stash_slots, self.xs, self.dtype
         zeros = constrain(jnp.zeros((S,) + xs.shape[1:], dt), STATE)
         stash = constrain(jnp.zeros((S, xs.shape[1], D) + xs.shape[2:], dt),
-                          ("stages", "batch", None, None) + STATE[3:])
+                          ("stages", "shards", None, "rows") + STATE[3:])
         d_xs = constrain(jnp.zeros((S,) + xs.shape, dt), ("stages", None) + STATE[1:])
         d_w = [jnp.zeros(w.shape, jnp.float32) for w in self.weights]
         d_head = [jnp.zeros((S,) + w.shape, jnp.float32) for w in self.head_w]
@@ -449,7 +532,7 @@ def _backward_tick(loop: _Loop, c: _Carry, t) -> _Carry:
     """Every stage's backward in tick t: the weights' gradient accumulated, stage 0's input cotangent
     (repeat 0: the embedding output's) kept per micro-batch, the input cotangents shifted one stage down."""
     tk, stage, M = loop.ticks, loop.stage, loop.ticks.microbatches
-    d_h, d_ws = loop.backward(loop.weights, loop.valid, stage, constrain(c.bwd, STATE), c.stash, t,
+    d_h, d_ws = loop.backward(loop.weights, loop.valid, stage, constrain(c.bwd, STATE), loop.g_aux, c.stash, t,
                               loop.positions(tk.backward_item(t, stage)))
     d_w = [a + b.astype(a.dtype) for a, b in zip(c.d_w, d_ws)]
     ok0, j, r0 = tk.backward_item(t, 0)
@@ -503,17 +586,58 @@ def _cool_down(loop: _Loop, c: _Carry) -> _Carry:
     return _ticks(loop, c, loop.ticks.first_backward + v * M - (v - 1) * S, v * S - 1, fwd_on=False, bwd_on=True)
 
 
+# ---- the router's auxiliary losses ------------------------------------------------------------------------
+
+def _router_statistics(loop: _Loop) -> jax.Array:
+    """Every MoE layer's router statistics summed over the whole batch, [S, v, k, 1, n] (per stage, repeat
+    and unit slot: a layer), from a forward pass of every micro-batch through the stages (the 1F1B
+    timetable's forwards, vM + S - 1 ticks, nothing stashed and no head): the balance loss's gradient
+    needs them before the first backward (module docstring)."""
+    tk, S, M, v = loop.ticks, loop.ticks.stages, loop.ticks.microbatches, loop.ticks.repeats
+
+    def tick(c, t):
+        fwd, acc = c
+        x_t = jax.lax.dynamic_index_in_dim(loop.xs, tk.forward_item(t, 0)[1] % M, 0, keepdims=False)
+        y, aux = loop.stats_forward(loop.weights, loop.valid, loop.stage, fwd, x_t, t,
+                                    loop.positions(tk.forward_item(t, loop.stage)))
+        return (constrain(loop.shift_up(constrain(y, STATE)), STATE), acc + aux), None
+    fwd = loop.zeros().fwd
+    acc = jax.eval_shape(lambda f: tick((f, 0.0), 0)[0][1], fwd)
+    (_, acc), _ = jax.lax.scan(tick, (fwd, jnp.zeros(acc.shape, jnp.float32)), jnp.arange(v * M + S - 1))
+    return jnp.sum(acc, axis=1)
+
+
+def _aux_cotangent(cfg, stats: jax.Array):
+    """(the MoE layers' auxiliary loss, their AUX_FIELDS summed over the layers, the loss's gradient
+    w.r.t. the statistics [S, v, k, 1, n]) from the whole batch's statistics. The losses are functions of
+    sums over the batch (models/moe.py), so a micro-batch's statistics take this same cotangent in every
+    backward: the balance loss's E f_e / tokens per router probability, f_e the whole batch's routed
+    fraction (the routed copies carry no gradient), and the z-loss's 1 / tokens."""
+    def loss(st):
+        fields = aux_sum(cfg, st)
+        return aux_loss(cfg, fields), fields
+    (value, fields), g = jax.value_and_grad(loss, has_aux=True)(stats)
+    return value, fields, g
+
+
 # ---- the step ----------------------------------------------------------------------------------------------
 
 def pipelined_loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str):
-    """(loss, gradients w.r.t. `params`) of one batch under the 1F1B schedule (module docstring): what
-    jax.value_and_grad of Trainer._loss computes. Called under `use_layout(layout)`."""
-    plan = _Plan.of(graphdef, params, batch, strategy, layout, dtype)
-    ids = plan.shards.rows(batch["inputs"], ("seq",), plan.ticks.microbatches)       # [M, N, rows, s]
-    (xs, weights, head_w), pull_back = jax.vjp(functools.partial(_prologue, plan, ids), params)
-    loop = _Loop.of(plan, batch, xs, weights, head_w)
-    c = _cool_down(loop, _steady_state(loop, _warm_up(loop, loop.zeros())))
-    d_x = constrain(jnp.sum(c.d_xs, axis=0), (None, "batch", None) + RESIDUAL[1:])   # as xs: [M, N, rows, s, d]
-    d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(c.d_head, head_w)]
-    (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(c.d_w, weights)], d_head))
-    return jnp.sum(c.loss), grads
+    """(loss, the MoE layers' AUX_FIELDS summed over the layers or None without MoE blocks, gradients
+    w.r.t. `params`) of one batch under the 1F1B schedule (module docstring): what jax.value_and_grad of
+    Trainer._loss computes."""
+    layout = _Outer(layout.mesh, layout.strategy, layout.replicate_kv_heads)
+    with use_layout(layout):
+        plan = _Plan.of(graphdef, params, batch, strategy, layout, dtype)
+        ids = plan.shards.rows(batch["inputs"], ("seq",), plan.ticks.microbatches)       # [M, N, rows, s]
+        (xs, weights, head_w), pull_back = jax.vjp(functools.partial(_prologue, plan, ids), params)
+        loop = _Loop.of(plan, batch, xs, weights, head_w)
+        aux_value, fields = 0.0, None
+        if plan.moe:
+            aux_value, fields, g_aux = _aux_cotangent(plan.cfg, _router_statistics(loop))
+            loop = dataclasses.replace(loop, g_aux=g_aux)
+        c = _cool_down(loop, _steady_state(loop, _warm_up(loop, loop.zeros())))
+        d_x = constrain(jnp.sum(c.d_xs, axis=0), (None, "shards", "rows") + RESIDUAL[1:])   # as xs: [M, N, rows, s, d]
+        d_head = [jnp.sum(g, axis=0).astype(w.dtype) for g, w in zip(c.d_head, head_w)]
+        (grads,) = pull_back((d_x, [g.astype(w.dtype) for g, w in zip(c.d_w, weights)], d_head))
+        return jnp.sum(c.loss) + aux_value, fields, grads

@@ -29,7 +29,8 @@ from jaxpar.core.sharding import Layout, spec_for, use_layout
 from jaxpar.models.lm import unit_step
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
-_COPY_AXES = ("data", "fsdp")             # the batch axes that hold one copy of the stage weights each
+COPY_AXES = ("data", "fsdp")              # the batch axes that hold one copy of the stage weights each
+                                          # (`expert` rows run the expert kernel's all-to-alls instead)
 
 
 # ---- mesh axes and specs -------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class _WithoutFsdpBatch(InStages):
 
     def rules(self, purpose: str):
         rules = dict(super().rules(purpose))
-        rules["batch"] = tuple(a for a in rules["batch"] if a not in _COPY_AXES)
+        rules["batch"] = tuple(a for a in rules["batch"] if a not in COPY_AXES)
         return type(super().rules(purpose))(rules)
 
 
@@ -111,7 +112,7 @@ def valid_slots(sched: Schedule) -> jax.Array | None:
 def _copy_axes(layout: Layout, per_shard: bool) -> tuple[tuple[str, ...], int]:
     """(the batch axes that hold one copy of the stage weights each, F = their devices); none without
     `per_shard`."""
-    copies = tuple(a for a in layout.axes("batch") if a in _COPY_AXES) if per_shard else ()
+    copies = tuple(a for a in layout.axes("batch") if a in COPY_AXES) if per_shard else ()
     return copies, int(np.prod([layout.mesh.shape[a] for a in copies])) if copies else 1
 
 

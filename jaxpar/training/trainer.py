@@ -207,9 +207,9 @@ class Trainer:
         1F1B pipeline schedule, which computes its own backward (jaxpar/pipeline/one_f_one_b.py)."""
         if self.strategy.size("pipeline") > 1 and self.strategy.options.pp_schedule == "1f1b":
             with use_layout(self.layout):
-                loss, grads = pipelined_loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
-                                                       self.run.dtype)
-            return (loss, {}), grads
+                loss, aux, grads = pipelined_loss_and_grads(self.graphdef, params, batch, self.strategy, self.layout,
+                                                            self.run.dtype)
+            return (loss, {} if aux is None else aux_metrics(self.model_cfg, aux)), grads
         return jax.value_and_grad(self._loss, has_aux=True)(params, batch)
 
     def _loss_and_grads(self, params, batch):
