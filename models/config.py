@@ -39,6 +39,7 @@ class ModelConfig:
     mlp_dim: int = 256
     mlp_type: str = "swiglu"  # swiglu | gelu
     rope_theta: float = 10_000.0
+    qk_norm: bool = False         # RMSNorm of each query and key head (scale [head_dim]) before RoPE (Qwen3)
     # Llama 3.1 long-context RoPE scaling (models/layers.py `rope_frequencies`); factor 0 = none
     rope_scaling_factor: float = 0.0
     rope_low_freq_factor: float = 1.0
@@ -309,6 +310,7 @@ class RunConfig:
     remat: str = "none"           # none | full | selective | offload | dots | dots_no_batch
     attention: str = "dense"      # dense | ring | allgather: how the sequence is split (jaxpar/ops/attention.py)
     attention_kernel: str = "dense"  # dense | auto | blockwise | cudnn | splash: what computes attention on a device
+    moe_kernel: str = "grouped"   # grouped | padded: how the routed experts compute (jaxpar/ops/moe.py)
     ssm: str = "chunked"          # Mamba-2 SSD and conv: chunked | context (sequence split over the
                                   # context axis: jaxpar/ops/mamba_cp.py)
     overlap: str = "none"         # none | collective_matmul | collective_matmul_bidir: the attention and

@@ -40,6 +40,9 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std=d ** -0.5)
         self.wo = param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"),
                         std=(h * hd) ** -0.5 / math.sqrt(2 * cfg.layers))
+        if cfg.qk_norm:  # Qwen3: one scale per head_dim entry, shared by the heads
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, name="head_dim")
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, name="head_dim")
 
     def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project(x, positions)
@@ -49,14 +52,16 @@ class Attention(nnx.Module):
         return self.output(core(q, k, v, positions, segments))
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k
-        (models/decode.py caches k and v)."""
+        """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k (after
+        their per-head RMSNorm under cfg.qk_norm); models/decode.py caches k and v."""
         dt, cm = dtype_of(self.run), collective_matmul(self.run)
         weights = (self.wq[...].astype(dt), self.wk[...].astype(dt), self.wv[...].astype(dt))
         if cm is None:
             q, k, v = (jax.numpy.einsum("bsd,dhk->bshk", x, w) for w in weights)
         else:  # x in the residual layout: one ring all-gathers it for the three projections
             q, k, v = column_parallel(x, weights, **cm)
+        if self.cfg.qk_norm:  # each head normalised over head_dim before RoPE (Qwen3's q_norm, k_norm)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rope(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_heads", None))
         k = constrain(rope(k, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))

@@ -12,14 +12,15 @@ from jaxpar.xla_presets import export_tpu_flags
 
 def model_from(spec: str):
     """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout
-    checkpoint's config.json: jaxpar/serving/hf.py)."""
+    or Mixtral / Qwen3-MoE checkpoint's config.json: jaxpar/serving/hf.py)."""
     return read_config(spec[len(PREFIX):]) if spec.startswith(PREFIX) else parse_model(spec)
 
 
 def hf_params(directory: str, model, abstract_params):
     """Parameters from a Hugging Face checkpoint for `model`, whose shapes must be the checkpoint's."""
     theirs = read_config(directory)
-    fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "vocab", "tie_embeddings", "pattern")
+    fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "vocab", "tie_embeddings", "pattern",
+              "qk_norm", "experts", "top_k", "moe_mlp_dim", "router", "router_norm")
     differ = [f"{f}={getattr(model, f)} (checkpoint: {getattr(theirs, f)})" for f in fields
               if getattr(model, f) != getattr(theirs, f)]
     if differ:

@@ -69,7 +69,7 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: bool = True) -> None:
     p.add_argument("--model", required=required, help="preset (llama-tiny, llama3-8b, ...), preset:key=value,..., a TOML "
-                   "path, or hf:DIR (a Hugging Face LLaMA-layout checkpoint's config.json)")
+                   "path, or hf:DIR (a Hugging Face LLaMA, Mistral, Mixtral or Qwen3-MoE checkpoint's config.json)")
     if meshes:
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:
@@ -169,8 +169,9 @@ def add_train(sub) -> None:
     t.add_argument("--overwrite-metrics", action="store_true", help="a fresh run (no --resume) replaces an existing "
                    "--metrics file and --tensorboard event files (without it, it refuses to start)")
     t.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
-                   help="start from a Hugging Face LLaMA-layout checkpoint's weights (config.json + *.safetensors; "
-                        "fresh optimizer state); --model hf:DIR takes the model from its config.json")
+                   help="start from a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE) checkpoint's weights "
+                        "(config.json + *.safetensors; fresh optimizer state); --model hf:DIR takes the model from "
+                        "its config.json")
     t.add_argument("--stop-after", type=POSITIVE, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t)
@@ -397,8 +398,9 @@ def add_generate(sub) -> None:
                    help="a `train --ckpt-dir` directory: restore its newest parameters (of the same model) onto this mesh")
     g.add_argument("--checkpoint-step", type=NON_NEGATIVE, metavar="N", help="with --checkpoint: restore step N")
     g.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
-                   help="a Hugging Face LLaMA-layout directory (config.json + *.safetensors): load its weights, "
-                        "sharded as they load (--model hf:DIR takes the model from its config.json)")
+                   help="a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE) directory (config.json + "
+                        "*.safetensors): load its weights, sharded as they load (--model hf:DIR takes the model "
+                        "from its config.json)")
     g.add_argument("--json", type=nonempty, help="write the tokens and timings as one JSON object to this file")
     add_strategy_flags(g)
 

@@ -120,6 +120,7 @@ def attention_weights(m: ModelConfig) -> tuple[Weight, ...]:
             Weight("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
             Weight("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
             Weight("wo", (h, hd, d), ("q_heads", "head_dim", "embed")),
+            *((Weight("q_norm", (hd,), ("head_dim",)), Weight("k_norm", (hd,), ("head_dim",))) if m.qk_norm else ()),
             Weight("norm2", (d,), ("embed",)),
             *mlp,
             Weight("w_up", (d, f), ("embed", "mlp")),

@@ -2,8 +2,11 @@
 
 A directory as `transformers` saves a LlamaForCausalLM (or a Mistral one, the same layout): config.json
 (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-vocab_size, max_position_embeddings, rms_norm_eps, rope_theta, rope_scaling, tie_word_embeddings) and
-one or more *.safetensors files. Each Linear stores its weight as [out, in] (y = x W^T); jaxpar's
+vocab_size, max_position_embeddings, rms_norm_eps, rope_theta and rope_scaling or transformers 5's
+rope_parameters, tie_word_embeddings) and one or more *.safetensors files. Its mixtures of experts,
+MixtralForCausalLM and Qwen3MoeForCausalLM, add a router and experts to some layers and Qwen3-MoE a
+per-head q/k RMSNorm (jaxpar/serving/hf_moe.py). The stacked units repeat `pattern`: block j of unit u
+is the checkpoint's layer u * len(pattern) + j. Each Linear stores its weight as [out, in] (y = x W^T); jaxpar's
 weights are [in, out] with the heads split out, stacked over layers:
 
     model.embed_tokens.weight              [V, d]        -> embedding [V, d]
@@ -14,6 +17,7 @@ weights are [in, out] with the heads split out, stacked over layers:
     layers.i.mlp.gate_proj / up_proj       [f, d]        -> w_gate / w_up [i] = W^T
     layers.i.mlp.down_proj                 [d, f]        -> w_down [i] = W^T
     model.norm.weight, lm_head.weight      [d], [V, d]   -> final_norm.scale, head = W^T
+    layers.i.self_attn.q_norm / k_norm     [hd]          -> attn.q_norm.scale / k_norm.scale [i] (Qwen3)
 Hugging Face's LLaMA applies RoPE in the rotate-half form (its conversion script permutes Meta's q/k
 weights into it), which is jaxpar's (models/layers.py `rope`), so q and k load as they are. Weights
 are read as float32 (jaxpar's masters; a bf16 file is read through the flax framework of safetensors)
@@ -24,18 +28,20 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 from safetensors import safe_open
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
+from jaxpar.serving.hf_moe import ARCHITECTURES, expert_tensor, moe_fields
 
 PREFIX = "hf:"  # --model hf:DIR reads DIR/config.json
 
 
-def read_config(directory: str) -> ModelConfig:
-    """The ModelConfig of a Hugging Face LLaMA-layout directory (its config.json)."""
+def read_json(directory: str) -> dict:
+    """The directory's config.json as a dict."""
     path = pathlib.Path(directory) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{directory}: no config.json (a Hugging Face checkpoint directory holds config.json and "
@@ -44,30 +50,51 @@ def read_config(directory: str) -> ModelConfig:
         c = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(c, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return c
+
+
+def rope_fields(c: dict, where: str) -> dict:
+    """RoPE's ModelConfig fields: rope_theta and rope_scaling as transformers 4 writes them, or the one
+    rope_parameters dict of transformers 5 (rope_type "default": unscaled)."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    fields = dict(rope_theta=float(c.get("rope_theta") or params.get("rope_theta") or 10_000.0))
+    if scaling:
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            raise ConfigError(f"{where}: rope_scaling {scaling}: only the llama3 rule is implemented")
+        fields.update(rope_scaling_factor=float(scaling["factor"]),
+                      rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                      rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                      rope_original_max_seq=int(scaling.get("original_max_position_embeddings", 8192)))
+    return fields
+
+
+def read_config(directory: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face LLaMA, Mistral, Mixtral or Qwen3-MoE directory (its config.json)."""
+    c, path = read_json(directory), pathlib.Path(directory) / "config.json"
     kind = c.get("model_type")
-    if kind not in ("llama", "mistral"):
-        raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral)")
+    if kind not in ("llama", "mistral", *ARCHITECTURES):
+        raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral) "
+                          f"and its mixtures of experts ({', '.join(ARCHITECTURES)})")
     if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):
         raise ConfigError(f"{path}: hidden_act={c.get('hidden_act')!r}, attention_bias={c.get('attention_bias')}, "
                           f"mlp_bias={c.get('mlp_bias')}: jaxpar's LLaMA block is SwiGLU without biases")
     try:
         heads, d = int(c["num_attention_heads"]), int(c["hidden_size"])
         fields = dict(name=path.parent.name or "hf", layers=int(c["num_hidden_layers"]), d_model=d, heads=heads,
-                      kv_heads=int(c.get("num_key_value_heads", heads)), head_dim=int(c.get("head_dim") or d // heads),
-                      mlp_dim=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
-                      max_seq=int(c.get("max_position_embeddings", 2048)), norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-                      rope_theta=float(c.get("rope_theta", 10_000.0)),
-                      tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+                      kv_heads=int(c.get("num_key_value_heads") or heads),
+                      head_dim=int(c.get("head_dim") or d // heads), mlp_dim=int(c["intermediate_size"]),
+                      vocab=int(c["vocab_size"]), max_seq=int(c.get("max_position_embeddings", 2048)),
+                      norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), **rope_fields(c, str(path)))
+        if kind in ARCHITECTURES:
+            fields.update(moe_fields(c, kind, fields["layers"], str(path)))
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: missing or malformed field ({e})") from None
-    scaling = c.get("rope_scaling")
-    if scaling:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ConfigError(f"{path}: rope_scaling {scaling}: only the llama3 rule is implemented")
-        fields.update(rope_scaling_factor=float(scaling["factor"]),
-                      rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                      rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                      rope_original_max_seq=int(scaling.get("original_max_position_embeddings", 8192)))
     cfg = ModelConfig(**fields)
     cfg.validate()
     return cfg
@@ -86,53 +113,68 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _leaf(cfg: ModelConfig, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
-    """The array for one parameter path of jaxpar's LM (its jax.tree_util.keystr)."""
-    d, h, kv, hd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
+# the tensor of layer i for a block's parameter (the path below ['units']['blocks'][j]): (name, jaxpar shape or
+# None for a vector, transposed); the MoE block's router and experts come from hf_moe.expert_tensor
+_BLOCK = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", None),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", None),
+    ("attn", "wq"): ("self_attn.q_proj.weight", ("d", "h", "hd")),
+    ("attn", "wk"): ("self_attn.k_proj.weight", ("d", "kv", "hd")),
+    ("attn", "wv"): ("self_attn.v_proj.weight", ("d", "kv", "hd")),
+    ("attn", "wo"): ("self_attn.o_proj.weight", ("h", "hd", "d")),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", None),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", None),
+    ("mlp", "w_gate"): ("mlp.gate_proj.weight", ("d", "f")),
+    ("mlp", "w_up"): ("mlp.up_proj.weight", ("d", "f")),
+    ("mlp", "w_down"): ("mlp.down_proj.weight", ("f", "d")),
+}
+_UNITS = re.compile(r"\['units'\]\['blocks'\]\[(\d+)\]((?:\['\w+'\])+)")
+
+
+def _leaf(cfg: ModelConfig, kind: str, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
+    """The array for one parameter path of jaxpar's LM (its jax.tree_util.keystr): a whole-model tensor, or
+    a block's stacked over the units (block j of unit u is the checkpoint's layer u * len(pattern) + j)."""
+    sizes = dict(d=cfg.d_model, h=cfg.heads, kv=cfg.kv_heads, hd=cfg.head_dim, f=cfg.mlp_dim)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ConfigError(f"the checkpoint has no tensor {name!r} (a LLaMA-layout checkpoint of "
-                              f"{cfg.layers} layers needs it)")
+            raise ConfigError(f"the checkpoint has no tensor {name!r} (a {kind} checkpoint of {cfg.layers} layers "
+                              "needs it)")
         return tensors[name]
 
-    def layers(suffix: str, shape, transpose: bool = True) -> np.ndarray:
-        return np.stack([(get(f"model.layers.{i}.{suffix}").T if transpose else get(f"model.layers.{i}.{suffix}"))
-                         .reshape(shape) for i in range(cfg.layers)])
-
-    table = {
-        "['embedding']": lambda: get("model.embed_tokens.weight"),
-        "['final_norm']['scale']": lambda: get("model.norm.weight"),
-        "['head']": lambda: get("lm_head.weight").T,
-        "['units']['blocks'][0]['attn_norm']['scale']": lambda: layers("input_layernorm.weight", (d,), False),
-        "['units']['blocks'][0]['mlp_norm']['scale']": lambda: layers("post_attention_layernorm.weight", (d,), False),
-        "['units']['blocks'][0]['attn']['wq']": lambda: layers("self_attn.q_proj.weight", (d, h, hd)),
-        "['units']['blocks'][0]['attn']['wk']": lambda: layers("self_attn.k_proj.weight", (d, kv, hd)),
-        "['units']['blocks'][0]['attn']['wv']": lambda: layers("self_attn.v_proj.weight", (d, kv, hd)),
-        "['units']['blocks'][0]['attn']['wo']": lambda: layers("self_attn.o_proj.weight", (h, hd, d)),
-        "['units']['blocks'][0]['mlp']['w_gate']": lambda: layers("mlp.gate_proj.weight", (d, cfg.mlp_dim)),
-        "['units']['blocks'][0]['mlp']['w_up']": lambda: layers("mlp.up_proj.weight", (d, cfg.mlp_dim)),
-        "['units']['blocks'][0]['mlp']['w_down']": lambda: layers("mlp.down_proj.weight", (cfg.mlp_dim, d)),
-    }
+    whole = {"['embedding']": lambda: get("model.embed_tokens.weight"),
+             "['final_norm']['scale']": lambda: get("model.norm.weight"),
+             "['head']": lambda: get("lm_head.weight").T}
     base = key.removesuffix(".value")
-    if base not in table:
-        raise ConfigError(f"no Hugging Face LLaMA tensor maps to jaxpar parameter {base}")
-    return table[base]()
+    block = _UNITS.fullmatch(base)
+    member = tuple(re.findall(r"'(\w+)'", block.group(2))) if block else ()
+    if base in whole:
+        return whole[base]()
+    if not block or (member not in _BLOCK and member[0] != "moe"):
+        raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
+    layers = [u * len(cfg.pattern) + int(block.group(1)) for u in range(cfg.units)]
+    if member[0] == "moe":
+        return np.stack([expert_tensor(get, kind, i, cfg.experts, member[1]) for i in layers])
+    name, shape = _BLOCK[member]
+    return np.stack([get(f"model.layers.{i}.{name}") if shape is None
+                     else get(f"model.layers.{i}.{name}").T.reshape([sizes[a] for a in shape]) for i in layers])
 
 
 def load_params(directory: str, cfg: ModelConfig, abstract_params):
     """jaxpar's parameter tree (the structure of `abstract_params`, an nnx.State of shapes) filled from
-    the directory's tensors, as host arrays of each abstract leaf's dtype; shapes checked against the model."""
+    the directory's tensors, as host arrays of each abstract leaf's dtype; shapes checked against the model.
+    The caller places them in its strategy's shardings (Generator.place_params, Trainer.state_from_params)."""
     import jax  # deferred: JAX stays out of `jaxpar estimate --model hf:DIR`, which reads only config.json
 
-    if cfg.pattern != "A":
-        raise ConfigError(f"model {cfg.name}: Hugging Face LLaMA checkpoints load into attention-only models, "
-                          f"got pattern={cfg.pattern!r}")
+    if "M" in cfg.pattern:
+        raise ConfigError(f"model {cfg.name}: Hugging Face checkpoints load into attention models (A and E "
+                          f"blocks), got pattern={cfg.pattern!r}")
+    kind = read_json(directory).get("model_type")
     tensors = read_tensors(directory)
 
     def fill(path, leaf):
         key = jax.tree_util.keystr(path)
-        value = _leaf(cfg, tensors, key)
+        value = _leaf(cfg, kind, tensors, key)
         if value.shape != tuple(leaf.shape):
             raise ConfigError(f"{directory}: {key.removesuffix('.value')} has shape {value.shape}, the model "
                               f"needs {tuple(leaf.shape)}")
