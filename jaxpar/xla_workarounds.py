@@ -45,6 +45,12 @@ top_k(scores, k)                    plain form: jax.lax.top_k(scores, k)[1]
     last dim, which stay sharded as their operand. Seen on moe-tiny data=2 (test_top_k_...): without
     it, each layer's scores all-gathered over data.
 
+ragged_all_to_all_runs(platform)    the backend rule for the grouped MoE kernel's transfer
+    Avoids: `jax.lax.ragged_all_to_all` on XLA:CPU, which does not implement it (the compile fails).
+    jaxpar/ops/moe_grouped.py moves its routed copies by a ragged all-to-all on GPU and TPU and by a
+    fixed-capacity bucketed all_to_all elsewhere; the cost model (jaxpar/cost/comm_expert.py) prices
+    whichever form this rule picks for the platform it prices.
+
 Workarounds that are part of a kernel or a schedule stay there, each stated where it lives:
   - jaxpar/ops/collective_matmul.py: the custom VJPs compute a weight's gradient as one dot with the
     gathered activation, not the n partial dots autodiff of the ring gives, which XLA:CPU would
@@ -225,3 +231,16 @@ def top_k(scores: jax.Array, k: int) -> jax.Array:
         picked.append(i)
         scores = jnp.where(jax.nn.one_hot(i, scores.shape[-1], dtype=jnp.bool_), -jnp.inf, scores)
     return jnp.stack(picked, axis=-1).astype(jnp.int32)
+
+
+# ---- ragged_all_to_all_runs: which all-to-all the grouped MoE kernel uses ----------------------------
+
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "tpu")
+
+
+def ragged_all_to_all_runs(platform: str) -> bool:
+    """Whether a `platform` (a jax Device.platform: cpu | gpu | tpu) compiles `jax.lax.ragged_all_to_all`:
+    XLA's GPU and TPU backends do, XLA:CPU does not (unimplemented in jax 0.12's XLA), so there the grouped
+    MoE kernel sends fixed-capacity buckets by a plain all_to_all (jaxpar/ops/moe_grouped.py). Module
+    docstring: why."""
+    return platform in RAGGED_ALL_TO_ALL_PLATFORMS

@@ -119,7 +119,7 @@ class MoE(nnx.Module):
         ids, weights, probs = route(logits, cfg)
         y, kept = moe_experts(h, constrain(ids, TOKENS), constrain(weights, TOKENS),
                               self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
-                              capacity_factor=cfg.capacity_factor)
+                              capacity_factor=cfg.capacity_factor, kernel=self.run.moe_kernel)
         if cfg.shared_experts:
             y = y + self.shared(h)
         return y, router_stats(logits, ids, probs, kept, cfg.experts)

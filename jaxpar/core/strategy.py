@@ -65,6 +65,12 @@ class Options:
                                              "mode elsewhere); auto: cudnn on a GPU in bfloat16, splash on a TPU, "
                                              "else blockwise",
                                     ("dense", "auto", "blockwise", "cudnn", "splash"))
+    moe_kernel: str = _option("grouped", "how the routed experts compute (jaxpar/ops/moe.py): grouped sorts the "
+                                         "token copies by expert and multiplies only the routed copies "
+                                         "(ragged_dot; under expert parallelism a ragged all-to-all on GPU and "
+                                         "TPU, a fixed-capacity bucketed all-to-all on CPU); padded fills static "
+                                         "per-expert buffers (dropless: E/k times the copies)",
+                              ("grouped", "padded"))
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
                              ("contiguous", "zigzag"))
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")

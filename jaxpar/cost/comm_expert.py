@@ -11,6 +11,8 @@ from jaxpar.cost.memory import TOKEN_BYTES
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
+from jaxpar.ops.capacity import bucket_rows, group_capacity
+from jaxpar.xla_workarounds import ragged_all_to_all_runs
 
 
 def _passes(st: Strategy) -> tuple[str, ...]:
@@ -20,28 +22,37 @@ def _passes(st: Strategy) -> tuple[str, ...]:
 
 def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
                     padded: bool = True, copies: bool = False) -> list[tuple]:
-    """Per MoE-layer execution (jaxpar/ops/moe.py). Under expert > 1, the dispatch buffers go to the
-    experts' owners and back: two all-to-alls over `expert` forward and their two transposes backward
-    (two more backward under remat `full`), each moving a device's whole buffer
-        E x g x C_loc x d x act bytes,   g = sequences per micro-batch, C_loc = min(s_loc, C),
-    C the per-sequence capacity (dropless: the sequence; capacity mode: ceil(cf * s * k / E)), so a
-    dropless kernel sends E/k times the copies that exist (static buffers; the price of XLA's static
-    shapes, see `jaxpar.ops.moe`); `padded=False` (Megatron's token dispatcher) sends only the routed
-    copies, g x s_loc x k x d x act. Under `context` each shard all-gathers every shard's per-(choice,
-    expert) queue counts (g*k*E int32). The balance loss needs each expert's load and mean router
-    probability over the whole batch: one all-reduce of 2E float32 per layer over the batch axes (and
-    `context`); its scalars (z-loss, dropped fraction) are not predicted (module docstring), but inside
-    jaxpar's pipeline they are [1, 1] arrays (2E + 2 floats). With per-data-shard weight copies (`copies`:
-    program_comm.moe_stage_copies) the sums run over the other axes in the loop, and the accumulated
-    statistics of the stage's v*k unit slots over `data` once per accumulation step."""
+    """Per MoE-layer execution (jaxpar/ops/moe.py). Under expert > 1 the token copies go to the experts'
+    owners and back: two all-to-alls over `expert` forward and their two transposes backward (two more
+    backward under remat `full`), each moving per device
+        padded     E x g x C_loc x d x act bytes: the dispatch buffers, g = sequences per micro-batch,
+                   C_loc = min(s_loc, C), C the per-sequence capacity (dropless: the sequence; capacity
+                   mode: ceil(cf * s * k / E)), so a dropless kernel sends E/k times the copies that exist;
+        bucketed   n x B x d x act bytes, B = capacity.bucket_rows (the grouped kernel where the backend
+                   has no ragged all-to-all, XLA:CPU: xla_workarounds.ragged_all_to_all_runs);
+        ragged     g x s_loc x k x d x act bytes: only the routed copies (the grouped kernel on GPU and
+                   TPU; Megatron's token dispatcher), the mean over routings;
+    and the grouped forms first all-gather each shard's kept copies per expert over `expert` (n x E
+    int32, rerun with the forward under remat `full`). `padded`: the stack pads (Software.moe_padded);
+    jaxpar's program pads only under moe_kernel = padded (`kernel`). Under `context` each shard
+    all-gathers every shard's per-(choice, expert) queue counts (g*k*E int32). The balance loss needs
+    each expert's load and mean router probability over the whole batch: one all-reduce of 2E float32
+    per layer over the batch axes (and `context`); its scalars (z-loss, dropped fraction) are not
+    predicted (module docstring), but inside jaxpar's pipeline they are [1, 1] arrays (2E + 2 floats).
+    With per-data-shard weight copies (`copies`: program_comm.moe_stage_copies) the sums run over the
+    other axes in the loop, and the accumulated statistics of the stage's v*k unit slots over `data`
+    once per accumulation step."""
     sz, e = st.sizes, shape.exec_moe
-    c = sz["context"]
+    c, n = sz["context"], sz["expert"]
     out = []
-    if sz["expert"] > 1:  # the buffer's rows per token as the FLOPs count them (flops.expert_rows)
-        rows = expert_rows(m, round(shape.s_loc * c), c, padded)
-        buf = rows * shape.s_loc * shape.mb * m.d_model * act
-        out += site(cc, A2A, ("expert",), 2 * e, [buf], "forward")
-        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e, [buf], "backward")
+    if n > 1:
+        form = kernel(st, cc, padded)
+        out += site(cc, A2A, ("expert",), 2 * e, [dispatch_bytes(m, shape, c, n, act, form)], "forward")
+        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e,
+                    [dispatch_bytes(m, shape, c, n, act, form)], "backward")
+        if form != "padded":
+            for phase in _passes(st):
+                out += site(cc, AG, ("expert",), e, [n * m.experts * TOKEN_BYTES], phase)
     if c > 1:
         counts = shape.mb * m.top_k * m.experts * TOKEN_BYTES * c
         for phase in _passes(st):
@@ -54,3 +65,22 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     for group in reductions(cc, st, stats):   # (the balance loss's gradient reads the summed probabilities:
         out += site(cc, AR, group, e, [per], "forward")   # no sum again under remat, models/moe.py)
     return out
+
+
+def kernel(st: Strategy, cc: Compiler, padded: bool = True) -> str:
+    """How the copies travel under expert parallelism: padded (static buffers), bucketed or ragged (the
+    grouped kernel, by the backend's rule: jaxpar.xla_workarounds.ragged_all_to_all_runs)."""
+    if padded and st.options.moe_kernel == "padded":
+        return "padded"
+    return "ragged" if ragged_all_to_all_runs(cc.name) else "bucketed"
+
+
+def dispatch_bytes(m: ModelConfig, shape: StepShape, context: int, n: int, act: int, form: str) -> float:
+    """Bytes one device sends in one expert all-to-all, by `kernel` form (`expert_parallel`)."""
+    seq = round(shape.s_loc * context)
+    if form == "padded":   # the buffer's rows per token as the FLOPs count them (flops.expert_rows)
+        return expert_rows(m, seq, context, True) * shape.s_loc * shape.mb * m.d_model * act
+    if form == "ragged":
+        return m.top_k * shape.s_loc * shape.mb * m.d_model * act
+    cap = min(shape.s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor))
+    return n * bucket_rows(shape.mb, shape.s_loc, m.top_k, m.experts, n, cap) * m.d_model * act

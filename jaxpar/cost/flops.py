@@ -129,8 +129,9 @@ def router_flops(m: ModelConfig, tokens: float) -> Flops:
 def expert_flops(m: ModelConfig, tokens: float, rows: float | None = None) -> Flops:
     """The routed experts: a SwiGLU of width f_e on each of the k copies of a token (6*d*f_e per copy)
     and the weighted combine 2*k*d per token (an einsum). `rows`: expert rows computed per token when
-    the kernel computes more than the k copies that exist (jaxpar's static buffers: E*C_loc/s_loc;
-    `expert_rows`); the combine stays k per token."""
+    the kernel computes more than the k copies that exist (jaxpar's padded kernel: E*C_loc/s_loc;
+    `expert_rows`); the combine stays k per token. The grouped kernel (moe_kernel = grouped,
+    jaxpar/ops/moe_grouped.py) computes the k copies: rows = None."""
     k, f, d = m.top_k, m.moe_mlp_dim, m.d_model
     rows = k if rows is None else rows
     return Flops(6.0 * tokens * rows * d * f + 2.0 * tokens * k * d, 6.0 * tokens * rows * f)
@@ -153,8 +154,13 @@ def moe_block_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False
 
 def expert_rows(m: ModelConfig, seq: int, context: int = 1, padded: bool = True) -> float:
     """Expert rows computed per token: k copies, or under jaxpar's static dispatch buffers
-    (`padded`, jaxpar.ops.moe) E * C_loc / s_loc, C_loc = min(s_loc, C), s_loc = seq / context,
-    C = seq (dropless) or ceil(cf * seq * k / E): a dropless kernel computes E/k times the copies."""
+    (`padded`: moe_kernel = padded, jaxpar.ops.moe) E * C_loc / s_loc, C_loc = min(s_loc, C),
+    s_loc = seq / context, C = seq (dropless) or ceil(cf * seq * k / E): a dropless kernel computes E/k
+    times the copies. k copies is the grouped kernel (jaxpar/ops/moe_grouped.py: jax.lax.ragged_dot, a
+    grouped matmul on GPU and TPU) and the routed dispatch of other stacks (Megatron's grouped GEMM).
+    Caveat: XLA:CPU expands ragged_dot to a dense masked product over every expert, so a CPU run of the
+    grouped kernel computes E rows per token (XLA's cost analysis counts them); the count here is what
+    GPU and TPU compute, the hardware the cost model prices."""
     if not padded or not m.experts:
         return float(m.top_k)
     s_loc = seq / context

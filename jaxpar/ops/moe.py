@@ -21,7 +21,11 @@ Buffers. Copies go to fixed-size buffers [E, C, d] per group, slot = position in
 (a scatter-add; dropped copies land in a spare slot that is cut off), the experts run as one batched
 matmul over [E, ...], and a gather brings each copy's output back to its token. Under dropless the
 buffers hold the worst case, s rows per expert (E/k times the copies that exist): exact and static,
-which is what XLA needs; capacity mode shrinks them to about capacity_factor x the copies.
+which is what XLA needs; capacity mode shrinks them to about capacity_factor x the copies. These buffers are the `padded`
+kernel (strategy option moe_kernel = padded). The `grouped` kernel (the default; jaxpar/ops/moe_grouped.py)
+sorts the kept copies by expert and multiplies them with ragged_dot: only the routed copies are computed,
+and under expert parallelism each shard's counts travel first, then its copies. Both kernels keep and
+drop the same copies (`queue_slots`) and share the layouts below.
 
 Expert parallelism. With the layout's `experts` axes (the `expert` mesh axis) of size n > 1, the
 kernel runs in `jax.shard_map` over the whole mesh. Tokens are sharded over the batch axes (which
@@ -40,7 +44,7 @@ context are summed by shard_map (check_vma). Inside the pipeline's vmaps over st
 (jaxpar/pipeline/gpipe.py: a layout with `in_vmap`) the shard_map is batched over those mesh axes, which its
 replication check does not follow (JAX 0.12 compares the unbatched out_specs with values varying over
 them): it runs unchecked there, whose transpose sums the replicated inputs' cotangents all the same
-(loss and gradients equal one device: tests/test_pipeline_moe.py). ragged_all_to_all is not used (XLA:CPU lacks it).
+(loss and gradients equal one device: tests/test_pipeline_moe.py).
 """
 from __future__ import annotations
 
@@ -49,8 +53,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import validate
-from jaxpar.ops.capacity import group_capacity
+from jaxpar.ops.capacity import bucket_rows, group_capacity
+from jaxpar.ops.moe_grouped import expert_parallel_grouped, local_grouped
 from jaxpar.core.sharding import current_layout
+from jaxpar.xla_workarounds import ragged_all_to_all_runs
 
 
 def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -122,39 +128,58 @@ def local_moe(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, context_a
     return _combine(out, ids, slot, kept, weights).astype(x.dtype), kept
 
 
+def _local(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, kernel: str,
+           context_axes: tuple[str, ...] = ()):
+    """y, kept with every expert here, by `kernel` (padded: `local_moe`; grouped: jaxpar/ops/moe_grouped.py)."""
+    if kernel == "padded":
+        return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, context_axes=context_axes)
+    _, kept = queue_slots(ids, w_gate.shape[0], capacity, context_axes)
+    return local_grouped(x, ids, kept, weights, w_gate, w_up, w_down).astype(x.dtype), kept
+
+
 def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: int, capacity: int, n: int,
-                           expert_axes, context_axes, tensor_axes):
-    """One shard: its tokens' copies out to the experts' owners and back (two all_to_alls)."""
+                           expert_axes, context_axes, tensor_axes, kernel: str, ragged: bool):
+    """One shard: its tokens' copies out to the experts' owners and back (padded: two all_to_alls of
+    the dispatch buffers; grouped: the counts, then the routed copies, jaxpar/ops/moe_grouped.py)."""
     g, s, d = x.shape
     cap = min(s, capacity)
     x = _varying(x, tensor_axes)
     slot, kept = queue_slots(ids, experts, capacity, context_axes)
-    buffers = _dispatch(x, ids, slot, kept, experts, cap)                  # [g, E, cap, d]
-    send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
-    received = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # [source, E/n, g*cap, d]
-    out = expert_ffn(received, w_gate, w_up, w_down)                       # partial over `tensor`
-    back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)         # [owner, E/n, g*cap, d]
-    back = jnp.swapaxes(back.reshape(experts, g, cap, d), 0, 1)
-    y = _combine(back, ids, slot, kept, weights).astype(x.dtype)
+    if kernel == "grouped":
+        bucket = bucket_rows(g, s, ids.shape[-1], experts, n, cap)
+        y = expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, n=n, axis=expert_axes,
+                                    bucket=bucket, ragged=ragged).astype(x.dtype)
+    else:
+        buffers = _dispatch(x, ids, slot, kept, experts, cap)              # [g, E, cap, d]
+        send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
+        received = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # [source, E/n, g*cap, d]
+        out = expert_ffn(received, w_gate, w_up, w_down)                   # partial over `tensor`
+        back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)     # [owner, E/n, g*cap, d]
+        back = jnp.swapaxes(back.reshape(experts, g, cap, d), 0, 1)
+        y = _combine(back, ids, slot, kept, weights).astype(x.dtype)
     if tensor_axes:
         y = jax.lax.psum(y, tensor_axes)
     return y, kept
 
 
-def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0):
-    """y, kept for tokens x [g, s, d] (see the module docstring), on the layout in force.
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0, kernel: str = "grouped"):
+    """y, kept for tokens x [g, s, d] (see the module docstring), on the layout in force, by `kernel`
+    (the strategy option moe_kernel: grouped | padded).
 
-    No layout, or one with no `experts`, `seq` or `mlp` axes: `local_moe` on the global view (XLA
-    partitions it over the batch). A sequence split over `context` runs per shard in shard_map (its
-    queue needs the other shards' counts), and so does an expert width split over `tensor` (the
-    shard sums its output after the combine; XLA's partitioner would sum the E-times-larger
-    buffers). `experts` axes > 1: expert parallelism in shard_map.
+    No layout, or for the padded kernel one with no `experts`, `seq` or `mlp` axes: the local kernel on
+    the global view (XLA partitions it over the batch). A sequence split over `context` runs per shard
+    in shard_map (its queue needs the other shards' counts), and so does an expert width split over
+    `tensor` (the shard sums its output after the combine; XLA's partitioner would sum the E-times-larger
+    buffers), and the grouped kernel under any layout (its sort of the copies by expert is a shard's
+    own: on the global view XLA would sort across the batch shards). `experts` axes > 1: expert
+    parallelism in shard_map.
     """
     experts, k = w_gate.shape[0], ids.shape[-1]
     capacity = group_capacity(x.shape[1], k, experts, capacity_factor)
     layout = current_layout()
-    if layout is None or (layout.size("experts") == 1 and layout.size("seq") == 1 and layout.size("mlp") == 1):
-        return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity)
+    if layout is None or (kernel == "padded" and layout.size("experts") == 1 and layout.size("seq") == 1
+                          and layout.size("mlp") == 1):
+        return _local(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, kernel=kernel)
     n = layout.size("experts")
     validate.check_expert_parallel(experts, n)
     expert_axes, batch_axes, seq_axes = layout.axes("experts"), layout.axes("batch"), layout.axes("seq")
@@ -163,14 +188,17 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     w_in, w_out = P(_dim(expert_axes), None, _dim(tensor_axes)), P(_dim(expert_axes), _dim(tensor_axes))
     if n == 1:
         def shard(x, ids, weights, w_gate, w_up, w_down):
-            y, kept = local_moe(_varying(x, tensor_axes), ids, weights, w_gate, w_up, w_down, capacity=capacity,
-                                context_axes=seq_axes)
+            y, kept = _local(_varying(x, tensor_axes), ids, weights, w_gate, w_up, w_down, capacity=capacity,
+                             kernel=kernel, context_axes=seq_axes)
             return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
     else:
+        ragged = ragged_all_to_all_runs(layout.mesh.devices.flat[0].platform)
+
         def shard(x, ids, weights, w_gate, w_up, w_down):
             return _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, experts=experts,
                                           capacity=capacity, n=n, expert_axes=_dim(expert_axes),
-                                          context_axes=seq_axes, tensor_axes=tensor_axes)
+                                          context_axes=seq_axes, tensor_axes=tensor_axes, kernel=kernel,
+                                          ragged=ragged)
     return jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
                          out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))(
         x, ids, weights, w_gate, w_up, w_down)

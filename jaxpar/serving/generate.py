@@ -196,8 +196,10 @@ class Generator:
         self.model_cfg, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
         pre, dec = self.strategy.phase("prefill"), self.strategy.phase("decode")
         self.batch, self.prompt_len = len(prompts), prompt_width(model, pre, max(len(p) for p in prompts))
-        self.run = RunConfig(dtype=dec.options.dtype, attention_kernel=dec.options.attention_kernel)
-        self.prefill_run = RunConfig(dtype=pre.options.dtype, attention_kernel=pre.options.attention_kernel)
+        self.run = RunConfig(dtype=dec.options.dtype, attention_kernel=dec.options.attention_kernel,
+                             moe_kernel=dec.options.moe_kernel)
+        self.prefill_run = RunConfig(dtype=pre.options.dtype, attention_kernel=pre.options.attention_kernel,
+                                     moe_kernel=pre.options.moe_kernel)
         self.check_prefill_kernel(prompts, devices[0].platform)
         self.weight_dtype = jnp.dtype(dec.options.dtype)   # the serving weights' dtype (module docstring)
         self.kv_copies = kv_copies(model, pre.size("tensor"), dec.size("tensor"))

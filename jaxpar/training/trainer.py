@@ -81,7 +81,7 @@ def run_config(strategy: Strategy) -> RunConfig:
     o = strategy.options
     return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention, attention_kernel=o.attention_kernel,
                      ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap,
-                     fsdp_prefetch=o.fsdp_prefetch)
+                     fsdp_prefetch=o.fsdp_prefetch, moe_kernel=o.moe_kernel)
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
