@@ -133,6 +133,8 @@ class ModelConfig:
              f"mixture of experts), got {self.pattern!r}")
         need(self.layers % len(self.pattern) == 0,
              f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
+        need(self.has_attention or not self.qk_norm,
+             f"qk_norm normalises attention heads: pattern {self.pattern!r} has no A or E block")
         if self.has_attention:
             for f in ("heads", "kv_heads", "head_dim", "mlp_dim"):
                 need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")

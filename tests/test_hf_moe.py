@@ -22,7 +22,7 @@ from jaxpar.cli.args import hf_params
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.errors import ConfigError
 from jaxpar.models import decode
-from jaxpar.models.config import RunConfig
+from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
 from jaxpar.serving.hf import load_params, read_config
 from jaxpar.serving.hf_moe import layer_kinds, shortest_pattern
@@ -131,6 +131,34 @@ def test_sparse_layers_become_a_repeating_pattern():
     assert layer_kinds(dict(decoder_sparse_step=3), "mixtral", 3) == "EEE"
 
 
+# the released checkpoints' config.json (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B), as transformers 4 wrote them
+RELEASED = {
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_act="silu",
+                         hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
+                         num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
+                         num_local_experts=8, output_router_logits=False, rms_norm_eps=1e-05, rope_theta=1e6,
+                         router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False, vocab_size=32000),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False,
+                          decoder_sparse_step=1, head_dim=128, hidden_act="silu", hidden_size=2048,
+                          intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
+                          mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+                          rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1e6, router_aux_loss_coef=0.001,
+                          sliding_window=None, tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936),
+}
+
+
+@pytest.mark.parametrize("preset", RELEASED)
+def test_released_configs_read_as_the_presets(tmp_path, preset):
+    """The released config.json files give the shapes and routing of the presets written from the papers."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[preset]))
+    cfg, want = read_config(str(tmp_path)), parse_model(preset)
+    fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "vocab", "pattern", "experts", "top_k",
+              "moe_mlp_dim", "router", "router_norm", "rope_theta", "norm_eps", "aux_loss_coef", "z_loss_coef")
+    assert {f: getattr(cfg, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert cfg.qk_norm == (preset == "qwen3-30b-a3b")
+
+
 @pytest.mark.parametrize("name, change, words", [
     ("mixtral", dict(sliding_window=32), "sliding_window=32"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "sliding_window=16"),
@@ -152,3 +180,8 @@ def test_another_moe_models_checkpoint_is_refused(capsys):
     assert cli.main(["generate", "--model", f"hf:{DATA / 'mixtral'}", "--hf-checkpoint", str(DATA / "qwen3_moe"),
                      "--mesh", "data=8", *sum((["--prompt", "1,2"] for _ in range(8)), [])]) == 2
     assert "is another model" in capsys.readouterr().err
+
+
+def test_qk_norm_needs_attention_blocks():
+    with pytest.raises(ConfigError, match="qk_norm normalises attention heads: pattern 'M'"):
+        parse_model("mamba2-tiny:qk_norm=true")
