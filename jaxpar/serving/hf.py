@@ -5,9 +5,9 @@ A directory as `transformers` saves a LlamaForCausalLM (or a Mistral one, the sa
 vocab_size, max_position_embeddings, rms_norm_eps, rope_theta and rope_scaling or transformers 5's
 rope_parameters, tie_word_embeddings) and one or more *.safetensors files. Its mixtures of experts,
 MixtralForCausalLM and Qwen3MoeForCausalLM, add a router and experts to some layers and Qwen3-MoE a
-per-head q/k RMSNorm (jaxpar/serving/hf_moe.py). The stacked units repeat `pattern`: block j of unit u
-is the checkpoint's layer u * len(pattern) + j. Each Linear stores its weight as [out, in] (y = x W^T); jaxpar's
-weights are [in, out] with the heads split out, stacked over layers:
+per-head q/k RMSNorm (jaxpar/serving/hf_moe.py). Each Linear stores its weight as [out, in] (y = x W^T);
+jaxpar's weights are [in, out] with the heads split out, stacked over the units of `pattern` (block j of
+unit u is the checkpoint's layer u * len(pattern) + j; below, pattern "A"):
 
     model.embed_tokens.weight              [V, d]        -> embedding [V, d]
     layers.i.input_layernorm.weight        [d]           -> units.blocks[0].attn_norm.scale [i]
