@@ -73,9 +73,10 @@ def test_global_batch_tokens_is_the_batch_in_sequences_times_seq(tmp_path, capsy
 
 
 def fake(step_s: float, gib: float, mesh: str):
-    """A ranked pair with only what `rank` reads: step time, memory and usable HBM, mesh axes."""
+    """A ranked pair with only what `rank` reads: step time, memory and usable HBM, mesh axes, and the
+    (family, software) of the error band, jaxpar's (none: ties within TIE_BAND)."""
     est = types.SimpleNamespace(step_time_s=step_s, tokens_per_s=1 / step_s, memory=types.SimpleNamespace(total=gib),
-                                usable_bytes=80.0, name=mesh)
+                                usable_bytes=80.0, name=mesh, family="h100-sxm", software="jaxpar")
     return est, parse_inline(mesh)
 
 

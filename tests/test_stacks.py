@@ -136,8 +136,24 @@ def test_out_of_sample_predictions_use_other_sources_only(published):
     loso = s.leave_one_source_out(ok)
     assert set(loso) == set(range(len(ok)))
     for i, (row, _st) in enumerate(ok):
-        own = sum(1 for r, _ in ok if r.source == row.source and s.FAMILY[r.hardware] == s.FAMILY[row.hardware])
-        same_family = sum(1 for r, _ in ok if s.FAMILY[r.hardware] == s.FAMILY[row.hardware])
+        own = sum(1 for r, _ in ok if r.source == row.source and s.family(r.hardware) == s.family(row.hardware))
+        same_family = sum(1 for r, _ in ok if s.family(r.hardware) == s.family(row.hardware))
         how = loso[i][1]
         if "fitted on" in how:
             assert int(how.split("fitted on ")[1].split()[0]) == same_family - own
+
+
+def test_plans_within_the_error_band_tie_and_plan_prints_the_band(capsys):
+    """Another stack's plans tie within its calibration band on that hardware (jaxpar/cost/bands.toml), jaxpar's
+    within TIE_BAND (no published run of jaxpar's program); `plan` prints the band and the MFU convention."""
+    from jaxpar.cost.band import band_for
+    from jaxpar.planning.planner import TIE_BAND, tie_band
+    mc = estimate(from_preset("llama3-8b"), parse_inline("fsdp=8").with_options(dtype="bfloat16").resolved(8),
+                  "h100-sxm", 16, 4096, SOFTWARE["megatron-core"])
+    b = band_for("h100-sxm", "megatron-core")
+    assert b is not None and tie_band(mc) == max(TIE_BAND, b.median)
+    assert tie_band(dataclasses.replace(mc, software="jaxpar")) == TIE_BAND
+    assert cli.main(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--software",
+                     "megatron-core", "--seq", "4096", "--global-batch", "64", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"error band: ±{b.median:.0%} median" in out and "MFU = model FLOPs" in out

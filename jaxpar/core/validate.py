@@ -34,14 +34,19 @@ def data_parallel_size(strategy: Strategy) -> int:
     return n
 
 
-def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padded_zero: bool = False) -> None:
+def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padded_zero: bool = False,
+          program: bool = True) -> None:
     """Raise ConfigError for the first violated constraint. `strategy` must be resolved.
     `padded_zero` (estimate, plan): ZeRO-1 / FSDP over a data size that does not divide d_model is
     allowed, as padded flat shards (Megatron's distributed optimizer; jaxpar/cost/memory.py counts the
-    padding); the trainer shards ZeRO state on the model dim, so a run needs the division."""
+    padding); the trainer shards ZeRO state on the model dim, so a run needs the division.
+    `program` False (an estimate of another stack, jaxpar/cost/software.py): the constraints of jaxpar's
+    own program (its 1F1B head's sequence split, its precisions, how its overlap options are built) do not apply."""
     model.validate()
     check_options_apply(strategy)
     s, o = strategy.sizes, strategy.options
+    if program:
+        check_program_dtype(o.dtype)
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
     # --- sequence and batch -----------------------------------------------------------------
@@ -57,17 +62,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         extra += f" x microbatches={o.microbatches}" if pp > 1 and o.microbatches > 1 else ""
         raise ConfigError(f"batch={batch} is not divisible by the data-parallel size {dp_desc} ({dp}){extra}")
 
-    # --- parameter sharding (ZeRO) --------------------------------------------------------------
-    zero = strategy.zero
-    if zero == 3 and s["fsdp"] == 1:
-        raise ConfigError("zero=3 shards parameters over the fsdp axis, but the mesh has fsdp=1")
-    if zero in (0, 1) and s["fsdp"] > 1:
-        raise ConfigError(f"zero={zero} keeps parameters replicated, but the mesh has fsdp={s['fsdp']} "
-                          "(fsdp shards parameters: use zero=3, or put those devices on `data`)")
-    if zero == 3 and not padded_zero:
-        _divides("fsdp", s["fsdp"], "d_model", model.d_model)
-    if zero == 1 and not padded_zero:
-        _divides("data x fsdp", s["data"] * s["fsdp"], "d_model", model.d_model)
+    check_zero(model, strategy, padded_zero)
 
     # --- tensor parallelism -----------------------------------------------------------------
     _divides("tensor", tp, "vocab", model.vocab)
@@ -84,9 +79,9 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")
     if o.sequence_parallel:
         _divides("context x tensor", cp * tp, "seq", seq)
-    if o.overlap != "none":
+    if o.overlap != "none" and program:
         check_overlap(model, strategy, seq)
-    if o.fsdp_prefetch:
+    if o.fsdp_prefetch and program:
         check_fsdp_prefetch(strategy)
     check_remat(model, strategy)
 
@@ -102,10 +97,17 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     check_pipeline(model, strategy)
     pp, sp = strategy.size("pipeline"), o.sequence_parallel
     piece = seq // (cp * (tp if sp else 1))   # jaxpar/pipeline/one_f_one_b.py spreads it over the stages for the head
-    if pp > 1 and o.pp_schedule == "1f1b" and piece % pp:
+    if program and pp > 1 and o.pp_schedule == "1f1b" and piece % pp:
         raise ConfigError(f"pp_schedule=1f1b spreads each device's sequence piece over the stages for the head: seq={seq} "
                           f"/ ({'context x tensor' if sp else 'context'} = {cp * (tp if sp else 1)}) = {piece} tokens "
                           f"must be divisible by pipeline={pp}")
+
+
+def check_program_dtype(dtype: str) -> None:
+    """jaxpar's program computes in float32 or bfloat16; float8 is a precision of other stacks' estimates."""
+    if dtype == "float8":
+        raise ConfigError("dtype=float8 prices other stacks' float8 matmuls (estimate/plan --software torchtitan, "
+                          "megatron-core, ...); jaxpar's program computes in float32 or bfloat16")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:
@@ -306,6 +308,41 @@ def check_moe(model: ModelConfig, strategy: Strategy) -> None:
                           "sequence order, and the zigzag layout permutes the sequence, so other tokens would be "
                           "dropped than on one device; use cp_layout=contiguous or a dropless model "
                           "(capacity_factor=0)")
+
+
+def check_zero(model: ModelConfig, strategy: Strategy, padded_zero: bool) -> None:
+    """Parameter sharding (ZeRO, jaxpar.core.rules): stage 3 over fsdp or the expert group, stage 1 over the
+    data axes; `padded_zero` as in `check`."""
+    s, zero = strategy.sizes, strategy.zero
+    if zero == 3 and s["fsdp"] == 1 and s["expert"] == 1:
+        raise ConfigError("zero=3 shards parameters over the fsdp axis (or, without one, the expert axis), but the "
+                          "mesh has fsdp=1 and expert=1")
+    if zero in (0, 1) and s["fsdp"] > 1:
+        raise ConfigError(f"zero={zero} keeps parameters replicated, but the mesh has fsdp={s['fsdp']} "
+                          "(fsdp shards parameters: use zero=3, or put those devices on `data`)")
+    if zero == 3 and s["fsdp"] == 1:
+        check_expert_zero3(model, strategy, padded_zero)
+    elif zero == 3 and not padded_zero:
+        _divides("fsdp", s["fsdp"], "d_model", model.d_model)
+    if zero == 1 and not padded_zero:
+        _divides("data x fsdp", s["data"] * s["fsdp"], "d_model", model.d_model)
+
+
+def check_expert_zero3(model: ModelConfig, strategy: Strategy, padded_zero: bool) -> None:
+    """ZeRO-3 over the expert group (jaxpar.core.rules.zero3_axes: `embed` on data x expert, no fsdp axis):
+    the model dim divides over those devices; the schedules and kernels that gather over `fsdp` alone
+    (a pipeline's stage weights, fsdp_prefetch) are refused."""
+    axes = "data x expert"
+    size = strategy.size("data") * strategy.size("expert")
+    if not padded_zero:
+        _divides(axes, size, "d_model", model.d_model)
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"zero=3 over the expert group ({axes} = {size}, fsdp=1) with pipeline="
+                          f"{strategy.size('pipeline')}: the pipeline gathers its stage weights over fsdp only; "
+                          "put the ZeRO-3 devices on an fsdp axis")
+    if strategy.options.fsdp_prefetch:
+        raise ConfigError(f"fsdp_prefetch with zero=3 over the expert group ({axes} = {size}, fsdp=1): the "
+                          "prefetch gathers over fsdp only; put the ZeRO-3 devices on an fsdp axis")
 
 
 def check_expert_parallel(experts: int, expert_axis: int) -> None:

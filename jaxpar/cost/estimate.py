@@ -41,6 +41,8 @@ class Estimate:
     busy: tuple[float, float, float] = (0.0, 0.0, 0.0)  # seconds of matmuls, HBM-bound work, collectives
     power: tuple[float, float] = (0.0, 0.0)             # the profile's (tdp_w, idle_w)
     headroom: float = 0.0                               # share of HBM kept free before a plan "fits"
+    family: str = ""                                    # the hardware's calibration family (jaxpar/cost/band.py)
+    causal: bool = False                                # model FLOPs count the causal triangle of the scores
 
     @property
     def energy(self) -> energy.Energy | None:
@@ -213,14 +215,15 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
     low = fp8_share(st, matmul, cores, fl.head * head / n)
-    compute = time.compute_seconds(matmul, hbm, hw, low)
-    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low), hbm / hw.hbm_bw
+    core_eff = hw.flash2_efficiency if software.attention_kernel == "flash2" else 0.0
+    compute = time.compute_seconds(matmul, hbm, hw, low, cores, core_eff)
+    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low, cores, core_eff), hbm / hw.hbm_bw
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
-    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,
+    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,
                        hw, overlap.fractions(software, st, colls, hw, skew))
     t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
-                    power=(hw.tdp_w, hw.idle_w), headroom=headroom)
+                    power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=causal)

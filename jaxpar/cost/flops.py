@@ -214,6 +214,14 @@ def unit_policy(remat: str) -> str:
     return UNIT_POLICY.get(remat, remat)
 
 
+def core_passes(remat: str, ring: bool = False, rerun_outputs: bool = True) -> float:
+    """How many times a step computes each attention core's forward matmuls, backward included
+    (TRAIN_FACTOR), with what `recompute_flops` reruns of it under `remat` and `ring`."""
+    rerun = ((1.0 if rerun_outputs else 0.5) if remat == "selective"
+             else 1.0 if unit_policy(remat) == "full" or remat == "dots_no_batch" else 0.0)
+    return TRAIN_FACTOR + rerun + (0.5 if ring else 0.0)
+
+
 def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False,
                     ring: bool = False, rerun_outputs: bool = True) -> Flops:
     """Forward work redone in the backward pass under a remat policy (see module docstring; `selective`:

@@ -9,6 +9,10 @@ turn peak numbers into achieved ones; they are fitted once per device type, neve
     link_efficiency     achieved / nominal bandwidth of a collective (NCCL "bus bandwidth" fraction)
     elementwise_passes  HBM passes per produced activation byte in one forward pass (norms, softmax,
                         activations, dropout, residual adds are bandwidth-bound, not FLOP-bound)
+    flash2_efficiency   achieved / peak of FlashAttention-2 (Dao 2023), the attention kernel of stacks
+                        that call it (Software.attention_kernel): an Ampere kernel, 50-73% of the A100's
+                        peak (Dao 2023), 35% of the H100's (Shah et al. 2024, FlashAttention-3's abstract);
+                        not fitted
 What communication hides under compute depends on the software's schedule, not the device: it is
 stated per software (jaxpar/cost/software.py: tp_overlap, dp_overlap, pp_overlap).
 
@@ -49,6 +53,8 @@ class Hardware:
     notes: str = ""
     platform: str = "gpu"      # gpu | tpu: which fused attention kernel jaxpar's program runs there (auto)
     fp8_flops: float = 0.0     # dense float8 FLOP/s per device; 0: the device has no float8 matmuls
+    family: str = ""           # the calibration's hardware family (one constant set each); "": the name
+    flash2_efficiency: float = 0.0  # achieved / peak of the FlashAttention-2 kernel here; 0: the matmul efficiency
 
     def matmul_peak(self, dtype: str) -> float:
         """The peak FLOP/s of matmuls in `dtype` (dense bf16 for float32 and bfloat16 alike: the cost model
@@ -64,9 +70,10 @@ class Hardware:
 PLATFORMS = ("gpu", "tpu")
 _SECTIONS = {"device": ("platform", "peak_flops", "fp8_flops", "hbm_bytes", "hbm_bw"),
              "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
-             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "calibrated"),
+             "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "flash2_efficiency",
+                             "calibrated"),
              "power": ("tdp_w", "idle_w")}
-_TOP = ("name", "notes")
+_TOP = ("name", "notes", "family")
 
 
 def known_profiles() -> list[str]:
@@ -80,6 +87,7 @@ def parse_hardware(text: str, where: str, default_name: str) -> Hardware:
 
 def hardware_from_table(data: dict, where: str, default_name: str) -> Hardware:
     fields: dict = {"name": data.get("name", default_name), "notes": data.get("notes", "")}
+    fields["family"] = data.get("family", fields["name"])
     for key in _TOP:
         if not isinstance(fields[key], str):
             raise ConfigError(f"{where}: {key} must be a string, got {fields[key]!r}")

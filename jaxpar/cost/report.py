@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jaxpar.collectives import human_bytes
+from jaxpar.cost import band
 from jaxpar.cost.estimate import Estimate
 
 
@@ -13,6 +14,13 @@ def _secs(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
 
 
+def mfu_convention(est: Estimate) -> str:
+    """What MFU counts (sources differ: PaLM's appendix B counts the full s x s, Megatron-Bridge the causal half)."""
+    scores = "the causal half of the s x s scores" if est.causal else "the full s x s scores"
+    return (f"MFU = model FLOPs (6 x parameters x tokens + attention over {scores}; no recompute) / "
+            f"(step time x devices x bf16 peak); HFU adds the recompute")
+
+
 def format_estimate(est: Estimate, recomputed: str = "") -> str:
     """The estimate as text. `recomputed`: what the step recomputes, named beside the recompute FLOPs
     (jaxpar.planning.planner.remat_label: `remat=none+QK^T`)."""
@@ -20,7 +28,8 @@ def format_estimate(est: Estimate, recomputed: str = "") -> str:
     lines = [f"{est.model} on {est.devices} x {est.hardware} [{mesh}], software {est.software}: global batch "
              f"{est.global_batch:,} sequences x seq {est.seq:,} = {est.global_batch * est.seq:,} tokens",
              f"  step {_secs(est.step_time_s)}   {est.tokens_per_s:,.0f} tokens/s   "
-             f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   dominant: {est.dominant}", "", "time per step:"]
+             f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   dominant: {est.dominant}",
+             f"  {mfu_convention(est)}", f"  {band.describe(est.family, est.software)}", "", "time per step:"]
     total = est.step_time_s
     for name, t in est.time.terms().items():
         if t > 0:

@@ -40,6 +40,10 @@ one more `Software(...)` in `SOFTWARE`.
                        hardware (`program_traits`): every kernel but dense is fused and skips the blocks a
                        causal mask hides
 
+    attention_kernel   "flash2": the stack's attention is FlashAttention-2 (PyTorch SDPA's flash backend,
+                       flash-attn 2), which runs at the profile's flash2_efficiency (an Ampere kernel: 35%
+                       of an H100); "": a kernel tuned for the hardware (cuDNN, Transformer Engine, splash),
+                       at the matmul efficiency
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
@@ -97,6 +101,7 @@ class Software:
     async_tp: bool = False
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    attention_kernel: str = ""
     sources: str = ""
 
 
@@ -123,22 +128,25 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=True,
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
-                      sequence_parallel=True, sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
+                      sequence_parallel=True, attention_kernel="flash2", sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
 # MaxText (AI-Hypercomputer/maxtext: configs/base.yml): XLA's SPMD program like jaxpar's, splash (TPU) or
-# cuDNN flash (GPU) attention, scanned layers, float32 weights (weight_dtype) gathered as stored, the
+# cuDNN flash (GPU) attention, scanned layers, the residual stream sharded over `tensor` between blocks
+# (its logical axis rules put activation_embed on tensor: all-gathers and reduce-scatters, as under sequence
+# parallelism), float32 weights (weight_dtype) gathered as stored, the
 # latency-hiding scheduler overlapping FSDP gathers and gradient reductions with the layers, its pipeline
 # a circular schedule differentiated by autodiff (not 1F1B), MoE with fixed-capacity buffers unless
 # megablox (sparse_matmul) is on; XLA drops the rerun of a layer's last projection, as for jaxpar.
 MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=False,
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
-                   pp_head_spread=False, dp_overlap=1.0, async_tp=True,
-                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention); MaxText README")
+                   pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True,
+                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, logical_axis_rules: "
+                           "activation_embed on tensor); MaxText README")
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
 # Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
 # (causal), forward/backward prefetch, full-layer activation checkpointing; no TP or PP.
 LLM_FOUNDRY = Software(name="llm-foundry", jaxpar_program=False, causal=True, fused_attention=True,
                        rerun_outputs=True, param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False,
-                       dp_overlap=1.0, sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
+                       dp_overlap=1.0, attention_kernel="flash2", sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
 SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAXTEXT, LLM_FOUNDRY)}
 # Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).
 ALIASES = {"nemo": "megatron-core", "megatron-bridge": "megatron-core"}

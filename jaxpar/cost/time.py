@@ -149,11 +149,17 @@ def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware, imbal
     return out
 
 
-def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flops: float = 0.0) -> float:
+def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flops: float = 0.0,
+                    core_flops: float = 0.0, core_efficiency: float = 0.0) -> float:
     """Roofline sum: matmuls at the calibrated efficiency, elementwise work at HBM bandwidth; `fp8_flops`
-    of them (float8 linears) at the device's float8 peak (Hardware.matmul_peak)."""
-    fp8 = fp8_flops / (hw.matmul_peak("float8") * hw.matmul_efficiency) if fp8_flops else 0.0
-    return (matmul_flops - fp8_flops) / (hw.peak_flops * hw.matmul_efficiency) + fp8 + hbm_bytes / hw.hbm_bw
+    of the matmuls (float8 linears) at the device's float8 peak (Hardware.matmul_peak), and `core_flops`
+    (attention cores) at `core_efficiency` of the bf16 peak where the attention kernel has its own
+    (Hardware.flash2_efficiency), else as the other matmuls."""
+    eff = hw.matmul_efficiency
+    fp8 = fp8_flops / (hw.matmul_peak("float8") * eff) if fp8_flops else 0.0
+    cores = core_flops / (hw.peak_flops * core_efficiency) if core_efficiency else 0.0
+    rest = matmul_flops - fp8_flops - (core_flops if core_efficiency else 0.0)
+    return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],

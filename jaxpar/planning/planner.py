@@ -26,6 +26,8 @@ from jaxpar.core import validate
 from jaxpar.cost import estimate, program_memory
 from jaxpar.cost.estimate import HBM_HEADROOM, check_modelled, check_modelled_layout
 from jaxpar.cost.hardware import Hardware, load_hardware
+from jaxpar.cost import band
+from jaxpar.cost.report import mfu_convention
 from jaxpar.cost.software import JAXPAR, SOFTWARE, Software
 from jaxpar.errors import ConfigError
 from jaxpar.planning.question import Question, written
@@ -141,8 +143,11 @@ TIE_BAND = 0.005
 
 
 def tie_band(est) -> float:
-    """The relative band within which a plan ties with `est` (TIE_BAND)."""
-    return TIE_BAND
+    """The relative band within which a plan ties with `est`: the cost model's median error on published runs
+    of its stack on its hardware family where there are some (jaxpar/cost/band.py: plans closer than the model
+    is to real runs are not told apart by it), else TIE_BAND."""
+    b = band.band_for(est.family, est.software)
+    return max(TIE_BAND, b.median) if b else TIE_BAND
 
 
 def score(est, objective: str = "throughput") -> float:
@@ -283,6 +288,8 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
                      "listed by free memory below the fit limit (`free`, most first), then by fewer mesh axes")
     if any("+" in n.split("remat=", 1)[1].split(",", 1)[0] for n in names):
         lines.append(RECOMPUTE_NOTE)
+    if results:
+        lines += [mfu_convention(results[0][0]), band.describe(results[0][0].family, software)]
     return "\n".join(lines)
 
 
