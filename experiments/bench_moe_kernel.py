@@ -6,15 +6,15 @@
 For each layout and each `moe_kernel` (grouped: jaxpar/ops/moe_grouped.py; padded: jaxpar/ops/moe.py's
 static buffers) one train step on 8 simulated CPU devices, and per token:
     step ms             fastest of --steps after a compile step
-    expert GFLOP        the cost model's expert matmul FLOPs of the forward, all MoE layers (jaxpar.cost.flops:
+    expert MFLOP        the cost model's expert matmul FLOPs of the forward, all MoE layers (jaxpar.cost.flops:
                         k copies per token for grouped, E * C_loc / s_loc rows for padded)
-    XLA GFLOP           XLA's cost analysis of the whole compiled step (forward, backward, optimizer)
+    XLA MFLOP           XLA's cost analysis of the whole compiled step (forward, backward, optimizer)
     a2a B compiled      the expert all-to-alls' bytes in the compiled step (HLO tally), forward and backward
     a2a B model         the cost model's for the same step on XLA:CPU (bucketed for grouped)
     a2a B GPU model     the cost model's on GPU/TPU, where the grouped kernel's ragged all-to-all moves only
                         the routed copies
 Prints only. CPU caveat (printed): XLA:CPU expands jax.lax.ragged_dot to a dense masked product over every
-expert, so on CPU the grouped kernel computes E x the routed FLOPs (its XLA GFLOP and step time show the
+expert, so on CPU the grouped kernel computes E x the routed FLOPs (its XLA MFLOP and step time show the
 expansion), and it has no ragged all-to-all, so the bucketed form sends a fixed worst-case bucket; the
 saving is real on GPU and TPU, where ragged_dot is a grouped matmul. Simulated devices share this host's
 cores, so step times track the total work of all 8.
@@ -49,7 +49,7 @@ from jaxpar.training.trainer import TrainConfig, Trainer  # noqa: E402
 KERNELS = ("grouped", "padded")
 QUICK = dict(batch=8, seq=16, steps=1, layouts=["ep8"])
 CAVEAT = ("CPU caveat: XLA:CPU expands ragged_dot to a dense masked product over every expert (E x the routed "
-          "FLOPs: see XLA GFLOP and step ms) and has no ragged all-to-all (the grouped kernel sends fixed "
+          "FLOPs: see XLA MFLOP and step ms) and has no ragged all-to-all (the grouped kernel sends fixed "
           "worst-case buckets); on GPU and TPU ragged_dot is a grouped matmul and only routed copies travel "
           "(a2a B GPU model).")
 
@@ -75,8 +75,8 @@ def measure(model: str, layout: str, kernel: str, batch: int, seq: int, steps: i
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return {"layout": layout, "kernel": kernel, "step_ms": 1e3 * min(times[1:]),
-            "expert_gflop": expert_flops(m, 1.0, rows).matmul * m.moe_layers / 1e9,
-            "xla_gflop": analysis.get("flops", 0.0) * st.num_devices / tokens / 1e9,
+            "expert_mflop": expert_flops(m, 1.0, rows).matmul * m.moe_layers / 1e6,
+            "xla_mflop": analysis.get("flops", 0.0) * st.num_devices / tokens / 1e6,
             "a2a": a2a_bytes(tally_compiled(compiled, tr.mesh)) * st.num_devices / tokens,
             "a2a_model": a2a_bytes(cost_comm.collectives(m, st, shape, compiler="cpu")) * st.num_devices / tokens,
             "a2a_gpu": a2a_bytes(cost_comm.collectives(m, st, shape, compiler="gpu")) * st.num_devices / tokens}
@@ -97,13 +97,13 @@ def main() -> None:
     m = parse_model(args.model)
     print(f"{args.model}: {m.experts} experts, top-{m.top_k}, capacity_factor {m.capacity_factor}; batch "
           f"{args.batch} x seq {args.seq}, 8 simulated CPU devices; bytes and FLOPs per token, all devices")
-    print(f"{'layout':<18}{'kernel':<9}{'step ms':>9}{'expert GFLOP':>14}{'XLA GFLOP':>11}"
+    print(f"{'layout':<18}{'kernel':<9}{'step ms':>9}{'expert MFLOP':>14}{'XLA MFLOP':>11}"
           f"{'a2a B compiled':>16}{'a2a B model':>13}{'a2a B GPU model':>17}")
     for layout in args.layouts:
         for kernel in KERNELS:
             r = measure(args.model, layout, kernel, args.batch, args.seq, args.steps)
-            print(f"{r['layout']:<18}{r['kernel']:<9}{r['step_ms']:>9.1f}{r['expert_gflop']:>14.6f}"
-                  f"{r['xla_gflop']:>11.4f}{r['a2a']:>16,.0f}{r['a2a_model']:>13,.0f}{r['a2a_gpu']:>17,.0f}")
+            print(f"{r['layout']:<18}{r['kernel']:<9}{r['step_ms']:>9.1f}{r['expert_mflop']:>14.4f}"
+                  f"{r['xla_mflop']:>11.3f}{r['a2a']:>16,.0f}{r['a2a_model']:>13,.0f}{r['a2a_gpu']:>17,.0f}")
     print(CAVEAT)
 
 

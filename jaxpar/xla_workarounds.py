@@ -51,6 +51,14 @@ ragged_all_to_all_runs(platform)    the backend rule for the grouped MoE kernel'
     fixed-capacity bucketed all_to_all elsewhere; the cost model (jaxpar/cost/comm_expert.py) prices
     whichever form this rule picks for the platform it prices.
 
+ragged_dot_nests(platform)          the backend rule for the grouped MoE kernel's matmuls in nested vmaps
+    Avoids: jax.lax.ragged_dot under two vmaps on XLA:CPU, whose lowering (JAX's dense expansion of
+    ragged_dot_general) fails for two batch dims (JAX 0.12: "vmap in_axes must be an int ... got
+    (np.int64(0), 0)"); GPU and TPU lower it to one ragged dot instruction. Inside the pipeline's vmaps
+    over stages and weight copies on CPU, jaxpar/ops/moe_grouped.py writes the same product as the dense
+    masked einsum XLA:CPU expands ragged_dot into. Seen on moe-tiny:layers=4 pipeline=2,expert=2,data=2
+    (tests/test_cost_vs_hlo.py).
+
 Workarounds that are part of a kernel or a schedule stay there, each stated where it lives:
   - jaxpar/ops/collective_matmul.py: the custom VJPs compute a weight's gradient as one dot with the
     gathered activation, not the n partial dots autodiff of the ring gives, which XLA:CPU would
@@ -243,4 +251,11 @@ def ragged_all_to_all_runs(platform: str) -> bool:
     XLA's GPU and TPU backends do, XLA:CPU does not (unimplemented in jax 0.12's XLA), so there the grouped
     MoE kernel sends fixed-capacity buckets by a plain all_to_all (jaxpar/ops/moe_grouped.py). Module
     docstring: why."""
+    return platform in RAGGED_ALL_TO_ALL_PLATFORMS
+
+
+def ragged_dot_nests(platform: str) -> bool:
+    """Whether `jax.lax.ragged_dot` lowers under nested vmaps on a `platform` (cpu | gpu | tpu): GPU and TPU
+    lower it to a ragged dot instruction with batch dims; XLA:CPU's dense expansion fails for two batch
+    dims in JAX 0.12. Module docstring: why."""
     return platform in RAGGED_ALL_TO_ALL_PLATFORMS

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jaxpar.core.mesh import make_mesh
 from jaxpar.core.sharding import Layout, spec_for, use_layout
 from jaxpar.core.strategy import Options, catalogue, parse_strategy
+from jaxpar.ops import moe_grouped
 from jaxpar.ops.capacity import group_capacity
 from jaxpar.ops.moe import moe_experts
 from tests import harness
@@ -148,6 +149,19 @@ def test_ragged_transfer_matches_a_float64_loop(mesh, mode, monkeypatch):
         assert_close(grads[name], want_grads[name], f"d{name}")
 
 
+def test_masked_dot_is_ragged_dot():
+    """The dense form the kernel uses inside nested vmaps on CPU (xla_workarounds.ragged_dot_nests) is
+    ragged_dot's definition, rows past the groups included (zeros)."""
+    rng = np.random.default_rng(0)
+    xs, w = rng.normal(size=(13, 4)).astype(np.float32), rng.normal(size=(3, 4, 5)).astype(np.float32)
+    sizes = np.array([4, 0, 6], np.int32)
+    want = np.zeros((13, 5))
+    for e, (start, size) in enumerate(zip(np.cumsum(sizes) - sizes, sizes)):
+        want[start:start + size] = xs[start:start + size].astype(np.float64) @ w[e]
+    assert_close(moe_grouped.masked_dot(xs, w, sizes), want, "masked_dot")
+    assert_close(jax.lax.ragged_dot(xs, w, sizes), want, "ragged_dot")
+
+
 def test_bucket_is_the_exact_worst_case():
     """Dropless, every token of a shard may send min(k, E/n) copies to one owner; with a capacity an
     owner keeps at most min(s, C) copies of a sequence per expert."""
@@ -173,6 +187,11 @@ def test_grouped_is_the_default():
 def test_model_matches_one_device(mesh):
     """The default kernel, so the compile is tests/test_strategies.py's (harness cache)."""
     harness.assert_matches_one_device("moe-tiny", mesh)
+
+
+@pytest.mark.slow   # 25 s: GPipe's vmaps over stages and weight copies (the dense form on CPU: masked_dot)
+def test_pipeline_with_data_copies_matches_one_device():
+    harness.assert_matches_one_device("moe-tiny:layers=4", "pipeline=2,expert=2,data=2", microbatches=4)
 
 
 @pytest.mark.slow   # the padded kernel's kernel-level case (a) runs by default in tests/test_moe.py's local one
@@ -226,19 +245,22 @@ def test_cost_model_matches_the_compiled_collectives(model, mesh, options):
 @pytest.mark.slow   # two compiles in a subprocess: ~20 s
 def test_benchmark_quick_mode():
     """experiments/bench_moe_kernel.py --quick prints both kernels with the CPU caveat; its figures against
-    independent counts: padded dropless computes E/k times the grouped kernel's expert FLOPs, and under
-    ep8 (one expert per owner) the bucket equals the padded buffer, so the compiled all-to-all bytes
-    agree, with the cost model's CPU figure and above its GPU (ragged) one."""
+    independent counts: the expert FLOPs per token are k (grouped) or E (padded, dropless) SwiGLUs plus the
+    k-way combine, and under ep8 (one expert per owner) the bucket equals the padded buffer, so the compiled
+    all-to-all bytes agree, with the cost model's CPU figure and above its GPU (ragged) one."""
     import subprocess
     import sys
+    from jaxpar.models.config import parse_model
     from tests.experiments_read import EXPERIMENTS, ROOT
     run = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_moe_kernel.py"), "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "CPU caveat" in run.stdout
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in run.stdout.splitlines()
-            if line.startswith("ep8 ")}
+    rows = {tuple(line.split()[:2]): [float(v.replace(",", "")) for v in line.split()[2:]]
+            for line in run.stdout.splitlines() if line.startswith("ep8 ")}
     grouped, padded = rows[("ep8", "grouped")], rows[("ep8", "padded")]
-    num = lambda s: float(s.replace(",", ""))   # noqa: E731
-    assert num(padded[1]) == pytest.approx(num(grouped[1]) * E / K, rel=1e-6)
-    assert num(grouped[3]) == num(padded[3]) == num(grouped[4]) > num(grouped[5])
+    m = parse_model("moe-tiny")
+    for row, copies in ((grouped, K), (padded, E)):
+        want = m.moe_layers * (6 * m.d_model * m.moe_mlp_dim * copies + 2 * K * m.d_model) / 1e6
+        assert row[1] == pytest.approx(want, abs=1e-4)
+    assert grouped[3] == padded[3] == grouped[4] > grouped[5]

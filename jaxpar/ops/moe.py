@@ -56,7 +56,7 @@ from jaxpar.core import validate
 from jaxpar.ops.capacity import bucket_rows, group_capacity
 from jaxpar.ops.moe_grouped import expert_parallel_grouped, local_grouped
 from jaxpar.core.sharding import current_layout
-from jaxpar.xla_workarounds import ragged_all_to_all_runs
+from jaxpar.xla_workarounds import ragged_all_to_all_runs, ragged_dot_nests
 
 
 def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -129,16 +129,16 @@ def local_moe(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, context_a
 
 
 def _local(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, kernel: str,
-           context_axes: tuple[str, ...] = ()):
+           context_axes: tuple[str, ...] = (), dense: bool = False):
     """y, kept with every expert here, by `kernel` (padded: `local_moe`; grouped: jaxpar/ops/moe_grouped.py)."""
     if kernel == "padded":
         return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, context_axes=context_axes)
     _, kept = queue_slots(ids, w_gate.shape[0], capacity, context_axes)
-    return local_grouped(x, ids, kept, weights, w_gate, w_up, w_down).astype(x.dtype), kept
+    return local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense).astype(x.dtype), kept
 
 
 def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: int, capacity: int, n: int,
-                           expert_axes, context_axes, tensor_axes, kernel: str, ragged: bool):
+                           expert_axes, context_axes, tensor_axes, kernel: str, ragged: bool, dense: bool):
     """One shard: its tokens' copies out to the experts' owners and back (padded: two all_to_alls of
     the dispatch buffers; grouped: the counts, then the routed copies, jaxpar/ops/moe_grouped.py)."""
     g, s, d = x.shape
@@ -148,7 +148,7 @@ def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: in
     if kernel == "grouped":
         bucket = bucket_rows(g, s, ids.shape[-1], experts, n, cap)
         y = expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, n=n, axis=expert_axes,
-                                    bucket=bucket, ragged=ragged).astype(x.dtype)
+                                    bucket=bucket, ragged=ragged, dense=dense).astype(x.dtype)
     else:
         buffers = _dispatch(x, ids, slot, kept, experts, cap)              # [g, E, cap, d]
         send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
@@ -186,19 +186,21 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     tensor_axes = layout.axes("mlp")
     tokens = P(_dim(batch_axes), _dim(seq_axes))
     w_in, w_out = P(_dim(expert_axes), None, _dim(tensor_axes)), P(_dim(expert_axes), _dim(tensor_axes))
+    platform = layout.mesh.devices.flat[0].platform
+    dense = getattr(layout, "in_vmap", False) and not ragged_dot_nests(platform)
     if n == 1:
         def shard(x, ids, weights, w_gate, w_up, w_down):
             y, kept = _local(_varying(x, tensor_axes), ids, weights, w_gate, w_up, w_down, capacity=capacity,
-                             kernel=kernel, context_axes=seq_axes)
+                             kernel=kernel, context_axes=seq_axes, dense=dense)
             return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
     else:
-        ragged = ragged_all_to_all_runs(layout.mesh.devices.flat[0].platform)
+        ragged = ragged_all_to_all_runs(platform)
 
         def shard(x, ids, weights, w_gate, w_up, w_down):
             return _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, experts=experts,
                                           capacity=capacity, n=n, expert_axes=_dim(expert_axes),
                                           context_axes=seq_axes, tensor_axes=tensor_axes, kernel=kernel,
-                                          ragged=ragged)
+                                          ragged=ragged, dense=dense)
     return jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
                          out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))(
         x, ids, weights, w_gate, w_up, w_down)

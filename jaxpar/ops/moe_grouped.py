@@ -33,12 +33,42 @@ import jax.numpy as jnp
 
 
 def grouped_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                sizes: jax.Array) -> jax.Array:
+                sizes: jax.Array, dense: bool = False) -> jax.Array:
     """SwiGLU of rows xs [R, d] sorted by expert, sizes[e] rows for expert e (w [E, d, f], [E, f, d]);
-    rows past sum(sizes) come out as zeros on CPU and are masked by the callers everywhere."""
-    gate = jax.lax.ragged_dot(xs, w_gate, sizes)
-    up = jax.lax.ragged_dot(xs, w_up, sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+    rows past sum(sizes) come out as zeros on CPU and are masked by the callers everywhere.
+
+    JAX 0.12 batches ragged_dot only when all three operands carry the vmapped dim ("ragged_dot vmap
+    over any dim but 0 - NYI"), and inside the pipeline's vmaps over stages and weight copies some do
+    not: every operand is tied to the others by an integer zero read from them (`_tie`), so under a vmap
+    all are batched alike, and outside one the zero is a constant XLA folds away. `dense`: the products
+    as `masked_dot` (XLA:CPU inside nested vmaps: xla_workarounds.ragged_dot_nests)."""
+    dot = masked_dot if dense else jax.lax.ragged_dot
+    zero = _tie(xs, w_gate, w_up, w_down, sizes)
+    xs, sizes = xs + zero.astype(xs.dtype), sizes + zero
+    w_gate, w_up, w_down = (w + zero.astype(w.dtype) for w in (w_gate, w_up, w_down))
+    gate = dot(xs, w_gate, sizes)
+    up = dot(xs, w_up, sizes)
+    return dot(jax.nn.silu(gate) * up, w_down, sizes)
+
+
+def masked_dot(xs: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """ragged_dot's definition as one dense product: row r times w[e] for the group e that holds r (rows
+    past sum(sizes): zeros), every row through every expert, masked: what XLA:CPU expands ragged_dot into."""
+    ends = jnp.cumsum(sizes)
+    row = jnp.arange(xs.shape[0])
+    mask = (row[None] >= (ends - sizes)[:, None]) & (row[None] < ends[:, None])          # [E, R]
+    return jnp.einsum("er,erf->rf", mask.astype(xs.dtype), jnp.einsum("rd,edf->erf", xs, w))
+
+
+def _tie(*arrays: jax.Array) -> jax.Array:
+    """int32 zero that depends on the first element of each array (no gradient flows through it)."""
+    zero = jnp.int32(0)
+    for a in arrays:
+        first = jax.lax.stop_gradient(a.reshape(-1)[0])
+        bits = first if first.dtype == jnp.int32 else jax.lax.bitcast_convert_type(first.astype(jnp.float32),
+                                                                                   jnp.int32)
+        zero = zero + (bits & 0)
+    return zero
 
 
 def _by_expert(expert: jax.Array, experts: int) -> tuple[jax.Array, jax.Array]:
@@ -72,14 +102,14 @@ def _sorted_copies(x, ids, kept, experts: int):
     return x.reshape(g * s, d)[order // k], order, sizes, expert[order]
 
 
-def local_grouped(x, ids, kept, weights, w_gate, w_up, w_down) -> jax.Array:
+def local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense: bool = False) -> jax.Array:
     """y [g, s, d] (float32) with every expert here: x [g, s, d], ids / kept / weights [g, s, k]."""
     rows, order, sizes, _ = _sorted_copies(x, ids, kept, w_gate.shape[0])
-    return _combine(_unsort(grouped_ffn(rows, w_gate, w_up, w_down, sizes), order), kept, weights)
+    return _combine(_unsort(grouped_ffn(rows, w_gate, w_up, w_down, sizes, dense), order), kept, weights)
 
 
 def expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, *, n: int, axis, bucket: int,
-                            ragged: bool) -> jax.Array:
+                            ragged: bool, dense: bool = False) -> jax.Array:
     """One shard of expert parallelism (module docstring): its tokens' kept copies to their experts'
     owners and back; w_* hold this shard's E/n experts. y [g, s, d] (float32; partial under `tensor`)."""
     per = w_gate.shape[0]
@@ -93,7 +123,7 @@ def expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, *, n: i
     bounds = jnp.cumsum(mine, axis=1)
     local = jnp.sum(jnp.arange(bucket)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(-1)
     order_here, sizes_here = _by_expert(local, per)                  # padding rows: local id `per`, last
-    out = _unsort(grouped_ffn(received[order_here], w_gate, w_up, w_down, sizes_here), order_here)
+    out = _unsort(grouped_ffn(received[order_here], w_gate, w_up, w_down, sizes_here, dense), order_here)
     returned = back(out, expert // per, rows.shape[0])               # [N, d] in this shard's sorted order
     return _combine(_unsort(returned, order), kept, weights)
 
