@@ -223,15 +223,15 @@ def test_moe_steps_collectives_equal_the_cost_model():
     """moe-tiny on expert=2 x tensor=4, compiled only: the prefill's and the decode step's collectives
     (HLO tally, scalars aside) equal jaxpar/cost/inference.py's per kind and axes (counts exact, bytes
     within 1%), and the decode step's expert all-to-alls are the hand count: 2 per MoE layer, each a
-    device's dispatch buffer of E=8 rows (dropless: a one-token group gives every expert a slot) x its
-    2 sequences x d=64 float32."""
+    device's buckets to its 2 expert owners (the grouped kernel on CPU, jaxpar/ops/moe_grouped.py) of
+    4 rows each (its 2 sequences' one token sends at most min(k, E/n) = 2 copies to an owner) x d=64 float32."""
     from jaxpar.cost.inference import inference_estimate
     model = parse_model("moe-tiny")
     gen = Generator(model, parse_strategy("expert=2,tensor=4"), PROMPTS, NEW)
     for phase, compiled in zip(("prefill", "decode"), gen.compiled_steps()):
         est = inference_estimate(model, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, phase, compiler="cpu")
         got = assert_collectives_as_estimated(compiled, gen.mesh, est, phase)
-    assert got["all-to-all", ("expert",)] == [2 * model.moe_layers, 2 * model.moe_layers * 8 * 2 * 64 * 4]
+    assert got["all-to-all", ("expert",)] == [2 * model.moe_layers, 2 * model.moe_layers * 2 * 4 * 64 * 4]
 
 
 @pytest.mark.parametrize("mesh", [SERVE, "data=4,context=2"])

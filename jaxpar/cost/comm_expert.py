@@ -47,12 +47,11 @@ def expert_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc
     out = []
     if n > 1:
         form = kernel(st, cc, padded)
-        out += site(cc, A2A, ("expert",), 2 * e, [dispatch_bytes(m, shape, c, n, act, form)], "forward")
-        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e,
-                    [dispatch_bytes(m, shape, c, n, act, form)], "backward")
-        if form != "padded":
-            for phase in _passes(st):
-                out += site(cc, AG, ("expert",), e, [n * m.experts * TOKEN_BYTES], phase)
+        buf = dispatch_bytes(m, shape.mb, shape.s_loc, c, n, act, form)
+        out += site(cc, A2A, ("expert",), 2 * e, [buf], "forward")
+        out += site(cc, A2A, ("expert",), (4 if st.options.remat == "full" else 2) * e, [buf], "backward")
+        for phase in _passes(st) if form != "padded" else ():
+            out += site(cc, AG, ("expert",), e, [counts_bytes(m, n)], phase)
     if c > 1:
         counts = shape.mb * m.top_k * m.experts * TOKEN_BYTES * c
         for phase in _passes(st):
@@ -75,12 +74,18 @@ def kernel(st: Strategy, cc: Compiler, padded: bool = True) -> str:
     return "ragged" if ragged_all_to_all_runs(cc.name) else "bucketed"
 
 
-def dispatch_bytes(m: ModelConfig, shape: StepShape, context: int, n: int, act: int, form: str) -> float:
-    """Bytes one device sends in one expert all-to-all, by `kernel` form (`expert_parallel`)."""
-    seq = round(shape.s_loc * context)
+def dispatch_bytes(m: ModelConfig, mb: float, s_loc: float, context: int, n: int, act: int, form: str) -> float:
+    """Bytes one device sends in one expert all-to-all, by `kernel` form (`expert_parallel`), for mb
+    sequences of s_loc local tokens each (a sequence of s_loc * context tokens)."""
+    seq = round(s_loc * context)
     if form == "padded":   # the buffer's rows per token as the FLOPs count them (flops.expert_rows)
-        return expert_rows(m, seq, context, True) * shape.s_loc * shape.mb * m.d_model * act
+        return expert_rows(m, seq, context, True) * s_loc * mb * m.d_model * act
     if form == "ragged":
-        return m.top_k * shape.s_loc * shape.mb * m.d_model * act
-    cap = min(shape.s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor))
-    return n * bucket_rows(shape.mb, shape.s_loc, m.top_k, m.experts, n, cap) * m.d_model * act
+        return m.top_k * s_loc * mb * m.d_model * act
+    cap = min(s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor))
+    return n * bucket_rows(mb, s_loc, m.top_k, m.experts, n, cap) * m.d_model * act
+
+
+def counts_bytes(m: ModelConfig, n: int) -> float:
+    """The grouped kernel's count exchange: every shard's kept copies per expert, n x E int32."""
+    return n * m.experts * TOKEN_BYTES

@@ -57,7 +57,7 @@ from jaxpar.cost import comm as cost_comm
 from jaxpar.cost import flops, params, program_pipeline
 from jaxpar.cost.comm_context import context_parallel, positions
 from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, PERMUTE, Compiler, site
-from jaxpar.cost.flops import expert_rows
+from jaxpar.cost import comm_expert
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.memory import DTYPE_BYTES
 from jaxpar.cost.shape import step_shape
@@ -225,10 +225,13 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
     if c > 1:  # a context-parallel prefill (a decode step never splits its one token)
         ops += _context_prefill(m, st, batch, q_len, act, cc)
     if m.moe_layers and st.sizes["expert"] > 1:
-        # the dispatch buffers to the experts' owners and back, as in training's forward (cost/comm_expert.py
-        # expert_parallel): E x C_loc rows per sequence, a group being one sequence's q_len tokens
-        buf = expert_rows(m, q_len, 1, moe_padded) * q_len * b * m.d_model * act
+        # the copies to the experts' owners and back, as in training's forward (cost/comm_expert.py
+        # expert_parallel), a group being one sequence's q_len tokens
+        n, form = st.sizes["expert"], comm_expert.kernel(st, cc, moe_padded)
+        buf = comm_expert.dispatch_bytes(m, b, q_len, 1, n, act, form)
         ops += site(cc, A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")
+        if form != "padded":
+            ops += site(cc, AG, ("expert",), m.moe_layers, [comm_expert.counts_bytes(m, n)], "forward")
     merged: dict[tuple, list[float]] = {}
     for kind, axes, count, nbytes, phase in ops:
         acc = merged.setdefault((kind, axes, phase), [0.0, 0.0])
