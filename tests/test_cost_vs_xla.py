@@ -68,8 +68,10 @@ CASES = [
     ("mamba2-tiny", "dp8", 8, {}),
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
     ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies
-    # ZeRO-3 x expert with wide experts: every layer's gathered experts live until the backward pass
-    ("moe-tiny:d_model=128,expert_mlp_dim=256", "fsdp=4,expert=2", 8, {}),
+    # ZeRO-3 x expert with wide experts: every layer's gathered experts live until the backward pass (the
+    # padded kernel, whose FLOPs the cost model counts on CPU: XLA:CPU expands the grouped kernel's ragged_dot
+    # over every local expert, jaxpar/cost/flops.py expert_rows)
+    ("moe-tiny:d_model=128,expert_mlp_dim=256", "fsdp=4,expert=2", 8, {"moe_kernel": "padded"}),
 ]
 IDS = [f"{m}-{mesh}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, mesh, _, o in CASES]
 
