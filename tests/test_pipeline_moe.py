@@ -33,13 +33,10 @@ CASES = {
     "gpipe-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=2)),
     # every batch row of a stage on `expert` (no copies), circular with padding slots, M > S
     "circular-uneven-ep4": ("pipeline=2,expert=4", dict(microbatches=4, pp_schedule="circular", pp_repeats=2)),
-    # 1F1B: the backward of micro-batch 0 before the forward of micro-batch 3, uneven 2+3. The padded expert
-    # kernel: 1F1B vmaps the stages' chunk over stages and batch shards, and JAX 0.12's CPU expansion of a
-    # ragged_dot (the grouped kernel) under two vmaps fails (a numpy integer as a vmap axis)
-    "1f1b-uneven-ep4": ("pipeline=2,expert=4", dict(microbatches=4, pp_schedule="1f1b", moe_kernel="padded")),
+    # 1F1B: the backward of micro-batch 0 before the forward of micro-batch 3, uneven 2+3
+    "1f1b-uneven-ep4": ("pipeline=2,expert=4", dict(microbatches=4, pp_schedule="1f1b")),
     # interleaved 1F1B with weight copies per data shard and padding slots
-    "1f1b-v2-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=4, pp_schedule="1f1b", pp_repeats=2,
-                                                                 moe_kernel="padded")),
+    "1f1b-v2-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=4, pp_schedule="1f1b", pp_repeats=2)),
 }
 SLOW_CASES = {"1f1b-v2-uneven-ep2-dp2"}
 CASE_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]

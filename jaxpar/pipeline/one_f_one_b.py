@@ -71,7 +71,7 @@ state's: loss, gradients and router metrics equal one device's (tests/test_pipel
 one more chunk forward per stage and item (a third more stage FLOPs with remat none), and no memory: the
 pass keeps nothing but the sums. Per-micro-batch losses (Megatron-LM's) would not equal one device's. The
 expert kernel runs inside the vmaps over stages and batch shards; its all-to-alls are over `expert`, whose
-rows are not weight-copy shards ("rows", not "shards": `_shard_rules`), so the experts stay where they are.
+rows are not weight-copy shards ("rows", not "shards": jaxpar/pipeline/shards.py): the experts stay put.
 
 The code follows that order: `Ticks` is the timetable (which item each stage runs in a tick), `_Plan` what
 the step is made of before any array, `_prologue` the differentiable part before the loop, `_forward`,
@@ -90,14 +90,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.core.rules import Rules
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.moe import aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL
-from jaxpar.pipeline.stages import (COPY_AXES, InStages, axis_name, param_spec, split_microbatches, stage_chunk,
-                                    stage_shift, stage_weights, unit_names, valid_slots)
+from jaxpar.pipeline.shards import Shards, ShardedLayout
+from jaxpar.pipeline.stages import (axis_name, param_spec, stage_chunk, stage_shift, stage_weights, unit_names,
+                                    valid_slots)
 
 STATE = ("stages", "shards", "rows", "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
 LABELS = ("stages", "shards", "rows", "seq")                    # [S, N, rows, s]
@@ -144,7 +144,7 @@ class Ticks:
         return (t - 2 * (v * S - 1 - r * S - s)) % self.stash_slots
 
 
-# ---- the parameters outside the stages, and the batch shards -------------------------------------------
+# ---- the parameters outside the stages ----------------------------------------------------------------
 
 def _used_leaves(fn, leaves: list, *args) -> list[int]:
     """Indices of `leaves` that fn(leaves, *args) reads (from its jaxpr)."""
@@ -200,71 +200,6 @@ class _Outside:
         return tuple(self.variables[i].get_metadata().get("out_sharding") or (None,) * self.leaves[i].ndim)
 
 
-def _shard_rules(rules, inner: bool):
-    """`rules` with the batch split in two: "shards" (the weight-copy axes, data x fsdp: one copy of the
-    weights each) and "rows" (the other batch axes, `expert`: the expert kernel's all-to-alls run over
-    them); inside the vmap over the shards (`inner`) the batch is its rows."""
-    rules = dict(rules)
-    rules["shards"] = tuple(a for a in rules["batch"] if a in COPY_AXES)
-    rules["rows"] = tuple(a for a in rules["batch"] if a not in COPY_AXES)
-    if inner:
-        rules["batch"] = rules["rows"]
-    return Rules(rules)
-
-
-class _Outer(Layout):
-    """The step's layout around the loop: the batch's logical names plus "shards" and "rows"."""
-
-    def rules(self, purpose: str):
-        return _shard_rules(super().rules(purpose), inner=False)
-
-
-class _PerShard(InStages):
-    """The layout inside the vmap over batch shards: the vmapped dim is the shards' share of the batch."""
-
-    def rules(self, purpose: str):
-        return _shard_rules(super().rules(purpose), inner=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shards:
-    """The N = data x fsdp batch shards, each running its rows with its own copy of the weights, so that
-    no weight gradient is reduced over the batch axes inside the loop (module docstring)."""
-    layout: Layout
-    count: int                    # N
-    axis: Any                     # the batch axes as spmd_axis_name (None without)
-    inner: Layout                 # the layout inside the vmap over them
-
-    @classmethod
-    def of(cls, layout: Layout) -> _Shards:
-        shard_axes = layout.axes("shards")
-        return cls(layout, int(np.prod([layout.mesh.shape[a] for a in shard_axes])),
-                   axis_name(shard_axes) if shard_axes else None,
-                   _PerShard(layout.mesh, layout.strategy, layout.replicate_kv_heads))
-
-    def copies(self, a, names: tuple, lead: int, lead_spec: tuple):
-        """a (a parameter with logical `names` after `lead` dims) broadcast to one copy per batch shard
-        after its `lead` dims (each device keeps what it holds), gathered over fsdp."""
-        a = jnp.broadcast_to(jnp.expand_dims(a, lead), a.shape[:lead] + (self.count,) + a.shape[lead:])
-        drop = ("fsdp",) + tuple(self.layout.axes("shards"))
-        spec = param_spec(names, self.layout, drop, lead=lead_spec + (self.axis,))
-        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(self.layout.mesh, spec))
-
-    def rows(self, a, names: tuple, microbatches: int):
-        """[B, rest] (B on the batch axes, rest named `names`) -> [M, N, mb/N, rest]: micro-batches, then
-        each batch shard's rows (on the `rows` axes), in place."""
-        a = constrain(split_microbatches(a, microbatches), (None, "batch") + names)
-        a = a.reshape((microbatches, self.count, a.shape[1] // self.count) + a.shape[2:])
-        return constrain(a, (None, "shards", "rows") + names)
-
-    def staged(self, fn: Callable, stage_axes_in: tuple, shard_axes_in: tuple) -> Callable:
-        """fn over the stages (spmd: the pipeline axes) and, in each, over the batch shards."""
-        def per_stage(*args):
-            with use_layout(self.inner):
-                return jax.vmap(fn, in_axes=shard_axes_in, spmd_axis_name=self.axis)(*args)
-        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=axis_name(self.layout.axes("stages")))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The step's fixed parts, known before any array: the schedule and its timetable, the layouts, the
@@ -275,7 +210,7 @@ class _Plan:
     sched: Schedule
     ticks: Ticks
     outside: _Outside
-    shards: _Shards
+    shards: Shards
     dtype: Any
     chunk: Callable
     cfg: Any                      # the model's ModelConfig
@@ -287,7 +222,7 @@ class _Plan:
         rows, seq = batch["labels"].shape[0] // sched.microbatches, batch["labels"].shape[1]
         dt = jnp.dtype(dtype)
         return cls(graphdef, layout, sched, Ticks(sched.stages, sched.microbatches, sched.repeats),
-                   _Outside.of(model, rows, seq, dt), _Shards.of(layout), dt,
+                   _Outside.of(model, rows, seq, dt), Shards.of(layout), dt,
                    stage_chunk(model, sched, layout, per_shard=False, with_aux=True, policy=strategy.options.remat),
                    model.cfg)
 
@@ -394,7 +329,7 @@ def _seed(ticks: Ticks, s, g, g_aux, t):
     return g, jnp.where(ok_b, jax.lax.dynamic_index_in_dim(g_aux, r, 0, keepdims=False), 0.0)
 
 
-def _backward_fn(shards: _Shards, chunk, ticks: Ticks, ok) -> Callable:
+def _backward_fn(shards: Shards, chunk, ticks: Ticks, ok) -> Callable:
     """backward(ws, valid, stage, g, g_aux, stash, t, pos) -> (input cotangents, weights' gradients): every
     stage's chunk recomputed from its stashed input and its vjp taken with the received cotangents. The vjp
     is of the stage- and shard-vmapped recompute (the vmap is traced first, as jax.grad of GPipe's loop
@@ -626,7 +561,7 @@ def pipelined_loss_and_grads(graphdef, params, batch: dict, strategy: Strategy, 
     """(loss, the MoE layers' AUX_FIELDS summed over the layers or None without MoE blocks, gradients
     w.r.t. `params`) of one batch under the 1F1B schedule (module docstring): what jax.value_and_grad of
     Trainer._loss computes."""
-    layout = _Outer(layout.mesh, layout.strategy, layout.replicate_kv_heads)
+    layout = ShardedLayout(layout.mesh, layout.strategy, layout.replicate_kv_heads)
     with use_layout(layout):
         plan = _Plan.of(graphdef, params, batch, strategy, layout, dtype)
         ids = plan.shards.rows(batch["inputs"], ("seq",), plan.ticks.microbatches)       # [M, N, rows, s]
