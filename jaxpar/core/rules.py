@@ -46,10 +46,24 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
 DATA_AXES = ("data", "fsdp", "expert")  # the axes a batch is split over
 
 
+def zero3_axes(strategy: Strategy) -> tuple[str, ...]:
+    """The mesh axes ZeRO-3 shards the parameters' model dim (`embed`) over: `fsdp`; on a mesh without
+    one but with expert parallelism, the expert group and the data axis beside it (data x expert), as NeMo
+    (Megatron-Core's expert-data-parallel group with FSDP) and MaxText (EP with FSDP on one group of
+    devices) lay it out. A routed expert's weights [experts, embed, mlp] then hold their experts on
+    `expert` and their model dim on `data` (spec_for uses a mesh axis once per array), every other weight
+    its model dim on data x expert: weights, gradients and optimizer state all 1/(data x expert) per
+    device, each gathered over the axes its matmuls need."""
+    sizes = strategy.sizes
+    if sizes.get("fsdp", 1) == 1 and sizes.get("expert", 1) > 1:
+        return ("data", "expert")
+    return ("fsdp",)
+
+
 def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = False) -> Rules:
     """The table for `purpose` in {"params", "optimizer", "activations", "compute"}.
 
-    - params:      `embed` on fsdp under ZeRO-3, replicated otherwise.
+    - params:      `embed` under ZeRO-3 on fsdp (or the expert group: `zero3_axes`), replicated otherwise.
     - optimizer:   Adam moments follow the params, except ZeRO-1 which shards them (and the
                    gradient entering the update) on `embed` over data x fsdp.
     - activations: sequence parallelism adds `tensor` to the residual stream's sequence dim.
@@ -66,7 +80,7 @@ def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = Fa
         rules["kv_heads"] = rules["act_kv_heads"] = ()
     zero = strategy.zero
     if purpose in ("params", "optimizer", "compute"):
-        rules["embed"] = ("fsdp",) if zero == 3 and purpose != "compute" else ()
+        rules["embed"] = zero3_axes(strategy) if zero == 3 and purpose != "compute" else ()
         if purpose == "optimizer" and zero == 1:
             rules["embed"] = ("data", "fsdp")
     elif purpose == "activations":

@@ -315,8 +315,8 @@ def check_zero(model: ModelConfig, strategy: Strategy, padded_zero: bool) -> Non
     data axes; `padded_zero` as in `check`."""
     s, zero = strategy.sizes, strategy.zero
     if zero == 3 and s["fsdp"] == 1 and s["expert"] == 1:
-        raise ConfigError("zero=3 shards parameters over the fsdp axis (or, without one, the expert axis), but the "
-                          "mesh has fsdp=1 and expert=1")
+        raise ConfigError("zero=3 shards parameters over the fsdp axis, but the mesh has fsdp=1 (and expert=1: "
+                          "without fsdp, ZeRO-3 shards over the expert group)")
     if zero in (0, 1) and s["fsdp"] > 1:
         raise ConfigError(f"zero={zero} keeps parameters replicated, but the mesh has fsdp={s['fsdp']} "
                           "(fsdp shards parameters: use zero=3, or put those devices on `data`)")

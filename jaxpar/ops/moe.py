@@ -201,9 +201,18 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
                                           capacity=capacity, n=n, expert_axes=_dim(expert_axes),
                                           context_axes=seq_axes, tensor_axes=tensor_axes, kernel=kernel,
                                           ragged=ragged, dense=dense)
-    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                         out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))(
-        x, ids, weights, w_gate, w_up, w_down)
+    call = jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                         out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))
+    return jax.checkpoint(call, policy=_save_all_but_weight_copies)(x, ids, weights, w_gate, w_up, w_down)
+
+
+def _save_all_but_weight_copies(prim, *_, **__) -> bool:
+    """The kernel's checkpoint policy: every residual saved except the experts' weights as the shard's
+    matmuls read them (their `pvary` copies, varying over the token axes), which the backward pass takes
+    again from the stored weights: under ZeRO-3 (jaxpar.core.rules.zero3_axes) those arrive gathered at
+    the shard_map's boundary, and saved they would keep every layer's gathered experts until the backward
+    pass; recomputed, the backward gathers each layer's again (one all-gather per weight, as FSDP does)."""
+    return prim.name != "pvary"
 
 
 def _varying(x: jax.Array, tensor_axes: tuple[str, ...]) -> jax.Array:
