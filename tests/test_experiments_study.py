@@ -246,7 +246,6 @@ CHECKS = {
 # Scripts with no --quick mode, each checked by a test file of its own.
 TESTED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py (its --dry-run on CPU)",
                     "bench_moe_kernel": "tests/test_moe_grouped.py (its --quick run, prints only; slow)",
-                    "bench_moe_kernel": "tests/test_moe_grouped.py (its --quick run, prints only; slow)",
                     "study_stacks": "tests/test_stacks.py (reads the published runs beside the repository; "
                                     "skipped where they are not)",
                     "demo_text": "its parts in tests/test_data_prepare.py and tests/test_data_loader.py (prepare, "
