@@ -34,16 +34,19 @@ def test_expert_groups_cross_the_hosts():
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_with_experts_across_hosts(tmp_path):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_two_processes_match_one_with_experts_across_hosts(zero, tmp_path):
     """2 processes x 4 devices, each expert all-to-all between them: the loss and router metrics of every step
-    equal the 1-process run's (rtol 1e-5). About a minute (two processes compile and start)."""
+    equal the 1-process run's (rtol 1e-5); zero=3 also shards every weight over the expert group, across the
+    hosts too (jaxpar.core.rules.zero3_axes). About a minute each (two processes compile and start)."""
     out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
                           "--devices-per-process", "4", "--", "train", "--model", MODEL, "--mesh", MESH,
-                          "--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ), "--no-progress",
+                          "--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ), "--no-progress", "--zero", str(zero),
                           "--metrics", str(tmp_path / "m.jsonl")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     got = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    trainer = Trainer(parse_model(MODEL), parse_strategy(MESH), TrainConfig(batch=BATCH, seq=SEQ, steps=STEPS))
+    trainer = Trainer(parse_model(MODEL), parse_strategy(MESH).with_options(zero=zero),
+                      TrainConfig(batch=BATCH, seq=SEQ, steps=STEPS))
     want = []
     train(trainer, Synthetic(trainer.model_cfg.vocab, 0), on_step=lambda _, m: want.append(m))
     assert len(got) == len(want) == STEPS
