@@ -135,27 +135,28 @@ def maxtext_v6e(src, row, models) -> Row:
 
 
 def maxtext_2023(src, row, models) -> Row:
-    """fsdp (and tensor) inside a slice, data parallelism across slices over DCN; remat minimal = the
-    matmul outputs saved (JAX's dots policy); TFLOP/s per chip into tokens/s with the non-causal
+    """fsdp (and tensor) inside a slice, data parallelism across slices over DCN; remat minimal = MaxText's
+    checkpoint_dots_with_no_batch_dims (jaxpar's dots_no_batch); TFLOP/s per chip into tokens/s with the non-causal
     2023 formula (the source says the v5p rows may count causal attention: ambiguous)."""
     seq, chips, slices = row["seq"], row["chips"], row["slices"]
     m, why = model_from(row["model"], models[row["model"]], seq)
     hw = "tpu-v5e" if row["device_type"].startswith("v5e") else "tpu-v5p"
     st = mesh(data=slices, fsdp=row["fsdp_per_slice"], tensor=row["tp"])
     st = dataclasses.replace(st, dcn=(("data", slices),) if slices > 1 else ())
-    st = st.with_options(remat="full" if row["remat"] == "full" else "dots", dtype="bfloat16")
+    st = st.with_options(remat="full" if row["remat"] == "full" else "dots_no_batch", dtype="bfloat16")
     tokens = tokens_from_tflops(row["tflops_per_chip"], m, seq, causal=False) if m else 0.0
     return Row(src["id"], f"{row['model']} {row['device_type']} x{slices}", m, st, hw, "maxtext",
                row["per_device_batch"] * chips, seq, tokens, why)
 
 
 def maxtext_a3(src, row, models) -> Row:
-    """ici_fsdp inside a node, dcn data (and dcn fsdp) across; remat minimal_flash = dots; TFLOP/s per GPU
+    """ici_fsdp inside a node, dcn data (and dcn fsdp) across; remat minimal_flash = MaxText's minimal
+    (checkpoint_dots_with_no_batch_dims: jaxpar's dots_no_batch) with the flash kernel's output saved; TFLOP/s per GPU
     into tokens/s with the causal formula the April 2024 code used."""
     seq = row["seq"]
     m, why = model_from(row["model"], models[row["model"]], seq)
     st = mesh(data=row["dcn_dp"], fsdp=row["ici_fsdp"] * row["dcn_fsdp"])
-    st = st.with_options(remat="dots", dtype="bfloat16")
+    st = st.with_options(remat="dots_no_batch", dtype="bfloat16")
     hw = "h200-sxm" if "a3u" in row["system"].lower() or "h200" in row["system"].lower() else "h100-sxm"
     tokens = (row["tokens_per_s_per_device"] if isinstance(row["tokens_per_s_per_device"], (int, float))
               else tokens_from_tflops(row["tflops_per_device"], m, seq, causal=True))
@@ -280,13 +281,14 @@ def leave_one_source_out(ok: list[tuple[Row, Strategy]]) -> dict[int, tuple[floa
 
 # ---- reporting -------------------------------------------------------------------------------------
 
-def summary(errors: dict[str, list[float]], in_sample_only: set[str] = frozenset()) -> list[str]:
-    """Per source: rows, median and worst |error|, and whether the issue's goal holds; a source whose hardware
-    family no other source covers is marked: its "out of sample" rows used constants fitted on itself."""
+def summary(errors: dict[str, list[float]], alone: dict[str, int] | None = None) -> list[str]:
+    """Per source: rows, median and worst |error|, and whether the issue's goal holds; `alone`: per source, its
+    rows on a hardware family no other source covers (their "out of sample" constants were fitted on them)."""
     lines = ["| source | rows | median error | worst error | goal (15% / 25%) |", "|---|---|---|---|---|"]
     for source, errs in sorted(errors.items()):
         med, worst = statistics.median(abs(e) for e in errs), max(abs(e) for e in errs)
-        mark = " (in sample only: no other source on its hardware)" if source in in_sample_only else ""
+        k = (alone or {}).get(source, 0)
+        mark = f" ({k} of them in sample: no other source on their hardware)" if k else ""
         lines.append(f"| {source}{mark} | {len(errs)} | {med:.1%} | {worst:.1%} | "
                      f"{'holds' if med <= 0.15 and worst <= 0.25 else 'misses'} |")
     return lines
@@ -310,7 +312,10 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False) -> st
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
              "fits | out-of-sample efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ins, outs = {}, {}
-    alone = {row.source for i, (row, _) in enumerate(ok) if "no other source" in loso[i][1]}
+    alone: dict[str, int] = {}
+    for i, (row, _) in enumerate(ok):
+        if "no other source" in loso[i][1]:
+            alone[row.source] = alone.get(row.source, 0) + 1
     for i, (row, st) in enumerate(ok):
         pred, fits = predict(row, st)
         oos, how = loso[i]

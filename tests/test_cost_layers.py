@@ -18,7 +18,7 @@ COMPILER_KIN = {"Compiler", "site", "together", "reductions", "ar_bytes", "scatt
 COMPILER_BRANCHES = ("comm_data",)
 # the implementation layer, and the modules over both layers (estimate, inference)
 IMPLEMENTATION = ("software", "compiler", "compiler_comm", "inventory_jax", "program_memory", "program_flops",
-                  "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference")
+                  "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference", "band")
 TRAITS = ("reduce_scatter", "reassociate", "combine", "hoist", "fold", "promote_bf16")   # compiler.Compiler's
 KIND_NAMES = {"AR", "AG", "RS", "A2A", "PERMUTE"}   # the collective kinds' names (compiler.py): no trait
 # the spellings the one question had besides `jaxpar_program`

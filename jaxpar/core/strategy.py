@@ -54,7 +54,9 @@ class Options:
                                  "offload keeps the named activations in host memory; dots / dots_no_batch are "
                                  "JAX's matmul-saving policies",
                          ("none", "full", "selective", "offload", "dots", "dots_no_batch"))
-    dtype: str = _option("float32", "compute dtype (master weights stay float32)", ("float32", "bfloat16"))
+    dtype: str = _option("float32", "compute dtype (master weights stay float32); float8 is for estimate and "
+                                    "plan of other stacks (float8 matmuls, attention in bfloat16)",
+                         ("float32", "bfloat16", "float8"))
     attention: str = _option("dense", "how attention splits the sequence: dense keeps it whole on each device, "
                                       "ring and allgather shard it over context", ("dense", "ring", "allgather"))
     attention_kernel: str = _option("dense", "what computes attention on a device (jaxpar/ops/attention.py): dense "

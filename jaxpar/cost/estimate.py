@@ -210,7 +210,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
 
     colls = comm.predicted(m, st, sh, software)
     mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
-           else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention))
+           else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
+                              (software.weight_bytes, software.optimizer_bytes, software.state_over_context)))
 
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
@@ -220,7 +221,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low, cores, core_eff), hbm / hw.hbm_bw
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
-    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s, mem.optimizer / memory.ADAM_BYTES,
+    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s,
+                       memory.local_params(m, st, "optimizer", software.state_over_context and not own),
                        hw, overlap.fractions(software, st, colls, hw, skew))
     t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,

@@ -63,15 +63,19 @@ class Memory:
 
 # ---- model and optimizer state ---------------------------------------------------------------------
 
-def local_params(m: ModelConfig, st: Strategy, purpose: str = "params") -> float:
+def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_context: bool = False) -> float:
     """Elements one device holds of the parameters (`purpose` "params"; the gradients match them) or of
     one optimizer moment ("optimizer"): layers / pipeline, the tensor-sharded part / tensor, and the
     weights the strategy's ZeRO rules shard (params.zero_split: those with an `embed` dim) / the data
-    axes they shard them over (ZeRO-3: fsdp; ZeRO-1 moments: data x fsdp)."""
+    axes they shard them over (ZeRO-3: fsdp; ZeRO-1 moments: data x fsdp), and over `context` too where
+    the stack shards its state over the context ranks (`over_context`: Software.state_over_context)."""
     sz = st.sizes
     shards = 1
-    for a in zero_axes(m, st.zero, purpose):
+    axes = zero_axes(m, st.zero, purpose)
+    for a in axes:
         shards *= sz[a]
+    if over_context and axes:
+        shards *= sz["context"]
     return _local_params(m, st.zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"])
 
 
@@ -92,10 +96,14 @@ def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: 
     return n
 
 
-def state_bytes(m: ModelConfig, st: Strategy) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage."""
-    n = local_params(m, st)
-    return n * PARAM_BYTES, n * GRAD_BYTES, local_params(m, st, "optimizer") * ADAM_BYTES
+def state_bytes(m: ModelConfig, st: Strategy, weight_bytes: int = PARAM_BYTES, optimizer_bytes: int = ADAM_BYTES,
+                over_context: bool = False) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage: `weight_bytes` per
+    parameter of the weights kept between steps, float32 gradients, `optimizer_bytes` per parameter of the
+    optimizer's state (Software.weight_bytes, optimizer_bytes: jaxpar's float32 weights are the masters;
+    a bf16 stack keeps a float32 master copy with the moments)."""
+    n = local_params(m, st, "params", over_context)
+    return n * weight_bytes, n * GRAD_BYTES, local_params(m, st, "optimizer", over_context) * optimizer_bytes
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
@@ -158,13 +166,21 @@ def moe_inventory(m: ModelConfig, s_kv: float, rows: float, dropout: bool = Fals
     return tuple(inv)
 
 
+# The inputs of the linear layers, which a float8 step keeps for its weight gradients as the float8 copy
+# its forward GEMM read (1 byte; Transformer Engine's Linear and torchao's Float8Linear save the cast input)
+LINEAR_INPUTS = frozenset({"norm1 out", "attention out PV", "norm2 out", "silu(gate)*up", "gelu out"})
+
+
 @per_model  # memoised on the inventory's identity (inventories are memoised per model, so they repeat)
-def inventory_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str) -> float:
-    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP)."""
+def inventory_bytes(inv: tuple[tuple, ...], act_bytes: int, tensor: int, sp: bool, policy: str,
+                    linear_bytes: int = 0) -> float:
+    """Bytes per token kept by one layer: sum of kept tensors, split ones / tensor (all of them with SP);
+    the LINEAR_INPUTS at `linear_bytes` where given (a float8 step)."""
     total = 0.0
-    for _name, elems, nbytes, split, kept in inv:
+    for name, elems, nbytes, split, kept in inv:
         if policy in kept:
-            total += elems * (nbytes or act_bytes) / (tensor if (split or sp) else 1)
+            size = linear_bytes if linear_bytes and name in LINEAR_INPUTS else (nbytes or act_bytes)
+            total += elems * size / (tensor if (split or sp) else 1)
     return total
 
 
@@ -201,8 +217,8 @@ def stage_bytes(m: ModelConfig, inventories: tuple[tuple, tuple, tuple], st: Str
     """Bytes per token this stage's layers keep under `policy`, from the (attention, Mamba-2, MoE)
     `inventories` of one layer each."""
     sz, o = st.sizes, st.options
-    act = DTYPE_BYTES[o.dtype]
-    return sum(n * inventory_bytes(inv, act, sz["tensor"], o.sequence_parallel, policy)
+    act, fp8 = DTYPE_BYTES[o.dtype], 1 if o.dtype == "float8" else 0
+    return sum(n * inventory_bytes(inv, act, sz["tensor"], o.sequence_parallel, policy, fp8)
                for n, inv in zip(block_counts(m), inventories)) / sz["pipeline"]
 
 
@@ -259,9 +275,11 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, fused_attention: bool = False) -> Memory:
-    """Bytes per device of one training step: model and optimizer state and activations."""
-    params, grads, opt = state_bytes(m, st)
+           one_f_one_b: bool = False, fused_attention: bool = False,
+           state: tuple[int, int, bool] = (PARAM_BYTES, ADAM_BYTES, False)) -> Memory:
+    """Bytes per device of one training step: model and optimizer state (`state`: `state_bytes`'s
+    weight_bytes, optimizer_bytes, over_context) and activations."""
+    params, grads, opt = state_bytes(m, st, *state)
     return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention),
                   host_bytes(m, st, global_batch, seq))
 

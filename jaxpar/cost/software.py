@@ -44,6 +44,14 @@ one more `Software(...)` in `SOFTWARE`.
                        flash-attn 2), which runs at the profile's flash2_efficiency (an Ampere kernel: 35%
                        of an H100); "": a kernel tuned for the hardware (cuDNN, Transformer Engine, splash),
                        at the matmul efficiency
+    weight_bytes       bytes per parameter of the weights kept between steps: jaxpar's float32 weights are
+                       the optimizer's masters (4); Megatron keeps bf16 weights (2) and the float32 master
+                       copy in the optimizer state (Megatron's Float16OptimizerWithFloat16Params)
+    optimizer_bytes    bytes per parameter of the optimizer state: AdamW's two float32 moments (8), plus
+                       the float32 master copy where the weights are bf16 (12)
+    state_over_context the ZeRO-sharded state is split over the context-parallel ranks as well: Megatron's
+                       distributed optimizer shards over its data x context group, torchtitan's FSDP over
+                       the flattened dp_shard x cp mesh, MaxText's rules put `embed` on its context axis
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
@@ -102,6 +110,9 @@ class Software:
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
     attention_kernel: str = ""
+    weight_bytes: int = 4
+    optimizer_bytes: int = 8
+    state_over_context: bool = False
     sources: str = ""
 
 
@@ -110,12 +121,12 @@ JAXPAR = Software()
 # 1F1B, scatter/gather between stages, the distributed optimizer's bf16 gathers, routed MoE dispatch
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
-                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False)
+                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, weight_bytes=2, optimizer_bytes=12)
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True, causal=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
-                                    distributed_optimizer=True, sequence_parallel=True,
+                                    distributed_optimizer=True, sequence_parallel=True, state_over_context=True,
                                     sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
                                             "Megatron-Bridge performance summaries; cuDNN fused attention skips "
                                             "masked blocks under is_causal")
@@ -128,7 +139,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=True,
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
-                      sequence_parallel=True, attention_kernel="flash2", sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
+                      sequence_parallel=True, attention_kernel="flash2", state_over_context=True, sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
 # MaxText (AI-Hypercomputer/maxtext: configs/base.yml): XLA's SPMD program like jaxpar's, splash (TPU) or
 # cuDNN flash (GPU) attention, scanned layers, the residual stream sharded over `tensor` between blocks
 # (its logical axis rules put activation_embed on tensor: all-gathers and reduce-scatters, as under sequence
@@ -138,7 +149,7 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
 # megablox (sparse_matmul) is on; XLA drops the rerun of a layer's last projection, as for jaxpar.
 MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=False,
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
-                   pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True,
+                   pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True, state_over_context=True,
                    sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, logical_axis_rules: "
                            "activation_embed on tensor); MaxText README")
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
