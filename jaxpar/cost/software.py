@@ -181,7 +181,10 @@ def kernel_traits(software: Software, kernel: str) -> Software:
 
 def program_traits(software: Software, st: Strategy, platform: str) -> Software:
     """The traits a step of `software` has under `st` on `platform`: a preset's own, except that
-    jaxpar's program's attention traits follow the kernel the run uses (`program_kernel`)."""
+    jaxpar's program's attention traits follow the kernel the run uses (`program_kernel`), and its MoE
+    dispatch the `moe_kernel` option (grouped: the routed copies only, jaxpar/ops/moe_grouped.py)."""
     if not software.jaxpar_program:
         return software
-    return kernel_traits(software, program_kernel(st, platform))
+    traits = kernel_traits(software, program_kernel(st, platform))
+    padded = st.options.moe_kernel == "padded"
+    return traits if traits.moe_padded == padded else dataclasses.replace(traits, moe_padded=padded)
