@@ -278,8 +278,8 @@ def test_estimate_and_plan_take_moe_models(capsys, tmp_path):
 
 @pytest.mark.parametrize("model, mesh, options, message", [
     ("moe-tiny:experts=6", "expert=4,data=2", {}, "expert=4 does not divide experts=6"),
-    ("moe-tiny:layers=4", "expert=4,pipeline=2", {"microbatches": 4, "zero": 3},
-     "zero=3 over the expert group (data x expert = 4, fsdp=1) with pipeline=2"),
+    ("moe-tiny", "expert=4,data=2", {"zero": 3, "fsdp_prefetch": True},
+     "fsdp_prefetch with zero=3 over the expert group (data x expert = 8, fsdp=1)"),
     ("moe-tiny:capacity_factor=1.0", "context=2,expert=4", dict(attention="ring", cp_layout="zigzag"),
      "capacity_factor=1.0 with cp_layout=zigzag"),
 ])

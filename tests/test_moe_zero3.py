@@ -30,6 +30,14 @@ def test_zero3_over_the_expert_group_matches_one_device():
     harness.assert_matches_one_device("moe-tiny:capacity_factor=1.0", MESH, zero=3)   # test_moe.py's reference
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(microbatches=4), dict(microbatches=4, pp_schedule="1f1b")])
+def test_zero3_over_the_expert_group_in_a_pipeline_matches_one_device(options):
+    """The stage weights gathered to their compute layout (over data x expert, the experts kept on `expert`)
+    once per step, copied per data shard: GPipe and 1F1B (jaxpar/pipeline/stages.py, shards.py)."""
+    harness.assert_matches_one_device("moe-tiny:layers=4", "pipeline=2,expert=2,data=2", zero=3, **options)
+
+
 def test_zero3_over_the_expert_group_shards_every_weight_over_it():
     """Every weight, its AdamW moments included, holds 1/8 of its elements per device."""
     tr = harness.trainer("moe-tiny", MESH, zero=3)
@@ -76,8 +84,8 @@ def test_backward_gathers_the_experts_again():
 
 
 @pytest.mark.parametrize("model, mesh, options, message", [
-    ("moe-tiny:layers=4", "expert=4,pipeline=2", dict(zero=3, microbatches=4),
-     "zero=3 over the expert group (data x expert = 4, fsdp=1) with pipeline=2: the pipeline gathers"),
+    ("moe-tiny", MESH, dict(zero=3, fsdp_prefetch=True),
+     "fsdp_prefetch with zero=3 over the expert group (data x expert = 8, fsdp=1): the prefetch gathers over fsdp"),
     ("moe-tiny:d_model=36,heads=6,kv_heads=2,head_dim=6", MESH, dict(zero=3),
      "data x expert=8 does not divide d_model=36"),
     ("moe-tiny", "data=8", dict(zero=3), "zero=3 shards parameters over the fsdp axis, but the mesh has fsdp=1"),

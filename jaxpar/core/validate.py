@@ -330,16 +330,11 @@ def check_zero(model: ModelConfig, strategy: Strategy, padded_zero: bool) -> Non
 
 def check_expert_zero3(model: ModelConfig, strategy: Strategy, padded_zero: bool) -> None:
     """ZeRO-3 over the expert group (jaxpar.core.rules.zero3_axes: `embed` on data x expert, no fsdp axis):
-    the model dim divides over those devices; the schedules and kernels that gather over `fsdp` alone
-    (a pipeline's stage weights, fsdp_prefetch) are refused."""
+    the model dim divides over those devices; fsdp_prefetch, which gathers over `fsdp` alone, is refused."""
     axes = "data x expert"
     size = strategy.size("data") * strategy.size("expert")
     if not padded_zero:
         _divides(axes, size, "d_model", model.d_model)
-    if strategy.size("pipeline") > 1:
-        raise ConfigError(f"zero=3 over the expert group ({axes} = {size}, fsdp=1) with pipeline="
-                          f"{strategy.size('pipeline')}: the pipeline gathers its stage weights over fsdp only; "
-                          "put the ZeRO-3 devices on an fsdp axis")
     if strategy.options.fsdp_prefetch:
         raise ConfigError(f"fsdp_prefetch with zero=3 over the expert group ({axes} = {size}, fsdp=1): the "
                           "prefetch gathers over fsdp only; put the ZeRO-3 devices on an fsdp axis")

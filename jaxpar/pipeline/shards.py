@@ -22,12 +22,14 @@ from jaxpar.pipeline.stages import COPY_AXES, InStages, axis_name, param_spec, s
 def _split_batch(rules, inner: bool):
     """`rules` with the batch split in two: "shards" (the weight-copy axes, data x fsdp: one copy of the
     weights each) and "rows" (the other batch axes, `expert`: the expert kernel's all-to-alls run over
-    them); inside the vmap over the shards (`inner`) the batch is its rows."""
+    them); inside the vmap over the shards (`inner`) the batch is its rows and the weights are the shards'
+    copies, gathered (`embed` whole, as the compute rules have it)."""
     rules = dict(rules)
     rules["shards"] = tuple(a for a in rules["batch"] if a in COPY_AXES)
     rules["rows"] = tuple(a for a in rules["batch"] if a not in COPY_AXES)
     if inner:
         rules["batch"] = rules["rows"]
+        rules["embed"] = ()
     return Rules(rules)
 
 
@@ -65,8 +67,8 @@ class Shards:
         """a (a parameter with logical `names` after `lead` dims) broadcast to one copy per batch shard
         after its `lead` dims (each device keeps what it holds), gathered over fsdp."""
         a = jnp.broadcast_to(jnp.expand_dims(a, lead), a.shape[:lead] + (self.count,) + a.shape[lead:])
-        drop = ("fsdp",) + tuple(self.layout.axes("shards"))
-        spec = param_spec(names, self.layout, drop, lead=lead_spec + (self.axis,))
+        spec = param_spec(names, self.layout, self.layout.axes("shards"), lead=lead_spec + (self.axis,),
+                          gathered=True)
         return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(self.layout.mesh, spec))
 
     def rows(self, a, names: tuple, microbatches: int):

@@ -46,15 +46,18 @@ def _without(dim, drop: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def param_spec(names: tuple, layout: Layout, drop: tuple[str, ...] = (), lead: tuple = ()) -> P:
-    """PartitionSpec of a parameter with logical `names` (the params rules), without the mesh axes `drop`
-    (those it is gathered over), after `lead` dims given as they are."""
-    spec = tuple(spec_for(names, layout.rules("params"), layout.mesh))
+def param_spec(names: tuple, layout: Layout, drop: tuple[str, ...] = (), lead: tuple = (),
+               gathered: bool = False) -> P:
+    """PartitionSpec of a parameter with logical `names` (the params rules; `gathered`: the compute rules,
+    its ZeRO-3 gather target), without the mesh axes `drop` (those it is copied over), after `lead` dims
+    given as they are."""
+    spec = tuple(spec_for(names, layout.rules("compute" if gathered else "params"), layout.mesh))
     return P(*lead, *(_without(d, drop) if isinstance(d, (str, tuple)) else d for d in spec))
 
 
-def _constrained(a: jax.Array, names: tuple, layout: Layout, drop: tuple[str, ...] = ()) -> jax.Array:
-    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(layout.mesh, param_spec(names, layout, drop)))
+def _constrained(a: jax.Array, names: tuple, layout: Layout, gathered: bool = False) -> jax.Array:
+    spec = param_spec(names, layout, gathered=gathered)
+    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(layout.mesh, spec))
 
 
 class InStages(Layout):
@@ -125,7 +128,8 @@ def _shard_copies(w: jax.Array, view: jax.Array, names: tuple, copies: tuple[str
     mesh, S = layout.mesh, w.shape[0]
     spec = tuple(spec_for(("stages", None, None) + names, layout.rules("params"), mesh))
     spec = (spec + (None,) * w.ndim)[:w.ndim]
-    rest = [_without(d, copies) if isinstance(d, (str, tuple)) else d for d in spec[1:]]
+    rest = tuple(param_spec(("stages", None, None) + names, layout, copies, gathered=True))
+    rest = (rest + (None,) * w.ndim)[1:w.ndim]
     if "fsdp" in copies and copies != ("fsdp",):   # [S, D, ...] data copies of the fsdp-sharded view
         D = F // mesh.shape["fsdp"]
         view = jnp.broadcast_to(view[:, None], (S, D) + view.shape[1:])
@@ -146,7 +150,7 @@ def stage_weights(model, sched: Schedule, layout: Layout, per_shard: bool = True
     arrays = jax.tree.leaves(nnx.split(model.units)[1])
     names = unit_names(model)
     views = [_stage_view(a, sched, layout, n) for a, n in zip(arrays, names)]
-    weights = [_constrained(w, ("stages", None, None) + n, layout, drop=("fsdp",)) for w, n in zip(views, names)]
+    weights = [_constrained(w, ("stages", None, None) + n, layout, gathered=True) for w, n in zip(views, names)]
     copies, F = _copy_axes(layout, per_shard)
     if F == 1:
         return weights
