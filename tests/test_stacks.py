@@ -157,3 +157,18 @@ def test_plans_within_the_error_band_tie_and_plan_prints_the_band(capsys):
                      "megatron-core", "--seq", "4096", "--global-batch", "64", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert f"error band: ±{b.median:.0%} median" in out and "MFU = model FLOPs" in out
+
+
+def test_plan_prices_another_stacks_float8_and_refuses_it_for_jaxpar(capsys):
+    """plan --dtype float8 ranks layouts in float8 (faster than the same search in bf16 on an H100), and refuses
+    it for jaxpar's program and on a profile without a float8 peak."""
+    from jaxpar.planning import planner
+    m, mc = from_preset("llama3-8b"), SOFTWARE["megatron-core"]
+    best = {d: planner.plan(m, "h100-sxm", 8, 4096, 64, 1, mc, dtype=d)[0][0][0] for d in ("bfloat16", "float8")}
+    assert best["float8"].step_time_s < best["bfloat16"].step_time_s
+    args = ["plan", "--model", "llama3-8b", "--devices", "8", "--seq", "4096", "--global-batch", "64", "--top", "2",
+            "--dtype", "float8"]
+    assert cli.main([*args, "--hardware", "h100-sxm"]) == 2
+    assert "jaxpar's program computes in float32 or bfloat16" in capsys.readouterr().err
+    assert cli.main([*args, "--hardware", "a100-80gb", "--software", "torchtitan"]) == 2
+    assert "states no float8 peak" in capsys.readouterr().err

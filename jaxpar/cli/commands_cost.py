@@ -142,7 +142,8 @@ def cmd_plan(args) -> int:
     model = model_from(args.model)
     print(question.header(model, load_hardware(args.hardware)))
     results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,
-                                              args.top, SOFTWARE[args.software], args.objective, args.hbm_headroom)
+                                              args.top, SOFTWARE[args.software], args.objective, args.hbm_headroom,
+                                              getattr(args, "dtype", "bfloat16"))
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
     if note := planner.scores_note(model, results, SOFTWARE[args.software], args.global_batch, args.seq):
         print(note)

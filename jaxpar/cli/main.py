@@ -306,6 +306,9 @@ def add_plan(sub) -> None:
                          "tpu-v5p:8x8x4 (XLA:TPU ahead of time; needs the tpu-aot extra)")
     pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
+    pl.add_argument("--dtype", choices=("bfloat16", "float8"), default="bfloat16",
+                    help="the precision the plans compute in (default bfloat16); float8 for another stack's "
+                         "float8 linears (--software torchtitan, megatron-core, ...) on a profile with a float8 peak")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
                     help="write each plan as a mesh_configs TOML file (plan-01-<name>.toml, ...) and beside it its "
                          "question (plan-01-<name>.run.toml: jaxpar estimate --run FILE) to DIR")
