@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 # `make test` runs two pytest-xdist workers, each taking one test file at a time (--dist loadfile) in
 # collection order: the longest files go first (longest-processing-time-first), so that neither worker is
 # left with a long file at the end. Ordered by seconds on a 2-core machine (`pytest --durations=0`, summed per file).
-LONGEST_FIRST = ("test_pipeline.py", "test_strategies.py", "test_cost_vs_xla.py", "test_moe.py",
+LONGEST_FIRST = ("test_pipeline.py", "test_strategies.py", "test_cost_vs_xla.py", "test_moe.py", "test_pipeline_moe.py",
+                 "test_hf_moe.py", "test_moe_grouped.py", "test_moe_zero3.py",
                  "test_experiments_bench.py", "test_multiprocess.py", "test_checkpoint_cli.py", "test_fuzz.py",
                  "test_verify_scale.py", "test_mamba_model.py", "test_experiments_study.py", "test_inference.py",
                  "test_training.py", "test_attention_kernels.py", "test_explain.py", "test_xla_workarounds.py",
