@@ -5,7 +5,7 @@ import pytest
 from jaxpar.cost import MEGATRON_CORE, estimate
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.estimate import HBM_HEADROOM
-from jaxpar.planning.planner import plan, tie_spans, why
+from jaxpar.planning.planner import plan, tie_band, tie_spans, why
 from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import parse_model
 
@@ -71,7 +71,7 @@ def _row_param(row):
 def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
     """On each published run's model, cluster, sequence and batch (with that run's software), the
     published layout (data, pipeline, tensor sizes) ranks in the planner's top 10, or the planner's top
-    plan is predicted faster than it; the printout says which and why."""
+    plan is predicted faster than it or within the tie band of it; the printout says which and why."""
     label, m, published, hw, software, batch, seq = row
     results, _, _ = plan(m, hw, published.num_devices, seq, batch, top=10, software=software)
     assert results
@@ -82,7 +82,8 @@ def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
     print(f"\n{label}: published {published.name} {mine.tokens_per_s:,.0f} tokens/s (MFU {mine.mfu:.1%}); planner's top "
           f"{top.name} {best.tokens_per_s:,.0f} (MFU {best.mfu:.1%}); published layout ranks {ranks or 'below 10'}; "
           f"top: {why(best, mine, 'the published layout')}")
-    assert ranks or best.tokens_per_s >= mine.tokens_per_s
+    # plans within the tie band (the model's error band on that stack and hardware) rank by free memory
+    assert ranks or best.tokens_per_s * (1 + tie_band(best)) >= mine.tokens_per_s
 
 
 def test_estimate_fills_accelerator_defaults_and_plan_writes_mesh_files(tmp_path, capsys):
