@@ -118,6 +118,7 @@ def quiet_orbax() -> None:
     CLI sets it, so that `jaxpar estimate ... | head` stops quietly) that write kills the process in
     the middle of training; ignored, it fails with EPIPE, which asyncio ignores."""
     logging.getLogger("absl").addFilter(ORBAX_ERROR_LOG)
+    quiet_failed_reads()   # and the abandoned sibling writes of a failed save, which asyncio logs when collected
     if not getattr(sys.unraisablehook, "orbax_quiet", False):
         sys.unraisablehook = orbax_unraisable(sys.unraisablehook)
     if hasattr(signal, "SIGPIPE") and threading.current_thread() is threading.main_thread():

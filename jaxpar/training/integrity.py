@@ -167,9 +167,10 @@ def _chain(e: BaseException | None) -> list[BaseException]:
 
 
 class _UnretrievedReads(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" records of orbax's read coroutines: when one
-    array of a restore fails, orbax abandons its sibling reads, whose errors asyncio logs when they are
-    collected (each with TensorStore's whole spec: a page), after `read_error` has named the first."""
+    """Drops asyncio's "Task exception was never retrieved" records of orbax's coroutines: when one array
+    of a restore (or a save) fails, orbax abandons its sibling reads (writes), whose errors asyncio logs
+    when they are collected (each with TensorStore's whole spec: a page), after jaxpar's one line
+    (`read_error`, SaveFailed) has named the first."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
