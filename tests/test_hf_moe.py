@@ -74,7 +74,10 @@ def generate(name: str, mesh: str, out: pathlib.Path) -> list[list[int]]:
     return json.loads(out.read_text())["tokens"]
 
 
-@pytest.mark.parametrize("name, mesh", [("mixtral", "data=2,expert=4"), ("qwen3_moe", "data=4,tensor=2")])
+# Qwen3-MoE's greedy generation on data=4 x tensor=2 runs under -m slow with the other layouts;
+# its logits against the reference stay in make test (test_logits_equal_the_reference_implementations)
+@pytest.mark.parametrize("name, mesh", [("mixtral", "data=2,expert=4"),
+                                        pytest.param("qwen3_moe", "data=4,tensor=2", marks=pytest.mark.slow)])
 def test_greedy_generation_is_the_reference_implementations(name, mesh, tmp_path):
     assert generate(name, mesh, tmp_path / "g.json") == golden(name)["continuations"] * 4
 

@@ -38,9 +38,9 @@ CASES = {
     # interleaved 1F1B with weight copies per data shard and padding slots
     "1f1b-v2-uneven-ep2-dp2": ("pipeline=2,expert=2,data=2", dict(microbatches=4, pp_schedule="1f1b", pp_repeats=2)),
 }
-# slow: make test keeps MoE in GPipe (weight copies) and 1F1B (every row on expert); tests/test_pipeline.py
-# keeps the circular schedule's padding slots on a dense model
-SLOW_CASES = {"1f1b-v2-uneven-ep2-dp2", "circular-uneven-ep4"}
+# slow: make test keeps MoE inside a pipeline with 1F1B (every row on expert, uneven stages); tests/test_pipeline.py
+# keeps GPipe's weight copies per data shard and the circular schedule's padding slots on a dense model
+SLOW_CASES = {"1f1b-v2-uneven-ep2-dp2", "circular-uneven-ep4", "gpipe-uneven-ep2-dp2"}
 CASE_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
 
 
