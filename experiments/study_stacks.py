@@ -311,13 +311,14 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False) -> st
     lines = ["# Published runs of other stacks against the cost model", "",
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
              "fits | out-of-sample efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ins, outs = {}, {}
+    ins, outs, not_fit = {}, {}, 0
     alone: dict[str, int] = {}
     for i, (row, _) in enumerate(ok):
         if "no other source" in loso[i][1]:
             alone[row.source] = alone.get(row.source, 0) + 1
     for i, (row, st) in enumerate(ok):
         pred, fits = predict(row, st)
+        not_fit += not fits
         oos, how = loso[i]
         ins.setdefault(row.source, []).append(pred / row.published - 1)
         outs.setdefault(row.source, []).append(oos / row.published - 1)
@@ -326,7 +327,6 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False) -> st
                      f"{'yes' if fits else 'NO'} | {how} |")
     lines += ["", "In sample (the committed profiles):", "", *summary(ins), "",
               "Out of sample (leave one source out):", "", *summary(outs, alone), ""]
-    not_fit = sum(1 for row, st in ok if not predict(row, st)[1])
     lines += [f"{len(ok)} rows predicted, {not_fit} of them predicted not to fit in HBM; "
               f"{len(refused)} not expressible:", ""]
     lines += [f"- {row.source} {row.label}: {why}" for row, why in refused]

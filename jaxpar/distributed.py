@@ -144,7 +144,7 @@ def watch_peers(process: int | None, heartbeat_s: int, exit_timeout_s: int) -> N
     JAX's own reaction to a dead process is an abort from C++ with pages of stack frames, so `initialize`
     turns on recoverability (jax_enable_recoverability: the service reports a dead process instead of
     failing every other one) and this thread is what stops the run. With recoverability JAX's shutdown
-    no longer waits for every process, so the processes meet at a barrier on their way out (at exit,
+    does not wait for every process, so the processes meet at a barrier on their way out (at exit,
     at most `exit_timeout_s`) before the watch stands down: none leaves while another still needs it."""
     client = jax_distributed.global_state.client
     everyone = list(range(jax.process_count()))
@@ -199,7 +199,7 @@ def outlive(client, others: list[int], wait_s: float) -> None:
 def leave_together(client, everyone: list[int], heartbeat_s: int) -> None:
     """Every process shuts its link to the coordination service down, process 0 (which hosts the
     service) last: a barrier (at most `heartbeat_s`), then the others shut down while process 0
-    `outlive`s them. With recoverability on, JAX's own shutdown no longer waits for everyone, and a
+    `outlive`s them. With recoverability on, JAX's own shutdown does not wait for everyone, and a
     process whose shutdown call finds the service gone is aborted (SIGABRT) by JAX."""
     try:
         client.wait_at_barrier("jaxpar-leave", heartbeat_s * 1000)
