@@ -5,7 +5,8 @@ jaxpar/analysis/target.py) wraps them in fusions, in two forms read here [seen i
 
 Asynchronous collectives
     A collective that overlaps compute becomes several fusions of the calling computation, each holding a
-    copy of the same collective instruction (same ``channel_id``):
+    copy of the same collective instruction (same ``channel_id`` and dimensions; XLA:TPU gives distinct
+    collectives one channel id too, e.g. the reduce-scatters of one layer's weight gradients):
     the *start* (its computation's root is ``custom-call(...), custom_call_target="AsyncCollectiveStart"``),
     zero or more *continuations* (``async_collective_fusion``: compute, e.g. a matmul, run while the data
     moves, the collective carried along) and the *done* (``custom_call_target="AsyncCollectiveDone"``).
@@ -29,6 +30,7 @@ _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"})
 _DONE = 'custom_call_target="AsyncCollectiveDone"'
+_LAYOUT = re.compile(r"\{[^{}]*\}")  # a shape's layout: copies of one collective differ in memory space
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ def fused_collectives(module: Module) -> dict[str, FusedCollective]:
     """Collective instruction name -> its reading, for every collective inside a fusion computation."""
     out: dict[str, FusedCollective] = {}
     for instrs in module.computations.values():
-        seen: dict[str, str] = {}  # channel id -> the fusion counted for it
+        seen: dict[tuple, str] = {}  # (channel id, dimensions) -> the fusion counted for it
         fusions = [(i, c) for i in instrs if i.opcode == "fusion" and (c := _callee(i, module)) is not None]
         dones = {ch: f.name for f, body in fusions if _holds(body, _DONE) for ch in _channels(body)}
         for fusion, body in fusions:
@@ -55,11 +57,12 @@ def fused_collectives(module: Module) -> dict[str, FusedCollective]:
                 if instr.opcode not in _COLLECTIVES:
                     continue
                 channel = (_CHANNEL.search(instr.text) or [None, instr.name])[1]
-                first = channel not in seen  # the schedule lists the start first
+                key = (channel, _LAYOUT.sub("", instr.shape))
+                first = key not in seen  # the schedule lists the start first
                 kind = "reduce-scatter" if scatter and instr.opcode == "all-reduce" else instr.opcode
                 out[instr.name] = FusedCollective(first, kind, fusion.name, dones.get(channel),
                                                   instr.op_name or fusion.op_name)
-                seen.setdefault(channel, fusion.name)
+                seen.setdefault(key, fusion.name)
     return out
 
 
