@@ -59,6 +59,15 @@ ragged_dot_nests(platform)          the backend rule for the grouped MoE kernel'
     masked einsum XLA:CPU expands ragged_dot into. Seen on moe-tiny:layers=4 pipeline=2,expert=2,data=2
     (tests/test_cost_vs_hlo.py).
 
+release_compiled_code(share)        for a long-lived process that compiles thousands of steps
+    Avoids: XLA:CPU segfaulting in a compile once the process holds the kernel's limit of memory
+    mappings (Linux vm.max_map_count, 65,530 by default). Each executable XLA:CPU compiles maps its
+    machine code (about 7 mappings for a small jitted function here), and JAX keeps every executable
+    while its jitted function's cache lives; when mmap fails inside LLVM's code allocator the compile
+    dies with SIGSEGV, not an error. Seen in the slow test run's long-lived pytest worker, after ~50,000
+    mappings (tests/conftest.py calls this after each test file). When the mappings pass `share` of the
+    limit, it empties JAX's caches (`jax.clear_caches`: later calls compile again) and collects garbage.
+
 Workarounds that are part of a kernel or a schedule stay there, each stated where it lives:
   - jaxpar/ops/collective_matmul.py: the custom VJPs compute a weight's gradient as one dot with the
     gathered activation, not the n partial dots autodiff of the ring gives, which XLA:CPU would
@@ -77,6 +86,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
+import pathlib
 from typing import Iterator, Sequence
 
 import jax
@@ -259,3 +270,31 @@ def ragged_dot_nests(platform: str) -> bool:
     lower it to a ragged dot instruction with batch dims; XLA:CPU's dense expansion fails for two batch
     dims in JAX 0.12. Module docstring: why."""
     return platform in RAGGED_ALL_TO_ALL_PLATFORMS
+
+
+# ---- release_compiled_code: a long-lived process under the kernel's memory-mapping limit ------------
+
+MAPS = pathlib.Path("/proc/self/maps")
+MAP_LIMIT = pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(mappings this process holds, the kernel's limit), or None where Linux's /proc does not say."""
+    try:
+        with MAPS.open() as f:
+            held = sum(1 for _ in f)
+        return held, int(MAP_LIMIT.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def release_compiled_code(share: float = 0.5) -> bool:
+    """Empty JAX's caches of compiled executables when this process's memory mappings pass `share` of the
+    kernel's limit, so that XLA:CPU's next compile can map its code (module docstring: why). Returns whether
+    it released them."""
+    counts = memory_mappings()
+    if counts is None or counts[0] < share * counts[1]:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True

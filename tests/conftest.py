@@ -17,6 +17,8 @@ simulate_cpu_devices(8)
 
 import pytest  # noqa: E402
 
+from jaxpar import xla_workarounds  # noqa: E402
+
 # `make test` runs two pytest-xdist workers, each taking one test file at a time (--dist loadfile) in
 # collection order: the longest files go first (longest-processing-time-first), so that neither worker is
 # left with a long file at the end. Ordered by seconds on a 2-core machine (`pytest --durations=0`, summed per file).
@@ -107,3 +109,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: a file's own order is kept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_code(request):
+    """After each test file: its own cached results are dropped (functools caches defined in it), and when the
+    worker's memory mappings pass half the kernel's limit JAX's compiled executables are released too, so that
+    a long-lived worker's next XLA:CPU compile does not segfault (jaxpar/xla_workarounds.py: why)."""
+    yield
+    module = request.module
+    for value in vars(module).values():
+        if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == module.__name__:
+            value.cache_clear()
+    xla_workarounds.release_compiled_code()

@@ -67,10 +67,7 @@ CASES = [
     ("llama-tiny", "dp8", 8, {"attention_kernel": "blockwise"}),   # q, k, v, out and logsumexp; no scores
     ("mamba2-tiny", "dp8", 8, {}),
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
-    # experts split over `expert`; dropless buffers: E/k x the copies. The padded kernel: compiled with
-    # comm.ANALYSIS_COMPILER_OPTIONS, the grouped kernel's ragged_dot segfaulted XLA:CPU twice in the slow
-    # run's long-lived worker (not alone); its ep8 step compiles in tests/test_strategies.py and test_moe_grouped.py
-    ("moe-tiny", "ep8", 8, {"moe_kernel": "padded"}),
+    ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies
     # ZeRO-3 x expert with wide experts: every layer's gathered experts live until the backward pass (the
     # padded kernel, whose FLOPs the cost model counts on CPU: XLA:CPU expands the grouped kernel's ragged_dot
     # over every local expert, jaxpar/cost/flops.py expert_rows)
