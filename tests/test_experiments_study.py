@@ -229,6 +229,82 @@ def check_study_moe(out: pathlib.Path, stdout: str) -> None:
     assert number(comp["tp8"]["tensor KiB (compiled)"]) > 0 == number(comp["tp8"]["expert all-to-all KiB (compiled)"])
 
 
+# Published parameter counts (meta-llama/Meta-Llama-3-8B and -70B on Hugging Face: safetensors metadata)
+PUBLISHED_PARAMS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+
+
+def check_tpu_part_a(m, rows: list[dict[str, str]], summary: list[dict[str, str]]) -> None:
+    """One table of study_tpu_compile's part A: XLA:CPU's bytes are the `cpu` traits'; XLA:TPU's rows agree
+    with the `tpu` traits or name a TPU_GAPS entry, its gradient reductions per axis group and tensor
+    all-reduces agree (under a pipeline, the fold's bytes are the hand count of model `m`'s embedding table
+    and final norm); reduce-scatters and asynchronous collectives on TPU only; the same state on both."""
+    from jaxpar.cost.compiler import TPU_GAPS  # noqa: PLC0415
+
+    for r in rows:
+        assert number(r["CPU KiB"]) == pytest.approx(number(r["model cpu KiB"]), rel=0.01, abs=0.1), r
+        got, want = number(r["TPU KiB"]), number(r["model tpu KiB"])
+        assert r["TPU gap"] in TPU_GAPS or (r["TPU gap"] == "" and got == pytest.approx(want, rel=0.01, abs=0.1)), r
+        if (r["kind"], r["axes"]) == ("all-reduce", "tensor") and r["TPU gap"] != "sequence-parallel":
+            assert got == pytest.approx(want, rel=0.01), r
+    folded = {r["layout"] for r in rows if r["TPU gap"] == "fold-pipeline"}
+    for r in rows:  # the fold: the embedding table and final norm's gradient, once over (data, pipeline)
+        if r["layout"] in folded and r["axes"] == "data,pipeline":
+            assert number(r["TPU KiB"]) == pytest.approx((m.vocab + 1) * m.d_model * 4 / 2**10, rel=0.01), r
+    for layout, axes in {(r["layout"], r["axes"]) for r in rows if "tensor" not in r["axes"]} - {
+            (r["layout"], r["axes"]) for r in rows if r["layout"] in folded}:
+        grads = [r for r in rows if (r["layout"], r["axes"]) == (layout, axes)
+                 and r["kind"] in ("reduce-scatter", "all-reduce")]
+        tpu, want = (sum(number(r[k]) for r in grads) for k in ("TPU KiB", "model tpu KiB"))
+        assert tpu == pytest.approx(want, rel=0.01, abs=0.1), (layout, axes, grads)
+    for r in summary:
+        sharded = "fsdp" in r["layout"]
+        assert abs(number(r["model cpu error"])) < 0.01, r
+        assert number(r["CPU reduce-scatter KiB"]) == 0 and (number(r["TPU reduce-scatter KiB"]) > 0) == sharded, r
+        assert number(r["CPU async"]) == 0 and (number(r["TPU hidden"]) > 0 or not sharded), r
+        state = number(r["state MiB (model)"])
+        assert number(r["state MiB (CPU)"]) == pytest.approx(state, rel=1e-3), r
+        assert number(r["state MiB (TPU)"]) == pytest.approx(state, rel=2e-3), r
+        assert number(r["peak MiB (TPU)"]) < number(r["peak MiB (CPU)"]), r
+
+
+def check_study_tpu_compile(out: pathlib.Path, stdout: str) -> None:
+    """XLA:CPU and XLA:TPU on the same layout (the quick run's and the committed full run's part A:
+    check_tpu_part_a, the conclusions' figures read back); at pod scale (the committed full run) each
+    chip's state is 12 bytes (float32 weights, two Adam moments) per published parameter over the chips,
+    the tensor-parallel bytes are the model's within 1%, the flagged axes are those beyond 5% in wire
+    bytes, XLA:TPU hides over 40% of the collective bytes behind matmuls, and the peak fits the chip's HBM and is the
+    model's within 25%."""
+    import importlib.util  # noqa: PLC0415
+
+    from jaxpar.models.config import parse_model  # noqa: PLC0415
+
+    text = read_results(out, "study_tpu_compile")
+    if importlib.util.find_spec("libtpu") is None:
+        assert "libtpu is not installed" in text  # said, not hidden
+        return
+    full = (EXPERIMENTS / "results" / "study_tpu_compile.md").read_text()
+    for t in (text, full):
+        summary = table(t, "layout", "CPU KiB")
+        m = parse_model(re.search(r"^## \(A\) (\S+) on 8 devices", t, re.M)[1])
+        check_tpu_part_a(m, table(t, "layout", "kind", "axes"), summary)
+        worst = max(abs(number(r["model cpu error"])) for r in summary)
+        assert f"(largest difference {worst:.2%})" in t
+        below = min(1 - number(r["peak MiB (TPU)"]) / number(r["peak MiB (CPU)"]) for r in summary)
+        assert re.search(r"XLA:TPU's is at least (\d+%) below", t)[1] == f"{below:.0%}"
+    assert {r["layout"] for r in table(full, "layout", "CPU KiB")} >= {"dp8", "fsdp8", "dp2-fsdp2-tp2", "pp4-dp2"}
+    for r in table(full, "run", "axes"):
+        err = number(r["wire error"])
+        assert (r["beyond 5%"] == "yes") == (abs(err) > 0.05), r
+        if r["axes"] == "tensor":
+            assert abs(err) <= 0.01, r
+    for r in table(full, "slice", "chips"):
+        model, chips = r["slice"].split()[0], number(r["chips"])
+        assert number(r["state GiB/chip (TPU)"]) == pytest.approx(12 * PUBLISHED_PARAMS[model] / chips / 2**30, rel=0.01), r
+        assert number(r["collective-permutes/step"]) > 0 and number(r["hidden bytes"]) > 0.4, r
+        assert number(r["peak GiB/chip (TPU)"]) < number(r["HBM GiB"]), r
+        assert abs(number(r["model error"])) < 0.25, r
+
+
 CHECKS = {
     "study_blocks": check_study_blocks,
     "study_inference": check_study_inference,
@@ -238,6 +314,7 @@ CHECKS = {
     "study_moe": check_study_moe,
     "study_scaling_ladder": check_study_scaling_ladder,
     "study_tp_vs_pp": check_study_tp_vs_pp,
+    "study_tpu_compile": check_study_tpu_compile,
     "study_zero_stages": check_study_zero_stages,
 }
 

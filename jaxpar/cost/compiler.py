@@ -75,6 +75,9 @@ TPU_GAPS = {
                        "with the backward pass, not after it",
     "decomposed-collectives": "at scale XLA:TPU decomposes FSDP all-gathers and reduce-scatters around big matmuls "
                               "into collective-permute rings (windowed einsums) that the textbook counts as one op",
+    "fold-pipeline": "under pipeline parallelism (pp4-dp2) the embedding gradient's all-reduce over pipeline "
+                     "(the table and the final norm, replicated over the stages) and its all-reduce over data become "
+                     "one over (data, pipeline): one table's bytes fewer than predicted (experiments/study_tpu_compile.py)",
     "label-sum": "the vocab-parallel head's label-logit sum (over tensor) is combined with the scalar sums "
                  "after the backward pass, as XLA:CPU's combiner does, not issued in the forward",
     "sequence-parallel": "under sequence parallelism (fsdp4-tp2-sp) the tensor collectives differ beyond the "
