@@ -268,8 +268,8 @@ def conclusions(part_a: list[dict], pods: list[dict]) -> list[str]:
         f"5. At pod scale XLA:TPU hides at least {pod_hidden:.1%} of the collective bytes behind matmuls"
         + (" (the permute rings; every other collective runs synchronously)" if sync else "")
         + f"; memory per chip is the model's within {mem_err:.1%}"
-        + (" (the model above XLA:TPU's peak)" if above else "") + f" and {'fits' if fits else 'does not fit'} the chip's HBM "
-        "on every slice.",
+        + (" (the model above XLA:TPU's peak)" if above else "")
+        + f" and {'fits' if fits else 'does not fit'} the chip's HBM on every slice.",
     ]
 
 
