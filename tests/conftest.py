@@ -107,6 +107,7 @@ SLOW_IDS = (
     "test_moe_zero3.py::test_zero3_over_the_expert_group_matches_one_device",       # ...shards_every_weight_over_it
     "test_strategies.py::test_training_trajectory_matches_one_device[ep4-tp2]",     # its loss and gradients; ep8's
     "test_strategies.py::test_training_trajectory_matches_one_device[cp8-allgather]",  # ...; cp8-ring's trajectory
+    "test_experiments_study.py::test_quick_mode[study_tpu_compile]",     # test_tpu_compile's dp2-fsdp2-tp2 case
 )
 
 
