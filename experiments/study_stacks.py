@@ -105,7 +105,9 @@ def mesh(**sizes: int) -> Strategy:
 # ---- one reader per source ---------------------------------------------------------------------------
 
 def torchtitan(src, row, models) -> Row:
-    """fsdp = data_parallel_shard_degree (FSDP2); context parallelism by ring attention; float8 linears;
+    """fsdp = data_parallel_shard_degree (FSDP2); context parallelism as PyTorch runs it (the torchtitan
+    preset's cp_* traits: K and V all-gathered, dK/dV around the ring) over the load-balanced layout
+    (its round-robin load balancer: rank r holds chunks r and 2c-1-r = zigzag); float8 linears;
     op-level selective AC (torchtitan's default: the outputs of matmuls and of the attention kernel saved,
     the elementwise ops recomputed) = JAX's dots policy (torchtitan also recomputes every second matmul;
     not counted); async TP = collective matmul; micro-batches = pp; the
@@ -116,7 +118,7 @@ def torchtitan(src, row, models) -> Row:
     st = mesh(fsdp=row["fsdp"], pipeline=pp, context=cp, tensor=row["tp"])
     remat = {"selective_op": "dots", "full": "full"}[row["activation_ckpt"]]
     opts = dict(remat=remat, dtype="float8", overlap="collective_matmul" if row["async_tp"] and row["tp"] > 1 else "none")
-    opts |= dict(attention="ring") if cp > 1 else {}
+    opts |= dict(attention="ring", cp_layout="zigzag") if cp > 1 else {}
     opts |= dict(microbatches=pp, pp_schedule="1f1b") if pp > 1 else {}
     label = f"{row.get('table', 'asyncTP')} {row['model']} {row['gpus']} GPUs fsdp{row['fsdp']} tp{row['tp']} pp{pp} cp{cp}"
     return Row(src["id"], label, m, st.with_options(**opts), "h100-96gb-500w", "torchtitan", row["global_batch"], seq,

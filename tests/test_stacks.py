@@ -13,7 +13,7 @@ from jaxpar.cli import main as cli
 from jaxpar.core import validate
 from jaxpar.core.strategy import parse_inline
 from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
-from jaxpar.cost.compiler import AG, RS
+from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.defaults import stack_defaults
 from jaxpar.cost.overlap import fractions
 from jaxpar.errors import ConfigError
@@ -104,6 +104,47 @@ def test_tensor_overlap_stops_at_the_node():
     assert across.time.tensor > inside.time.tensor == 0.0
     assert any(c[0] in (AG, RS) and "tensor" in c[1] for c in across.predicted)
     assert fractions(tt, st.with_options(overlap="none"), inside.predicted, hw)[0] == 0.0
+
+
+def context_records(sw, remat="full"):
+    """The context-only collectives of a small llama (16 query heads, 8 KV heads, head_dim 8, 2 layers,
+    bf16) on fsdp2 x context2 x tensor2 at batch 4 x seq 256 under `sw`, as {(kind, phase): (ops, bytes)}."""
+    m = from_preset("llama-tiny")
+    st = parse_inline("fsdp=2,context=2,tensor=2").with_options(remat=remat, attention="ring", cp_layout="zigzag",
+                                                                 dtype="bfloat16")
+    est = estimate(m, st, load_hardware("h100-sxm"), 4, 256, sw)
+    return m, est, {(k, ph): (n, b) for k, axes, ph, n, b in est.predicted if axes == ("context",) and k != AR}
+
+
+def test_torchtitan_context_parallel_is_pytorchs_allgather_rotater():
+    """Hand count of PyTorch's all-gather rotater (torchtitan's default rotate method) per step: per layer
+    one all-gather of K and V, repeated to the query heads of the tensor shard, forward, again in the
+    full-recompute forward and again backward; dK and dV in float32 around the ring by `context` hops;
+    no positions, no reduce-scatter."""
+    m, _, got = context_records(SOFTWARE["torchtitan"])
+    c, b_loc, s_loc, heads = 2, 4 // 2, 256 // 2, m.heads // 2     # fsdp 2, context 2, tensor 2
+    kv_elems = 2 * b_loc * s_loc * heads * m.head_dim              # K and V, one buffer a shard
+    gathered = kv_elems * 2 * c                                    # bf16, every rank's
+    assert got == {(AG, "forward"): (m.layers, m.layers * gathered),
+                   (AG, "backward"): (2 * m.layers, 2 * m.layers * gathered),
+                   (PERMUTE, "backward"): (c * m.layers, c * m.layers * kv_elems * 4)}
+
+
+def test_the_default_cp_traits_price_the_ring_as_before():
+    """megatron-core keeps the default traits: its ring is the hand count of jaxpar's ring kernel (context-1
+    hops of K and V over the KV heads of the tensor shard, forward, recompute and backward, and the int32
+    positions forward and in the recompute), and its context time hides under the whole attention core;
+    torchtitan's hides under the diagonal block's share only."""
+    m, est, got = context_records(SOFTWARE["megatron-core"])
+    c, b_loc, s_loc, kv_heads = 2, 2, 128, m.kv_heads // 2
+    half = b_loc * s_loc * kv_heads * m.head_dim * 2               # K or V, bf16
+    hops, pos = (c - 1) * m.layers * 2, b_loc * s_loc * 4
+    assert got == {(PERMUTE, "forward"): (hops + (c - 1), hops * half + (c - 1) * pos),
+                   (PERMUTE, "backward"): (2 * hops + (c - 1) * m.layers, 2 * hops * half + (c - 1) * m.layers * pos)}
+    _, tt, _ = context_records(SOFTWARE["torchtitan"])
+    core = dataclasses.replace(SOFTWARE["torchtitan"], cp_hide="core")
+    _, whole, _ = context_records(core)
+    assert tt.predicted == whole.predicted and tt.time.context > whole.time.context
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,8 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
                     else compiler_comm.sp_norms_in_loop(cc, m, shape, final=not one_f))
     if sz["context"] > 1:
         positions = program_pipeline.cp_positions(st, shape) if piped else comm_context.positions(st, shape)
-        raw += comm_context.context_parallel(m, cores, shape, act, cc, positions, rerun_chunk=one_f)
+        exchange = comm_context.Exchange(software.cp_rotate, software.cp_kv_heads, software.cp_grad_bytes)
+        raw += comm_context.context_parallel(m, cores, shape, act, cc, positions, one_f, exchange)
     if sz["pipeline"] > 1:
         sends = pipeline_parallel(m, st, shape, act, software.pp_scatter_gather)
         raw += (program_pipeline.unused_cooldown_send(sends, st, shape)

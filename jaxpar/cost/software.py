@@ -63,6 +63,24 @@ one more `Software(...)` in `SOFTWARE`.
                        recipes; torchtitan's TP plan shards the sequence between blocks): estimate
                        defaults to sequence parallelism wherever tensor > 1
 
+Context parallelism (jaxpar/cost/comm_context.py):
+    cp_rotate    how K and V reach the other context ranks: "" as the strategy's `attention` option says
+                 (jaxpar's kernels: a ring of permutes, or an all-gather with dK/dV reduce-scattered);
+                 "allgather": PyTorch's context parallel with rotate method ALL_GATHER (torchtitan's
+                 `context_parallel_rotate_method` default; torch/distributed/tensor/experimental/_attention.py
+                 `_AllGatherRotater`): one all-gather of K and V per attention call forward and again
+                 backward, dK and dV sent around the ring by context hops of the whole local buffer
+                 (its dkv rotater), the positions sharded up front (no position traffic)
+    cp_kv_heads  the heads K and V carry when they travel: "kv" the key-value heads (GQA kept);
+                 "q" every query head of the tensor shard (torchtitan's llama repeats K and V to the
+                 query heads, `repeat_kv`, before SDPA)
+    cp_grad_bytes  bytes per element of the dK/dV the ring carries: 0 the activations' dtype; 4 where
+                 they accumulate in float32 (PyTorch's dkv rotater, convert_to_f32)
+    cp_hide      the attention work context collectives hide under: "core" all of it (Liu et al. 2023:
+                 each hop under the previous block's kernel); "diagonal" a 1/context share: PyTorch's
+                 all-gather rotater waits on its gather after the diagonal block, the first of context
+                 blocks, and the dK/dV ring's last hop waits after the last block
+
 Overlap: the fraction of a class of collectives the software issues concurrently with independent
 compute; time.step_time hides at most that fraction, and never more than the compute there is:
     tp_overlap   tensor/sequence-parallel all-gathers and reduce-scatters decomposed into the GEMMs
@@ -113,6 +131,10 @@ class Software:
     weight_bytes: int = 4
     optimizer_bytes: int = 8
     state_over_context: bool = False
+    cp_rotate: str = ""
+    cp_kv_heads: str = "kv"
+    cp_grad_bytes: int = 0
+    cp_hide: str = "core"
     sources: str = ""
 
 
@@ -135,11 +157,16 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # implicit prefetch of the next block's gather and the reduce-scatter beside the backward pass, SDPA
 # flash attention (causal), 1F1B / interleaved 1F1B pipelines (torch.distributed.pipelining) with the
 # loss on the last stage, activation checkpointing of whole blocks (which reruns the output projection),
-# async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao).
+# async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao), context parallelism
+# by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
 TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=True,
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
-                      sequence_parallel=True, attention_kernel="flash2", state_over_context=True, sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md")
+                      sequence_parallel=True, attention_kernel="flash2", state_over_context=True,
+                      cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal",
+                      sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md; torchtitan "
+                              "config context_parallel_rotate_method, models/llama3 repeat_kv; PyTorch "
+                              "distributed/tensor/experimental/_attention.py (_AllGatherRotater, dkv rotater)")
 # MaxText (AI-Hypercomputer/maxtext: configs/base.yml): XLA's SPMD program like jaxpar's, splash (TPU) or
 # cuDNN flash (GPU) attention, scanned layers, the residual stream sharded over `tensor` between blocks
 # (its logical axis rules put activation_embed on tensor: all-gathers and reduce-scatters, as under sequence

@@ -163,9 +163,11 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
 
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
-              optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepTime:
+              optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
+              context_hide: float = 1.0) -> StepTime:
     """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
-    ring/all-gather context communication can hide under (Liu et al. 2023). `overlap`: the software's
+    ring/all-gather context communication can hide under (Liu et al. 2023), `context_hide` of it (the
+    software's cp_hide: 1/context where only the diagonal block's kernel covers it). `overlap`: the software's
     (tensor, pipeline, data) overlap fractions (jaxpar/cost/software.py): that fraction of each class is
     hidden under compute, tensor first, then pipeline, then data, never more in all than the compute
     there is (data-parallel gradient reductions run under the backward pass and the distributed
@@ -179,6 +181,7 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     data = comm["data"]
     hidden_dp = min(dp * data, free)
     return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
-                    tensor=comm["tensor"] - hidden_tp, context=max(0.0, comm["context"] - attention_core),
+                    tensor=comm["tensor"] - hidden_tp,
+                    context=max(0.0, comm["context"] - attention_core * context_hide),
                     pipeline=comm["pipeline"] - hidden_pp, expert=comm.get("expert", 0.0), data=data - hidden_dp,
                     optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)
