@@ -65,7 +65,7 @@ release_compiled_code(share)        for a long-lived process that compiles thous
     machine code (about 7 mappings for a small jitted function here), and JAX keeps every executable
     while its jitted function's cache lives; when mmap fails inside LLVM's code allocator the compile
     dies with SIGSEGV, not an error. Seen in the slow test run's long-lived pytest worker, after ~50,000
-    mappings (tests/conftest.py calls this after each test file). When the mappings pass `share` of the
+    mappings (tests/conftest.py checks between tests). When the mappings pass `share` of the
     limit, it empties JAX's caches (`jax.clear_caches`: later calls compile again) and collects garbage.
 
 Workarounds that are part of a kernel or a schedule stay there, each stated where it lives:
@@ -288,12 +288,18 @@ def memory_mappings() -> tuple[int, int] | None:
         return None
 
 
+def near_map_limit(share: float = 0.5) -> bool:
+    """Whether this process holds more than `share` of the kernel's limit of memory mappings."""
+    counts = memory_mappings()
+    return counts is not None and counts[0] >= share * counts[1]
+
+
 def release_compiled_code(share: float = 0.5) -> bool:
     """Empty JAX's caches of compiled executables when this process's memory mappings pass `share` of the
-    kernel's limit, so that XLA:CPU's next compile can map its code (module docstring: why). Returns whether
-    it released them."""
-    counts = memory_mappings()
-    if counts is None or counts[0] < share * counts[1]:
+    kernel's limit, so that XLA:CPU's next compile can map its code (module docstring: why). Executables the
+    caller holds itself (a `Compiled`, a cache of them) stay mapped: drop those first. Returns whether it
+    released."""
+    if not near_map_limit(share):
         return False
     jax.clear_caches()
     gc.collect()

@@ -2,6 +2,7 @@
 import os
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,6 +19,7 @@ simulate_cpu_devices(8)
 import pytest  # noqa: E402
 
 from jaxpar import xla_workarounds  # noqa: E402
+from tests import harness  # noqa: E402
 
 # `make test` runs two pytest-xdist workers, each taking one test file at a time (--dist loadfile) in
 # collection order (--no-loadscope-reorder: xdist would otherwise order files by their number of tests): the
@@ -120,13 +122,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def release_compiled_code(request):
-    """After each test file: its own cached results are dropped (functools caches defined in it), and when the
-    worker's memory mappings pass half the kernel's limit JAX's compiled executables are released too, so that
-    a long-lived worker's next XLA:CPU compile does not segfault (jaxpar/xla_workarounds.py: why)."""
+def drop_the_file_s_caches(request):
+    """After each test file, the results it cached (functools caches defined in it) are dropped."""
     yield
     module = request.module
     for value in vars(module).values():
         if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == module.__name__:
             value.cache_clear()
-    xla_workarounds.release_compiled_code()
+
+
+MAPS_CHECKED = [0.0]   # when this worker last counted its memory mappings (counting 40,000 takes ~30 ms)
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_code():
+    """Between tests, at most every 10 s: when the worker's memory mappings pass half the kernel's limit, the
+    shared compiled steps (tests/harness.py) and JAX's caches are released, so that a long-lived worker's next
+    XLA:CPU compile does not segfault (jaxpar/xla_workarounds.py: why). A file can add 30,000 mappings."""
+    yield
+    if time.monotonic() - MAPS_CHECKED[0] < 10.0:
+        return
+    MAPS_CHECKED[0] = time.monotonic()
+    if xla_workarounds.near_map_limit():
+        harness.clear_caches()
+        xla_workarounds.release_compiled_code(share=0.0)

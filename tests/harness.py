@@ -101,3 +101,10 @@ def assert_matches_one_device(model: str, mesh: str, devices: int = 8, **options
 def compiled_text(model: str, mesh: str, devices: int = 8, **options) -> str:
     """Optimized HLO of the trainer's step (the executable `trajectory` runs)."""
     return compiled_step(model, mesh, devices, **options).as_text()
+
+
+def clear_caches() -> None:
+    """Drop every cached trainer, compiled step and result (tests/conftest.py: near the kernel's limit of
+    memory mappings, the compiled steps held here are what keeps a worker's code mapped)."""
+    for cached in (_trainer, _compiled_step, reference_params, loss_and_grads, trajectory):
+        cached.cache_clear()

@@ -115,6 +115,9 @@ def start_long_launch(*extra: str, launch_flags=()) -> tuple[subprocess.Popen, l
     for line in launcher.stdout:  # process 0 prints this once both joined and the mesh is built
         if line.startswith("model llama-tiny"):
             break
+    else:
+        rc, err = launcher.wait(), launcher.stderr.read()
+        raise AssertionError(f"the launched run ended (exit {rc}) before its processes joined: {err[-2000:]}")
     children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
     return launcher, [int(c) for c in children]
 
