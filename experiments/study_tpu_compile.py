@@ -93,6 +93,15 @@ def hidden(report: dict) -> tuple[float, float]:
     return async_bytes / total, sum(r["overlapped_bytes"] for r in rows) / total
 
 
+def overlapped(report: dict, key) -> dict[tuple, list]:
+    """key(kind, axes) -> [bytes, bytes with a matmul in flight] over the overlap report's rows."""
+    out: dict[tuple, list] = {}
+    for o in report["overlap"]["rows"]:
+        acc = out.setdefault(key(o["kind"], tuple(o["axes"])), [0, 0])
+        acc[0], acc[1] = acc[0] + o["bytes"], acc[1] + o["overlapped_bytes"]
+    return out
+
+
 def gap(kind: str, axes: tuple, tpu: list | None, want: list | None, st, grads_equal: bool) -> str:
     """The TPU_GAPS entry that explains a (kind, axes) row where XLA:TPU's bytes differ from the `tpu`
     traits' by more than 1%, or '' when they agree."""
@@ -140,10 +149,7 @@ def part_a_rows(r: dict) -> list[list]:
     """Per (kind, axes) of one layout: both compilers, both traits, the async share on TPU, the gap."""
     cpu, tpu = sums(r["cpu"]["collectives"]), sums(r["tpu"]["collectives"])
     pc, pt = sums(r["pred"]["cpu"]), sums(r["pred"]["tpu"])
-    over = {}
-    for o in r["tpu"]["overlap"]["rows"]:
-        acc = over.setdefault((o["kind"], tuple(o["axes"])), [0, 0])
-        acc[0], acc[1] = acc[0] + o["bytes"], acc[1] + o["overlapped_bytes"]
+    over = overlapped(r["tpu"], lambda kind, axes: (kind, axes))
     rows = []
     for key in sorted(cpu.keys() | tpu.keys() | pc.keys() | pt.keys()):
         kind, axes = key
@@ -187,10 +193,7 @@ def compile_pod(model: str, topo: str, mesh: str, hw: str) -> dict:
 def pod_axis_rows(r: dict) -> list[list]:
     """Per mesh axis group: XLA:TPU's bytes and wire bytes against the `tpu` traits', the kinds on each."""
     got, want = sums(r["report"]["collectives"]), sums(r["pred"])
-    over: dict[tuple, list] = {}
-    for o in r["report"]["overlap"]["rows"]:
-        acc = over.setdefault(tuple(o["axes"]), [0, 0])
-        acc[0], acc[1] = acc[0] + o["bytes"], acc[1] + o["overlapped_bytes"]
+    over = overlapped(r["report"], lambda kind, axes: axes)
     rows = []
     for axes in sorted({a for _, a in got.keys() | want.keys()}):
         g = [v for (k, a), v in got.items() if a == axes]
