@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 from tqdm import tqdm  # noqa: E402
 
 from jaxpar.planning import planner  # noqa: E402
-from jaxpar.cost import estimate  # noqa: E402
+from jaxpar.cost import band as error_band, estimate  # noqa: E402
+from jaxpar.cost.hardware import load_hardware  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.core.strategy import AXES, Strategy  # noqa: E402
 
@@ -112,6 +113,37 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
                 best[k] = (est, st)
     best["counts"], best["valid"] = counts, valid
     return best
+
+
+# ---- the error band: which differences the model can tell apart ----------------------------------
+
+def band(hardware: str, software: str) -> float:
+    """The share within which two of the study's predictions are a tie: the cost model's out-of-sample
+    median error on published runs of `software` on `hardware`'s family (jaxpar/cost/bands.toml, written by
+    study_stacks.py); 0 where no published run calibrates the pair (then the study says so: `band_line`)."""
+    b = error_band.band_for(load_hardware(hardware).family, software)
+    return b.guide() if b else 0.0
+
+
+def band_line(hardware: str, software: str) -> str:
+    """One sentence for a results file: the band the study's comparisons use, and where it comes from."""
+    fam = load_hardware(hardware).family
+    b = error_band.band_for(fam, software)
+    if b is None:
+        return (f"Error band: none: no published {software} run on {fam} calibrates the model, so the "
+                "figures below rank layouts by the model alone.")
+    oos = "out of sample" if b.oos_median is not None else "in sample (no other source covers this family)"
+    return (f"Error band: ±{b.guide():.1%} ({oos} median over {b.runs} published {software} runs on {fam}, "
+            f"worst {b.oos_worst if b.oos_worst is not None else b.worst:.0%}; jaxpar/cost/bands.toml). "
+            "Predictions closer than the band are ties.")
+
+
+def versus(a: float, b: float, share: float) -> str:
+    """'a tie' when a and b (higher is better) are within `share` of each other, else how far a leads or trails."""
+    diff = a / b - 1
+    if abs(diff) <= share:
+        return f"a tie ({diff:+.1%}, inside ±{share:.1%})"
+    return f"{'ahead' if diff > 0 else 'behind'} by {abs(diff):.1%}"
 
 
 # ---- writing --------------------------------------------------------------------------------------
