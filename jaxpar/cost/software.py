@@ -96,6 +96,12 @@ compute; time.step_time hides at most that fraction, and never more than the com
                  DDP buckets, Li et al. 2020); 0: reduced after the backward pass (Megatron-LM 2021)
     pp_overlap   the interleaved schedule's stage-to-stage sends and receives issued asynchronously
                  with the next micro-batch's compute (Megatron-Core --overlap-p2p-comm)
+    ep_overlap   the expert all-to-alls (dispatch and combine) issued beside another micro-batch's
+                 compute: DeepSeek-V3's DualPipe pairs a forward and a backward chunk so that each one's
+                 all-to-alls hide under the other's compute (DeepSeek-AI 2024, arXiv 2412.19437 sec.
+                 3.2.1); Megatron-Core's --overlap-moe-expert-parallel-comm does the same for 1F1B
+                 micro-batches (Megatron-Bridge docs/training/communication-overlap.md). 0 in every
+                 preset: no published run that calibrates a preset trains a mixture of experts
 """
 from __future__ import annotations
 
@@ -123,6 +129,7 @@ class Software:
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     pp_overlap: float = 0.0
+    ep_overlap: float = 0.0
     fp8_gathers: bool = False
     async_tp: bool = False
     distributed_optimizer: bool = False

@@ -12,8 +12,8 @@ collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency),
 step        = compute / (1 - bubble) + tensor comm + context comm not hidden under attention
               + pipeline permutes + expert all-to-alls (the experts wait for their tokens; x the load
               imbalance under routed dispatch) + data-parallel comm + optimizer, where the tensor,
-              pipeline and data-parallel terms lose what the software overlaps with compute
-              (`Software.tp_overlap`, `pp_overlap`, `dp_overlap`: explicit, sourced, per software)
+              pipeline, expert and data-parallel terms lose what the software overlaps with compute
+              (`Software.tp_overlap`, `pp_overlap`, `ep_overlap`, `dp_overlap`: explicit, sourced, per software)
 Layout: canonical axis order data -> fsdp -> pipeline -> context -> expert -> tensor, innermost
 fastest; `devices_per_node` consecutive devices share a node (unless the strategy names dcn parts).
 """
@@ -164,24 +164,29 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
               optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
-              context_hide: float = 1.0) -> StepTime:
+              context_hide: float = 1.0, expert_overlap: float = 0.0) -> StepTime:
     """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
     ring/all-gather context communication can hide under (Liu et al. 2023), `context_hide` of it (the
     software's cp_hide: 1/context where only the diagonal block's kernel covers it). `overlap`: the software's
     (tensor, pipeline, data) overlap fractions (jaxpar/cost/software.py): that fraction of each class is
     hidden under compute, tensor first, then pipeline, then data, never more in all than the compute
     there is (data-parallel gradient reductions run under the backward pass and the distributed
-    optimizer's parameter gathers under the next forward: together, under the whole step)."""
+    optimizer's parameter gathers under the next forward: together, under the whole step).
+    `expert_overlap`: the software's share of the expert all-to-alls hidden (Software.ep_overlap), after
+    the pipeline's and before the data-parallel collectives."""
     tp, pp, dp = overlap
     free = compute
     hidden_tp = min(tp * comm["tensor"], free)
     free -= hidden_tp
     hidden_pp = min(pp * comm["pipeline"], free)
     free -= hidden_pp
+    expert = comm.get("expert", 0.0)
+    hidden_ep = min(expert_overlap * expert, free)
+    free -= hidden_ep
     data = comm["data"]
     hidden_dp = min(dp * data, free)
     return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
                     tensor=comm["tensor"] - hidden_tp,
                     context=max(0.0, comm["context"] - attention_core * context_hide),
-                    pipeline=comm["pipeline"] - hidden_pp, expert=comm.get("expert", 0.0), data=data - hidden_dp,
+                    pipeline=comm["pipeline"] - hidden_pp, expert=expert - hidden_ep, data=data - hidden_dp,
                     optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)
