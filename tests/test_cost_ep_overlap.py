@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxpar.cost import MEGATRON_CORE, estimate, load_hardware, time
+from jaxpar.cost import MEGATRON_CORE, estimate, load_hardware, memory, time
 from jaxpar.core.strategy import AXES, Options, Strategy
 from jaxpar.models.config import parse_model
 
@@ -33,3 +33,16 @@ def test_estimate_with_overlap_loses_exactly_the_exposed_all_to_alls():
     # the compute is far larger than the all-to-alls and the data-parallel traffic together, so all of it hides
     assert plain.time.compute > plain.time.expert + plain.time.data_total
     assert plain.step_time_s - hidden.step_time_s == pytest.approx(plain.time.expert, rel=1e-9)
+
+
+def test_one_f_one_b_holds_the_logits_of_one_micro_batch():
+    """Under 1F1B the last stage holds one micro-batch's float32 logits: growing the vocabulary by V adds
+    (sequences per micro-batch) x s x V x 4 / tensor bytes, the hand count, not the whole local batch's."""
+    sizes = {a: {"data": 2, "pipeline": 4, "tensor": 2}.get(a, 1) for a in AXES}
+    st = Strategy(name="dp2-pp4-tp2", mesh=tuple((a, sizes[a]) for a in AXES),
+                  options=Options(remat="full", dtype="bfloat16", microbatches=8, pp_schedule="1f1b"))
+    batch, seq, extra = 64, 1024, 32768
+    small, big = parse_model("llama3-8b"), parse_model(f"llama3-8b:vocab={128256 + extra}")
+    grown = (memory.activation_bytes(big, st, batch, seq, one_f_one_b=True)
+             - memory.activation_bytes(small, st, batch, seq, one_f_one_b=True))
+    assert grown == pytest.approx(batch / 2 / 8 * seq * extra * 4 / 2)

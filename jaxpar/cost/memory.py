@@ -262,7 +262,9 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     """Activation bytes per device at the peak of the backward pass:
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
            + under remat `full`, one layer's full inventory recomputed at work in the backward pass
-           + float32 logits of one accumulation step, b*s*V/t*4 bytes
+           + float32 logits of one accumulation step, b*s*V/t*4 bytes; under 1F1B of one micro-batch
+             (the last stage runs each micro-batch's loss and its backward pass back to back, with no
+             warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's pipeline schedules)
            + the int32 batch (`batch_bytes`).
     `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM."""
     o = st.options
@@ -271,7 +273,8 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
-    return stored + transient + logit_bytes(m, st, b_loc, seq) + batch_bytes(st, global_batch, seq)
+    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq)
+    return stored + transient + logits + batch_bytes(st, global_batch, seq)
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
