@@ -19,7 +19,12 @@ attention, leading dense layers) are listed, not predicted. The issue's goal: ea
 15%, its worst within 25%; the tables show where it holds and where not. The in-sample residuals per
 (hardware family, stack) are the error bands `estimate` and `plan` print (jaxpar/cost/band.py).
 
-    python experiments/study_stacks.py                 # prints both tables, writes results/study_stacks.md
+A third table gives the same residuals per (stack, hardware family): the bands bands.toml holds. The
+figure (results/study_stacks.png, and small under experiments/figures/) plots every predicted row out of
+sample against its published figure on log-log axes beside y = x and the guide's default band
+(megatron-core on the H100 family), and each (stack, family)'s errors beside its own band.
+
+    python experiments/study_stacks.py                 # prints the tables, writes results/study_stacks.md and .png
     python experiments/study_stacks.py --write-bands   # ... and jaxpar/cost/bands.toml
 """
 from __future__ import annotations
@@ -33,13 +38,16 @@ import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "experiments"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from _study import FIGURES, OKABE_ITO, pyplot  # noqa: E402
 
 from jaxpar.core import validate  # noqa: E402
 from jaxpar.core.strategy import Strategy, parse_inline  # noqa: E402
 from jaxpar.cost import SOFTWARE, estimate, load_hardware  # noqa: E402
-from jaxpar.cost.band import Band, to_toml  # noqa: E402
+from jaxpar.cost.band import Band, band_for, to_toml  # noqa: E402
 from jaxpar.cost.defaults import stack_defaults  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import ModelConfig  # noqa: E402
@@ -311,12 +319,111 @@ def error_bands(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str
                  max(outs[f, sw]) if (f, sw) in outs else None) for (f, sw), e in sorted(ins.items())]
 
 
-def report(rows: list[Row], skipped: list[str], write_bands: bool = False) -> str:
+def stack_summary(bands: list[Band]) -> list[str]:
+    """Per (stack, hardware family): runs, median and worst |error| in sample and out of sample (`-` where no
+    other source covers the family), the figures jaxpar/cost/bands.toml records and the guide calls ties within."""
+    lines = ["| stack | hardware family | runs | median in sample | worst in sample | median out of sample | "
+             "worst out of sample | the guide's band |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for b in sorted(bands, key=lambda b: (b.software, b.family)):
+        oos = ("-", "-") if b.oos_median is None else (f"{b.oos_median:.1%}", f"{b.oos_worst:.1%}")
+        lines.append(f"| {b.software} | {b.family} | {b.runs} | {b.median:.1%} | {b.worst:.1%} | {oos[0]} | {oos[1]} | "
+                     f"±{b.guide():.1%} |")
+    return lines
+
+
+MARKERS = {"megatron-core": "o", "torchtitan": "s", "maxtext": "^", "llm-foundry": "D"}
+
+
+def points(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str]]) -> list[dict]:
+    """One entry per predicted row: its stack, family, published and out-of-sample tokens/s per device, fit."""
+    return [{"stack": SOFTWARE[row.software].name, "family": family(row.hardware), "published": row.published,
+             "predicted": loso[i][0], "fits": predict(row, st)[1]} for i, (row, st) in enumerate(ok)]
+
+
+def figure(plt, pts: list[dict], bands: list[Band]):
+    """Left: predicted (out of sample) vs published tokens/s per device, log-log, y = x and the default band
+    shaded; right: each (stack, family)'s signed errors beside its own band. Hollow: predicted not to fit."""
+    fams = sorted({p["family"] for p in pts})
+    colour = {f: OKABE_ITO[i % len(OKABE_ITO)] for i, f in enumerate(fams)}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5.2), gridspec_kw={"width_ratios": [1.1, 1]})
+    lo, hi = min(min(p["published"], p["predicted"]) for p in pts) / 1.5, max(max(p["published"], p["predicted"]) for p in pts) * 1.5
+    xs = [lo, hi]
+    default = band_for("h100-sxm", "megatron-core")
+    if default is not None:
+        for share, alpha, what in ((default.oos_worst or default.worst, 0.15, "worst"), (default.guide(), 0.35, "median")):
+            ax.fill_between(xs, [x * (1 - share) for x in xs], [x * (1 + share) for x in xs], color="0.5", alpha=alpha,
+                            lw=0, label=f"megatron-core on h100-sxm, out of sample: ±{share:.1%} ({what})")
+    ax.plot(xs, xs, color="black", lw=0.8, label="predicted = published")
+    for p in pts:
+        c = colour[p["family"]]
+        ax.scatter(p["published"], p["predicted"], marker=MARKERS.get(p["stack"], "o"), s=36, zorder=3,
+                   facecolors=c if p["fits"] else "none", edgecolors=c, linewidths=1.2)
+    ax.set(xscale="log", yscale="log", xlim=xs, ylim=xs, xlabel="published tokens/s per device",
+           ylabel="predicted tokens/s per device (out of sample)",
+           title="Every published run in its own layout and stack preset")
+    handles = ax.get_legend_handles_labels()
+    for stack, m in MARKERS.items():
+        handles[0].append(ax.scatter([], [], marker=m, facecolors="0.3", edgecolors="0.3")), handles[1].append(stack)
+    for f in fams:
+        handles[0].append(ax.scatter([], [], marker="o", color=colour[f])), handles[1].append(f)
+    handles[0].append(ax.scatter([], [], marker="o", facecolors="none", edgecolors="0.3"))
+    handles[1].append("hollow: predicted not to fit in HBM")
+    ax.legend(*handles, fontsize=7, loc="upper left", frameon=False)
+    pairs = sorted({(p["stack"], p["family"]) for p in pts})
+    by = {(b.software, b.family): b for b in bands}
+    for j, pair in enumerate(pairs):
+        b = by.get(pair)
+        if b is not None:
+            for share, alpha in (((b.oos_worst if b.oos_worst is not None else b.worst), 0.15), (b.guide(), 0.35)):
+                bx.fill_between([j - 0.35, j + 0.35], [-100 * share] * 2, [100 * share] * 2, color="0.5", alpha=alpha, lw=0)
+        errs = [p for p in pts if (p["stack"], p["family"]) == pair]
+        for k, p in enumerate(errs):
+            c = colour[p["family"]]
+            bx.scatter(j - 0.25 + 0.5 * k / max(len(errs) - 1, 1), 100 * (p["predicted"] / p["published"] - 1),
+                       marker=MARKERS.get(p["stack"], "o"), s=28, zorder=3, facecolors=c if p["fits"] else "none",
+                       edgecolors=c, linewidths=1.2)
+    bx.axhline(0, color="black", lw=0.8)
+    bx.set_xticks(range(len(pairs)), [f"{s}\n{f}" for s, f in pairs], fontsize=7, rotation=30, ha="right",
+                  rotation_mode="anchor")
+    bx.set(ylabel="predicted / published - 1 (%), out of sample",
+           title="Errors per stack and hardware family beside its band: dark median, light worst\n"
+                 "(out of sample; in sample where no other source covers the family)")
+    fig.tight_layout()
+    return fig
+
+
+def write_figure(pts: list[dict], bands: list[Band], out: pathlib.Path) -> str:
+    """<out>.png beside the results file, and a small copy under experiments/figures/ when `out` is the default."""
+    plt = pyplot()
+    if plt is None:
+        return "no figure: matplotlib is not installed"
+    fig = figure(plt, pts, bands)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    if out.resolve() == RESULTS.resolve():
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        fig.savefig(FIGURES / "study_stacks.png", dpi=80)
+    plt.close(fig)
+    return f"figure: {out.with_suffix('.png')}"
+
+
+def analyse(rows: list[Row]) -> tuple[list[tuple[Row, Strategy]], list[tuple[Row, str]], dict[int, tuple[float, str]]]:
+    """(expressible rows with their strategies, refused rows with why, the leave-one-source-out predictions)."""
     ok, refused = predictions(rows)
-    loso = leave_one_source_out(ok)
+    return ok, refused, leave_one_source_out(ok)
+
+
+HEAD = ["Each published training run predicted in its own layout, with its own stack's preset "
+        "(jaxpar/cost/software.py) on its hardware profile, at the run's own global batch and sequence length "
+        "(each row's tokens per step are the ones it published). The metric is tokens/s per device; a source that "
+        "publishes TFLOP/s or MFU only is turned into tokens/s with that source's own FLOP convention.", ""]
+
+
+def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analysed=None) -> str:
+    ok, refused, loso = analysed or analyse(rows)
+    bands = error_bands(ok, loso)
     if write_bands:
-        BANDS.write_text(to_toml(error_bands(ok, loso)))
-    lines = ["# Published runs of other stacks against the cost model", "",
+        BANDS.write_text(to_toml(bands))
+    lines = ["# Published runs of other stacks against the cost model", "", *HEAD,
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
              "fits | out-of-sample efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ins, outs, not_fit = {}, {}, 0
@@ -334,7 +441,8 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False) -> st
                      f"{pred:,.0f} | {pred / row.published - 1:+.1%} | {oos:,.0f} | {oos / row.published - 1:+.1%} | "
                      f"{'yes' if fits else 'NO'} | {how} |")
     lines += ["", "In sample (the committed profiles):", "", *summary(ins), "",
-              "Out of sample (leave one source out):", "", *summary(outs, alone), ""]
+              "Out of sample (leave one source out):", "", *summary(outs, alone), "",
+              "## Per stack and hardware family: the error bands (jaxpar/cost/bands.toml)", "", *stack_summary(bands), ""]
     lines += [f"{len(ok)} rows predicted, {not_fit} of them predicted not to fit in HBM; "
               f"{len(refused)} not expressible:", ""]
     lines += [f"- {row.source} {row.label}: {why}" for row, why in refused]
@@ -351,10 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.reference.exists():   # `make experiments` runs every study: this one says it has nothing to read
         print(f"study_stacks: skipped: the published runs are not at {args.reference} (--reference PATH)")
         return 0
-    text = report(*read_rows(args.reference), write_bands=args.write_bands)
+    rows, skipped = read_rows(args.reference)
+    analysed = analyse(rows)
+    text = report(rows, skipped, write_bands=args.write_bands, analysed=analysed)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    ok, _, loso = analysed
+    print(write_figure(points(ok, loso), error_bands(ok, loso), args.out))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
+import statistics
 import sys
 
 import pytest
@@ -169,12 +170,18 @@ def test_every_published_training_row_is_read_and_expressible_or_names_its_featu
     assert all(skip.startswith("trtllm") for skip in skipped)
 
 
-def test_out_of_sample_predictions_use_other_sources_only(published):
+@pytest.fixture(scope="module")
+def analysed(published):
+    """(expressible rows with strategies, refused rows, leave-one-source-out predictions), computed once."""
+    s, rows, _ = published
+    return s.analyse(rows)
+
+
+def test_out_of_sample_predictions_use_other_sources_only(published, analysed):
     """Leave one source out: a held-out source's fitted efficiency never comes from its own rows (its rows
     are not among the ones it was fitted on), and the study prints per-source median and worst errors."""
-    s, rows, _ = published
-    ok, _ = s.predictions(rows)
-    loso = s.leave_one_source_out(ok)
+    s = published[0]
+    ok, _, loso = analysed
     assert set(loso) == set(range(len(ok)))
     for i, (row, _st) in enumerate(ok):
         own = sum(1 for r, _ in ok if r.source == row.source and s.family(r.hardware) == s.family(row.hardware))
@@ -213,3 +220,50 @@ def test_plan_prices_another_stacks_float8_and_refuses_it_for_jaxpar(capsys):
     assert "jaxpar's program computes in float32 or bfloat16" in capsys.readouterr().err
     assert cli.main([*args, "--hardware", "a100-80gb", "--software", "torchtitan"]) == 2
     assert "states no float8 peak" in capsys.readouterr().err
+
+
+def test_the_per_stack_summary_states_the_bands_that_bands_toml_holds(published, analysed):
+    """The study's per (stack, hardware family) table is the band it states: each median and worst, in and out
+    of sample, equals jaxpar/cost/bands.toml's (written by --write-bands) within its rounding, and the guide's
+    default band (megatron-core on the H100 family) is the median of the out-of-sample errors of those rows."""
+    from jaxpar.cost.band import band_for
+    s = published[0]
+    ok, _, loso = analysed
+    bands = s.error_bands(ok, loso)
+    rows = {(r[0], r[1]): r for r in ([c.strip() for c in line.strip().strip("|").split("|")]
+                                       for line in s.stack_summary(bands)[2:])}
+    assert len(rows) == len(bands) >= 5
+    for b in bands:
+        toml = band_for(b.family, b.software)
+        assert toml is not None, (b.family, b.software)
+        assert (b.runs, round(b.median, 4), round(b.worst, 4)) == (toml.runs, toml.median, toml.worst), b
+        assert (b.oos_median is None) == (toml.oos_median is None), b
+        if b.oos_median is not None:
+            assert (round(b.oos_median, 4), round(b.oos_worst, 4)) == (toml.oos_median, toml.oos_worst), b
+        cells = rows[b.software, b.family]
+        assert cells[3] == f"{toml.median:.1%}" and cells[7] == f"±{toml.guide():.1%}", cells
+    default = [abs(p["predicted"] / p["published"] - 1) for p in s.points(ok, loso)
+               if (p["stack"], p["family"]) == ("megatron-core", "h100-sxm")]
+    assert statistics.median(default) == pytest.approx(band_for("h100-sxm", "megatron-core").oos_median, abs=5e-5)
+
+
+def test_the_figure_plots_every_predicted_row_and_marks_those_predicted_not_to_fit(published, analysed):
+    """One marker per predicted row on the log-log panel and one on the error panel; a row the model says does
+    not fit in HBM is hollow, as many as the report counts."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from matplotlib.collections import PathCollection
+    s, rows, skipped = published
+    ok, _, loso = analysed
+    pts = s.points(ok, loso)
+    fig = s.figure(plt, pts, s.error_bands(ok, loso))
+    try:
+        for ax in fig.axes:
+            drawn = [c for c in ax.collections if isinstance(c, PathCollection) and len(c.get_offsets())]
+            assert len(drawn) == len(ok), ax.get_title()
+            hollow = sum(1 for c in drawn if len(c.get_facecolor()) == 0 or c.get_facecolor()[0][3] == 0)
+            not_fit = sum(1 for p in pts if not p["fits"])
+            assert hollow == not_fit > 0
+        assert f"{not_fit} of them predicted not to fit" in s.report(rows, skipped, analysed=analysed)
+        assert fig.axes[0].get_xscale() == fig.axes[0].get_yscale() == "log"
+    finally:
+        plt.close(fig)
