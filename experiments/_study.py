@@ -85,8 +85,8 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
            key=lambda st: 0, max_tensor: int | None = None) -> dict:
     """Best fitting (estimate, strategy) by tokens/s for each `key(strategy)`, over the planner's
     candidates (jaxpar.planning.planner: meshes, remat x accumulation x ZeRO x micro-batches x schedule; `options`
-    adds interleaved schedules) whose sizes pass `keep`. Layouts the planner does not rank (planner.check_plannable:
-    refused by jaxpar.core.validate, or not costed) are skipped (counted under 'refused');
+    adds interleaved schedules) whose sizes pass `keep`. Layouts the planner does not rank for `software`
+    (planner.check_plannable: refused by jaxpar.core.validate, or not costed) are skipped (counted under 'refused');
     best["valid"][k] counts the valid candidates under key k, whether they fit or not."""
     max_tensor = max_tensor or min(hw.devices_per_node, devices)
     best, counts, valid = {}, {"considered": 0, "refused": 0, "fit": 0}, {}
@@ -99,7 +99,7 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
             st = Strategy(name="-".join(f"{a}{sizes[a]}" for a in AXES if sizes[a] > 1) or "single",
                           mesh=tuple((a, sizes[a]) for a in AXES), options=opts)
             try:
-                planner.check_plannable(model, st, batch, seq)
+                planner.check_plannable(model, st, batch, seq, software.jaxpar_program)
             except ConfigError:
                 counts["refused"] += 1
                 continue

@@ -13,7 +13,7 @@ batch allows it and M >= stages; schedules GPipe, 1F1B, circular and interleaved
 accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
 uses ring attention (all-gather and zigzag are not searched); tensor stays <= kv_heads (a run replicates
 K/V heads beyond that, which the cost model does not count yet: cost.estimate.check_modelled_layout);
-pipeline x context is not searched (`check_plannable` says why).
+pipeline x context is not searched for jaxpar's own program (`check_plannable` says why).
 """
 from __future__ import annotations
 
@@ -91,13 +91,15 @@ OBJECTIVES = ("throughput", "energy")
 def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: int, program: bool = True) -> None:
     """What the planner (and the guide's studies, experiments/_study.py) rank: layouts a run takes
     (jaxpar.core.validate.check; ZeRO over sizes that do not divide as padded flat shards) that the cost model
-    counts (jaxpar.cost.estimate.check_modelled_layout). Pipeline x context trains (loss and gradients
-    equal one device) but is not planned: its compiled memory is above the model's (llama3-8b on 64 devices,
-    TP8 PP4 CP2, seq 8k: 62 GiB per device compiled against 45 predicted, 1F1B 19 against 11), and its
-    embedding output is resharded over pipeline x context by a collective-permute the model does not send."""
+    counts (jaxpar.cost.estimate.check_modelled_layout). `program`: the layout is for jaxpar's own program, whose
+    constraints apply; another stack's (Megatron-Core runs Llama 3's TP8 CP16 PP16) is checked as that stack
+    runs it. jaxpar's pipeline x context trains (loss and gradients equal one device) but is not planned: its
+    compiled memory is above the model's (llama3-8b on 64 devices, TP8 PP4 CP2, seq 8k: 62 GiB per device
+    compiled against 45 predicted, 1F1B 19 against 11), and its embedding output is resharded over pipeline x
+    context by a collective-permute the model does not send."""
     validate.check(model, st, batch=global_batch, seq=seq, padded_zero=True, program=program)
     check_modelled_layout(model, st)
-    if st.size("pipeline") > 1 and st.size("context") > 1:
+    if program and st.size("pipeline") > 1 and st.size("context") > 1:
         raise ConfigError(f"{st.name}: pipeline x context is not planned (its compiled memory is not modelled yet)")
 
 
