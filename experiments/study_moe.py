@@ -252,9 +252,11 @@ def report(args, like, fit, across, comp) -> list[str]:
                        "expert all-to-all GiB/GPU", "tensor GiB/GPU", "exposed expert s (as calibrated)",
                        "exposed tensor s (TP exposed)"], rows1), "",
             "as calibrated: megatron-core's preset (tensor collectives inside a node hidden under the GEMMs: "
-            "Transformer Engine's TP overlap; expert all-to-alls exposed). TP exposed: no tensor overlap "
-            "(Transformer Engine's userbuffer overlap covers its linear layers, not the experts' grouped GEMM, "
-            "so the truth for the MoE layers lies between the two). all-to-all hidden: Software.ep_overlap = 1 "
+            "Transformer Engine's TP overlap, fitted on dense models; expert all-to-alls exposed). TP exposed: no "
+            "tensor overlap. Transformer Engine overlaps the tensor collectives inside its linear layers; the "
+            "experts' tokens cross the tensor group in Megatron-Core's token dispatcher, around the grouped GEMM, "
+            "where no published run shows them hidden, so the two columns bracket the MoE layers. all-to-all "
+            "hidden: Software.ep_overlap = 1 "
             "(DeepSeek-V3's DualPipe; Megatron-Core --overlap-moe-expert-parallel-comm). OOM: that split with "
             "that recompute policy fits no micro-batch at DP8 and ZeRO-1. vs EP1 TP8: against TP8 at the same "
             "recompute and overlap, ties inside the band.", ""]
