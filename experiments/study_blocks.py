@@ -42,14 +42,15 @@ simulate_cpu_devices(8)  # before JAX starts its backend
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _study import arguments, finish, md_table, progress  # noqa: E402
+from _study import arguments, band_line, finish, md_table, progress  # noqa: E402
 
 from jaxpar.analysis import comm as analysis_comm  # noqa: E402
 from jaxpar.analysis.hlo_text import executed_instructions, parse_module  # noqa: E402
 from jaxpar.analysis.patterns import one_dot_flops  # noqa: E402
 from jaxpar.analysis.tally import collective_ops  # noqa: E402
 from jaxpar.collectives import wire_factor  # noqa: E402
-from jaxpar.cost import flops  # noqa: E402
+from jaxpar.cost import comm as cost_comm, flops  # noqa: E402
+from jaxpar.cost.shape import step_shape  # noqa: E402
 from jaxpar.cost.hardware import load_hardware  # noqa: E402
 from jaxpar.cost.params import mamba_dims  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
@@ -142,7 +143,7 @@ def compiled_blocks(model: str, layout: str, batch: int, seq: int) -> dict:
             return "other"
         return block_of(int(m[1]))
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
-    out, by_name = {}, {}
+    out, by_name, grads = {}, {}, 0
     for instr, times, _ in executed_instructions(module):
         by_name[instr.name] = instr
         if instr.opcode == "dot" and times:
@@ -150,8 +151,9 @@ def compiled_blocks(model: str, layout: str, batch: int, seq: int) -> dict:
             b["flops"] += times * one_dot_flops(instr, shapes)
     shape = tuple(tr.mesh.shape.values())
     for op in collective_ops(module, tr.mesh.axis_names, np.arange(int(np.prod(shape))).reshape(shape)):
-        if op.kind == "all-reduce" and op.phase != "forward" and set(op.axes) <= GRADIENT_AXES:
-            continue  # gradient synchronisation: combined across blocks by XLA
+        if gradient(op):
+            grads += op.times * (op.bytes - op.scalar_bytes)
+            continue  # gradient synchronisation: combined across blocks by XLA, counted for the whole step
         b = out.setdefault(owner(by_name[op.name]), {"flops": 0.0, "comm": {}, "weights": 0})
         key = (op.kind, "fwd" if op.phase == "forward" else "bwd")
         b["comm"][key] = b["comm"].get(key, 0) + op.times * (op.bytes - op.scalar_bytes)
@@ -164,7 +166,12 @@ def compiled_blocks(model: str, layout: str, batch: int, seq: int) -> dict:
         if kind:
             local = sharding.shard_shape(leaf.shape)
             out.setdefault(kind, {"flops": 0.0, "comm": {}, "weights": 0})["weights"] += int(np.prod(local)) * leaf.dtype.itemsize
-    return {"trainer": tr, "blocks": out}
+    return {"trainer": tr, "blocks": out, "grads": grads}
+
+
+def gradient(op) -> bool:
+    """A gradient reduction: a backward all-reduce over data and/or context only (compiled op or predicted)."""
+    return op.kind == "all-reduce" and op.phase != "forward" and set(op.axes) <= GRADIENT_AXES
 
 
 # ---- the analytic side --------------------------------------------------------------------------------
@@ -236,13 +243,19 @@ def weight_bytes(m, block: str, sizes: dict) -> float:
 
 # ---- the study ------------------------------------------------------------------------------------------
 
-def compiled_rows(jobs, batch: int, seq: int, bar) -> list[dict]:
-    rows = []
+def compiled_rows(jobs, batch: int, seq: int, bar) -> tuple[list[dict], list[dict]]:
+    """Per (block, layout): the block's compiled figures beside the model's; per layout: the whole step's
+    gradient all-reduces, compiled beside jaxpar/cost/comm.py's (XLA:CPU traits)."""
+    rows, grads = [], []
     for model, layout in jobs:
         bar.set_description(f"compile {model} {layout}")
         r = compiled_blocks(model, layout, batch, seq)
         m, sizes = r["trainer"].model_cfg, dict(r["trainer"].strategy.sizes)
         b_loc, c = batch / sizes["data"], sizes["context"]
+        st = r["trainer"].strategy
+        predicted = cost_comm.collectives(m, st, step_shape(m, st, batch, seq), compiler="cpu")
+        grads.append({"model": model, "layout": layout, "mesh": LAYOUTS[layout][0], "grad_hlo": r["grads"],
+                      "grad_pred": sum(op.bytes for op in predicted if gradient(op))})
         for block in (("mamba2",) if m.pattern == "M" else ("attention", "mlp")):
             got = r["blocks"].get(block, {"flops": 0.0, "comm": {}, "weights": 0})
             pred = {k: v * m.layers for k, v in block_collectives(m, block, layout, b_loc, seq / c, sizes).items()}
@@ -253,7 +266,7 @@ def compiled_rows(jobs, batch: int, seq: int, bar) -> list[dict]:
                          "flops_hlo": got["flops"], "weights_pred": weight_bytes(m, block, sizes) * m.layers,
                          "weights_hlo": got["weights"], "comm_pred": pred, "comm_hlo": got["comm"]})
         bar.update()
-    return rows
+    return rows, grads
 
 
 def at_scale(hw_name: str = "h100-sxm", seq: int = 8192) -> list[dict]:
@@ -268,7 +281,8 @@ def at_scale(hw_name: str = "h100-sxm", seq: int = 8192) -> list[dict]:
             comm = block_collectives(m, block, layout, b_loc, seq / c, sizes, gpu=True)
             act = sum(comm.values())
             wire = sum(v * wire_factor(kind, t * c) for (kind, _), v in comm.items())  # ring: what a device sends
-            grads = weight_bytes(m, block, sizes) / 2 if layout in ("DP", "CP") else 0.0  # bf16 gradients, all-reduced
+            # float32 gradients, all-reduced over data or context (Megatron reduces a bf16 run's gradients in float32)
+            grads = weight_bytes(m, block, sizes) if layout in ("DP", "CP") else 0.0
             f = block_flops(m, block, b_loc, seq, t * c)
             rows.append({"block": block, "layout": layout, "gflops": f / 1e9, "act_mib": act / 2**20,
                          "grad_mib": grads / 2**20, "weights_mib": weight_bytes(m, block, sizes) / 2 / 2**20,
@@ -304,15 +318,33 @@ def comm_text(d: dict) -> str:
     return ", ".join(f"{k[0]} {k[1]} {v / 2**10:,.1f}" for k, v in sorted(d.items())) or "none"
 
 
-def figure(plt, comp, scale, cross, flop_x, mem_x):
-    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(14, 4))
-    labels = [f"{r['block']}\n{r['layout']}" for r in comp]
-    x = range(len(comp))
-    ax.bar([i - 0.2 for i in x], [sum(r["comm_pred"].values()) / 2**10 for r in comp], 0.4, label="cost model")
-    ax.bar([i + 0.2 for i in x], [sum(r["comm_hlo"].values()) / 2**10 for r in comp], 0.4, label="compiled HLO")
-    ax.set_xticks(list(x), labels, fontsize=6)
-    ax.set(ylabel="block collectives, KiB per device per step", title="(1) 8 simulated devices: model vs compiled")
-    ax.legend(fontsize=8)
+SHORT_BLOCK = {"attention": "attn", "mlp": "MLP", "mamba2": "Mamba-2"}
+
+
+def figure(plt, comp, grads, scale, cross, flop_x, mem_x):
+    fig = plt.figure(figsize=(14, 8.2))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.05])
+    ax, bx, cx = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    # (1) per block: the block's own collectives; then per layout, the whole step's gradient all-reduces
+    labels = [f"{SHORT_BLOCK[r['block']]}\n{r['layout']}" for r in comp] + \
+             [f"grads\n{g['layout']}" + ("" if g["model"].startswith("llama") else "\n(M-2)") for g in grads]
+    pred = [sum(r["comm_pred"].values()) / 2**10 for r in comp] + [g["grad_pred"] / 2**10 for g in grads]
+    got = [sum(r["comm_hlo"].values()) / 2**10 for r in comp] + [g["grad_hlo"] / 2**10 for g in grads]
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], pred, 0.4, label="cost model")
+    ax.bar([i + 0.2 for i in x], got, 0.4, label="compiled HLO")
+    ax.axvspan(len(comp) - 0.5, len(labels) - 0.5, color="0.9", zorder=0)
+    ax.text(len(comp) - 0.4, max(pred + got) * 1.04, "gradient all-reduces over data / context, whole step "
+            "(all blocks: XLA combines them)", fontsize=8, va="bottom")
+    ax.set_ylim(0, max(pred + got) * 1.18)
+    for i, (p_, g_) in enumerate(zip(pred, got)):
+        if p_ == g_ == 0:
+            ax.text(i, max(pred + got) * 0.01, "0", ha="center", fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="KiB per device per step",
+           title="(1) appendix: jaxpar's own program on XLA:CPU (8 simulated devices, float32): block collectives "
+                 "and gradient all-reduces, model vs compiled")
+    ax.legend(fontsize=8, loc="upper left")
     blocks = ("attention", "mlp", "mamba2")
     layouts = ("DP", "TP", "SP", "CP")
     for j, block in enumerate(blocks):
@@ -321,7 +353,8 @@ def figure(plt, comp, scale, cross, flop_x, mem_x):
     bx.axhline(1.0, color="black", linestyle="--", linewidth=1, label="comm = compute")
     bx.set_xticks(range(4), layouts)
     bx.set_yscale("log")
-    bx.set(ylabel="NVLink time / matmul time (per layer)", title=f"(2) {BIG_ATTN}-sized blocks, 8 H100, 8k tokens")
+    bx.set(ylabel="NVLink time / matmul time (per layer)",
+           title=f"(2) {BIG_ATTN}-sized blocks, 8 H100, 8k tokens (model)\nDP and CP include the gradient all-reduce")
     bx.legend(fontsize=7)
     seqs = [r["seq"] for r in cross]
     cx.plot(seqs, [r["attn_flops"] / 1e6 for r in cross], marker="o", label="attention (causal), MFLOP/token")
@@ -342,15 +375,45 @@ def main() -> None:
                      seq=(int, 64, "sequence length"))
     jobs = QUICK if args.quick else [(MODELS[b], lay) for b in ("attention", "mamba2") for lay in LAYOUTS]
     with progress(len(jobs), "compile") as bar:
-        comp = compiled_rows(jobs, args.batch, args.seq, bar)
+        comp, grads = compiled_rows(jobs, args.batch, args.seq, bar)
     scale = at_scale()
     cross, flop_x, mem_x = crossover([2 ** k for k in range(9, 18)])
 
     def err(pred, got):
         return f"{pred / got - 1:+.2%}" if got else "n/a"
-    body = [f"## (1) Compiled on 8 simulated CPU devices: batch {args.batch} x {args.seq}, float32, per device per step", "",
-            "Blocks of the 2 layers together; collectives of the block in KiB by (kind, pass), gradient "
-            "all-reduces over data/context excluded (XLA combines them across blocks).", "",
+    body = [band_line("h100-sxm", "megatron-core"), "The at-scale figures below are per-layer costs, not step "
+            "times; read ratios closer than the band as ties.", "",
+            "Tokens per step at scale: 8 sequences of 8,192 on one 8-GPU node (65,536 tokens, one sequence per GPU "
+            "under DP; 8k: Llama 3's pre-training sequence length, Dubey et al. 2024 sec. 3.4.1). Per-layer bytes "
+            "and FLOPs scale with the tokens, so the comm / compute ratios hold for any number of sequences.", "",
+            "No MFU: this study compares FLOPs and bytes per block. FLOPs are matmul FLOPs, forward + backward = 3 x "
+            "the forward; attention's scores counted in full (s x s) in (1) and the appendix, causal (half) in the "
+            "crossover (2), as a fused causal kernel computes them.", "",
+            f"## (1) At scale (model): {BIG_ATTN} blocks and a Mamba-2 mixer of width 4096 ({BIG_MAMBA}), "
+            "8 H100, 8 sequences of 8,192 tokens, bf16, per layer and device", "",
+            *md_table(["block", "layout", "GFLOP", "activation comm MiB", "gradient MiB", "weights MiB",
+                       "matmul ms", "NVLink ms", "comm / compute"],
+                      [[r["block"], r["layout"], f"{r['gflops']:.1f}", f"{r['act_mib']:.1f}", f"{r['grad_mib']:.1f}",
+                        f"{r['weights_mib']:.1f}", f"{r['compute_ms']:.2f}", f"{r['comm_ms']:.2f}",
+                        f"{r['comm_ms'] / r['compute_ms']:.2f}"] for r in scale]), "",
+            "Activation comm: TP/SP move the residual stream (2 passes), CP the K/V blocks (attention) or the "
+            "conv halo and chunk states (Mamba-2); gradient: the block's float32 gradients (Megatron reduces a bf16 "
+            "run's gradients in float32, as the cost model's megatron-core preset does), all-reduced over data or "
+            "context (so DP is not free: its NVLink ms is the gradient all-reduce). NVLink ms: the bytes each "
+            "device sends under ring algorithms (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter "
+            "(n-1)/n) at the profile's achieved bandwidth; matmul ms: the FLOPs at its achieved peak. SP moves "
+            "twice TP's buffers but the same wire bytes.", "",
+            f"## (2) Crossover (model): forward per token per layer, {BIG_ATTN} attention (causal) vs the Mamba-2 mixer", "",
+            *md_table(["seq", "attention MFLOP/token", "Mamba-2 MFLOP/token", "KV cache MiB/sequence", "Mamba-2 state MiB/sequence"],
+                      [[f"{r['seq']:,}", f"{r['attn_flops'] / 1e6:.1f}", f"{r['mamba_flops'] / 1e6:.1f}",
+                        f"{r['kv_mib']:.2f}", f"{r['state_mib']:.2f}"] for r in cross]), "",
+            f"FLOPs crossover: attention costs more per token from {flop_x:,} tokens (first multiple of the chunk, "
+            f"{parse_model(BIG_MAMBA).chunk}). State crossover: the KV cache outgrows the Mamba-2 state from "
+            f"{mem_x:,} tokens of context.", "",
+            "## APPENDIX: jaxpar's own program compiled on 8 simulated CPU devices (XLA:CPU), not hardware guidance", "",
+            f"Batch {args.batch} x {args.seq} (tiny, so that each compile takes seconds), float32, per device per step. "
+            "Blocks of the 2 layers together; collectives of the block in KiB by (kind, pass); the gradient "
+            "all-reduces over data/context are in the table after (XLA combines them across blocks).", "",
             *md_table(["block", "layout", "mesh", "GFLOP (model)", "GFLOP (compiled)", "FLOPs error",
                        "weights KiB (model)", "weights KiB (compiled)", "comm KiB (model)", "comm KiB (compiled)",
                        "comm error", "compiled collectives"],
@@ -361,27 +424,14 @@ def main() -> None:
                         err(sum(r["comm_pred"].values()), sum(r["comm_hlo"].values()))
                         if r["comm_hlo"] or r["comm_pred"] else "+0.00%", comm_text(r["comm_hlo"])]
                        for r in comp]), "",
-            f"## (2) At scale (model): {BIG_ATTN} blocks and a Mamba-2 mixer of width 4096 ({BIG_MAMBA}), "
-            "8 H100, 8 sequences of 8,192 tokens, bf16, per layer and device", "",
-            *md_table(["block", "layout", "GFLOP", "activation comm MiB", "gradient MiB", "weights MiB",
-                       "matmul ms", "NVLink ms", "comm / compute"],
-                      [[r["block"], r["layout"], f"{r['gflops']:.1f}", f"{r['act_mib']:.1f}", f"{r['grad_mib']:.1f}",
-                        f"{r['weights_mib']:.1f}", f"{r['compute_ms']:.2f}", f"{r['comm_ms']:.2f}",
-                        f"{r['comm_ms'] / r['compute_ms']:.2f}"] for r in scale]), "",
-            "Activation comm: TP/SP move the residual stream (2 passes), CP the K/V blocks (attention) or the "
-            "conv halo and chunk states (Mamba-2); gradient: the block's bf16 gradients, all-reduced over data "
-            "or context. NVLink ms: the bytes each device sends under ring algorithms (all-reduce 2(n-1)/n of the "
-            "buffer, all-gather and reduce-scatter (n-1)/n) at the profile's achieved bandwidth; matmul ms: the "
-            "FLOPs at its achieved peak. SP moves twice TP's buffers but the same wire bytes.", "",
-            f"## (3) Crossover (model): forward per token per layer, {BIG_ATTN} attention (causal) vs the Mamba-2 mixer", "",
-            *md_table(["seq", "attention MFLOP/token", "Mamba-2 MFLOP/token", "KV cache MiB/sequence", "Mamba-2 state MiB/sequence"],
-                      [[f"{r['seq']:,}", f"{r['attn_flops'] / 1e6:.1f}", f"{r['mamba_flops'] / 1e6:.1f}",
-                        f"{r['kv_mib']:.2f}", f"{r['state_mib']:.2f}"] for r in cross]), "",
-            f"FLOPs crossover: attention costs more per token from {flop_x:,} tokens (first multiple of the chunk, "
-            f"{parse_model(BIG_MAMBA).chunk}). State crossover: the KV cache outgrows the Mamba-2 state from "
-            f"{mem_x:,} tokens of context."]
+            "Gradient all-reduces over data and context, whole step (every block, the embedding and the norms), "
+            "compiled against jaxpar/cost/comm.py with XLA:CPU traits:", "",
+            *md_table(["model", "grads layout", "mesh", "gradient KiB (model)", "gradient KiB (compiled)", "gradient error"],
+                      [[g["model"], g["layout"], g["mesh"], f"{g['grad_pred'] / 2**10:.1f}", f"{g['grad_hlo'] / 2**10:.1f}",
+                        err(g["grad_pred"], g["grad_hlo"])] for g in grads])]
     print("\n".join(body))
-    finish(args, STEM, "Study (d): blocks compared", body, lambda plt: figure(plt, comp, scale, cross, flop_x, mem_x))
+    finish(args, STEM, "Study (d): blocks compared", body,
+           lambda plt: figure(plt, comp, grads, scale, cross, flop_x, mem_x))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from jaxpar.cost import band as error_band
+from jaxpar.cost.hardware import load_hardware
 from tests.experiments_read import EXPERIMENTS, ROOT, number, read_results, rows_by, run_quick, scripts, table, tables
 from tests.test_experiments_bench import CHECKS as BENCH_CHECKS
 
@@ -47,32 +49,55 @@ def check_study_scaling_ladder(out: pathlib.Path, stdout: str) -> None:
 def check_study_zero_stages(out: pathlib.Path, stdout: str) -> None:
     """The cost model's state bytes and collective bytes equal the compiled steps' (within 1%); ZeRO-1
     shards the Adam moments, FSDP everything (state shrinks in that order, bytes grow); on 64 H100
-    only FSDP fits llama3-70b without tensor or pipeline parallelism."""
+    only FSDP fits llama3-70b without tensor or pipeline parallelism; megatron-core's replicated state is
+    18 bytes per parameter (jaxpar's 16), against Llama 3 70B's published 70.6B parameters; FSDP against
+    ZeRO-1 is a tie exactly when their MFUs are within jaxpar.cost.band's megatron-core H100 share."""
     text = read_results(out, "study_zero_stages")
+    share = error_band.band_for(load_hardware("h100-sxm").family, "megatron-core").guide()
+    assert f"±{share:.1%}" in text.split("\n## ")[0], text[:600]
     rows = {r["strategy"]: r for r in table(text, "strategy", "ZeRO")}
     for r in rows.values():
         assert abs(number(r["state error"])) < 0.01 and abs(number(r["bytes error"])) < 0.01, r
     state = [number(rows[k]["state MiB/device (compiled)"]) for k in ("dp8", "zero1-dp8", "fsdp8")]
     moved = [number(rows[k]["bytes/step (compiled)"]) for k in ("dp8", "zero1-dp8", "fsdp8")]
     assert state == sorted(state, reverse=True) and moved == sorted(moved), (state, moved)
+    for header, per_param in (("stage", 18), ("program stage", 16)):
+        big = {r[header]: r for r in table(text, header, "params GiB")}
+        assert [big[k]["fits"] for k in ("ZeRO-0 (DP)", "ZeRO-1", "ZeRO-3 (FSDP)")] == ["no", "no", "yes"], big
+        dp, fsdp = big["ZeRO-0 (DP)"], big["ZeRO-3 (FSDP)"]
+        held = [sum(number(r[k]) for k in ("params GiB", "grads GiB", "optimizer GiB")) for r in (dp, fsdp)]
+        assert held[0] == pytest.approx(per_param * 70.6e9 / 2**30, rel=0.01), (header, dp)
+        assert held[1] == pytest.approx(held[0] / 64, rel=0.02), (header, fsdp)
     big = {r["stage"]: r for r in table(text, "stage", "params GiB")}
-    assert [big[k]["fits"] for k in ("ZeRO-0 (DP)", "ZeRO-1", "ZeRO-3 (FSDP)")] == ["no", "no", "yes"], big
+    diff = number(big["ZeRO-3 (FSDP)"]["MFU"]) / number(big["ZeRO-1"]["MFU"]) - 1
+    finding = next(line for line in text.splitlines() if line.startswith("Finding: FSDP against ZeRO-1"))
+    assert ("a tie" in finding) == (abs(diff) <= share), (finding, diff)
 
 
 def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
     """TP's bytes stay on NVLink up to TP=8 and cross InfiniBand beyond; exposed (megatron-lm) that
-    loses at TP=16, overlapped (megatron-core) at TP=32, where the exposed tensor time appears."""
+    loses at TP=16; overlapped (megatron-core, overlap inside a node only) TP=16 exposes its tensor time
+    and trails TP=8 by more than the error band, which is jaxpar.cost.band's megatron-core H100 value;
+    every verdict is a tie exactly when the difference is inside that band."""
     text = read_results(out, "study_tp_vs_pp")
+    share = error_band.band_for(load_hardware("h100-sxm").family, "megatron-core").guide()
+    assert f"±{share:.1%}" in text.split("\n## ")[0], text[:600]
     rows = rows_by(table(text, "software", "batch", "TP x PP"), "software", "batch", "TP x PP")
     for (software, batch, split), r in rows.items():
         tp = int(split.split("x")[0])
-        assert (number(r["tensor GiB IB"]) == 0) == (tp <= 8), r
+        if r["TFLOP/s/GPU"] not in ("OOM", "refused"):
+            assert (number(r["tensor GiB IB"]) == 0) == (tp <= 8), r
     for software, batch, _ in rows:
         tp8, tp16, tp32 = (rows[(software, batch, k)] for k in ("8x8", "16x4", "32x2"))
         assert number(tp32["MFU"]) < 0.8 * number(tp8["MFU"]) and number(tp32["tensor comm s"]) > 0, (tp8, tp32)
-        if software == "megatron-lm":
-            assert number(tp16["MFU"]) < 0.9 * number(tp8["MFU"]), (tp8, tp16)
-            assert number(tp16["tensor comm s"]) > 2 * number(tp8["tensor comm s"]), (tp8, tp16)
+        assert number(tp16["MFU"]) < 0.9 * number(tp8["MFU"]), (tp8, tp16)
+        assert number(tp16["tensor comm s"]) > 2 * number(tp8["tensor comm s"]), (tp8, tp16)
+    for r in table(text, "software", "TP x PP", "MFU", "MFU of 8x8"):
+        diff = number(r["tokens/s vs 8x8"])
+        assert diff == pytest.approx(number(r["MFU"]) / number(r["MFU of 8x8"]) - 1, abs=0.005), r
+        assert r["verdict"].startswith("a tie") == (abs(diff) <= share), r
+        if r["TP x PP"] == "16x4":
+            assert diff < -share, r  # beyond the node TP loses by more than the model can be wrong
     if not (ROOT.parent / "shared" / "reference" / "published_runs_h100.toml").exists():
         assert "published_runs_h100.toml not found" in text  # a bare clone: said, not hidden
         return
@@ -81,23 +106,37 @@ def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
 
 
 def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
-    """Fused attention's activations grow linearly with the sequence, dense attention's faster; with a
-    fused kernel llama3.1-70b fits at 128k on 64 H100 without CP (megatron-core, and jaxpar's program with
-    the kernel auto picks there), by full recompute, at a lower MFU than at 8k; Mamba-2 2.7B (no TP) needs
-    CP at 128k."""
+    """Fused attention's activations grow linearly with the sequence (jaxpar's dense kernel, in the
+    appendix, faster); with a fused kernel llama3.1-70b fits at 128k on 64 H100 without CP, by full
+    recompute, at a lower MFU than at 8k; Mamba-2 2.7B with its one B/C group refuses TP and needs CP
+    at 128k, with 8 groups TP8 + SP runs; zigzag CP8 ties TP8 + SP; every CP verdict is a tie exactly
+    when the two MFUs are within jaxpar.cost.band's megatron-core H100 share."""
     text = read_results(out, "study_long_context")
+    share = error_band.band_for(load_hardware("h100-sxm").family, "megatron-core").guide()
+    assert f"±{share:.1%}" in text.split("\n## ")[0], text[:600]
     acts = rows_by(table(text, "model", "seq", "megatron-core, selective"), "model", "seq")
     short, long_ = acts[("llama3.1-70b", "8,192")], acts[("llama3.1-70b", "131,072")]
     growth = 131072 / 8192
     assert number(long_["megatron-core, full"]) / number(short["megatron-core, full"]) == pytest.approx(growth, rel=0.05)
-    assert number(long_["jaxpar, full"]) / number(short["jaxpar, full"]) > 4 * growth
+    dense = rows_by(table(text, "model", "seq", "jaxpar dense, selective"), "model", "seq")
+    assert number(dense[("llama3.1-70b", "131,072")]["jaxpar dense, full"]) / number(
+        dense[("llama3.1-70b", "8,192")]["jaxpar dense, full"]) > 4 * growth
     cp = rows_by(table(text, "model", "software", "seq"), "model", "software", "seq")
-    ours = cp[("llama3.1-70b", "jaxpar", "131,072")]
-    assert number(ours["MFU without CP"]) > 0, ours
     fused, fused8k = cp[("llama3.1-70b", "megatron-core", "131,072")], cp[("llama3.1-70b", "megatron-core", "8,192")]
-    assert number(fused["MFU without CP"]) < number(fused8k["MFU without CP"]) - 0.05, (fused, fused8k)
+    assert number(fused["MFU without CP"]) < number(fused8k["MFU without CP"]) * (1 - share), (fused, fused8k)
     mamba = cp[("mamba2-2.7b", "megatron-core", "131,072")]
-    assert mamba["MFU without CP"] == "OOM" and number(mamba["MFU with CP"]) > 0, mamba
+    assert mamba["MFU without CP"] == "OOM" and number(mamba["MFU with CP"]) > 0 and mamba["CP verdict"] == "necessary"
+    for r in cp.values():
+        if "OOM" in (r["MFU without CP"], r["MFU with CP"]) or r["software"] != "megatron-core":
+            continue
+        diff = number(r["MFU with CP"]) / number(r["MFU without CP"]) - 1
+        if abs(abs(diff) - share) > 0.005:  # MFU is printed to 0.1 point: leave the band's edge alone
+            assert r["CP verdict"].startswith("CP a tie") == (abs(diff) <= share), r
+    node = rows_by(table(text, "model", "layout", "tokens/s/GPU"), "model", "layout")
+    zigzag, tpsp = (number(node[("llama3.1-8b", k)]["tokens/s/GPU"]) for k in ("CP8 ring, zigzag", "TP8 + SP"))
+    assert abs(zigzag / tpsp - 1) <= share and "zigzag against TP8 + SP" in text and "a tie" in text
+    assert node[("mamba2-2.7b", "TP8 + SP")]["tokens/s/GPU"].startswith("refused"), node
+    assert number(node[("mamba2-2.7b, 8 groups", "TP8 + SP")]["tokens/s/GPU"]) > 0, node
 
 
 def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
@@ -116,8 +155,11 @@ def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
 def check_study_blocks(out: pathlib.Path, stdout: str) -> None:
     """Per block, the compiled HLO's collective bytes and weights equal the model's within 2%, and its
     matmul FLOPs too (Mamba-2 under CP excepted: the model leaves out the chunk-state hand-over); the
-    crossovers against hand counts: the KV cache (2 x 8 KV heads x 128 x 2 bytes per token) outgrows
-    the Mamba-2 state (128 heads x 64 x 128 SSM + 3 x 10,240 conv values, 2 bytes) at ceil(state / kv)."""
+    whole step's gradient all-reduces, compiled, equal the model's and are not zero; at scale DP pays its
+    gradient all-reduce, the block's weights in float32 (hand count: llama3-8b attention 2 x 4096 x
+    (4096 + 1024), MLP 3 x 4096 x 14,336, 4 bytes each); the crossovers against hand counts: the KV cache (2 x 8 KV
+    heads x 128 x 2 bytes per token) outgrows the Mamba-2 state (128 heads x 64 x 128 SSM + 3 x 10,240
+    conv values, 2 bytes) at ceil(state / kv)."""
     text = read_results(out, "study_blocks")
     rows = table(text, "block", "layout", "mesh")
     assert rows
@@ -128,6 +170,14 @@ def check_study_blocks(out: pathlib.Path, stdout: str) -> None:
             assert abs(number(r["FLOPs error"])) < 0.02, r
         if r["layout"] in ("TP", "SP", "CP") and r["block"] != "mlp" or r["layout"] in ("TP", "SP"):
             assert number(r["comm KiB (compiled)"]) > 0, r
+    grads = table(text, "model", "grads layout", "mesh")
+    for g in grads:
+        assert number(g["gradient KiB (compiled)"]) > 0 and abs(number(g["gradient error"])) < 0.02, g
+    scale = rows_by(table(text, "block", "layout", "GFLOP"), "block", "layout")
+    for block, hand in (("attention", 2 * 4096 * (4096 + 1024) * 4), ("mlp", 3 * 4096 * 14336 * 4)):
+        dp = scale[(block, "DP")]
+        assert number(dp["gradient MiB"]) == pytest.approx(hand / 2**20, abs=0.05), dp
+        assert number(dp["NVLink ms"]) > 0 and number(dp["activation comm MiB"]) == 0, dp
     state = (128 * 64 * 128 + 3 * (8192 + 2 * 8 * 128)) * 2
     kv = 2 * 8 * 128 * 2
     assert f"the KV cache outgrows the Mamba-2 state from {-(-state // kv):,} tokens" in text
