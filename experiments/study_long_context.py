@@ -208,7 +208,8 @@ def main() -> None:
                 acts[name][s] = activations(name, s)
                 bar.update()
         cp_rows = []
-        cases = [(n, "megatron-core") for n in models] + [(n, "jaxpar") for n in models if n == JAXPAR_TOO]
+        cases = [(n, "megatron-core") for n in models] + [(n, "jaxpar") for n in models
+                                                         if n == JAXPAR_TOO and not args.quick]  # appendix: full mode
         bar.total += len(seqs) * (len(cases) - len(models))
         for name, software in cases:
             for s in seqs:
