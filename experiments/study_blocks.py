@@ -6,7 +6,7 @@
 Question. What does each block cost (FLOPs, weights and bytes moved per device, forward and backward)
 under each way of splitting it, and from which sequence length does the Mamba-2 mixer undercut attention?
 
-Method. (1) Compiled: one training step of a 2-layer llama-tiny (GQA: 16 query, 8 KV heads) and of
+Method. (1) Compiled (the results' appendix: jaxpar's own program on XLA:CPU): one training step of a 2-layer llama-tiny (GQA: 16 query, 8 KV heads) and of
 mamba2-tiny on 8 simulated CPU devices under data=8 (DP), data=4 x tensor=2 (TP), the same with sequence
 parallelism (SP) and data=2 x context=4 (CP; attention by all-gather). Each `dot` and each collective of the
 compiled HLO is attributed to a block through the Python stack XLA keeps in its metadata (the
@@ -16,11 +16,12 @@ compiled HLO is attributed to a block through the Python stack XLA keeps in its 
 FLOPs from jaxpar/cost/flops.py (forward x 3 for forward + backward, per device), weights from the
 arrays' shardings vs jaxpar/cost/params.py, and the block's collectives from the Megatron f/g rules as
 jaxpar/cost/comm.py applies them for XLA:CPU (`block_collectives` below splits its per-layer terms by
-block). The gradient all-reduces over data (and context) are left out of the block comparison: XLA
-combines a layer's gradient reductions into one op, so no block owns them (study (e) checks them).
-(2) At scale, from the model: llama3-8b's blocks and a Mamba-2 mixer of the same width (d=4096,
-expand 2, d_state 128, head 64, 8 groups) at 8k tokens per sequence on one 8-GPU H100 node, GPU traits
-(reduce-scatters, one backward all-reduce per sub-block). (3) The crossover: forward FLOPs per token
+block). The gradient all-reduces over data (and context) stand apart, for the whole step: XLA
+combines a layer's gradient reductions into one op, so no block owns them; they are compared per
+layout with jaxpar/cost/comm.py's. (2) At scale, from the model (the guidance): llama3-8b's blocks
+and a Mamba-2 mixer of the same width (d=4096, expand 2, d_state 128, head 64, 8 groups) at 8k tokens
+per sequence on one 8-GPU H100 node, GPU traits (reduce-scatters, one backward all-reduce per
+sub-block), DP and CP paying each block's float32 gradient all-reduce. (3) The crossover: forward FLOPs per token
 of causal attention (its projections plus a fused kernel's half of the s x s scores) against the Mamba-2
 mixer, and inference state per sequence (KV cache against the fixed SSM + conv state), as the context grows.
 Writes experiments/results/study_blocks.md and .png.

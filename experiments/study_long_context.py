@@ -1,6 +1,6 @@
 """Study (c), long context: from 4k to 128k tokens, when does context parallelism (CP) become necessary?
 
-    python experiments/study_long_context.py            # full: 4 models x 6 lengths on 64 H100, ~40 s
+    python experiments/study_long_context.py            # full: 4 models x 6 lengths on 64 H100, a minute or two
     python experiments/study_long_context.py --quick    # llama3.1-70b and mamba2-2.7b at 8k and 128k, seconds
 
 Question. As the sequence grows from 4,096 to 131,072 tokens: (1) how does activation memory per

@@ -3,9 +3,9 @@
     python experiments/study_zero_stages.py            # full: a 4-layer d=256 model compiled + llama3-70b modelled
     python experiments/study_zero_stages.py --quick    # llama-tiny compiled + the model rows
 
-Question. Data parallelism replicates the model state (16 bytes per parameter: float32 weights,
-gradients and two Adam moments); ZeRO-1 shards the optimizer moments, FSDP everything. What does each
-save, and what does it move?
+Question. Data parallelism replicates the model state (Megatron-Core: 18 bytes per parameter; jaxpar's
+program: 16, float32 weights, gradients and two Adam moments); ZeRO-1 shards the optimizer state, FSDP
+everything. What does each save, and what does it move?
 
 Method. (1) Modelled (hardware guidance): llama3-70b on 64 H100, 4M tokens per step (1,024 sequences of
 4,096, Llama 2 70B's published batch, Touvron et al. 2023 sec. 2.2, in 16 accumulation steps: one
