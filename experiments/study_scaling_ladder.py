@@ -1,6 +1,6 @@
 """Study (a), the scaling ladder: when does each parallelism become necessary, and what does it cost?
 
-    python experiments/study_scaling_ladder.py            # full: 3 models x 8..16,384 devices, ~1 min
+    python experiments/study_scaling_ladder.py            # full: 3 models x 8..16,384 devices, ~2 min
     python experiments/study_scaling_ladder.py --quick    # llama3-70b / 405b on 64 and 8,192 H100, seconds
 
 Question. Training Llama 3 8B / 70B / 405B on 8 to 16,384 accelerators, which rung of the ladder
@@ -12,25 +12,31 @@ Method. For each (model, hardware, sequence, devices) the planner's candidates (
 every factorisation into data, fsdp, pipeline, context and tensor, with remat, gradient accumulation,
 ZeRO stage, micro-batches and GPipe / 1F1B / interleaved schedules) are sorted into the lowest rung whose
 axes they use; each rung's curve is the best fitting layout of that rung or any lower one (the rungs
-are nested), ranked by the analytic model's tokens/s (jaxpar.cost.estimate). Sweeps: seq 8,192 with
-2,048 sequences per step and seq 131,072 (llama3.1-*) with 128 sequences: 16M tokens per step in
-both, as Llama 3 405B trained (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2).
+are nested), ranked by the analytic model's tokens/s (jaxpar.cost.estimate). Tokens per step: 16M in
+every sweep, Llama 3 405B's published batch (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4):
+2,048 sequences of 8,192 tokens, or 128 of 131,072 (llama3.1-*).
+
+Band. Every comparison uses the cost model's out-of-sample error band for megatron-core on the H100
+family (jaxpar/cost/bands.toml, experiments/study_stacks.py): rungs or layouts closer than the band are
+ties. No published megatron-core run calibrates a TPU, so the tpu-v5p curves rank by the model alone.
 
 Assumptions. Software megatron-core (fused attention; TP, DP and PP communication overlapped with
-compute: jaxpar/cost/software.py) on both devices. h100-sxm is calibrated on the Megatron-Core H100
-rows (tests/test_cost_published.py); tpu-v5p is NOT calibrated (its efficiencies are copied from the
-A100: read its curves as shapes, not values). Tensor <= 8 on H100 (one NVLink node) and <= 16 on TPU
-v5p; data and fsdp are not combined (no HSDP); pipeline <= 32 stages, context <= 32; pipeline x context
-is not planned (it trains, but its compiled memory is not modelled yet: jaxpar.planning.planner.check_plannable),
-so the +CP rung here never has PP, unlike Llama 3's long-context layout (TP8 CP16 PP16).
+compute: jaxpar/cost/software.py). Tensor <= 8 on H100 (one NVLink node) and <= 16 on TPU v5p; data and
+fsdp are not combined (no HSDP); pipeline <= 32 stages, context <= 32; pipeline x context where the planner
+ranks it for megatron-core (jaxpar.planning.planner.check_plannable).
 
-Published points (405B panels): Dubey et al. 2024, table 4: 8,192 H100 TP8 PP16 DP64 at 430 TFLOP/s
-per GPU, 16,384 H100 TP8 PP16 DP128 at 400, and at seq 131,072 TP8 CP16 PP16 DP8 at 380 (MFU of the
-989 TFLOP/s dense bf16 peak). Writes experiments/results/study_scaling_ladder.md and .png.
+Published points (405B panels): Dubey et al. 2024, table 4: 8,192 H100 TP8 PP16 DP64 at 430 TFLOP/s per
+GPU, 16,384 H100 TP8 PP16 DP128 at 400, and at seq 131,072 TP8 CP16 PP16 DP8 at 380 (MFU of the 989
+TFLOP/s dense bf16 peak). Each is predicted in its own layout with megatron-core's preset and the options
+the run used (section 3.3.2): interleaved 1F1B with one sequence per micro-batch (32, 16 and 16 per
+data-parallel rank), the distributed optimizer (ZeRO-1), sequence parallelism, bf16, ring context
+parallelism on the load-balanced layout; the paper names no recompute policy and no interleaving depth,
+so each recompute level is priced (the layout's figure: the fastest that fits) at v = 7 chunks per stage
+(126 layers over 16 stages). Writes experiments/results/study_scaling_ladder.md and .png.
 
-Compiled confirmation. The best layout for llama3-70b at seq 8,192 on 64, 512 and 2,048 H100 (quick: 64)
-is compiled from shapes on as many simulated CPU devices (jaxpar.planning.verify, what `plan --verify` runs):
-jaxpar's own program, so its collectives are compared with the model's prediction for that program on
+Appendix, jaxpar's own program. The best layout for llama3-70b at seq 8,192 on 64, 512 and 2,048 H100
+(quick: 64) is compiled from shapes on as many simulated CPU devices (jaxpar.planning.verify, what `plan
+--verify` runs; the best layout of the highest rung jaxpar's program plans): its collectives are compared with the model's prediction for jaxpar's program on
 XLA:CPU, per mesh-axis group, with the memory per device beside XLA's peak. This checks the structure
 the curves rest on (which collectives a layout needs and how many bytes), not the megatron-core timing.
 """
@@ -45,11 +51,15 @@ CONFIRM = (64, 512, 2048)   # llama3-70b, h100-sxm, seq 8192: the best layout co
 QUICK_CONFIRM = (64,)
 simulate_cpu_devices(max(QUICK_CONFIRM if "--quick" in sys.argv[1:] else CONFIRM))  # before JAX starts
 
-from _study import OKABE_ITO, SHORT, arguments, finish, layout, md_table, pct, progress, search
+from _study import OKABE_ITO, SHORT, arguments, band, band_line, finish, layout, md_table, pct, progress, search, versus
 
-from jaxpar.cost import MEGATRON_CORE, load_hardware
+from jaxpar.core import validate
+from jaxpar.core.strategy import AXES, parse_inline
+from jaxpar.cost import MEGATRON_CORE, estimate, load_hardware
+from jaxpar.cost.report import mfu_convention
+from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
-from jaxpar.core.strategy import AXES
+from jaxpar.planning import planner
 
 STEM = "study_scaling_ladder"
 RUNGS = ("DP", "+ZeRO", "+TP", "+PP", "+CP")
@@ -58,10 +68,14 @@ SWEEPS = (("h100-sxm", 8192, 2048), ("h100-sxm", 131072, 128), ("tpu-v5p", 8192,
 MODELS = {8192: ("llama3-8b", "llama3-70b", "llama3-405b"), 131072: ("llama3.1-8b", "llama3.1-70b", "llama3.1-405b")}
 MAX_TENSOR = {"h100-sxm": 8, "tpu-v5p": 16}
 PEAK_H100 = 989e12
+BAND = band("h100-sxm", "megatron-core")   # the share within which two H100 figures tie
+TIE_FALLBACK = 0.01                         # where no published run calibrates the pair (tpu-v5p): 1%
 # Dubey et al. 2024, table 4 (Llama 3 405B on H100): (seq, GPUs, mesh, TFLOP/s per GPU)
 PUBLISHED = ((8192, 8192, dict(tensor=8, pipeline=16, data=64), 430e12),
              (8192, 16384, dict(tensor=8, pipeline=16, data=128), 400e12),
              (131072, 16384, dict(tensor=8, context=16, pipeline=16, data=8), 380e12))
+TOKENS = 16 * 2**20                         # per step, table 4's batch
+REMATS = ("none", "dots", "full")           # the recompute levels priced for a published layout
 QUICK = dict(devices="64,8192", models="llama3-70b,llama3-405b", sweeps="h100-sxm:8192")
 
 
@@ -90,41 +104,88 @@ def ladder(name: str, hw_name: str, seq: int, batch: int, devices: int) -> dict:
     return {"model": name, "hw": hw_name, "seq": seq, "batch": batch, "devices": devices, "rungs": out}
 
 
-def published(results) -> list[list]:
-    """Each published row: its MFU, the model's for that very mesh (best options; refused or OOM said
-    so) and the model's best layout of the sweep at that size."""
-    rows = []
+def as_published(seq: int, n: int, mesh: dict) -> dict:
+    """A published 405B run in its own layout (module docstring: megatron-core, interleaved 1F1B v = units //
+    stages, one sequence per micro-batch, ZeRO-1, SP, ring CP): {remat: estimate or why not}, checked as
+    megatron-core runs it (validate.check, program=False)."""
+    model = parse_model("llama3-405b" if seq == 8192 else "llama3.1-405b")
+    batch, sizes = TOKENS // seq, {a: mesh.get(a, 1) for a in AXES}
+    st = parse_inline(",".join(f"{a}={k}" for a, k in sizes.items() if k > 1))
+    opts = dict(zero=1, sequence_parallel=True, pp_schedule="1f1b", pp_repeats=model.units // sizes["pipeline"],
+                microbatches=batch // sizes["data"], dtype="bfloat16")
+    opts |= dict(attention="ring", cp_layout="zigzag") if sizes["context"] > 1 else {}
+    out = {}
+    for remat in REMATS:
+        run = st.with_options(**opts, remat=remat).resolved(n)
+        try:
+            validate.check(model, run, batch=batch, seq=seq, padded_zero=True, program=False)
+        except ConfigError as e:
+            out[remat] = str(e)
+            continue
+        out[remat] = estimate(model, run, load_hardware("h100-sxm"), batch, seq, MEGATRON_CORE)
+    return out
+
+
+def own_figure(priced: dict):
+    """(remat, estimate) of the fastest recompute level that fits, or None."""
+    fits = [(r, e) for r, e in priced.items() if not isinstance(e, str) and e.fits]
+    return max(fits, key=lambda x: x[1].tokens_per_s, default=None)
+
+
+def published(results) -> tuple[list[list], list]:
+    """Each published row: its MFU, the model's for that very layout at each recompute level and its figure
+    (the fastest that fits), the model's best layout of the sweep at that size, the comparisons within the
+    band. Also (seq, GPUs, published MFU, the model's MFU for that layout) for the figure."""
+    rows, points = [], []
     for seq, n, mesh, tflops in PUBLISHED:
         name = "llama3-405b" if seq == 8192 else "llama3.1-405b"
-        sizes = {a: mesh.get(a, 1) for a in AXES}
-        found = search(parse_model(name), load_hardware("h100-sxm"), n, seq, 2048 * 8192 // seq, MEGATRON_CORE,
-                       keep=lambda s: s == sizes)
-        mine = (found[0] if 0 in found else None)
-        own = (f"{pct(mine[0].mfu)} ({mine[1].options.remat}, M={mine[1].options.microbatches}, "
-               f"v={mine[1].options.pp_repeats})" if mine else "OOM" if found["valid"]
-               else "not planned (pipeline x context: jaxpar.planning.planner.check_plannable)")
+        pub = tflops / PEAK_H100
+        priced = as_published(seq, n, mesh)
+        levels = "; ".join(f"{r}: {'refused' if isinstance(e, str) else pct(e.mfu) + ('' if e.fits else ' OOM')} "
+                           f"{'' if isinstance(e, str) else f'{e.memory.total / 2**30:.1f} GiB'}".strip()
+                           for r, e in priced.items())
+        own = own_figure(priced)
         best = next((r["rungs"][-1] for r in results if r["model"] == name and r["devices"] == n
                      and r["hw"] == "h100-sxm"), None)
-        rows.append([f"{seq:,}", f"{n:,}", " ".join(f"{SHORT[a]}{k}" for a, k in reversed(sizes.items()) if k > 1),
-                     pct(tflops / PEAK_H100), own, "not run" if best is None else
-                     best if isinstance(best, str) else f"{pct(best[0].mfu)} ({layout(best[1])})"])
-    return rows
+        best = None if isinstance(best, str) else best
+        points.append((seq, n, pub, own[1].mfu if own else None))
+        rows.append([f"{seq:,}", f"{n:,}", " ".join(f"{SHORT[a]}{mesh[a]}" for a in reversed(AXES) if a in mesh),
+                     pct(pub), levels, f"{pct(own[1].mfu)} ({own[0]})" if own else "nothing fits",
+                     versus(own[1].mfu, pub, BAND) if own else "-",
+                     "not run" if best is None else f"{pct(best[0].mfu)} ({layout(best[1])})",
+                     versus(best[0].mfu, own[1].mfu, BAND) if best and own else "-",
+                     versus(best[0].mfu, pub, BAND) if best else "-"])
+    return rows, points
+
+
+def compiled_layout(results, n: int):
+    """The llama3-70b (seq 8,192, H100) layout compiled at `n` devices: the best of the highest rung whose
+    layout jaxpar's own program plans (planner.check_plannable), or None."""
+    model = parse_model("llama3-70b")
+    entry = next((r for r in results if r["model"] == "llama3-70b" and r["devices"] == n and r["hw"] == "h100-sxm"
+                  and r["seq"] == 8192), None) or ladder("llama3-70b", "h100-sxm", 8192, 2048, n)
+    for best in reversed(entry["rungs"]):
+        if isinstance(best, str):
+            continue
+        try:
+            planner.check_plannable(model, best[1], 2048, 8192)
+        except ConfigError:
+            continue
+        return best
+    return None
 
 
 def confirm(results, sizes) -> tuple[list[list], float]:
-    """Compile the best llama3-70b layout (seq 8,192, H100) at each size: rows of per-axis-group bytes,
-    and the largest byte error (fraction) over all groups carrying at least 1% of a step's bytes."""
-    import jax  # noqa: PLC0415
+    """Compile the llama3-70b layout of `compiled_layout` at each size: rows of per-axis-group bytes, and the
+    largest byte error (fraction) over all groups carrying at least 1% of a step's bytes."""
+    import jax  # noqa: PLC0415  deferred: JAX starts after simulate_cpu_devices, and only for the compiles
 
-    from jaxpar.planning.verify import verify_plan  # noqa: PLC0415
+    from jaxpar.planning.verify import verify_plan  # noqa: PLC0415  deferred: imports JAX
     rows, worst = [], 0.0
     model = parse_model("llama3-70b")
     for n in sizes:
-        entry = next((r["rungs"][-1] for r in results if r["model"] == "llama3-70b" and r["devices"] == n
-                      and r["hw"] == "h100-sxm" and r["seq"] == 8192), None)
+        entry = compiled_layout(results, n)
         if entry is None:
-            entry = ladder("llama3-70b", "h100-sxm", 8192, 2048, n)["rungs"][-1]
-        if isinstance(entry, str):
             continue
         checks, report = verify_plan(model, entry[1], 2048, 8192, jax.devices()[:n])
         total = sum(c.compiled for c in checks if c.what.startswith("bytes"))
@@ -144,15 +205,20 @@ def first(rows, test) -> int | None:
     return next((i for i, e in enumerate(rows["rungs"]) if test(e)), None)
 
 
+def tie_share(hw: str) -> float:
+    """The band of megatron-core on `hw`'s family (experiments/_study.py), 1% where none calibrates it."""
+    return band(hw, "megatron-core") or TIE_FALLBACK
+
+
 def summary(r) -> list:
-    """One table row: MFU per rung, the rung where it first fits and the rung that wins (the first
-    within 1% of the best tokens/s: past it, a rung buys nothing)."""
+    """One table row: MFU per rung, the rung where it first fits and the rung that wins (the first whose
+    tokens/s ties the best within the band: past it, a rung buys nothing the model can tell apart)."""
     rungs = r["rungs"]
     fits = first(r, lambda e: not isinstance(e, str))
     if fits is None:
         return [r["model"], r["hw"], f"{r['seq']:,}", f"{r['devices']:,}", *map(cell, rungs), "-", "-", "nothing fits", "-"]
-    top = rungs[-1][0].tokens_per_s
-    wins = first(r, lambda e: not isinstance(e, str) and e[0].tokens_per_s >= 0.99 * top)
+    top, share = rungs[-1][0].tokens_per_s, tie_share(r["hw"])
+    wins = first(r, lambda e: not isinstance(e, str) and e[0].tokens_per_s >= top * (1 - share))
     est, st = rungs[-1]
     return [r["model"], r["hw"], f"{r['seq']:,}", f"{r['devices']:,}", *map(cell, rungs), RUNGS[fits], RUNGS[wins],
             layout(st), f"{est.memory.total / 2**30:.1f}"]
@@ -162,10 +228,23 @@ def ticks(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 else str(n)
 
 
-def figure(plt, results, sweeps, models_by_seq, devices):
+def published_points(ax, points) -> None:
+    """Each published run (black star) beside the model's figure for that same layout (open diamond, the
+    band as its error bar), joined by a thin line: how far the model falls from that run."""
+    for seq, n, pub, own in points:
+        ax.scatter([n], [pub], marker="*", s=150, color="black", zorder=6,
+                   label="published (Llama 3 405B, Dubey et al. 2024, table 4)")
+        if own is not None:
+            ax.errorbar([n * 1.12], [own], yerr=[[own * BAND], [own * BAND]], fmt="D", mfc="white", mec="black",
+                        ecolor="black", ms=6, capsize=2, zorder=6,
+                        label=f"model, that published layout (megatron-core; ±{BAND:.1%} band)")
+            ax.plot([n, n * 1.12], [pub, own], color="black", lw=0.6, zorder=5)
+
+
+def figure(plt, results, sweeps, models_by_seq, devices, points):
     styles = [("o", ":"), ("s", "--"), ("^", "-."), ("D", "-"), ("v", "-")]
     fig, axes = plt.subplots(len(sweeps), 3, figsize=(11, 2.8 * len(sweeps) + 0.9), squeeze=False, sharex=True,
-                             sharey=True)
+                             sharey="row")
     for i, (hw, seq, batch) in enumerate(sweeps):
         for j, name in enumerate(models_by_seq[seq]):
             ax = axes[i][j]
@@ -180,15 +259,14 @@ def figure(plt, results, sweeps, models_by_seq, devices):
                 if all(isinstance(e, str) for e in r["rungs"]):
                     ax.text(r["devices"], 0.03, "OOM", ha="center", fontsize=7, color="0.4", rotation=90)
             if hw == "h100-sxm" and name.endswith("405b"):
-                pub = [(n, tf / PEAK_H100) for s, n, _, tf in PUBLISHED if s == seq and n in devices]
-                if pub:
-                    ax.scatter(*zip(*pub), marker="*", s=150, color="black", zorder=5,
-                               label="published (Llama 3 405B, Dubey et al. 2024, table 4)")
+                published_points(ax, [p for p in points if p[0] == seq and p[1] in devices])
             ax.set_xscale("log", base=2)
             ax.set_xticks(devices, [ticks(n) for n in devices])
             ax.minorticks_off()
             ax.set_title(f"{name} on {hw}, seq {seq:,}" + (" (uncalibrated)" if hw == "tpu-v5p" else ""), fontsize=9)
-            ax.set_ylim(0, 0.75)
+            top = max((e[0].mfu for r in results if (r["hw"], r["seq"]) == (hw, seq)
+                       for e in r["rungs"] if not isinstance(e, str)), default=0.0)
+            ax.set_ylim(0, max(0.75, 1.08 * top))
             if j == 0:
                 ax.set_ylabel("predicted MFU (fraction of peak)")
             if i == len(sweeps) - 1:
@@ -201,10 +279,10 @@ def figure(plt, results, sweeps, models_by_seq, devices):
         for h, lab in zip(*ax.get_legend_handles_labels()):
             if lab not in labels:
                 handles.append(h), labels.append(lab)
-    fig.suptitle("The scaling ladder: best MFU using the parallelisms up to each rung "
-                 "(a curve starts where its rung first fits; megatron-core)", fontsize=10)
-    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.98))
+    fig.suptitle("The scaling ladder: best MFU using the parallelisms up to each rung (a curve starts where its "
+                 f"rung first fits)\nmegatron-core, 16M tokens per step; H100 band ±{BAND:.1%}", fontsize=10)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.09 if len(sweeps) == 1 else 0.05, 1, 0.97))
     return fig
 
 
@@ -224,25 +302,45 @@ def main() -> None:
             bar.set_description(f"{m} {hw} {n}")
             results.append(ladder(m, hw, seq, batch, n))
             bar.update()
-    headers = ["model", "hardware", "seq", "devices", *RUNGS, "fits from", "wins from", "best layout", "GiB/device"]
-    body = ["MFU of the best fitting layout allowed up to each rung (rungs are nested: `+TP` may also use ZeRO). "
-            "`OOM`: valid layouts exist on these rungs, none fits in memory (the memory wall); `batch`: none is valid, "
-            "the batch has too few sequences for that many data-parallel ranks (the batch wall). `wins from`: the "
-            "first rung within 1% of the best tokens/s. Software megatron-core; tpu-v5p uncalibrated.", "",
-            *md_table(headers, [summary(r) for r in results]), "",
-            "## Published (Dubey et al. 2024, table 4: Llama 3 405B on H100, 16M tokens per step)", "",
-            *md_table(["seq", "GPUs", "layout", "published MFU", "predicted MFU, that layout",
-                       "predicted MFU, best layout of the sweep"], published(results)),
-            "", "## Compiled confirmation: llama3-70b, seq 8,192, the best layout at each size", "",
-            "jaxpar's program for that layout compiled from shapes on as many simulated devices (jaxpar.planning.verify), "
-            "bytes per device per step by mesh-axis group (GiB), predicted for XLA:CPU beside compiled; memory: "
-            "the model's jaxpar-program figure beside XLA's peak.", ""]
+    pub_rows, points = published(results)
+    body = head(results) + [*md_table(["model", "hardware", "seq", "devices", *RUNGS, "fits from", "wins from",
+                                       "best layout", "GiB/device"], [summary(r) for r in results]), "",
+            "## Published (Dubey et al. 2024, table 4: Llama 3 405B on H100, 16M tokens per step), each in its own layout",
+            "", "The model's figure for the published layout: megatron-core's preset with the run's own options "
+            "(interleaved 1F1B, v = 7, one sequence per micro-batch, ZeRO-1, SP, bf16; module docstring) at each "
+            "recompute level (`OOM`: the model's memory exceeds 80 GB), the fastest that fits; `versus` within "
+            f"the band ±{BAND:.1%}.", "",
+            *md_table(["seq", "GPUs", "layout", "published MFU", "model, that layout, per recompute",
+                       "model, that layout", "model vs published", "model's best layout of the sweep",
+                       "best vs that layout (model)", "best vs published"], pub_rows), ""]
     t1 = time.perf_counter()
     rows, worst = confirm(results, sizes)
-    body += [*md_table(["devices", "layout", "what", "predicted", "compiled", "error"], rows), "",
+    body += ["## APPENDIX: jaxpar's own program: the compiled confirmation (llama3-70b, seq 8,192, the best layout "
+             "at each size)", "",
+             "jaxpar's program for that layout compiled from shapes on as many simulated CPU devices "
+             "(jaxpar.planning.verify), bytes per device per step by mesh-axis group (GiB), the model's prediction "
+             "for jaxpar's program on XLA:CPU beside the compiled count; memory: the model's jaxpar-program figure "
+             "beside XLA's peak. A finding about jaxpar's program, not about the hardware.", "",
+             *md_table(["devices", "layout", "what", "predicted", "compiled", "error"], rows), "",
              f"largest byte error over groups with >= 1% of the bytes: {worst:.2%}", "",
              f"{len(work)} cells in {t1 - t0:.1f} s; {len(sizes)} compiles in {time.perf_counter() - t1:.1f} s"]
-    finish(args, STEM, "Study (a): the scaling ladder", body, lambda plt: figure(plt, results, sweeps, models_by_seq, devices))
+    finish(args, STEM, "Study (a): the scaling ladder", body,
+           lambda plt: figure(plt, results, sweeps, models_by_seq, devices, points))
+
+
+def head(results) -> list[str]:
+    """The results file's conventions: the band, tokens per step, MFU, what the table's words mean."""
+    est = next(r["rungs"][-1][0] for r in results if not isinstance(r["rungs"][-1], str))
+    return [band_line("h100-sxm", "megatron-core"), "",
+            "tpu-v5p: " + band_line("tpu-v5p", "megatron-core") + f" `wins from` there uses {TIE_FALLBACK:.0%}.", "",
+            f"Tokens per step: {TOKENS // 2**20}M in every sweep ({TOKENS:,}: 2,048 sequences of 8,192 or 128 of "
+            "131,072), Llama 3 405B's published batch (Dubey et al. 2024, table 4), so that its published runs "
+            "sit on the same axes.", "", mfu_convention(est) + "; the published MFU is table 4's TFLOP/s per GPU "
+            "over the 989 TFLOP/s dense bf16 peak.", "",
+            "MFU of the best fitting layout allowed up to each rung (rungs are nested: `+TP` may also use ZeRO). "
+            "`OOM`: valid layouts exist on these rungs, none fits in memory (the memory wall); `batch`: none is valid, "
+            "the batch has too few sequences for that many data-parallel ranks (the batch wall). `wins from`: the "
+            "first rung whose tokens/s ties the best within the band. Software megatron-core.", ""]
 
 
 if __name__ == "__main__":
