@@ -423,7 +423,8 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analy
     bands = error_bands(ok, loso)
     if write_bands:
         BANDS.write_text(to_toml(bands))
-    lines = ["# Published runs of other stacks against the cost model", "", *HEAD,
+    lines = ["# Published runs of other stacks against the cost model", "",
+             "mode: full (the study has one mode); written by `python experiments/study_stacks.py`", "", *HEAD,
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
              "fits | out-of-sample efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ins, outs, not_fit = {}, {}, 0

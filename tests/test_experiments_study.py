@@ -440,6 +440,65 @@ def check_study_tpu_compile(out: pathlib.Path, stdout: str) -> None:
         assert abs(number(r["model error"])) < 0.25, r
 
 
+def check_study_recipes(out: pathlib.Path, stdout: str) -> None:
+    """Issue 36's test of the recommendation table: on every row with a published recipe at that scale the
+    recommended layout is the recipe's own mesh (hand-copied from the sources below), or a plan predicted
+    faster by no more than the band, and the row says which; the band quoted is jaxpar.cost.band's; every
+    recommendation fits (its memory split sums below the H100's 80 GB less the headroom)."""
+    from jaxpar.cost.band import band_for
+    text = read_results(out, "study_recipes")
+    published = {("Llama 3 70B", "64"): "TP4 CP2 PP4 DP2"}      # NeMo 24.07 performance summary
+    rows = rows_by(table(text, "model", "GPUs", "seq", "tokens/step", "stack", "recommended layout"), "model", "GPUs")
+    for key, mesh in published.items():
+        r = rows[key]
+        against = r["against the recipe at this scale"]
+        if r["recommended layout"].endswith("[recipe]"):
+            assert r["recommended layout"].startswith(mesh), r
+            assert against.startswith("the recipe"), r
+        else:
+            gain = number(re.search(r"([-+]\d+\.\d+)%", against).group(1)) / 100
+            assert gain <= band_for("h100-sxm", r["stack"]).guide() + 1e-3, r
+    for r in rows.values():
+        if r["recommended layout"] == "nothing fits":
+            continue
+        split = [float(x) for x in r["memory GiB/GPU (weights / grads / optimizer / activations)"].split("/")]
+        assert sum(split) < 0.92 * 80e9 / 2**30 + 0.5, r
+        mfu, lo, hi = (number(x) for x in re.findall(r"\d+\.\d+%", r["predicted MFU (band)"]))
+        share = band_for("h100-sxm", r["stack"]).guide()
+        assert lo == pytest.approx(mfu * (1 - share), abs=2e-3) and hi == pytest.approx(mfu * (1 + share), abs=2e-3), r
+    assert rows[("Llama 3 405B", "64")]["recommended layout"] == "nothing fits"   # 405B's state alone: 6 TB
+
+
+# The published recipes at the scales study (j) prices, hand-copied from their sources (inner axes first)
+RECIPES = {("Llama 3 8B", "8", "8k"): "CP2 DP4",                   # NeMo 24.07 performance summary
+           ("Llama 3 70B", "64", "8k"): "TP4 CP2 PP4 DP2",         # NeMo 24.07
+           ("Llama 3 70B", "256", "8k"): "TP8 FSDP32",             # torchtitan 2024 (T4)
+           ("Llama 3 405B", "512", "8k"): "TP8 PP8 FSDP8",         # torchtitan 2024 (T5)
+           ("Llama 3 405B", "8,192", "8k"): "TP8 PP16 DP64",       # Dubey et al. 2024, table 4
+           ("Llama 3 405B", "16,384", "8k"): "TP8 PP16 DP128",     # table 4
+           ("Llama 3 405B", "16,384", "128k"): "TP8 CP16 PP16 DP8",  # table 4
+           ("Mixtral 8x7B", "64", "8k"): "EP8 PP4 DP2"}            # NeMo mixtral_8x7b: TP1 PP4 EP8 (DP16 = EP8 x 2)
+
+
+def test_the_recommendations_keep_the_published_recipes():
+    """Issue 36's must-show on the committed full-mode table: on every row with a published recipe at that
+    scale the recommended layout is the recipe, or a plan predicted faster than the recipe by no more than
+    the band, and the row says which."""
+    from jaxpar.cost.band import band_for
+    text = (EXPERIMENTS / "results" / "study_recipes.md").read_text()
+    rows = rows_by(table(text, "model", "GPUs", "seq", "tokens/step", "stack", "recommended layout"),
+                   "model", "GPUs", "seq")
+    for key, mesh in RECIPES.items():
+        r = rows[key]
+        if r["recommended layout"].endswith("[recipe]"):
+            assert r["recommended layout"].startswith(mesh + " "), r
+            assert r["against the recipe at this scale"].startswith("the recipe"), r
+        else:
+            gain = number(re.search(r"([-+]\d+\.\d+)%", r["against the recipe at this scale"]).group(1)) / 100
+            assert gain <= band_for("h100-sxm", r["stack"]).guide() + 1e-3, r
+    assert sum(r["recommended layout"].endswith("[recipe]") for r in rows.values()) == len(RECIPES)
+
+
 CHECKS = {
     "study_blocks": check_study_blocks,
     "study_inference": check_study_inference,
@@ -447,6 +506,7 @@ CHECKS = {
     "study_measured": check_study_measured,
     "study_mfu_map": check_study_mfu_map,
     "study_moe": check_study_moe,
+    "study_recipes": check_study_recipes,
     "study_scaling_ladder": check_study_scaling_ladder,
     "study_tp_vs_pp": check_study_tp_vs_pp,
     "study_tpu_compile": check_study_tpu_compile,
