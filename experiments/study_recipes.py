@@ -178,7 +178,7 @@ def verdict(best, own, b) -> tuple:
 
 
 def difference(r: dict) -> str:
-    """How the recommendation differs from the nearest published recipe, when that recipe is elsewhere."""
+    """The nearest published recipe, and where it is elsewhere how the recommendation differs and why."""
     near = nearest(r["label"], r["devices"], r["seq"])
     if near is None:
         return "no published recipe for this model in the reference data"
@@ -186,7 +186,26 @@ def difference(r: dict) -> str:
         return near.source
     if r["chosen"] is None:
         return f"{near.source} (nothing fits here)"
-    return f"{near.source}; here {layout(r['chosen'][1])} at {r['devices']:,} GPUs, {r['seq'] // 1024}k"
+    return f"{near.source}; here {layout(r['chosen'][1])}: {'; '.join(reasons(r, near)) or 'the same axes'}"
+
+
+def reasons(r: dict, near: Recipe) -> list[str]:
+    """Why the recommended layout differs from the recipe's: the longer sequence (context), the batch wall
+    (more GPUs than sequences per step: data ranks cannot take them all), or the state sharded over data
+    ranks (fsdp) where the recipe splits the layers (tensor, pipeline)."""
+    st, out = r["chosen"][1], []
+    mine, theirs = st.sizes, {a: near.mesh.get(a, 1) for a in AXES}
+    if r["seq"] > near.seq and mine["context"] > theirs["context"]:
+        out.append(f"CP{mine['context']} for {r['seq'] // 1024}k-token sequences")
+    if r["devices"] > r["batch"]:
+        out.append(f"the batch wall: {r['batch']:,} sequences for {r['devices']:,} GPUs need "
+                   f"{r['devices'] // r['batch']}-way model parallelism at least")
+    split = mine["tensor"] * mine["pipeline"] < theirs["tensor"] * theirs["pipeline"]
+    if mine["fsdp"] > 1 and split:
+        out.append(f"FSDP over {mine['fsdp']} ranks holds the state, so fewer layers are split than in the recipe")
+    if r["devices"] != near.devices:
+        out.append(f"{r['devices'] / near.devices:g}x the recipe's {near.devices:,} GPUs")
+    return out
 
 
 def cells(r: dict) -> list:
