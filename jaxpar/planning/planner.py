@@ -144,7 +144,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
 
 # Plans whose scores (step time, or joules per token) differ by less than this share are ties: the analytic
 # model is not that precise, so among them the plan with more free memory and fewer mesh axes is the safer
-# rent. `tie_band` is the one place that reads it (the cost model's own error band will replace it there).
+# rent. `tie_band` is the one place that reads it, where no published run calibrates the stack and hardware.
 TIE_BAND = 0.005
 
 
