@@ -51,15 +51,15 @@ def test_pipeline_splits_layers_not_embeddings():
 
 
 def test_activations_full_remat_by_hand():
-    """Remat full, one device, float32: per layer the input x, plus one layer's full inventory while it
-    is recomputed, plus float32 logits."""
+    """Remat full, one device, float32: per layer the input x, plus the larger of one layer's full
+    inventory while it is recomputed and the float32 logits (the loss's backward frees them first)."""
     st = parse_inline("data=1").with_options(remat="full")
     tokens = 2 * 32
     kept = 2 * 64 * 4 * tokens
     one_layer = (64 + 64 + 64 + 32 + 32 + 4 * 32 + 64 + 64 + 64 + 4 * 128) * 4 * tokens
     logits = tokens * 256 * 4
     batch = 3 * 4 * tokens   # int32 ids, labels, positions
-    assert memory.activation_bytes(TINY, st, 2, 32) == kept + one_layer + logits + batch
+    assert memory.activation_bytes(TINY, st, 2, 32) == kept + max(one_layer, logits) + batch   # never alive together
 
 
 def test_pipeline_inflight_microbatches():
@@ -69,3 +69,26 @@ def test_pipeline_inflight_microbatches():
     logits = 16 * 32 * 256 * 4 + 3 * 4 * 16 * 32   # float32 logits and the int32 batch
     one_logits = 16 / 8 * 32 * 256 * 4 + 3 * 4 * 16 * 32   # 1F1B: one micro-batch's logits
     assert (gpipe - logits) == pytest.approx(2 * (one_f - one_logits))   # 8 vs min(8, 4) micro-batches
+
+
+def test_a_stack_whose_fsdp_spans_context_shards_its_state_there_even_with_fsdp_1():
+    """torchtitan's fully_shard over dp_shard x cp: fsdp=1 x context=8 holds what fsdp=8 holds (ZeRO-3 by
+    hand: every embed-dim weight / 8); Megatron's distributed optimizer shards only its ZeRO stage's state,
+    so with zero=0 the same mesh keeps the whole state."""
+    cp8, fsdp8 = parse_inline("context=8"), parse_inline("fsdp=8")
+    for purpose in ("params", "optimizer"):
+        assert memory.local_params(TINY, cp8, purpose, True, True) == memory.local_params(TINY, fsdp8, purpose)
+        assert memory.local_params(TINY, cp8, purpose, True, False) == memory.local_params(TINY, parse_inline("data=1"))
+    assert memory.local_params(TINY, fsdp8) < memory.local_params(TINY, parse_inline("data=1")) / 7
+
+
+def test_a_fused_swiglu_and_autodiff_remat_keep_less_by_hand():
+    """Per token per layer, float32, no remat: a fused SwiGLU keeps no silu(gate) (mlp_dim 128 elements
+    fewer); under the dots policy autodiff keeps no last projection (d_model 64 elements fewer)."""
+    st = parse_inline("data=1").with_options(remat="none")
+    base = memory.activation_bytes(TINY, st, 2, 32)
+    fused = memory.activation_bytes(TINY, st, 2, 32, fused_mlp=True)
+    assert base - fused == TINY.layers * 128 * 4 * 2 * 32
+    dots = st.with_options(remat="dots")
+    saved = memory.activation_bytes(TINY, dots, 2, 32) - memory.activation_bytes(TINY, dots, 2, 32, residuals=True)
+    assert saved == TINY.layers * 64 * 4 * 2 * 32

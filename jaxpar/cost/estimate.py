@@ -211,7 +211,9 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     colls = comm.predicted(m, st, sh, software)
     mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
-                              (software.weight_bytes, software.optimizer_bytes, software.state_over_context)))
+                              software.fused_mlp, software.autodiff_remat,
+                              (software.weight_bytes, software.optimizer_bytes, software.state_over_context,
+                               software.fsdp_over_context)))
 
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
@@ -222,7 +224,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s,
-                       memory.local_params(m, st, "optimizer", software.state_over_context and not own),
+                       memory.local_params(m, st, "optimizer", software.state_over_context and not own,
+                                          software.fsdp_over_context and not own),
                        hw, overlap.fractions(software, st, colls, hw, skew),
                        1.0 / st.sizes["context"] if software.cp_hide == "diagonal" else 1.0, software.ep_overlap)
     t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))

@@ -63,20 +63,26 @@ class Memory:
 
 # ---- model and optimizer state ---------------------------------------------------------------------
 
-def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_context: bool = False) -> float:
+def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_context: bool = False,
+                 fsdp_over_context: bool = False) -> float:
     """Elements one device holds of the parameters (`purpose` "params"; the gradients match them) or of
     one optimizer moment ("optimizer"): layers / pipeline, the tensor-sharded part / tensor, and the
     weights the strategy's ZeRO rules shard (params.zero_split: those with an `embed` dim) / the data
     axes they shard them over (ZeRO-3: fsdp; ZeRO-1 moments: data x fsdp), and over `context` too where
-    the stack shards its state over the context ranks (`over_context`: Software.state_over_context)."""
+    the stack shards its state over the context ranks (`over_context`: Software.state_over_context).
+    A stack whose FSDP spans the context ranks (`fsdp_over_context`: Software.fsdp_over_context) shards
+    the whole state over them even with no data-parallel shard axis: ZeRO-3 over `context` alone (those
+    parameter gathers are not priced in the step time)."""
     sz = st.sizes
-    shards = 1
-    axes = zero_axes(m, st.zero, purpose)
+    zero, shards = st.zero, 1
+    axes = zero_axes(m, zero, purpose)
+    if fsdp_over_context and not axes and sz["context"] > 1:
+        zero, axes = 3, ("context",)
+    elif over_context and axes:
+        shards *= sz["context"]
     for a in axes:
         shards *= sz[a]
-    if over_context and axes:
-        shards *= sz["context"]
-    return _local_params(m, st.zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"])
+    return _local_params(m, zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"])
 
 
 @per_model
@@ -97,13 +103,14 @@ def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: 
 
 
 def state_bytes(m: ModelConfig, st: Strategy, weight_bytes: int = PARAM_BYTES, optimizer_bytes: int = ADAM_BYTES,
-                over_context: bool = False) -> tuple[float, float, float]:
+                over_context: bool = False, fsdp_over_context: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage: `weight_bytes` per
     parameter of the weights kept between steps, float32 gradients, `optimizer_bytes` per parameter of the
     optimizer's state (Software.weight_bytes, optimizer_bytes: jaxpar's float32 weights are the masters;
     a bf16 stack keeps a float32 master copy with the moments)."""
-    n = local_params(m, st, "params", over_context)
-    return n * weight_bytes, n * GRAD_BYTES, local_params(m, st, "optimizer", over_context) * optimizer_bytes
+    n = local_params(m, st, "params", over_context, fsdp_over_context)
+    return (n * weight_bytes, n * GRAD_BYTES,
+            local_params(m, st, "optimizer", over_context, fsdp_over_context) * optimizer_bytes)
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
@@ -246,44 +253,75 @@ def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
     return b_loc * seq / st.sizes["context"] * m.vocab / st.sizes["tensor"] * LOGIT_BYTES
 
 
-def inventories(m: ModelConfig, st: Strategy, seq: int, dropout: bool = False,
-                fused_attention: bool = False) -> tuple[tuple, tuple, tuple]:
+def fused_swiglu(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """An inventory whose SwiGLU is one fused kernel: it keeps its input (gate, up) and recomputes
+    silu(gate) in its backward pass, so silu(gate) is never stored (Megatron-Core's bias_swiglu_impl,
+    megatron/core/fusions/fused_bias_swiglu.py; Transformer Engine's LayerNormMLP; torch.compile's and
+    XLA's fusions of the elementwise ops)."""
+    return tuple(entry for entry in inv if entry[0] != "silu(gate)")
+
+
+# A block's last projection: its output only joins the residual stream, which the next layer keeps as its input
+LAST_PROJECTIONS = frozenset({"mlp down out", "out_proj out"})
+
+
+def residuals_only(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """An inventory as autodiff's rematerialisation keeps it: of the values a policy lets it save, only
+    those the backward pass reads (jax.checkpoint's partial evaluation saves residuals, not every
+    saveable value), so a block's last projection, read by no backward computation, is never stored.
+    PyTorch's selective checkpointing caches every output its policy names (torch.utils.checkpoint)."""
+    return tuple(entry for entry in inv if entry[0] not in LAST_PROJECTIONS)
+
+
+def inventories(m: ModelConfig, st: Strategy, seq: int, dropout: bool = False, fused_attention: bool = False,
+                fused_mlp: bool = False, residuals: bool = False) -> tuple[tuple, tuple, tuple]:
     """(attention, Mamba-2, MoE) inventories of one layer each (empty where the model has none): scores
-    over `keys_per_query` keys, routed experts at their k copies per token."""
+    over `keys_per_query` keys, routed experts at their k copies per token; `fused_mlp`: the SwiGLU is
+    fused (`fused_swiglu`); `residuals`: autodiff keeps residuals only (`residuals_only`)."""
     na, nm, ne = block_counts(m)
     keys = keys_per_query(st, seq, fused_attention)
     rows = expert_rows(m, seq, st.sizes["context"], padded=False)
-    return (attention_inventory(m, keys, dropout) if na else (), mamba_inventory(m) if nm else (),
-            moe_inventory(m, keys, rows, dropout) if ne else ())
+    attention = attention_inventory(m, keys, dropout) if na else ()
+    attention = fused_swiglu(attention) if fused_mlp else attention
+    invs = (attention, mamba_inventory(m) if nm else (), moe_inventory(m, keys, rows, dropout) if ne else ())
+    return tuple(residuals_only(inv) for inv in invs) if residuals else invs
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, fused_attention: bool = False) -> float:
+                     one_f_one_b: bool = False, fused_attention: bool = False, fused_mlp: bool = False,
+                     residuals: bool = False) -> float:
     """Activation bytes per device at the peak of the backward pass:
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
-           + under remat `full`, one layer's full inventory recomputed at work in the backward pass
-           + float32 logits of one accumulation step, b*s*V/t*4 bytes; under 1F1B of one micro-batch
-             (the last stage runs each micro-batch's loss and its backward pass back to back, with no
-             warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's pipeline schedules)
+           + the larger of two transients that are never alive together:
+               under remat `full`, one layer's full inventory recomputed at work in the backward pass;
+               float32 logits of one accumulation step, b*s*V/t*4 bytes; under 1F1B of one micro-batch
+               (the last stage runs each micro-batch's loss and its backward pass back to back, with no
+               warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's pipeline schedules).
+             The backward pass runs in reverse order: the loss's backward consumes the logits (Megatron's
+             vocab-parallel cross entropy keeps its softmax in their place) and they are freed before the
+             last layer's backward pass recomputes its inventory
            + the int32 batch (`batch_bytes`).
-    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM."""
+    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM;
+    `fused_mlp`: a fused SwiGLU (Software.fused_mlp); `residuals`: autodiff's remat (Software.autodiff_remat)."""
     o = st.options
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
-    invs = inventories(m, st, seq, dropout, fused_attention)
+    invs = inventories(m, st, seq, dropout, fused_attention, fused_mlp, residuals)
     inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
     logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq)
-    return stored + transient + logits + batch_bytes(st, global_batch, seq)
+    return stored + max(transient, logits) + batch_bytes(st, global_batch, seq)
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, fused_attention: bool = False,
-           state: tuple[int, int, bool] = (PARAM_BYTES, ADAM_BYTES, False)) -> Memory:
+           one_f_one_b: bool = False, fused_attention: bool = False, fused_mlp: bool = False, residuals: bool = False,
+           state: tuple[int, int, bool, bool] = (PARAM_BYTES, ADAM_BYTES, False, False)) -> Memory:
     """Bytes per device of one training step: model and optimizer state (`state`: `state_bytes`'s
-    weight_bytes, optimizer_bytes, over_context) and activations."""
+    weight_bytes, optimizer_bytes, over_context, fsdp_over_context) and activations."""
     params, grads, opt = state_bytes(m, st, *state)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention),
+    return Memory(params, grads, opt,
+                  activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, fused_mlp,
+                                   residuals),
                   host_bytes(m, st, global_batch, seq))
 
 

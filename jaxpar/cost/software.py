@@ -40,6 +40,15 @@ one more `Software(...)` in `SOFTWARE`.
                        hardware (`program_traits`): every kernel but dense is fused and skips the blocks a
                        causal mask hides
 
+    fused_mlp          the SwiGLU runs as one fused kernel that keeps only its input (gate, up) for the
+                       backward pass, so silu(gate) is never stored (jaxpar/cost/memory.py fused_swiglu):
+                       Megatron-Core's --bias-swiglu-fusion (on by default), torch.compile's fusion of the
+                       elementwise ops (torchtitan's runs compile), XLA's fusions (MaxText); False in eager
+                       PyTorch, where the product keeps both its inputs
+    autodiff_remat     rematerialisation by autodiff (jax.checkpoint under XLA: MaxText's remat policies),
+                       which saves only the values its backward pass reads (jaxpar/cost/memory.py
+                       residuals_only): a block's last projection is never stored; False: PyTorch's
+                       selective checkpointing, which caches every output its policy names
     attention_kernel   "flash2": the stack's attention is FlashAttention-2 (PyTorch SDPA's flash backend,
                        flash-attn 2), which runs at the profile's flash2_efficiency (an Ampere kernel: 35%
                        of an H100); "": a kernel tuned for the hardware (cuDNN, Transformer Engine, splash),
@@ -52,6 +61,11 @@ one more `Software(...)` in `SOFTWARE`.
     state_over_context the ZeRO-sharded state is split over the context-parallel ranks as well: Megatron's
                        distributed optimizer shards over its data x context group, torchtitan's FSDP over
                        the flattened dp_shard x cp mesh, MaxText's rules put `embed` on its context axis
+    fsdp_over_context  the stack's FSDP spans the context ranks even where the data-parallel shard degree is
+                       1, so the whole state is sharded over them: torchtitan applies fully_shard over its
+                       dp_shard_cp mesh whenever dp_shard or cp is > 1 (torchtitan/models/llama3/infra/
+                       parallelize.py), MaxText's logical axis rules put `embed` on `context`; Megatron's
+                       distributed optimizer shards only what its ZeRO stage says (False)
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
@@ -126,6 +140,8 @@ class Software:
     serve_weight_bytes: int = 4
     pp_head_spread: bool = True
     fused_attention: bool = False
+    fused_mlp: bool = False
+    autodiff_remat: bool = False
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     pp_overlap: float = 0.0
@@ -138,6 +154,7 @@ class Software:
     weight_bytes: int = 4
     optimizer_bytes: int = 8
     state_over_context: bool = False
+    fsdp_over_context: bool = False
     cp_rotate: str = ""
     cp_kv_heads: str = "kv"
     cp_grad_bytes: int = 0
@@ -154,6 +171,7 @@ MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, caus
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True, causal=True,
+                                    fused_mlp=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
                                     distributed_optimizer=True, sequence_parallel=True, state_over_context=True,
                                     sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
@@ -166,10 +184,11 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # loss on the last stage, activation checkpointing of whole blocks (which reruns the output projection),
 # async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao), context parallelism
 # by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
-TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=True,
+TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
+                      pp_1f1b=True,
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
-                      sequence_parallel=True, attention_kernel="flash2", state_over_context=True,
+                      sequence_parallel=True, attention_kernel="flash2", state_over_context=True, fsdp_over_context=True,
                       cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal",
                       sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md; torchtitan "
                               "config context_parallel_rotate_method, models/llama3 repeat_kv; PyTorch "
@@ -181,10 +200,12 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
 # latency-hiding scheduler overlapping FSDP gathers and gradient reductions with the layers, its pipeline
 # a circular schedule differentiated by autodiff (not 1F1B), MoE with fixed-capacity buffers unless
 # megablox (sparse_matmul) is on; XLA drops the rerun of a layer's last projection, as for jaxpar.
-MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, pp_1f1b=False,
+MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
+                   autodiff_remat=True,
+                   pp_1f1b=False,
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
                    pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True, state_over_context=True,
-                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, logical_axis_rules: "
+                   fsdp_over_context=True, sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, logical_axis_rules: "
                            "activation_embed on tensor); MaxText README")
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
 # Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
