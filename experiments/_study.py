@@ -23,6 +23,7 @@ from tqdm import tqdm  # noqa: E402
 from jaxpar.planning import planner  # noqa: E402
 from jaxpar.cost import band as error_band, estimate  # noqa: E402
 from jaxpar.cost.hardware import load_hardware  # noqa: E402
+from jaxpar.cost.software import JAXPAR  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.core.strategy import AXES, Strategy  # noqa: E402
 
@@ -68,17 +69,19 @@ def layout(st: Strategy) -> str:
     return " ".join(parts)
 
 
-def options(sizes: dict, batch: int, units: int):
-    """The planner's option candidates (jaxpar.planning.planner.candidate_options) plus interleaved schedules it
-    does not try: v = 2, 4 and units // stages chunks per stage when the stages do not divide the units
-    (the planner tries v = units / stages only, when it is whole; uneven chunks: jaxpar/core/schedule.py)."""
+def options(sizes: dict, batch: int, units: int, software=JAXPAR):
+    """The planner's option candidates for `software` (jaxpar.planning.planner.candidate_options) plus
+    interleaved schedules it does not try: v = 2, 4 and units // stages chunks per stage when the stages do
+    not divide the units (the planner tries v = units / stages only, when it is whole; uneven chunks:
+    jaxpar/core/schedule.py), each of the stack's interleaved schedules (Software.pp_interleaved)."""
     stages = sizes["pipeline"]
-    for o in planner.candidate_options(sizes, batch, units):
+    for o in planner.candidate_options(sizes, batch, units, software=software):
         yield o
-        if stages > 1 and o.pp_schedule == "gpipe" and o.microbatches >= stages:
+        if stages > 1 and o.pp_repeats == 1 and o.pp_schedule == software.pp_schedules[0] and o.microbatches >= stages:
             for v in sorted({2, 4, units // stages} - {1, units / stages}):
                 if 1 < v and stages * v <= units:
-                    yield dataclasses.replace(o, pp_schedule="circular", pp_repeats=v)
+                    for kind in software.pp_interleaved:
+                        yield dataclasses.replace(o, pp_schedule=kind, pp_repeats=v)
 
 
 def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda sizes: True,
@@ -92,9 +95,9 @@ def search(model, hw, devices: int, seq: int, batch: int, software, keep=lambda 
     best, counts, valid = {}, {"considered": 0, "refused": 0, "fit": 0}, {}
     experts = model.experts if model.moe_layers else 0
     for sizes in planner.candidate_meshes(devices, max_tensor, experts):
-        if not keep(sizes):
+        if not keep(sizes) or not planner.runs(software, sizes):
             continue
-        for opts in options(sizes, batch, model.units):
+        for opts in options(sizes, batch, model.units, software):
             counts["considered"] += 1
             st = Strategy(name="-".join(f"{a}{sizes[a]}" for a in AXES if sizes[a] > 1) or "single",
                           mesh=tuple((a, sizes[a]) for a in AXES), options=opts)

@@ -139,17 +139,14 @@ def row(label: str, name: str, devices: int, seq: int) -> dict:
 
 
 def own_layout(model, hw, devices: int, seq: int, batch: int, stack, sizes: dict):
-    """The recipe's own mesh at its fastest fitting options: the studies' candidates (`options`), each also
-    with selective recompute (the attention core recomputed: Korthikanti et al. 2022, what Megatron-Core's
-    recipes turn on when memory is tight) and with every matmul output kept (`dots`), which the planner's
-    search leaves out, and each interleaved schedule
-    also as interleaved 1F1B (the recipes' virtual pipeline stages, VP)."""
+    """The recipe's own mesh at its fastest fitting options: the stack's candidates (`options`: its
+    schedules, the recipes' interleaved 1F1B among them), each also with selective recompute (the attention
+    core recomputed: Korthikanti et al. 2022, what Megatron-Core's recipes turn on when memory is tight) and
+    with every matmul output kept (`dots`), where the stack's own policies leave them out."""
     best = None
     mesh = tuple((a, sizes[a]) for a in AXES)
-    for o in options(sizes, batch, model.units):
-        variants = [o] + ([dataclasses.replace(o, pp_schedule="1f1b")] if o.pp_schedule == "circular" else [])
-        remats = ("selective", "dots")
-        for opts in [dataclasses.replace(x, remat=r) for x in variants for r in dict.fromkeys((x.remat, *remats))]:
+    for o in options(sizes, batch, model.units, stack):
+        for opts in [dataclasses.replace(o, remat=r) for r in dict.fromkeys((o.remat, "selective", "dots"))]:
             st = Strategy(name="recipe", mesh=mesh, options=opts)
             try:
                 planner.check_plannable(model, st, batch, seq, stack.jaxpar_program)

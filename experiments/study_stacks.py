@@ -314,9 +314,11 @@ def error_bands(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str
         ins.setdefault(key, []).append(abs(predict(row, st)[0] / row.published - 1))
         if "no other source" not in loso[i][1]:
             outs.setdefault(key, []).append(abs(loso[i][0] / row.published - 1))
-    return [Band(f, sw, len(e), statistics.median(e), max(e),
-                 statistics.median(outs[f, sw]) if (f, sw) in outs else None,
-                 max(outs[f, sw]) if (f, sw) in outs else None) for (f, sw), e in sorted(ins.items())]
+    def r(x):   # to the 4 decimals bands.toml records, so that the study prints what the file holds
+        return None if x is None else round(x, 4)
+    return [Band(f, sw, len(e), r(statistics.median(e)), r(max(e)),
+                 r(statistics.median(outs[f, sw])) if (f, sw) in outs else None,
+                 r(max(outs[f, sw])) if (f, sw) in outs else None) for (f, sw), e in sorted(ins.items())]
 
 
 def stack_summary(bands: list[Band]) -> list[str]:

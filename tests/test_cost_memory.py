@@ -87,8 +87,8 @@ def test_a_fused_swiglu_and_autodiff_remat_keep_less_by_hand():
     fewer); under the dots policy autodiff keeps no last projection (d_model 64 elements fewer)."""
     st = parse_inline("data=1").with_options(remat="none")
     base = memory.activation_bytes(TINY, st, 2, 32)
-    fused = memory.activation_bytes(TINY, st, 2, 32, fused_mlp=True)
+    fused = memory.activation_bytes(TINY, st, 2, 32, traits=memory.Traits(fused_mlp=True))
     assert base - fused == TINY.layers * 128 * 4 * 2 * 32
     dots = st.with_options(remat="dots")
-    saved = memory.activation_bytes(TINY, dots, 2, 32) - memory.activation_bytes(TINY, dots, 2, 32, residuals=True)
+    saved = memory.activation_bytes(TINY, dots, 2, 32) - memory.activation_bytes(TINY, dots, 2, 32, traits=memory.Traits(residuals=True))
     assert saved == TINY.layers * 64 * 4 * 2 * 32

@@ -194,7 +194,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
     remat = program_flops.recompute_policy(st, sh) if own else st.options.remat
     fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
-                          software.rerun_outputs, rows if m.moe_layers else None)
+                          software.rerun_outputs, rows if m.moe_layers else None, software.sac_every_other_mm)
     head = shape.head_share(sh, software.pp_head_spread)
     if own:
         fl = program_flops.chunk_recompute(fl, m, st, sh, global_batch, seq, causal, software.rerun_outputs)
@@ -211,9 +211,10 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     colls = comm.predicted(m, st, sh, software)
     mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
-                              software.fused_mlp, software.autodiff_remat,
+                              memory.Traits(software.fused_mlp, software.autodiff_remat, software.sac_every_other_mm,
+                                            software.loss_logit_bytes, software.pp_fsdp_gathered),
                               (software.weight_bytes, software.optimizer_bytes, software.state_over_context,
-                               software.fsdp_over_context)))
+                               software.fsdp_over_context), software.param_gather_bytes))
 
     # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)

@@ -222,11 +222,22 @@ def core_passes(remat: str, ring: bool = False, rerun_outputs: bool = True) -> f
     return TRAIN_FACTOR + rerun + (0.5 if ring else 0.0)
 
 
+def every_other_matmul_flops(m: ModelConfig, tokens: float) -> Flops:
+    """The forward matmuls a policy that saves every other matmul output of a layer reruns (torchtitan's
+    op-level selective checkpointing: its policy counts aten.mm calls per layer and recomputes the
+    even-numbered ones, torchtitan/models/llama3/parallelize_llama.py `_custom_policy`): in the order
+    wq, wk, wv, wo, w1, w3, w2 that is k, the output projection and up (attention and dense MLP layers)."""
+    hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    up = m.mlp_dim if m.mlp_type == "swiglu" else 0
+    return Flops(2.0 * tokens * m.d_model * (hkv + hq + up) * m.attention_layers)
+
+
 def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False,
-                    ring: bool = False, rerun_outputs: bool = True) -> Flops:
+                    ring: bool = False, rerun_outputs: bool = True, every_other_mm: bool = False) -> Flops:
     """Forward work redone in the backward pass under a remat policy (see module docstring; `selective`:
     the attention core's forward once more, UNIT_POLICY, but for PV where the compiler drops the dead
-    output, as it drops full remat's last projection: `rerun_outputs` False)."""
+    output, as it drops full remat's last projection: `rerun_outputs` False; `every_other_mm`: `dots` as
+    torchtitan runs it, every other matmul rerun, `every_other_matmul_flops`)."""
     if remat == "selective":
         rec = attention_core_flops(m, batch, seq, causal) * ((1.0 if rerun_outputs else 0.5)
                                                              * (m.attention_layers + m.moe_layers))
@@ -243,6 +254,8 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: 
                                               + mamba_block_flops(m, batch, seq).other * m.mamba_layers
                                               + moe_block_flops(m, batch, seq, causal).other * m.moe_layers)
         rec = Flops(0.0, other)  # `dots`: elementwise only
+        if remat == "dots" and every_other_mm:
+            rec = rec + every_other_matmul_flops(m, batch * seq)
     if ring:
         rec = rec + attention_core_flops(m, batch, seq, causal) * (0.5 * (m.attention_layers + m.moe_layers))  # QK^T
     return rec
@@ -250,17 +263,18 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: 
 
 @per_model  # a planner varies the strategy, not these arguments
 def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False, ring: bool = False,
-               rerun_outputs: bool = True, rows: float | None = None) -> StepFlops:
+               rerun_outputs: bool = True, rows: float | None = None, every_other_mm: bool = False) -> StepFlops:
     """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together).
     `ring`: ring attention's rematerialised folds; `rerun_outputs`: whether `full` remat reruns the
     unit's last projection (module docstring); `rows`: expert rows computed per token (`expert_rows`;
-    None: the k copies), the excess counted as `padding` (hardware FLOPs, not model FLOPs)."""
+    None: the k copies), the excess counted as `padding` (hardware FLOPs, not model FLOPs);
+    `every_other_mm`: see `recompute_flops`."""
     tokens = batch * seq
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
     moe = moe_block_flops(m, batch, seq, causal) * m.moe_layers
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
-    rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs)
+    rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs, every_other_mm)
     pad = 0.0
     if m.moe_layers and rows is not None:
         excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers

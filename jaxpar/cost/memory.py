@@ -253,6 +253,25 @@ def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
     return b_loc * seq / st.sizes["context"] * m.vocab / st.sizes["tensor"] * LOGIT_BYTES
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Traits:
+    """What a stack's program keeps that the mesh and the remat policy do not say (jaxpar/cost/software.py
+    has each trait's source):
+        fused_mlp       a fused SwiGLU keeps its input only (`fused_swiglu`)
+        residuals       autodiff's remat keeps only what its backward pass reads (`residuals_only`)
+        every_other_mm  `dots` saves every other matmul output of a layer (`every_other_matmul`)
+        loss_bytes      bytes per logit alive at the loss's peak (Megatron's fused vocab-parallel cross
+                        entropy: the float32 logits, 4)
+        pp_fsdp_gathered  under a pipeline, FSDP keeps the stage's weights gathered and its gradients
+                        unsharded for the whole step (`pipeline_fsdp_bytes`)"""
+    fused_mlp: bool = False
+    residuals: bool = False
+    every_other_mm: bool = False
+    loss_bytes: int = LOGIT_BYTES
+    pp_fsdp_gathered: bool = False
+
+
+@per_model  # memoised on the inventory's identity, as inventory_bytes
 def fused_swiglu(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
     """An inventory whose SwiGLU is one fused kernel: it keeps its input (gate, up) and recomputes
     silu(gate) in its backward pass, so silu(gate) is never stored (Megatron-Core's bias_swiglu_impl,
@@ -263,8 +282,11 @@ def fused_swiglu(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
 
 # A block's last projection: its output only joins the residual stream, which the next layer keeps as its input
 LAST_PROJECTIONS = frozenset({"mlp down out", "out_proj out"})
+# The even-numbered matmuls of an attention layer in call order wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down)
+EVEN_MATMULS = frozenset({"k", "o-proj out", "up out"})
 
 
+@per_model  # memoised on the inventory's identity, as inventory_bytes
 def residuals_only(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
     """An inventory as autodiff's rematerialisation keeps it: of the values a policy lets it save, only
     those the backward pass reads (jax.checkpoint's partial evaluation saves residuals, not every
@@ -273,55 +295,86 @@ def residuals_only(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
     return tuple(entry for entry in inv if entry[0] not in LAST_PROJECTIONS)
 
 
+@per_model  # memoised on the inventory's identity, as inventory_bytes
+def every_other_matmul(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """An inventory under torchtitan's op-level selective checkpointing: its policy saves the outputs of
+    the attention kernel and of the odd-numbered matmuls of a layer and recomputes the even-numbered ones
+    (`EVEN_MATMULS`; jaxpar.cost.flops.every_other_matmul_flops counts their rerun)."""
+    return tuple(e if e[0] not in EVEN_MATMULS else (*e[:4], e[4] - {"dots"}) for e in inv)
+
+
 def inventories(m: ModelConfig, st: Strategy, seq: int, dropout: bool = False, fused_attention: bool = False,
-                fused_mlp: bool = False, residuals: bool = False) -> tuple[tuple, tuple, tuple]:
+                traits: Traits = Traits()) -> tuple[tuple, tuple, tuple]:
     """(attention, Mamba-2, MoE) inventories of one layer each (empty where the model has none): scores
-    over `keys_per_query` keys, routed experts at their k copies per token; `fused_mlp`: the SwiGLU is
-    fused (`fused_swiglu`); `residuals`: autodiff keeps residuals only (`residuals_only`)."""
+    over `keys_per_query` keys, routed experts at their k copies per token, as the stack's `traits` keep
+    them (`Traits`)."""
     na, nm, ne = block_counts(m)
     keys = keys_per_query(st, seq, fused_attention)
     rows = expert_rows(m, seq, st.sizes["context"], padded=False)
     attention = attention_inventory(m, keys, dropout) if na else ()
-    attention = fused_swiglu(attention) if fused_mlp else attention
+    attention = fused_swiglu(attention) if traits.fused_mlp else attention
+    attention = every_other_matmul(attention) if traits.every_other_mm else attention
     invs = (attention, mamba_inventory(m) if nm else (), moe_inventory(m, keys, rows, dropout) if ne else ())
-    return tuple(residuals_only(inv) for inv in invs) if residuals else invs
+    return tuple(residuals_only(inv) for inv in invs) if traits.residuals else invs
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, fused_attention: bool = False, fused_mlp: bool = False,
-                     residuals: bool = False) -> float:
+                     one_f_one_b: bool = False, fused_attention: bool = False, traits: Traits = Traits()) -> float:
     """Activation bytes per device at the peak of the backward pass:
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
            + the larger of two transients that are never alive together:
                under remat `full`, one layer's full inventory recomputed at work in the backward pass;
-               float32 logits of one accumulation step, b*s*V/t*4 bytes; under 1F1B of one micro-batch
-               (the last stage runs each micro-batch's loss and its backward pass back to back, with no
-               warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's pipeline schedules).
+               the loss's logits of one accumulation step, b*s*V/t x `traits.loss_bytes`; under 1F1B of
+               one micro-batch (the last stage runs each micro-batch's loss and its backward pass back to
+               back, with no warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's
+               pipeline schedules).
              The backward pass runs in reverse order: the loss's backward consumes the logits (Megatron's
              vocab-parallel cross entropy keeps its softmax in their place) and they are freed before the
              last layer's backward pass recomputes its inventory
            + the int32 batch (`batch_bytes`).
-    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM;
-    `fused_mlp`: a fused SwiGLU (Software.fused_mlp); `residuals`: autodiff's remat (Software.autodiff_remat)."""
+    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM."""
     o = st.options
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
-    invs = inventories(m, st, seq, dropout, fused_attention, fused_mlp, residuals)
+    invs = inventories(m, st, seq, dropout, fused_attention, traits)
     inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
-    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq)
+    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq) / LOGIT_BYTES * traits.loss_bytes
     return stored + max(transient, logits) + batch_bytes(st, global_batch, seq)
 
 
+def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, gather_bytes: int,
+                        fsdp_over_context: bool = False) -> tuple[float, float]:
+    """(gathered weights, unsharded gradients) bytes per device where FSDP shards the weights inside a
+    pipeline stage and keeps them gathered for the step: torchtitan's default reshard_after_forward is
+    off under pipeline parallelism (torchtitan/models/llama3/infra/parallelize.py: "For PP, do not reshard
+    after forward to avoid per-microbatch all-gathers"), and PyTorch's pipeline stages accumulate the
+    gradients of every micro-batch but the last unsharded, reduced on the last (torch/distributed/
+    pipelining/stage.py backward_maybe_with_nosync): the stage's weights at `gather_bytes` and its float32
+    gradients, over tensor and the stage only. (0, 0) without a pipeline or FSDP (over fsdp, or over
+    context where the stack's FSDP spans it: `fsdp_over_context`)."""
+    sz = st.sizes
+    sharded = (st.zero == 3 and sz["fsdp"] > 1) or (fsdp_over_context and sz["context"] > 1)
+    if sz["pipeline"] == 1 or not sharded:
+        return 0.0, 0.0
+    whole = _local_params(m, 0, "params", sz["tensor"], sz["pipeline"], 1, sz["expert"])
+    return whole * gather_bytes, whole * GRAD_BYTES
+
+
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, fused_attention: bool = False, fused_mlp: bool = False, residuals: bool = False,
-           state: tuple[int, int, bool, bool] = (PARAM_BYTES, ADAM_BYTES, False, False)) -> Memory:
+           one_f_one_b: bool = False, fused_attention: bool = False, traits: Traits = Traits(),
+           state: tuple[int, int, bool, bool] = (PARAM_BYTES, ADAM_BYTES, False, False),
+           gather_bytes: int = 2) -> Memory:
     """Bytes per device of one training step: model and optimizer state (`state`: `state_bytes`'s
-    weight_bytes, optimizer_bytes, over_context, fsdp_over_context) and activations."""
+    weight_bytes, optimizer_bytes, over_context, fsdp_over_context), with a pipeline's gathered FSDP
+    weights and unsharded gradients where the stack keeps them (`traits.pp_fsdp_gathered`,
+    `pipeline_fsdp_bytes`; `gather_bytes` per gathered weight), and activations."""
     params, grads, opt = state_bytes(m, st, *state)
+    if traits.pp_fsdp_gathered:
+        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, state[3])
+        params, grads = params + gathered, max(grads, unsharded)
     return Memory(params, grads, opt,
-                  activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, fused_mlp,
-                                   residuals),
+                  activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, traits),
                   host_bytes(m, st, global_batch, seq))
 
 

@@ -49,6 +49,19 @@ one more `Software(...)` in `SOFTWARE`.
                        which saves only the values its backward pass reads (jaxpar/cost/memory.py
                        residuals_only): a block's last projection is never stored; False: PyTorch's
                        selective checkpointing, which caches every output its policy names
+    sac_every_other_mm under remat `dots` the stack saves every other matmul output of a layer and reruns
+                       the rest: torchtitan's op-level selective activation checkpointing ("Saves output of
+                       all compute ops, except every second mm", torchtitan parallelize_llama `_custom_policy`;
+                       jaxpar/cost/memory.py every_other_matmul, flops.py every_other_matmul_flops)
+    loss_logit_bytes   bytes per logit alive at the loss's peak: Megatron's fused vocab-parallel cross entropy
+                       keeps the float32 logits and works in place (4); torchtitan's loss is
+                       F.cross_entropy(pred.flatten(0, 1).float(), ...), uncompiled ("compiling loss
+                       function causes CUDA errors"), with `del pred` before the backward pass: log-softmax's
+                       float32 output, its gradient and its input's gradient are alive together (12)
+    pp_fsdp_gathered   under a pipeline, FSDP keeps each stage's weights gathered (bf16) and its gradients
+                       unsharded (float32) for the whole step (torchtitan: reshard_after_forward off under
+                       PP; PyTorch's pipeline stages reduce gradients on the last micro-batch only;
+                       jaxpar/cost/memory.py pipeline_fsdp_bytes)
     attention_kernel   "flash2": the stack's attention is FlashAttention-2 (PyTorch SDPA's flash backend,
                        flash-attn 2), which runs at the profile's flash2_efficiency (an Ampere kernel: 35%
                        of an H100); "": a kernel tuned for the hardware (cuDNN, Transformer Engine, splash),
@@ -76,6 +89,19 @@ one more `Software(...)` in `SOFTWARE`.
     sequence_parallel  the stack's tensor parallelism always shards the norms' sequence (Megatron-Core
                        recipes; torchtitan's TP plan shards the sequence between blocks): estimate
                        defaults to sequence parallelism wherever tensor > 1
+
+What the stack runs, which `plan --software` searches (jaxpar/planning/planner.py candidate_options):
+    axes          the mesh axes it parallelises over (llm-foundry: FSDP and data parallelism only)
+    remats        its recompute policies: Megatron's --recompute-granularity selective | full; torchtitan's
+                  activation_checkpoint mode op (selective per op: every matmul output kept, `dots`) | full;
+                  MaxText's remat_policy minimal (dots without batch dimensions) | full | offloaded names;
+                  jaxpar's own
+    pp_schedules  its pipeline schedules with one chunk per stage: Megatron and torchtitan run 1F1B (GPipe's
+                  memory is never better), MaxText its circular pipeline differentiated by autodiff (GPipe's
+                  order); jaxpar GPipe or its lockstep 1F1B
+    pp_interleaved  its schedules with v > 1 chunks per stage: Megatron's and torchtitan's interleaved 1F1B
+                  (virtual pipeline stages; Interleaved1F1B), MaxText's circular repeats
+                  (num_pipeline_repeats), jaxpar's circular and interleaved 1F1B
 
 Context parallelism (jaxpar/cost/comm_context.py):
     cp_rotate    how K and V reach the other context ranks: "" as the strategy's `attention` option says
@@ -122,7 +148,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxpar.core.strategy import Strategy
+from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.ops.attention import resolve_kernel
 
 
@@ -142,6 +168,9 @@ class Software:
     fused_attention: bool = False
     fused_mlp: bool = False
     autodiff_remat: bool = False
+    sac_every_other_mm: bool = False
+    loss_logit_bytes: int = 4
+    pp_fsdp_gathered: bool = False
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     pp_overlap: float = 0.0
@@ -155,6 +184,10 @@ class Software:
     optimizer_bytes: int = 8
     state_over_context: bool = False
     fsdp_over_context: bool = False
+    axes: tuple[str, ...] = AXES
+    remats: tuple[str, ...] = ("none", "dots_no_batch", "full")
+    pp_schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    pp_interleaved: tuple[str, ...] = ("circular", "1f1b")
     cp_rotate: str = ""
     cp_kv_heads: str = "kv"
     cp_grad_bytes: int = 0
@@ -167,7 +200,8 @@ JAXPAR = Software()
 # 1F1B, scatter/gather between stages, the distributed optimizer's bf16 gathers, routed MoE dispatch
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
-                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, weight_bytes=2, optimizer_bytes=12)
+                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, weight_bytes=2, optimizer_bytes=12,
+                    remats=("none", "selective", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True, causal=True,
@@ -185,7 +219,8 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao), context parallelism
 # by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
 TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
-                      pp_1f1b=True,
+                      pp_1f1b=True, sac_every_other_mm=True, loss_logit_bytes=12, pp_fsdp_gathered=True,
+                      remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
                       sequence_parallel=True, attention_kernel="flash2", state_over_context=True, fsdp_over_context=True,
@@ -201,7 +236,8 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
 # a circular schedule differentiated by autodiff (not 1F1B), MoE with fixed-capacity buffers unless
 # megablox (sparse_matmul) is on; XLA drops the rerun of a layer's last projection, as for jaxpar.
 MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
-                   autodiff_remat=True,
+                   autodiff_remat=True, remats=("none", "dots_no_batch", "full", "offload"), pp_schedules=("gpipe",),
+                   pp_interleaved=("circular",),
                    pp_1f1b=False,
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
                    pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True, state_over_context=True,
@@ -212,7 +248,8 @@ MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_atte
 # (causal), forward/backward prefetch, full-layer activation checkpointing; no TP or PP.
 LLM_FOUNDRY = Software(name="llm-foundry", jaxpar_program=False, causal=True, fused_attention=True,
                        rerun_outputs=True, param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False,
-                       dp_overlap=1.0, attention_kernel="flash2", sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
+                       dp_overlap=1.0, attention_kernel="flash2", axes=("data", "fsdp"), remats=("none", "full"),
+                       pp_schedules=(), pp_interleaved=(), sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
 SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAXTEXT, LLM_FOUNDRY)}
 # Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).
 ALIASES = {"nemo": "megatron-core", "megatron-bridge": "megatron-core"}

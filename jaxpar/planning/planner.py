@@ -60,29 +60,36 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
                "expert": expert, "tensor": tensor}
 
 
-def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, dtype: str = "bfloat16"):
-    """Remat policy x gradient accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO
-    (0 or 1 on `data` without fsdp; padded flat shards where the size does not divide) x pipeline
-    micro-batches (4 x stages, or one sequence each) x schedule: GPipe, 1F1B, and the circular and
-    interleaved 1F1B schedules with one unit per chunk, v = units / stages (the smallest bubble, the most
-    sends)."""
+def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, dtype: str = "bfloat16",
+                      software: Software = JAXPAR):
+    """What `software` runs (Software.remats, pp_schedules, pp_interleaved): its remat policies x gradient
+    accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO (0 or 1 on `data` without
+    fsdp; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
+    sequence each) x its schedules with one chunk per stage, and its interleaved ones with one unit per
+    chunk, v = units / stages (the smallest bubble, the most sends); another stack's tensor parallelism as
+    collective matmuls where it runs them (Software.async_tp)."""
     stages = sizes["pipeline"]
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
     micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
     zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
-    schedules = [("gpipe", 1)] + ([("1f1b", 1)] if stages > 1 else [])
+    schedules = [(kind, 1) for kind in software.pp_schedules] if stages > 1 else [("gpipe", 1)]
     if stages > 1 and units % stages == 0 and units // stages > 1:   # (interleaved 1F1B: M a multiple of S)
-        schedules += [("circular", units // stages), ("1f1b", units // stages)]
+        schedules += [(kind, units // stages) for kind in software.pp_interleaved]
+    overlap = ("collective_matmul" if sizes["tensor"] > 1 and software.async_tp and not software.jaxpar_program
+               else "none")
     for micro in micros:
         local = rows // micro or 1
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
-        for remat, accum, zero, (kind, v) in itertools.product(("none", "dots_no_batch", "full"), accums, zeros,
-                                                               schedules):
+        for remat, accum, zero, (kind, v) in itertools.product(software.remats, accums, zeros, schedules):
             yield Options(zero=zero, remat=remat, dtype=dtype, sequence_parallel=sizes["tensor"] > 1,
                           attention="ring" if sizes["context"] > 1 else "dense", attention_kernel="auto",
-                          microbatches=micro,
-                          grad_accum=accum, pp_schedule=kind, pp_repeats=v)
+                          microbatches=micro, grad_accum=accum, pp_schedule=kind, pp_repeats=v, overlap=overlap)
+
+
+def runs(software: Software, sizes: dict[str, int]) -> bool:
+    """Whether `software` parallelises over every axis of `sizes` larger than 1 (Software.axes)."""
+    return all(n == 1 or a in software.axes for a, n in sizes.items())
 
 
 OBJECTIVES = ("throughput", "energy")
@@ -127,7 +134,9 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
     considered = valid = 0
     results = []
     for sizes in candidate_meshes(devices, max_tensor, model.experts if model.moe_layers else 0):
-        for options in candidate_options(sizes, global_batch, model.units, dtype):
+        if not runs(software, sizes):
+            continue
+        for options in candidate_options(sizes, global_batch, model.units, dtype, software):
             considered += 1
             name = "-".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "single"
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
