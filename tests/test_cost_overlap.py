@@ -52,12 +52,14 @@ def test_collective_matmul_hides_the_tensor_rings_up_to_the_compute():
     hidden = _seconds(st, [c for c in e.predicted if "tensor" in c[1] and c[0] != "all-reduce"])["tensor"]
     assert hidden > 0 and e.time.tensor == pytest.approx(_seconds(st, e.predicted)["tensor"] - hidden)
     assert e.time.total < base.time.total
-    # never more than the compute there is: on links 100x slower the rings outlast the matmuls beside them
+    # never more than the projection GEMMs there are: on links 100x slower the rings outlast the matmuls
+    # beside them, and the attention cores and the elementwise work hide none of the rest
     slow = dataclasses.replace(HW, intra_bw=HW.intra_bw / 100)
     slow_est = estimate(M, st, slow, 256, 4096)
     total = cost_time.comm_seconds(slow_est.predicted, st, slow)["tensor"]
     assert total > slow_est.time.compute
-    assert slow_est.time.tensor == pytest.approx(total - slow_est.time.compute)
+    assert total - slow_est.busy[0] <= slow_est.time.tensor < total - 0.8 * slow_est.busy[0]
+    assert slow_est.time.tensor > total - slow_est.time.compute
 
 
 def test_windowed_einsum_needs_sequence_parallelism():

@@ -164,7 +164,7 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
               optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
-              context_hide: float = 1.0, expert_overlap: float = 0.0) -> StepTime:
+              context_hide: float = 1.0, expert_overlap: float = 0.0, linear: float | None = None) -> StepTime:
     """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
     ring/all-gather context communication can hide under (Liu et al. 2023), `context_hide` of it (the
     software's cp_hide: 1/context where only the diagonal block's kernel covers it). `overlap`: the software's
@@ -173,10 +173,14 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     there is (data-parallel gradient reductions run under the backward pass and the distributed
     optimizer's parameter gathers under the next forward: together, under the whole step).
     `expert_overlap`: the software's share of the expert all-to-alls hidden (Software.ep_overlap), after
-    the pipeline's and before the data-parallel collectives."""
+    the pipeline's and before the data-parallel collectives. `linear`: seconds of the projection GEMMs
+    (the compute less the attention cores and the elementwise work; None: all of it): a tensor collective
+    decomposed into the GEMM that consumes or produces it hides under that GEMM and nothing else (Wang et
+    al. 2023; Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves
+    the rest exposed."""
     tp, pp, dp = overlap
     free = compute
-    hidden_tp = min(tp * comm["tensor"], free)
+    hidden_tp = min(tp * comm["tensor"], free if linear is None else min(linear, free))
     free -= hidden_tp
     hidden_pp = min(pp * comm["pipeline"], free)
     free -= hidden_pp
