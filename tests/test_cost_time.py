@@ -49,3 +49,17 @@ def test_bubble_and_overlap():
     assert t.bubble == pytest.approx(0.25)          # compute / (1 - 0.2) - compute
     assert t.data == pytest.approx(0.2) and t.data_total == 0.4
     assert t.total == pytest.approx(1.0 + 0.25 + 0.1 + 0.05 + 0.2)
+
+
+def test_a_group_spanning_torus_dimensions_gathers_over_each():
+    """Scaling book, "Sharded matrices": an AllGather over several ICI axes has their bandwidth together. A
+    v5p slice of 512 chips is 8 x 8 x 8: 8 chips span one dimension, 16 or 64 two, 65 three; a GPU has no
+    torus. On that slice an all-gather over tensor=16 moves a byte in half the time per member-share of one
+    over tensor=8 (two dimensions against one)."""
+    v5p, h100 = load_hardware("tpu-v5p"), load_hardware("h100-sxm")
+    assert [v5p.torus_axes(k, 512) for k in (1, 8, 16, 64, 65)] == [1, 1, 2, 2, 3]
+    assert h100.torus_axes(8, 8) == 1
+    t8, t16 = parse_inline("fsdp=64,tensor=8"), parse_inline("fsdp=32,tensor=16")
+    beta8 = time.collective_seconds("all-gather", ("tensor",), 0, 1.0, t8, v5p)
+    beta16 = time.collective_seconds("all-gather", ("tensor",), 0, 1.0, t16, v5p)
+    assert beta16 / (15 / 16) == pytest.approx(0.5 * beta8 / (7 / 8))

@@ -19,6 +19,10 @@ stated per software (jaxpar/cost/software.py: tp_overlap, dp_overlap, pp_overlap
 Link model (scaling book, GPU and TPU chapters): an axis whose devices all sit in one node (GPU
 NVLink domain, TPU ICI slice) uses `intra_bw`; an axis spanning nodes also crosses `inter_bw`
 (InfiniBand / DCN), per device. `alpha_*` is the per-hop latency of a ring step on each tier.
+A TPU slice is a torus of `torus_dims` dimensions (v4, v5p: 3; v5e, v6e: 2): `intra_bw` is one
+dimension's bidirectional ring, and a group that spans several dimensions gathers over each of them at
+once, "increasing the available bandwidth by a factor of N_axes" (scaling book, "Sharded matrices":
+AllGather over multiple axes; `torus_axes`).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class Hardware:
     fp8_flops: float = 0.0     # dense float8 FLOP/s per device; 0: the device has no float8 matmuls
     family: str = ""           # the calibration's hardware family (one constant set each); "": the name
     flash2_efficiency: float = 0.0  # achieved / peak of the FlashAttention-2 kernel here; 0: the matmul efficiency
+    torus_dims: int = 0        # dimensions of a slice's ICI torus (TPU); 0: no torus (a GPU node's switch)
 
     def matmul_peak(self, dtype: str) -> float:
         """The peak FLOP/s of matmuls in `dtype` (dense bf16 for float32 and bfloat16 alike: the cost model
@@ -66,10 +71,23 @@ class Hardware:
                               "it has no float8 matmuls")
         return self.fp8_flops
 
+    def torus_axes(self, members: int, slice_chips: int) -> int:
+        """How many torus dimensions a group of `members` chips inside a slice of `slice_chips` spans: a
+        slice of c chips on a d-dimensional torus is about c^(1/d) chips along each dimension, and a group
+        fills dimensions one after another (1 without a torus, or for one member)."""
+        if not self.torus_dims or members <= 1:
+            return 1
+        edge = max(2, round(slice_chips ** (1.0 / self.torus_dims)))
+        spanned, reach = 1, edge
+        while reach < members and spanned < self.torus_dims:
+            spanned, reach = spanned + 1, reach * edge
+        return spanned
+
 
 PLATFORMS = ("gpu", "tpu")
 _SECTIONS = {"device": ("platform", "peak_flops", "fp8_flops", "hbm_bytes", "hbm_bw"),
-             "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter"),
+             "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter",
+                       "torus_dims"),
              "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "flash2_efficiency",
                              "calibrated"),
              "power": ("tdp_w", "idle_w")}

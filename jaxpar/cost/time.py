@@ -91,6 +91,15 @@ def _span(axes: tuple[str, ...], mesh: tuple, dcn_parts: tuple, devices_per_node
     return k, n // k
 
 
+def slice_chips(st: Strategy, hw: Hardware) -> int:
+    """Chips per node (TPU slice) under `st`: the strategy's devices over its dcn parts where it names them,
+    else the devices up to one node's."""
+    parts = 1
+    for _, n in st.dcn:
+        parts *= n
+    return st.num_devices // parts if st.dcn else min(st.num_devices, hw.devices_per_node)
+
+
 def collective_seconds(kind: str, axes: tuple[str, ...], count: float, nbytes: float, st: Strategy,
                        hw: Hardware) -> float:
     """Alpha-beta time of `count` instances of `kind` over `axes` moving `nbytes` in all (hierarchical
@@ -123,6 +132,7 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
         return hit
     k, m = _span(axes, st.mesh, st.dcn, hw.devices_per_node)
     bw_in, bw_out = hw.intra_bw * hw.link_efficiency, hw.inter_bw * hw.link_efficiency
+    bw_in *= hw.torus_axes(k, slice_chips(st, hw))
     if kind == PERMUTE:
         cross = m > 1
         alpha, beta = (hw.alpha_inter if cross else hw.alpha_intra), 1.0 / (bw_out if cross else bw_in)
