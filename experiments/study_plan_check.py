@@ -89,7 +89,7 @@ def body(results: list[dict]) -> list[str]:
         by_stack.setdefault(r["row"].software, []).append(r["gain"])
     lines = [f"{len(results)} published runs; the planner's fastest plan is a tie with the published layout on "
              f"{counts['tie']}, inside the model's worst miss on {counts['inside the worst miss']}, and claimed faster "
-             f"beyond it on {counts['claim of the model']}.", "",
+             f"beyond it on {counts['claim of the model']} runs.", "",
              *md_table(["stack", "runs", "median gain", "largest gain"],
                        [[s, len(g), f"{statistics.median(g):+.1%}", f"{max(g):+.1%}"] for s, g in sorted(by_stack.items())]),
              "",

@@ -67,7 +67,8 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
     fsdp; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
     sequence each) x its schedules with one chunk per stage, and its interleaved ones with one unit per
     chunk, v = units / stages (the smallest bubble, the most sends); another stack's tensor parallelism as
-    collective matmuls where it runs them (Software.async_tp)."""
+    collective matmuls where it runs them on request (Software.async_tp without a standing tp_overlap:
+    torchtitan's async TP, MaxText's collective matmul)."""
     stages = sizes["pipeline"]
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
@@ -76,8 +77,8 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
     schedules = [(kind, 1) for kind in software.pp_schedules] if stages > 1 else [("gpipe", 1)]
     if stages > 1 and units % stages == 0 and units // stages > 1:   # (interleaved 1F1B: M a multiple of S)
         schedules += [(kind, units // stages) for kind in software.pp_interleaved]
-    overlap = ("collective_matmul" if sizes["tensor"] > 1 and software.async_tp and not software.jaxpar_program
-               else "none")
+    overlap = ("collective_matmul" if sizes["tensor"] > 1 and software.async_tp and not software.tp_overlap
+               and not software.jaxpar_program else "none")   # Megatron-Core overlaps its TP whatever the option
     for micro in micros:
         local = rows // micro or 1
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
