@@ -92,7 +92,9 @@ one more `Software(...)` in `SOFTWARE`.
 
 What the stack runs, which `plan --software` searches (jaxpar/planning/planner.py candidate_options):
     axes          the mesh axes it parallelises over (llm-foundry: FSDP and data parallelism only)
-    remats        its recompute policies: Megatron's --recompute-granularity selective | full; torchtitan's
+    remats        its recompute policies: Megatron's --recompute-granularity selective | full, and selective
+                  with --recompute-modules layernorm moe_act (the norms and activations rerun, every
+                  matmul output kept: `dots`; Megatron-Core 0.11+); torchtitan's
                   activation_checkpoint mode op (selective per op: every matmul output kept, `dots`) | full;
                   MaxText's remat_policy minimal (dots without batch dimensions) | full | offloaded names;
                   jaxpar's own
@@ -201,7 +203,7 @@ JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, weight_bytes=2, optimizer_bytes=12,
-                    remats=("none", "selective", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
+                    remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
 MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=False, fused_attention=True, causal=True,
