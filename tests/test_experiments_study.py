@@ -136,8 +136,8 @@ def check_study_tp_vs_pp(out: pathlib.Path, stdout: str) -> None:
 def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
     """Fused attention's activations grow linearly with the sequence (jaxpar's dense kernel, in the
     appendix, faster); with a fused kernel llama3.1-70b fits at 128k on 64 H100 without CP, by full
-    recompute, at a lower MFU than at 8k; Mamba-2 2.7B with its one B/C group refuses TP and needs CP
-    at 128k, with 8 groups TP8 + SP runs; zigzag CP8 ties TP8 + SP; every CP verdict is a tie exactly
+    recompute, at a lower MFU than at 8k; Mamba-2 2.7B with its one B/C group refuses TP, and at 128k
+    CP leads whatever fits without it by more than the band, with 8 groups TP8 + SP runs; zigzag CP8 ties TP8 + SP; every CP verdict is a tie exactly
     when the two MFUs are within jaxpar.cost.band's megatron-core H100 share."""
     text = read_results(out, "study_long_context")
     share = error_band.band_for(load_hardware("h100-sxm").family, "megatron-core").guide()
@@ -153,7 +153,9 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
     fused, fused8k = cp[("llama3.1-70b", "megatron-core", "131,072")], cp[("llama3.1-70b", "megatron-core", "8,192")]
     assert number(fused["MFU without CP"]) < number(fused8k["MFU without CP"]) * (1 - share), (fused, fused8k)
     mamba = cp[("mamba2-2.7b", "megatron-core", "131,072")]
-    assert mamba["MFU without CP"] == "OOM" and number(mamba["MFU with CP"]) > 0 and mamba["CP verdict"] == "necessary"
+    assert number(mamba["MFU with CP"]) > 0 and (mamba["CP verdict"] == "necessary" or (
+        mamba["CP verdict"].startswith("CP ahead")
+        and number(mamba["MFU with CP"]) > number(mamba["MFU without CP"]) * (1 + share))), mamba
     for r in cp.values():
         if "OOM" in (r["MFU without CP"], r["MFU with CP"]) or r["software"] != "megatron-core":
             continue
