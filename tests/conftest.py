@@ -125,7 +125,7 @@ SLOW_IDS = (
     "test_strategies.py::test_training_trajectory_matches_one_device[ep4-tp2]",     # its loss and gradients; ep8's
     "test_strategies.py::test_training_trajectory_matches_one_device[cp8-allgather]",  # ...; cp8-ring's trajectory
     "test_experiments_study.py::test_quick_mode[study_tpu_compile]",     # test_tpu_compile's dp2-fsdp2-tp2 case
-    # issue 30's stack search and memory tests (session 13): the same rule
+    # the same rule, beside the stacks' search and memory tests
     "test_strategies.py::test_loss_and_gradients_match_one_device[cp4-tp2-ring]",   # cp8-ring; test_context_parallel
     "test_strategies.py::test_catalogue_strategy_prediction_equals_hlo[fsdp2-ep4]",  # the other EP catalogue cases
 )

@@ -23,12 +23,19 @@ from jaxpar.models.config import from_preset
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def study():
-    spec = importlib.util.spec_from_file_location("study_stacks", ROOT / "experiments/study_stacks.py")
+def load(name: str):
+    """experiments/`name`.py as a module (experiments/ on the path for its own imports)."""
+    if str(ROOT / "experiments") not in sys.path:
+        sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"experiments/{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module   # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def study():
+    return load("study_stacks")
 
 
 def test_every_stack_preset_states_its_sources_and_nemo_is_megatron_core():
@@ -195,7 +202,7 @@ def test_torchtitans_memory_lies_below_its_published_peak_and_near_it(published,
     """torchtitan publishes each run's peak memory (max reserved by PyTorch's caching allocator, an upper
     bound on what is alive): the model's memory per GPU, with torchtitan's own traits (its float32 loss,
     every other matmul saved, FSDP gathered inside a pipeline, FSDP over the context ranks), lies between
-    60% and 100% of it on every row. Without those traits the 32k rows predicted 38.6 GiB of 83.9."""
+    60% and 100% of it on every row."""
     import tomllib
     s = published[0]
     ok, _, _ = analysed
@@ -209,11 +216,7 @@ def test_torchtitans_memory_lies_below_its_published_peak_and_near_it(published,
 
 
 def plan_check():
-    spec = importlib.util.spec_from_file_location("study_plan_check", ROOT / "experiments/study_plan_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec.loader.exec_module(module)
-    return module
+    return load("study_plan_check")
 
 
 def test_the_planner_finds_each_published_layout_or_a_faster_one(published, analysed):

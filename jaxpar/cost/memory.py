@@ -369,9 +369,10 @@ def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: b
     weight_bytes, optimizer_bytes, over_context, fsdp_over_context), with a pipeline's gathered FSDP
     weights and unsharded gradients where the stack keeps them (`traits.pp_fsdp_gathered`,
     `pipeline_fsdp_bytes`; `gather_bytes` per gathered weight), and activations."""
-    params, grads, opt = state_bytes(m, st, *state)
+    weight_bytes, optimizer_bytes, over_context, fsdp_over_context = state
+    params, grads, opt = state_bytes(m, st, weight_bytes, optimizer_bytes, over_context, fsdp_over_context)
     if traits.pp_fsdp_gathered:
-        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, state[3])
+        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, fsdp_over_context)
         params, grads = params + gathered, max(grads, unsharded)
     return Memory(params, grads, opt,
                   activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, traits),
