@@ -223,8 +223,8 @@ def losses(path: pathlib.Path) -> dict[int, float]:
 @pytest.mark.parametrize("where", ["step", "save"])
 def test_a_killed_process_stops_the_other_in_time_and_the_resume_is_bitwise(tmp_path, where):
     """Processes 0 and 1 started by hand (as SLURM would; no launcher to stop the survivor), heartbeat
-    timeout 5 s. Process 1 is SIGKILLed while process 0 waits in step 6's collectives (`step`), or kills
-    itself while its save of step 4 is in flight (`save`). Process 0 leaves within the timeout with one
+    timeout 10 s (5 s is tight for a loaded 2-core machine). Process 1 is SIGKILLed while process 0 waits
+    in step 6's collectives (`step`), or kills itself while its save of step 4 is in flight (`save`). Process 0 leaves within the timeout with one
     line naming process 1 (exit 3); `jaxpar launch` resumes from the newest complete checkpoint, and its
     step 5 is bitwise the killed run's."""
     ck, first, resumed = tmp_path / "ck", tmp_path / "first.jsonl", tmp_path / "resumed.jsonl"
@@ -232,13 +232,15 @@ def test_a_killed_process_stops_the_other_in_time_and_the_resume_is_bitwise(tmp_
     hook = {faults.HOLD_AFTER_STEP: "5"} if where == "step" else {faults.KILL_DURING_SAVE: "4"}
     procs = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", *PEER, "--ckpt-dir", str(ck), "--metrics",
                                str(first), "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
-                               "--heartbeat-timeout", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--heartbeat-timeout", "10"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env(**hook, **{faults.FAULT_PROCESS: "1",
                                                             "XLA_FLAGS": with_device_count(FAST_COMPILE, 4)}))
              for i in range(2)]
     try:
+        seen = []  # process 1's stderr up to its hold: what it said if it ended some other way
         if where == "step":
             for line in procs[1].stderr:
+                seen.append(line)
                 if line.strip() == faults.HOLD_LINE.format(step=5):
                     break
             procs[1].kill()
@@ -249,10 +251,10 @@ def test_a_killed_process_stops_the_other_in_time_and_the_resume_is_bitwise(tmp_
     finally:
         for p in procs:
             p.kill()
-    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[1].returncode == -signal.SIGKILL, "".join(seen)[-3000:] or procs[1].stderr.read()[-3000:]
     assert procs[0].returncode == 3, err[-3000:]
-    assert "jaxpar: error: process 0: process 1 stopped sending heartbeats for 5 s" in err, err[-3000:]
-    assert waited < 5 + 25, waited  # the timeout, plus slack for a loaded machine; no hang
+    assert "jaxpar: error: process 0: process 1 stopped sending heartbeats for 10 s" in err, err[-3000:]
+    assert waited < 10 + 25, waited  # the timeout, plus slack for a loaded machine; no hang
     newest = max(int(p.name) for p in ck.iterdir() if p.name.isdigit())
     assert newest == 4 if where == "step" else newest in (2, 4)
     out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
