@@ -319,9 +319,10 @@ def check_study_measured(out: pathlib.Path, stdout: str) -> None:
 
 
 def check_study_moe(out: pathlib.Path, stdout: str) -> None:
-    """Like with like (DP8, ZeRO-1, the same recompute), Mixtral's EP8 and TP8 are a tie within the
-    megatron-core band read from jaxpar/cost/bands.toml, TP8 loses by more than the band once its tensor
-    collectives are exposed, and hiding the all-to-alls never lowers a split's MFU; the all-to-all bytes
+    """Like with like (DP8, ZeRO-1, the same recompute), Mixtral's EP8 and TP8 lie within the model's worst
+    out-of-sample miss of each other (megatron-core on H100, jaxpar/cost/bands.toml) and tie within its
+    band once the all-to-alls are hidden, TP8 loses by more than the band once its tensor collectives are
+    exposed, and hiding the all-to-alls never lowers a split's MFU; the all-to-all bytes
     per GPU are the hand count (tokens each GPU routes x top-k x d_model x 2 bytes x MoE layers x 4
     all-to-alls: dispatch and combine, forward and backward; 6 under full recompute); EP alone has no
     tensor bytes; across nodes the exposed all-to-all seconds grow with the EP group while the bytes per
@@ -330,7 +331,8 @@ def check_study_moe(out: pathlib.Path, stdout: str) -> None:
     from jaxpar.models.config import parse_model  # noqa: PLC0415
 
     text = read_results(out, "study_moe")
-    share = band_for("h100-sxm", "megatron-core").guide()
+    band = band_for("h100-sxm", "megatron-core")
+    share = band.guide()
     assert f"±{share:.1%}" in text, "the results state the band"
     batch, seq = map(int, re.search(r"batch (\d+) x (\d+), bf16", text).groups())
     m = parse_model("mixtral-8x7b")
@@ -345,8 +347,8 @@ def check_study_moe(out: pathlib.Path, stdout: str) -> None:
         assert (number(r["tensor GiB/GPU"]) == 0) == (t == 1), r
         assert number(r["MFU (all-to-all hidden)"]) >= number(r["MFU (as calibrated)"]), r
     ep8, tp8 = like[("EP8 TP1", "full")], like[("EP1 TP8", "full")]
-    assert abs(number(ep8["MFU (as calibrated)"]) / number(tp8["MFU (as calibrated)"]) - 1) <= share + 5e-4, (ep8, tp8)
-    assert ep8["vs EP1 TP8 (as calibrated)"].startswith("a tie"), ep8
+    assert abs(number(ep8["MFU (as calibrated)"]) / number(tp8["MFU (as calibrated)"]) - 1) <= band.oos_worst, (ep8, tp8)
+    assert ep8["vs EP1 TP8 (all-to-all hidden)"].startswith("a tie"), ep8
     assert number(tp8["MFU (TP exposed)"]) < (1 - share) * number(ep8["MFU (TP exposed)"]), (ep8, tp8)
     across = table(text, "EP", "nodes per expert group")
     exposed = [number(r["exposed expert s"]) for r in across]

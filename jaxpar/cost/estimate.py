@@ -132,6 +132,45 @@ def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq
     return passes * tokens * (total + logits)
 
 
+FLOAT8_CAST_BYTES = 4  # per element: read in bf16 (2), written in float8 row- and column-major (1 + 1)
+
+
+def float8_operands(m: ModelConfig, t: int, rows: float) -> tuple[float, float]:
+    """(inputs, outputs): elements per token, per layer on average, of the float8 linears' operands on one
+    tensor rank: each distinct input a layer's linears read (the normed stream once for Q, K and V, once
+    for the MLP's gate and up) and each output whose gradient the backward pass reads. The routed
+    experts' count `rows` copies per token; the router stays in higher precision."""
+    d, hd, f, fe = m.d_model, m.head_dim, m.mlp_dim / t, m.moe_mlp_dim / t
+    q, kv = m.heads * hd / t, m.kv_heads * hd / t
+    mlp_out = (2 if m.mlp_type == "swiglu" else 1)
+    attention_in, attention_out = d + q, q + 2 * kv + d
+    ssm = m.ssm_heads * m.ssm_head_dim / t if m.mamba_layers else 0.0
+    shared = m.shared_experts * fe
+    blocks = {"A": (attention_in + d + f, attention_out + mlp_out * f + d),
+              "M": (d + ssm, 2 * ssm + (2 * m.ngroups * m.d_state + m.ssm_heads) / t + d),
+              "E": (attention_in + rows * (d + fe) + (d + shared if shared else 0.0),
+                    attention_out + rows * (2 * fe + d) + (2 * shared + d if shared else 0.0))}
+    counts = [(m.pattern.count(b), io) for b, io in blocks.items() if b in m.pattern]
+    n = sum(c for c, _ in counts)
+    return (sum(c * io[0] for c, io in counts) / n, sum(c * io[1] for c, io in counts) / n)
+
+
+def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float) -> float:
+    """HBM bytes per device per step of casting the float8 linears' operands (dtype float8; else 0): each
+    input once per forward pass the layer runs (twice under full recompute), each output gradient once,
+    FLOAT8_CAST_BYTES per element. Source: torchao's float8 roofline (torchao/testing/float8/
+    roofline_utils.py, `get_tensor_memory_traffic_ovhd_s`, tensorwise scaling: the cast reads bf16 and
+    writes float8 twice, row- and column-major, the amax read fused into the producer under
+    torch.compile), the same bytes as Transformer Engine's cast-transpose (its amax from the history
+    of delayed scaling). The weights' casts, once per step on a shard, are left out."""
+    if st.options.dtype != "float8":
+        return 0.0
+    inputs, outputs = float8_operands(m, st.sizes["tensor"], rows)
+    forwards = 2.0 if flops.unit_policy(remat) == "full" else 1.0
+    layers = len(m.pattern) * m.units / sh.stages
+    return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc * layers * (forwards * inputs + outputs)
+
+
 def check_modelled(model: ModelConfig) -> None:
     """The analytic model counts attention, Mamba-2 and MoE blocks (every block models/ builds); kept
     as the one place a future block that it does not count is refused."""
@@ -205,6 +244,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
     hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention,
                                 head / sh.stages)
+    hbm += float8_cast_bytes(m, st, sh, remat, rows if m.moe_layers else 0.0)
     core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
             * flops.TRAIN_FACTOR / n)
 
