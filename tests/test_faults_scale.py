@@ -177,6 +177,25 @@ def test_a_dead_holders_lock_is_broken_and_taken(tmp_path):
     assert not (ck / lock.LOCK).exists()
 
 
+def test_a_directory_another_process_is_setting_up_counts_as_fresh(tmp_path):
+    """What process 0 writes before the marker (its lock, the marker's temporary file) is what the other
+    processes of a run may find when they check the directory (a run of 2 processes refused its own
+    directory this way): a run starts there, and a directory with anything else in it is refused."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_lock(ck, gone.pid, ticks=1)
+    (ck / f".{checkpoint.MARKER}.tmp").write_text("{")
+    Checkpointer(str(ck), every=1).close()
+    assert json.loads((ck / checkpoint.MARKER).read_text())["format"] == checkpoint.FORMAT["format"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty and was not written by jaxpar"):
+        Checkpointer(str(other), every=1)
+
+
 def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
     """The lock names a live pid whose process started later than the holder did: not the holder."""
     ck = made_dir(tmp_path)

@@ -58,7 +58,7 @@ from jaxpar.training import faults
 from jaxpar.training.integrity import (DamagedCheckpoint, check_meta, checksums, quiet_failed_reads, read_error,
                                        verify)
 from jaxpar.errors import ConfigError
-from jaxpar.training.lock import DirectoryLock, describe_holder
+from jaxpar.training.lock import LOCK, DirectoryLock, describe_holder
 
 MARKER = "jaxpar.json"
 SET_ASIDE = "set-aside"  # newer checkpoints moved out of the way when resuming from an older step
@@ -130,6 +130,12 @@ class SaveFailed(ConfigError):
     what is left to resume from."""
 
 
+def setting_up(name: str) -> bool:
+    """A file process 0 writes into a fresh directory before its marker (Checkpointer._check_directory):
+    the lock, a dead holder's lock it is breaking, the marker before its atomic rename."""
+    return name == LOCK or name.startswith(f"{LOCK}.broken-by-") or name == f".{MARKER}.tmp"
+
+
 class Checkpointer:
     def __init__(self, directory: str, every: int, keep: int = 3):
         self.dir = pathlib.Path(directory).resolve()
@@ -148,10 +154,12 @@ class Checkpointer:
 
     def _check_directory(self) -> None:
         """Refuse a directory jaxpar did not write. Every process checks (read-only, so all agree);
-        process 0 alone creates the directory and the marker, and the others wait for it."""
+        process 0 alone creates the directory and the marker, and the others wait for it. A directory
+        holding only what process 0 writes while it sets a fresh one up (`setting_up`) is fresh: the
+        other processes may list it at that moment."""
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--ckpt-dir {self.dir} exists and is not a directory")
-        fresh = not (self.dir.is_dir() and any(self.dir.iterdir()))
+        fresh = not (self.dir.is_dir() and any(not setting_up(p.name) for p in self.dir.iterdir()))
         if not fresh:
             marker = self.dir / MARKER
             try:
