@@ -179,8 +179,8 @@ def test_a_dead_holders_lock_is_broken_and_taken(tmp_path):
 
 def test_a_directory_another_process_is_setting_up_counts_as_fresh(tmp_path):
     """What process 0 writes before the marker (its lock, the marker's temporary file) is what the other
-    processes of a run may find when they check the directory (a run of 2 processes refused its own
-    directory this way): a run starts there, and a directory with anything else in it is refused."""
+    processes of a run may find when they check the directory: a run starts there, and a directory with
+    anything else in it is refused."""
     ck = tmp_path / "ck"
     ck.mkdir()
     gone = subprocess.Popen(["true"])

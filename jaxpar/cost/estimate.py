@@ -136,7 +136,7 @@ FLOAT8_CAST_BYTES = 4  # per element: read in bf16 (2), written in float8 row- a
 
 
 def float8_operands(m: ModelConfig, t: int, rows: float) -> tuple[float, float]:
-    """(inputs, outputs): elements per token, per layer on average, of the float8 linears' operands on one
+    """(inputs, outputs): elements per token, per pattern unit, of the float8 linears' operands on one
     tensor rank: each distinct input a layer's linears read (the normed stream once for Q, K and V, once
     for the MLP's gate and up) and each output whose gradient the backward pass reads. The routed
     experts' count `rows` copies per token; the router stays in higher precision."""
@@ -150,9 +150,7 @@ def float8_operands(m: ModelConfig, t: int, rows: float) -> tuple[float, float]:
               "M": (d + ssm, 2 * ssm + (2 * m.ngroups * m.d_state + m.ssm_heads) / t + d),
               "E": (attention_in + rows * (d + fe) + (d + shared if shared else 0.0),
                     attention_out + rows * (2 * fe + d) + (2 * shared + d if shared else 0.0))}
-    counts = [(m.pattern.count(b), io) for b, io in blocks.items() if b in m.pattern]
-    n = sum(c for c, _ in counts)
-    return (sum(c * io[0] for c, io in counts) / n, sum(c * io[1] for c, io in counts) / n)
+    return (sum(blocks[b][0] for b in m.pattern), sum(blocks[b][1] for b in m.pattern))
 
 
 def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float) -> float:
@@ -167,8 +165,7 @@ def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: 
         return 0.0
     inputs, outputs = float8_operands(m, st.sizes["tensor"], rows)
     forwards = 2.0 if flops.unit_policy(remat) == "full" else 1.0
-    layers = len(m.pattern) * m.units / sh.stages
-    return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc * layers * (forwards * inputs + outputs)
+    return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc * m.units / sh.stages * (forwards * inputs + outputs)
 
 
 def check_modelled(model: ModelConfig) -> None:
