@@ -41,7 +41,7 @@ simulate_cpu_devices(8)  # before JAX starts its backend
 from _bench import compiled_step  # noqa: E402
 from _study import arguments, band, band_line, finish, md_table, progress, versus  # noqa: E402
 
-from jaxpar.cost import JAXPAR, MEGATRON_CORE, estimate, memory  # noqa: E402
+from jaxpar.cost import JAXPAR, MEGATRON_CORE, estimate, load_hardware, memory  # noqa: E402
 from jaxpar.cost.report import mfu_convention  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
 from jaxpar.core.strategy import parse_inline, parse_strategy  # noqa: E402
@@ -90,7 +90,8 @@ def figure(plt, meas, mod):
         vals = [r[part] / 2**30 for r in mod]
         bx.bar([i + (j - 2) * width for i in range(len(mod))], vals, width, label=part,
                color="0.35" if part == "total" else None, hatch="//" if part == "total" else None)
-    bx.axhline(80e9 / 2**30, color="black", linestyle="--", linewidth=1, label="H100 80 GB (74.5 GiB)")
+    hbm = load_hardware("h100-sxm").hbm_bytes / 2**30
+    bx.axhline(hbm, color="black", linestyle="--", linewidth=1, label=f"H100 80 GB ({hbm:.1f} GiB)")
     for i, r in enumerate(mod):
         bx.text(i + 2 * width, r["total"] / 2**30 * 1.3, f"{'fits' if r['fits'] else 'does not fit'}\nMFU {100 * r['mfu']:.1f}%",
                 ha="center", fontsize=7)

@@ -466,7 +466,7 @@ def check_study_recipes(out: pathlib.Path, stdout: str) -> None:
         if r["recommended layout"] == "nothing fits":
             continue
         split = [float(x) for x in r["memory GiB/GPU (weights / grads / optimizer / activations)"].split("/")]
-        assert sum(split) < 0.92 * 80e9 / 2**30 + 0.5, r
+        assert sum(split) < 0.92 * load_hardware("h100-sxm").hbm_bytes / 2**30 + 0.5, r
         mfu, lo, hi = (number(x) for x in re.findall(r"\d+\.\d+%", r["predicted MFU (band)"]))
         share = band_for("h100-sxm", r["stack"]).guide()
         assert lo == pytest.approx(mfu * (1 - share), abs=2e-3) and hi == pytest.approx(mfu * (1 + share), abs=2e-3), r

@@ -34,7 +34,7 @@ def test_plan_repeats_its_question_and_its_run_file_reproduces_it(tmp_path, caps
     plan_out = capsys.readouterr().out
     assert plan_out.startswith("question: llama3-8b (8.0B parameters) on 8 x h100-sxm, software jaxpar; seq 4,096, "
                                "global batch 64 sequences = 262,144 tokens\n"), plan_out[:300]
-    assert f"{1 - HBM_HEADROOM:.0%} of 74.5 GiB HBM = 68.5 GiB (--hbm-headroom 0.08" in plan_out
+    assert f"{1 - HBM_HEADROOM:.0%} of 79.6 GiB HBM = 73.3 GiB (--hbm-headroom 0.08" in plan_out
     run_file = next(tmp_path.glob("plan-01-*.run.toml"))
     assert cli.main(["estimate", "--run", str(run_file)]) == 0
     est_out = capsys.readouterr().out

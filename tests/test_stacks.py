@@ -99,6 +99,29 @@ def test_float8_runs_the_linears_at_the_float8_peak_and_pays_their_casts():
     assert fsdp[(AG, "forward")] < {(c[0], c[2]): c[4] for c in bf16.predicted if c[1] == ("fsdp",)}[(AG, "forward")]
 
 
+def test_megatron_and_torchtitan_hold_the_embedding_and_the_head_on_their_end_stages():
+    """Under a pipeline, Megatron-Core and torchtitan build the input embedding on the first stage and the
+    untied head on the last, so the fullest stage holds one of the two vocabulary matrices; jaxpar and
+    MaxText keep the whole block on every stage. Hand count, Llama 3 8B under tensor=2: the bf16 weights
+    differ by V*d/2 (one matrix, vocab-sharded) + d/2 (half the final norm) elements at 2 bytes; nothing
+    differs without a pipeline, nor for a tied model (its word embedding is on both end stages)."""
+    hw = load_hardware("h100-sxm")
+    core = SOFTWARE["megatron-core"]
+    everywhere = dataclasses.replace(core, pp_end_stages=False)
+    assert SOFTWARE["torchtitan"].pp_end_stages and not SOFTWARE["maxtext"].pp_end_stages
+
+    def params(m, mesh, software):
+        st = parse_inline(mesh).with_options(remat="full").resolved(8)
+        return estimate(m, st, hw, 16, 4096, software).memory.params
+
+    m = from_preset("llama3-8b")
+    saved = params(m, "pipeline=4,tensor=2", everywhere) - params(m, "pipeline=4,tensor=2", core)
+    assert saved == pytest.approx((128256 * 4096 / 2 + 4096 / 2) * 2, rel=1e-9)
+    assert params(m, "data=4,tensor=2", everywhere) == params(m, "data=4,tensor=2", core)
+    tied = from_preset("gpt3-175b")
+    assert params(tied, "pipeline=4,tensor=2", everywhere) == params(tied, "pipeline=4,tensor=2", core)
+
+
 def test_float8_is_refused_where_it_cannot_run():
     m = from_preset("llama3-8b")
     st = parse_inline("fsdp=8").with_options(dtype="float8").resolved(8)

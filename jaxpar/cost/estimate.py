@@ -249,7 +249,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
                               memory.Traits(software.fused_mlp, software.autodiff_remat, software.sac_every_other_mm,
-                                            software.loss_logit_bytes, software.pp_fsdp_gathered),
+                                            software.loss_logit_bytes, software.pp_fsdp_gathered,
+                                            software.pp_end_stages),
                               (software.weight_bytes, software.optimizer_bytes, software.state_over_context,
                                software.fsdp_over_context), software.param_gather_bytes))
 

@@ -64,7 +64,7 @@ class Memory:
 # ---- model and optimizer state ---------------------------------------------------------------------
 
 def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_context: bool = False,
-                 fsdp_over_context: bool = False) -> float:
+                 fsdp_over_context: bool = False, end_stages: bool = False) -> float:
     """Elements one device holds of the parameters (`purpose` "params"; the gradients match them) or of
     one optimizer moment ("optimizer"): layers / pipeline, the tensor-sharded part / tensor, and the
     weights the strategy's ZeRO rules shard (params.zero_split: those with an `embed` dim) / the data
@@ -72,7 +72,8 @@ def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_con
     the stack shards its state over the context ranks (`over_context`: Software.state_over_context).
     A stack whose FSDP spans the context ranks (`fsdp_over_context`: Software.fsdp_over_context) shards
     the whole state over them even with no data-parallel shard axis: ZeRO-3 over `context` alone (those
-    parameter gathers are not priced in the step time)."""
+    parameter gathers are not priced in the step time). `end_stages`: the stack places the embedding on
+    the first pipeline stage and the head on the last (`embedding_copies`)."""
     sz = st.sizes
     zero, shards = st.zero, 1
     axes = zero_axes(m, zero, purpose)
@@ -82,20 +83,33 @@ def local_params(m: ModelConfig, st: Strategy, purpose: str = "params", over_con
         shards *= sz["context"]
     for a in axes:
         shards *= sz[a]
-    return _local_params(m, zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"])
+    return _local_params(m, zero, purpose, sz["tensor"], sz["pipeline"], shards, sz["expert"],
+                         embedding_copies(m, sz["pipeline"], end_stages))
+
+
+def embedding_copies(m: ModelConfig, stages: int, end_stages: bool) -> float:
+    """The share of the embedding block (input embedding, final norm, untied head) the fullest pipeline
+    stage holds. jaxpar's program replicates the block over `pipeline` (params.py: only the layers are
+    staged): 1. Megatron-LM builds the embedding on the first stage and the output layer on the last
+    (GPTModel pre_process / post_process), torchtitan's pipeline split does the same (tok_embeddings on
+    the first stage, norm and output on the last): an untied model's stage holds one of the two
+    matrices, 1/2 of the block; a tied one keeps the word embedding on both end stages (Megatron's
+    shared embedding, all-reduced between them): 1."""
+    return 0.5 if end_stages and stages > 1 and not m.tie_embeddings else 1.0
 
 
 @per_model
 def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: int, shards: int,
-                  expert: int = 1) -> float:
+                  expert: int = 1, embedding: float = 1.0) -> float:
     """The routed experts' weights (MoE blocks) are split over `expert` as well: every expert is held
     once over the expert axis, so the memory counts all of them, E / expert per device. A ZeRO shard is
     a padded flat shard of each block: ceil(elements / shards), which equals the division whenever the
     shards divide the model dim (what the trainer needs) and counts the padding when they do not
-    (Megatron's distributed optimizer pads its flat buffer to a multiple of the data-parallel size)."""
+    (Megatron's distributed optimizer pads its flat buffer to a multiple of the data-parallel size).
+    `embedding`: the share of the embedding block held (`embedding_copies`)."""
     na, nm, ne = block_counts(m)
     n = 0.0
-    for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("moe", ne / stages), ("embedding", 1)):
+    for block, copies in (("attention", na / stages), ("mamba", nm / stages), ("moe", ne / stages), ("embedding", embedding)):
         if copies:
             sharded, kept = zero_split(m, block, zero, purpose)
             n += copies * (math.ceil(sharded.per_device(tensor, expert) / shards) + kept.per_device(tensor, expert))
@@ -103,14 +117,15 @@ def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: 
 
 
 def state_bytes(m: ModelConfig, st: Strategy, weight_bytes: int = PARAM_BYTES, optimizer_bytes: int = ADAM_BYTES,
-                over_context: bool = False, fsdp_over_context: bool = False) -> tuple[float, float, float]:
+                over_context: bool = False, fsdp_over_context: bool = False,
+                end_stages: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage: `weight_bytes` per
     parameter of the weights kept between steps, float32 gradients, `optimizer_bytes` per parameter of the
     optimizer's state (Software.weight_bytes, optimizer_bytes: jaxpar's float32 weights are the masters;
     a bf16 stack keeps a float32 master copy with the moments)."""
-    n = local_params(m, st, "params", over_context, fsdp_over_context)
+    n = local_params(m, st, "params", over_context, fsdp_over_context, end_stages)
     return (n * weight_bytes, n * GRAD_BYTES,
-            local_params(m, st, "optimizer", over_context, fsdp_over_context) * optimizer_bytes)
+            local_params(m, st, "optimizer", over_context, fsdp_over_context, end_stages) * optimizer_bytes)
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
@@ -263,12 +278,15 @@ class Traits:
         loss_bytes      bytes per logit alive at the loss's peak (Megatron's fused vocab-parallel cross
                         entropy: the float32 logits, 4)
         pp_fsdp_gathered  under a pipeline, FSDP keeps the stage's weights gathered and its gradients
-                        unsharded for the whole step (`pipeline_fsdp_bytes`)"""
+                        unsharded for the whole step (`pipeline_fsdp_bytes`)
+        pp_end_stages   under a pipeline, the embedding is on the first stage and the head on the last
+                        (`embedding_copies`)"""
     fused_mlp: bool = False
     residuals: bool = False
     every_other_mm: bool = False
     loss_bytes: int = LOGIT_BYTES
     pp_fsdp_gathered: bool = False
+    pp_end_stages: bool = False
 
 
 @per_model  # memoised on the inventory's identity, as inventory_bytes
@@ -344,7 +362,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
 
 
 def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, gather_bytes: int,
-                        fsdp_over_context: bool = False) -> tuple[float, float]:
+                        fsdp_over_context: bool = False, end_stages: bool = False) -> tuple[float, float]:
     """(gathered weights, unsharded gradients) bytes per device where FSDP shards the weights inside a
     pipeline stage and keeps them gathered for the step: torchtitan's default reshard_after_forward is
     off under pipeline parallelism (torchtitan/models/llama3/infra/parallelize.py: "For PP, do not reshard
@@ -357,7 +375,8 @@ def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, gather_bytes: int,
     sharded = (st.zero == 3 and sz["fsdp"] > 1) or (fsdp_over_context and sz["context"] > 1)
     if sz["pipeline"] == 1 or not sharded:
         return 0.0, 0.0
-    whole = _local_params(m, 0, "params", sz["tensor"], sz["pipeline"], 1, sz["expert"])
+    whole = _local_params(m, 0, "params", sz["tensor"], sz["pipeline"], 1, sz["expert"],
+                          embedding_copies(m, sz["pipeline"], end_stages))
     return whole * gather_bytes, whole * GRAD_BYTES
 
 
@@ -370,9 +389,10 @@ def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: b
     weights and unsharded gradients where the stack keeps them (`traits.pp_fsdp_gathered`,
     `pipeline_fsdp_bytes`; `gather_bytes` per gathered weight), and activations."""
     weight_bytes, optimizer_bytes, over_context, fsdp_over_context = state
-    params, grads, opt = state_bytes(m, st, weight_bytes, optimizer_bytes, over_context, fsdp_over_context)
+    params, grads, opt = state_bytes(m, st, weight_bytes, optimizer_bytes, over_context, fsdp_over_context,
+                                     traits.pp_end_stages)
     if traits.pp_fsdp_gathered:
-        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, fsdp_over_context)
+        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, fsdp_over_context, traits.pp_end_stages)
         params, grads = params + gathered, max(grads, unsharded)
     return Memory(params, grads, opt,
                   activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, traits),

@@ -30,6 +30,11 @@ one more `Software(...)` in `SOFTWARE`.
                        its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
     pp_head_spread     the head and loss of a pipeline run on every stage, each on ceil(M/S) micro-batches
                        (jaxpar/pipeline/gpipe.py); False: on the last stage, for all M (Megatron)
+    pp_end_stages      the embedding is built on the first pipeline stage and the head on the last, so a
+                       stage holds one of an untied model's two vocabulary matrices (Megatron-LM's GPTModel
+                       pre_process / post_process; torchtitan's pipeline split); False: on every stage, as
+                       jaxpar stages only the layers and MaxText pipelines only its decoder layers
+                       (jaxpar/cost/memory.py embedding_copies)
     serve_weight_bytes bytes per parameter a generation step reads: Megatron-style serving stores bf16
                        weights (2); jaxpar's generate stores them in its strategy's dtype
                        (jaxpar.cost.inference.weight_bytes)
@@ -167,6 +172,7 @@ class Software:
     param_gather_bytes: int = 4
     serve_weight_bytes: int = 4
     pp_head_spread: bool = True
+    pp_end_stages: bool = False
     fused_attention: bool = False
     fused_mlp: bool = False
     autodiff_remat: bool = False
@@ -202,7 +208,8 @@ JAXPAR = Software()
 # 1F1B, scatter/gather between stages, the distributed optimizer's bf16 gathers, routed MoE dispatch
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
-                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, weight_bytes=2, optimizer_bytes=12,
+                    param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
+                    optimizer_bytes=12,
                     remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
@@ -224,7 +231,8 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
                       pp_1f1b=True, sac_every_other_mm=True, loss_logit_bytes=12, pp_fsdp_gathered=True,
                       remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
-                      pp_head_spread=False, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True, async_tp=True,
+                      pp_head_spread=False, pp_end_stages=True, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True,
+                      async_tp=True,
                       sequence_parallel=True, attention_kernel="flash2", state_over_context=True, fsdp_over_context=True,
                       cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal",
                       sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md; torchtitan "
