@@ -60,7 +60,7 @@ def check(row, st) -> dict:
     hw, sw = load_hardware(row.hardware), SOFTWARE[row.software]
     pub = estimate(row.model, st, hw, row.global_batch, row.seq, sw)
     plans, _, _ = planner.plan(row.model, hw, st.num_devices, row.seq, row.global_batch, top=10**9, software=sw,
-                               dtype=st.options.dtype)
+                               dtype=st.options.dtype, grad_dtype=st.options.grad_dtype)
     best, top = max(plans, key=lambda p: p[0].tokens_per_s)
     b = band_for(hw.family, sw.name)
     band, worst = (b.guide(), b.oos_worst if b.oos_worst is not None else b.worst) if b else (planner.TIE_BAND,) * 2

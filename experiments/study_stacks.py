@@ -185,10 +185,17 @@ def llm_foundry(src, row, models) -> Row:
                row["global_batch"], seq, row["tokens_per_s_per_gpu"], why)
 
 
+# NeMo's own configs for these models reduce the gradients in bf16 (optim.grad_sync_dtype: bf16 in
+# NeMo-Framework-Launcher conf/training/gpt3/175b_fp8_performance.yaml and nemotron/nemotron_340b.yaml);
+# its Llama configs leave the optimizer's float32
+NEMO_BF16_GRADS = ("gpt3_175b", "nemotron4_340b")
+
+
 def megatron(src, row, models) -> Row:
     """NeMo 24.07 and Megatron-Bridge 25.11: data = gpus / (tp pp cp); interleaved 1F1B with vp model
-    chunks per stage; micro-batches = gbs / (mbs dp); float8 where the row says so; no recompute; the
-    stack's defaults (distributed optimizer, sequence parallelism) as `estimate` applies them."""
+    chunks per stage; micro-batches = gbs / (mbs dp); float8 where the row says so; no recompute; bf16
+    gradients where NeMo's config for the model says so (`NEMO_BF16_GRADS`); the stack's defaults
+    (distributed optimizer, sequence parallelism) as `estimate` applies them."""
     seq, tp, pp, cp = row["seq"], row["tp"], row["pp"], row["cp"]
     m, why = model_from(row["model"], models[row["model"]], seq)
     ep = row.get("ep", 1)
@@ -197,6 +204,7 @@ def megatron(src, row, models) -> Row:
     fp8 = "precision" not in row or row["precision"].upper().startswith("FP8")
     per_step = row["gbs"] // (row["mbs"] * dp)
     opts = dict(dtype="float8" if fp8 else "bfloat16", remat="none")
+    opts |= dict(grad_dtype="bfloat16") if src["id"].startswith("nemo_") and row["model"] in NEMO_BF16_GRADS else {}
     opts |= dict(attention="ring") if cp > 1 else {}
     vp = row.get("vp", 1) if isinstance(row.get("vp", 1), int) else 1
     opts |= (dict(microbatches=per_step, pp_schedule="1f1b", pp_repeats=vp) if pp > 1 else dict(grad_accum=per_step))

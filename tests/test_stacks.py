@@ -19,6 +19,7 @@ from jaxpar.cost.defaults import stack_defaults
 from jaxpar.cost.overlap import fractions
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import from_preset
+from jaxpar.planning import planner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -122,6 +123,32 @@ def test_megatron_and_torchtitan_hold_the_embedding_and_the_head_on_their_end_st
     assert params(tied, "pipeline=4,tensor=2", everywhere) == params(tied, "pipeline=4,tensor=2", core)
 
 
+def test_bfloat16_gradients_halve_the_gradient_bytes_and_are_refused_for_jaxpar(capsys):
+    """grad_dtype=bfloat16 (NeMo's grad_sync_dtype bf16): against the same Megatron-Core step with float32
+    gradients, the gradient memory halves and so does every data-parallel gradient reduction (the
+    distributed optimizer's reduce-scatter over `data`); nothing else moves. jaxpar's program keeps
+    float32 gradients, so its estimate, its plan and its run refuse the option with one line."""
+    m, hw, core = from_preset("llama3-8b"), load_hardware("h100-sxm"), SOFTWARE["megatron-core"]
+    st = parse_inline("data=4,tensor=2").with_options(remat="full", zero=1, sequence_parallel=True).resolved(8)
+    f32, b16 = (estimate(m, st.with_options(grad_dtype=g), hw, 16, 4096, core) for g in ("float32", "bfloat16"))
+    assert b16.memory.grads == f32.memory.grads / 2 > 0
+    assert (b16.memory.params, b16.memory.optimizer, b16.memory.activations) == (
+        f32.memory.params, f32.memory.optimizer, f32.memory.activations)
+    data = {c[:3]: c[4] for c in f32.predicted if c[1] == ("data",)}
+    assert data[(RS, ("data",), "backward")] > 0
+    assert {c[:3]: c[4] for c in b16.predicted if c[1] == ("data",)} == {
+        k: v / 2 if k[0] == RS else v for k, v in data.items()}
+    assert [c for c in f32.predicted if c[1] != ("data",)] == [c for c in b16.predicted if c[1] != ("data",)]
+    with pytest.raises(ConfigError, match="grad_dtype=bfloat16 .* jaxpar's program accumulates float32"):
+        validate.check(m, st.with_options(grad_dtype="bfloat16"), batch=16, seq=4096)
+    with pytest.raises(ConfigError, match="grad_dtype=bfloat16"):
+        planner.plan(m, hw, 8, 4096, 64, 1, grad_dtype="bfloat16")
+    assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", "data=8", "--hardware", "h100-sxm", "--seq",
+                     "4096", "--global-batch", "64", "--grad-dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "grad_dtype=bfloat16" in err[0], err
+
+
 def test_float8_is_refused_where_it_cannot_run():
     m = from_preset("llama3-8b")
     st = parse_inline("fsdp=8").with_options(dtype="float8").resolved(8)
@@ -211,6 +238,17 @@ def test_every_published_training_row_is_read_and_expressible_or_names_its_featu
     assert len(ok) >= training - 2
     assert all(why.startswith("not modelled: ") for _, why in refused), refused
     assert all(skip.startswith("trtllm") for skip in skipped)
+
+
+def test_every_published_training_row_is_predicted_to_fit(published, analysed):
+    """The runs ran: each expressible row, in its own layout, stack and precision (bf16 gradients where
+    its stack's config says so), is predicted to fit the device's HBM (the whole of it: the studies use
+    no headroom)."""
+    s, _, _ = published
+    ok, _, _ = analysed
+    for row, st in ok:
+        est = estimate(row.model, st, load_hardware(row.hardware), row.global_batch, row.seq, SOFTWARE[row.software])
+        assert est.fits, (row.label, est.memory, est.hbm_bytes)
 
 
 @pytest.fixture(scope="module")

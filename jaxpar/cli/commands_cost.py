@@ -143,7 +143,7 @@ def cmd_plan(args) -> int:
     print(question.header(model, load_hardware(args.hardware)))
     results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,
                                               args.top, SOFTWARE[args.software], args.objective, args.hbm_headroom,
-                                              getattr(args, "dtype", "bfloat16"))
+                                              getattr(args, "dtype", "bfloat16"), getattr(args, "grad_dtype", "float32"))
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
     if note := planner.scores_note(model, results, SOFTWARE[args.software], args.global_batch, args.seq):
         print(note)

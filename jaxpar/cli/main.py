@@ -309,6 +309,9 @@ def add_plan(sub) -> None:
     pl.add_argument("--dtype", choices=("bfloat16", "float8"), default="bfloat16",
                     help="the precision the plans compute in (default bfloat16); float8 for another stack's "
                          "float8 linears (--software torchtitan, megatron-core, ...) on a profile with a float8 peak")
+    pl.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the dtype the plans accumulate and reduce gradients in (default float32); bfloat16 for "
+                         "another stack's run that reduces in bf16 (NeMo's optim.grad_sync_dtype bf16)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
                     help="write each plan as a mesh_configs TOML file (plan-01-<name>.toml, ...) and beside it its "
                          "question (plan-01-<name>.run.toml: jaxpar estimate --run FILE) to DIR")

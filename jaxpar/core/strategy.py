@@ -57,6 +57,11 @@ class Options:
     dtype: str = _option("float32", "compute dtype (master weights stay float32); float8 is for estimate and "
                                     "plan of other stacks (float8 matmuls, attention in bfloat16)",
                          ("float32", "bfloat16", "float8"))
+    grad_dtype: str = _option("float32", "the dtype gradients accumulate and are reduced in: float32 (jaxpar's "
+                                         "program; Megatron under bf16; FSDP2's reduce_dtype in torchtitan); "
+                                         "bfloat16 is for estimate and plan of other stacks (NeMo's "
+                                         "optim.grad_sync_dtype bf16, Megatron-Core with grad_reduce_in_fp32 off)",
+                              ("float32", "bfloat16"))
     attention: str = _option("dense", "how attention splits the sequence: dense keeps it whole on each device, "
                                       "ring and allgather shard it over context", ("dense", "ring", "allgather"))
     attention_kernel: str = _option("dense", "what computes attention on a device (jaxpar/ops/attention.py): dense "

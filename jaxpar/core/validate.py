@@ -46,7 +46,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     check_options_apply(strategy)
     s, o = strategy.sizes, strategy.options
     if program:
-        check_program_dtype(o.dtype)
+        check_program_dtype(o.dtype, o.grad_dtype)
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
     # --- sequence and batch -----------------------------------------------------------------
@@ -103,11 +103,15 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
                           f"must be divisible by pipeline={pp}")
 
 
-def check_program_dtype(dtype: str) -> None:
-    """jaxpar's program computes in float32 or bfloat16; float8 is a precision of other stacks' estimates."""
+def check_program_dtype(dtype: str, grad_dtype: str = "float32") -> None:
+    """jaxpar's program computes in float32 or bfloat16 and keeps float32 gradients; float8 matmuls and
+    bfloat16 gradients are precisions of other stacks' estimates."""
     if dtype == "float8":
         raise ConfigError("dtype=float8 prices other stacks' float8 matmuls (estimate/plan --software torchtitan, "
                           "megatron-core, ...); jaxpar's program computes in float32 or bfloat16")
+    if grad_dtype != "float32":
+        raise ConfigError(f"grad_dtype={grad_dtype} prices other stacks' gradient reductions (estimate/plan "
+                          "--software megatron-core, ...); jaxpar's program accumulates float32 gradients")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:

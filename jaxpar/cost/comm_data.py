@@ -12,7 +12,7 @@ from typing import Callable
 
 from jaxpar.cost.compiler import A2A, AG, AR, RS, Compiler, reductions, site, together
 from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors, unit_norms
-from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
+from jaxpar.cost.memory import PARAM_BYTES, TOKEN_BYTES, grad_bytes
 from jaxpar.cost.params import zero_rules, zero_split
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
@@ -155,13 +155,14 @@ def _groups(cc: Compiler, st: Strategy, over: tuple[str, ...], experts: bool | N
     return [over] if experts and over else reductions(cc, st, over)
 
 
-def _grads(cc: Compiler, group: tuple[str, ...], h: Held, shards: int, execs: float) -> list[tuple]:
-    """All-reduces of the gradients of the weights `h` over `group` (sizes / `shards`): hoisted, once per step;
-    else a unit's in the layer loop (`execs` per unit) and embedding + head + final norm's after it."""
+def _grads(cc: Compiler, group: tuple[str, ...], h: Held, shards: int, execs: float, gb: int) -> list[tuple]:
+    """All-reduces of the gradients of the weights `h` (`gb` bytes each) over `group` (sizes / `shards`):
+    hoisted, once per step; else a unit's in the layer loop (`execs` per unit) and embedding + head + final
+    norm's after it."""
     if cc.hoist:
-        return site(cc, AR, group, 1, equal_buffers(h.full * GRAD_BYTES / shards, h.arrays), "backward")
-    return (site(cc, AR, group, execs, equal_buffers(h.unit * GRAD_BYTES / shards, h.unit_arrays), "backward")
-            + site(cc, AR, group, 1, equal_buffers(h.emb * GRAD_BYTES / shards, h.emb_arrays), "backward"))
+        return site(cc, AR, group, 1, equal_buffers(h.full * gb / shards, h.arrays), "backward")
+    return (site(cc, AR, group, execs, equal_buffers(h.unit * gb / shards, h.unit_arrays), "backward")
+            + site(cc, AR, group, 1, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward"))
 
 
 def _data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler, axes: tuple[str, ...],
@@ -186,7 +187,7 @@ def _replicated_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compil
 
     def per_group(group):
         sums = departed(group, h) if departed else None
-        return _grads(cc, group, h, 1, execs) if sums is None else sums
+        return _grads(cc, group, h, 1, execs, grad_bytes(st)) if sums is None else sums
     return [op for group in _groups(cc, st, axes, experts) for op in per_group(group)]
 
 
@@ -195,14 +196,14 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
                    departures: Departures) -> list[tuple]:
     """ZeRO-1 and ZeRO-3 (the weights with an `embed` dim sharded over `shard`): `data_parallel`'s docstring."""
     sz, zero, t = st.sizes, st.zero, st.sizes["tensor"]
-    dense = experts is not True
+    dense, gb = experts is not True, grad_bytes(st)
     execs = shape.exec_layers / len(m.pattern)
 
     def groups(over: tuple[str, ...]) -> list[tuple[str, ...]]:
         return _groups(cc, st, over, experts)
 
     def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
-        return _grads(cc, group, h, shards, execs)
+        return _grads(cc, group, h, shards, execs, gb)
 
     copies = departures.sharded_sums if dense else None
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
@@ -213,40 +214,40 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     if vectors:
         sharded, norms = _without_norms(m, sharded)
     lookup = (site(cc, AG, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * act], "forward")
-              + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * GRAD_BYTES],
+              + site(cc, RS, ("fsdp",), shape.accum, [(sharded.emb - sum(head_and_norm(m, t))) * gb],
                      "backward") if departures.table_gathered else embedding_lookup(m, st, shape, act, shard, cc))
     out = (fsdp_gathers(m, st, shape, act, cc, departures.stage_gather_bytes) + lookup
            if zero == 3 and dense else [])
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
     if cc.hoist and zero != 3:
-        out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * GRAD_BYTES, sharded.unit_arrays)
-                    + [b * GRAD_BYTES for b in (head, norm) if b and dense], "backward")
+        out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * gb, sharded.unit_arrays)
+                    + [b * gb for b in (head, norm) if b and dense], "backward")
     else:
         if shape.stages > 1:   # jaxpar/pipeline/gpipe.py: each fsdp shard accumulates its stage's v*k unit slots, reduced once
             slots = shape.repeats * shape.per_chunk
-            in_loop = site(cc, RS, shard, shape.accum, equal_buffers(sharded.unit * slots * GRAD_BYTES,
+            in_loop = site(cc, RS, shard, shape.accum, equal_buffers(sharded.unit * slots * gb,
                                                                      sharded.unit_arrays), "backward")
         else:
-            in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * GRAD_BYTES, sharded.unit_arrays), "backward")
+            in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * gb, sharded.unit_arrays), "backward")
         if vectors and not cc.hoist:
             in_loop += [op for group in groups(axes) for op in site(
-                cc, AR, group, execs, equal_buffers(norms.unit * GRAD_BYTES, norms.unit_arrays), "backward")]
+                cc, AR, group, execs, equal_buffers(norms.unit * gb, norms.unit_arrays), "backward")]
         if not cc.hoist:
             for group in groups(axes):
-                in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * GRAD_BYTES, kept.unit_arrays), "backward")
+                in_loop += site(cc, AR, group, execs, equal_buffers(kept.unit * gb, kept.unit_arrays), "backward")
         out += together(cc, in_loop)
         for nbytes in (head, norm if not (copies or vectors) else 0.0):
-            out += site(cc, RS, shard, 1, [nbytes * GRAD_BYTES], "optimizer") if nbytes and dense else []
+            out += site(cc, RS, shard, 1, [nbytes * gb], "optimizer") if nbytes and dense else []
         if vectors:   # hoisted: once per step, one per array, as the kept weights'
             out += [op for group in groups(axes) for op in (
-                grads(group, norms, 1) if cc.hoist else site(cc, AR, group, 1, [norm * GRAD_BYTES], "backward"))]
+                grads(group, norms, 1) if cc.hoist else site(cc, AR, group, 1, [norm * gb], "backward"))]
     if zero == 1:
         out += embedding_lookup(m, st, shape, act, shard, cc) if dense else []
         out += site(cc, AG, shard, 1, equal_buffers(sharded.full * gather_bytes, sharded.arrays), "optimizer")
     for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist
-                else site(cc, AR, group, 1, equal_buffers(kept.emb * GRAD_BYTES, kept.emb_arrays), "backward"))
+                else site(cc, AR, group, 1, equal_buffers(kept.emb * gb, kept.emb_arrays), "backward"))
     # the head's shard on its own under `tensor` (XLA:CPU's grouping: `_without_norms` names the layouts checked)
     apart = head if vectors and t > 1 and not cc.hoist else 0.0
     if apart:
@@ -254,7 +255,7 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     for group in groups(rest):
         out += (copies(group, sharded, head, norm) if copies
                 else grads(group, sharded, sz["fsdp"] if zero == 3 else 1))
-        out += site(cc, AR, group, 1, [apart * GRAD_BYTES / sz["fsdp"]] if apart else [], "backward")
+        out += site(cc, AR, group, 1, [apart * gb / sz["fsdp"]] if apart else [], "backward")
     return out
 
 

@@ -32,6 +32,12 @@ from jaxpar.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 2}  # float8 steps keep activations in bf16 (casts per matmul)
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+
+
+def grad_bytes(st: Strategy) -> int:
+    """Bytes per gradient element as the step accumulates and reduces them: the strategy's `grad_dtype`
+    (float32, GRAD_BYTES, unless another stack's run reduces in bfloat16)."""
+    return DTYPE_BYTES[st.options.grad_dtype]
 LOGIT_BYTES = 4  # logits are upcast to float32 for the loss
 TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
@@ -124,7 +130,7 @@ def state_bytes(m: ModelConfig, st: Strategy, weight_bytes: int = PARAM_BYTES, o
     optimizer's state (Software.weight_bytes, optimizer_bytes: jaxpar's float32 weights are the masters;
     a bf16 stack keeps a float32 master copy with the moments)."""
     n = local_params(m, st, "params", over_context, fsdp_over_context, end_stages)
-    return (n * weight_bytes, n * GRAD_BYTES,
+    return (n * weight_bytes, n * grad_bytes(st),
             local_params(m, st, "optimizer", over_context, fsdp_over_context, end_stages) * optimizer_bytes)
 
 
@@ -377,7 +383,7 @@ def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, gather_bytes: int,
         return 0.0, 0.0
     whole = _local_params(m, 0, "params", sz["tensor"], sz["pipeline"], 1, sz["expert"],
                           embedding_copies(m, sz["pipeline"], end_stages))
-    return whole * gather_bytes, whole * GRAD_BYTES
+    return whole * gather_bytes, whole * grad_bytes(st)
 
 
 def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,

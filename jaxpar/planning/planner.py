@@ -61,7 +61,7 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
 
 
 def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, dtype: str = "bfloat16",
-                      software: Software = JAXPAR):
+                      software: Software = JAXPAR, grad_dtype: str = "float32"):
     """What `software` runs (Software.remats, pp_schedules, pp_interleaved): its remat policies x gradient
     accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO (0 or 1 on `data` without
     fsdp; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
@@ -83,7 +83,7 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
         local = rows // micro or 1
         accums = sorted({max(local // b, 1) for b in (1, 2, 4, local)})
         for remat, accum, zero, (kind, v) in itertools.product(software.remats, accums, zeros, schedules):
-            yield Options(zero=zero, remat=remat, dtype=dtype, sequence_parallel=sizes["tensor"] > 1,
+            yield Options(zero=zero, remat=remat, dtype=dtype, grad_dtype=grad_dtype, sequence_parallel=sizes["tensor"] > 1,
                           attention="ring" if sizes["context"] > 1 else "dense", attention_kernel="auto",
                           microbatches=micro, grad_accum=accum, pp_schedule=kind, pp_repeats=v, overlap=overlap)
 
@@ -113,11 +113,13 @@ def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: in
 
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
          top: int = 10, software: Software = JAXPAR, objective: str = "throughput",
-         headroom: float = HBM_HEADROOM, dtype: str = "bfloat16") -> tuple[list, int, int]:
+         headroom: float = HBM_HEADROOM, dtype: str = "bfloat16",
+         grad_dtype: str = "float32") -> tuple[list, int, int]:
     """(best estimates, candidates considered, candidates that were valid), each estimate for `software`,
     ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power]), ties
     by memory headroom and simplicity (`rank`). A plan fits within HBM less the `headroom` share
-    (jaxpar.cost.estimate.HBM_HEADROOM)."""
+    (jaxpar.cost.estimate.HBM_HEADROOM). Every candidate computes in `dtype` and reduces its gradients in
+    `grad_dtype`."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -125,9 +127,9 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
         raise ConfigError(f"--objective energy needs a power model: hardware {hw.name} has no [power] table "
                           "(tdp_w, idle_w; see jaxpar/cost/energy.py)")
     check_modelled(model)
+    if software.jaxpar_program:
+        validate.check_program_dtype(dtype, grad_dtype)
     if dtype == "float8":
-        if software.jaxpar_program:
-            validate.check_program_dtype(dtype)
         hw.matmul_peak(dtype)   # refused where the profile states no float8 peak
     if seq > model.max_seq:
         raise ConfigError(f"seq={seq} must be between 1 and the model's max_seq={model.max_seq}")
@@ -137,7 +139,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
     for sizes in candidate_meshes(devices, max_tensor, model.experts if model.moe_layers else 0):
         if not runs(software, sizes):
             continue
-        for options in candidate_options(sizes, global_batch, model.units, dtype, software):
+        for options in candidate_options(sizes, global_batch, model.units, dtype, software, grad_dtype):
             considered += 1
             name = "-".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "single"
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
