@@ -149,6 +149,19 @@ def test_bfloat16_gradients_halve_the_gradient_bytes_and_are_refused_for_jaxpar(
     assert len(err) == 1 and "grad_dtype=bfloat16" in err[0], err
 
 
+def test_megatron_plans_no_fsdp_inside_pipeline_stages():
+    """Megatron-FSDP does not compose with pipeline parallelism (Software.fsdp_pipeline): `plan --software
+    megatron-core` lists no layout with both fsdp > 1 and pipeline > 1, where torchtitan's search (FSDP2
+    inside its pipeline stages, as its 405B runs) does."""
+    m = from_preset("llama3-70b")
+    both = {}
+    for name in ("megatron-core", "torchtitan"):
+        plans, _, _ = planner.plan(m, "h100-sxm", 32, 4096, 64, 10**6, SOFTWARE[name], headroom=0.0)
+        both[name] = [st.name for _, st in plans if st.size("fsdp") > 1 and st.size("pipeline") > 1]
+        assert plans
+    assert both["megatron-core"] == [] and both["torchtitan"]
+
+
 def test_float8_is_refused_where_it_cannot_run():
     m = from_preset("llama3-8b")
     st = parse_inline("fsdp=8").with_options(dtype="float8").resolved(8)

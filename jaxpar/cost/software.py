@@ -97,6 +97,11 @@ one more `Software(...)` in `SOFTWARE`.
 
 What the stack runs, which `plan --software` searches (jaxpar/planning/planner.py candidate_options):
     axes          the mesh axes it parallelises over (llm-foundry: FSDP and data parallelism only)
+    fsdp_pipeline  its FSDP shards the weights inside pipeline stages (torchtitan's FSDP2 under PP; jaxpar;
+                  MaxText's fsdp axis beside its pipeline); False for Megatron: Megatron-FSDP composes with
+                  TP, CP and EP but not PP (Megatron-LM docs custom_fsdp.md; issue #1455; "FSDP and PP are
+                  mutually exclusive in Megatron's standard path", PR #6081), so a Megatron pipeline shards
+                  its state with the distributed optimizer only
     remats        its recompute policies: Megatron's --recompute-granularity selective | full, and selective
                   with --recompute-modules layernorm moe_act (the norms and activations rerun, every
                   matmul output kept: `dots`; Megatron-Core 0.11+); torchtitan's
@@ -193,6 +198,7 @@ class Software:
     state_over_context: bool = False
     fsdp_over_context: bool = False
     axes: tuple[str, ...] = AXES
+    fsdp_pipeline: bool = True
     remats: tuple[str, ...] = ("none", "dots_no_batch", "full")
     pp_schedules: tuple[str, ...] = ("gpipe", "1f1b")
     pp_interleaved: tuple[str, ...] = ("circular", "1f1b")
@@ -209,7 +215,7 @@ JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
-                    optimizer_bytes=12,
+                    optimizer_bytes=12, fsdp_pipeline=False,
                     remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)

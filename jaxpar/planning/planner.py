@@ -89,7 +89,10 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
 
 
 def runs(software: Software, sizes: dict[str, int]) -> bool:
-    """Whether `software` parallelises over every axis of `sizes` larger than 1 (Software.axes)."""
+    """Whether `software` parallelises over every axis of `sizes` larger than 1 (Software.axes), FSDP inside
+    pipeline stages only where it shards them so (Software.fsdp_pipeline)."""
+    if not software.fsdp_pipeline and sizes["fsdp"] > 1 and sizes["pipeline"] > 1:
+        return False
     return all(n == 1 or a in software.axes for a, n in sizes.items())
 
 
