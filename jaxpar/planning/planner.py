@@ -9,8 +9,8 @@ memory, and ranks the rest by the analytic model's tokens/s (jaxpar.cost.estimat
 Search space limits, stated: tensor parallelism stays inside a node (<= devices_per_node; TPU slices:
 <= 16); the expert axis is searched for MoE models only (sizes that divide the expert count; it doubles as
 a batch axis for the other layers); pipeline micro-batches M = 4 * stages or one sequence each, when the
-batch allows it and M >= stages; schedules GPipe, 1F1B, circular and interleaved 1F1B (one unit per chunk); gradient
-accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
+batch allows it and M >= stages; schedules GPipe, 1F1B, circular and interleaved 1F1B
+(`interleaved_repeats`); gradient accumulation gives per-device micro-batches of 1, 2, 4 or the whole local batch; context parallelism
 uses ring attention (all-gather and zigzag are not searched); tensor stays <= kv_heads (a run replicates
 K/V heads beyond that, which the cost model does not count yet: cost.estimate.check_modelled_layout);
 pipeline x context is not searched for jaxpar's own program (`check_plannable` says why).
@@ -65,8 +65,9 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
     """What `software` runs (Software.remats, pp_schedules, pp_interleaved): its remat policies x gradient
     accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO (0 or 1 on `data` without
     fsdp; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
-    sequence each) x its schedules with one chunk per stage, and its interleaved ones with one unit per
-    chunk, v = units / stages (the smallest bubble, the most sends); another stack's tensor parallelism as
+    sequence each) x its schedules with one chunk per stage, and its interleaved ones with the most chunks
+    per stage that split the units evenly or nearly (`interleaved_repeats`: the smallest bubble, the most
+    sends); another stack's tensor parallelism as
     collective matmuls where it runs them on request (Software.async_tp without a standing tp_overlap:
     torchtitan's async TP, MaxText's collective matmul)."""
     stages = sizes["pipeline"]
@@ -75,8 +76,8 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
     micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
     zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
     schedules = [(kind, 1) for kind in software.pp_schedules] if stages > 1 else [("gpipe", 1)]
-    if stages > 1 and units % stages == 0 and units // stages > 1:   # (interleaved 1F1B: M a multiple of S)
-        schedules += [(kind, units // stages) for kind in software.pp_interleaved]
+    if stages > 1 and (v := interleaved_repeats(units, stages)):   # (interleaved 1F1B: M a multiple of S)
+        schedules += [(kind, v) for kind in software.pp_interleaved]
     overlap = ("collective_matmul" if sizes["tensor"] > 1 and software.async_tp and not software.tp_overlap
                and not software.jaxpar_program else "none")   # Megatron-Core overlaps its TP whatever the option
     for micro in micros:
@@ -86,6 +87,18 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
             yield Options(zero=zero, remat=remat, dtype=dtype, grad_dtype=grad_dtype, sequence_parallel=sizes["tensor"] > 1,
                           attention="ring" if sizes["context"] > 1 else "dense", attention_kernel="auto",
                           microbatches=micro, grad_accum=accum, pp_schedule=kind, pp_repeats=v, overlap=overlap)
+
+
+def interleaved_repeats(units: int, stages: int) -> int:
+    """The most chunks per stage, v > 1, whose S*v chunks take the units evenly or with at most the first
+    and last chunk one unit lighter (jaxpar/core/schedule.py default_split): one unit per chunk where S
+    divides the units; Llama 3 405B's 126 layers on 8 stages in 64 chunks of 2, the ends of 1
+    (Megatron-Bridge's 405B recipe: PP8 VP8; Dubey et al. 2024, 3.3.2, the ends one layer lighter).
+    0: none."""
+    for v in range(units // stages, 1, -1):
+        if stages * v * -(-units // (stages * v)) - units <= 2:
+            return v
+    return 0
 
 
 def runs(software: Software, sizes: dict[str, int]) -> bool:
