@@ -17,7 +17,7 @@ from jaxpar.cli import explain
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED,
                                 check_outputs, did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
-from jaxpar.core.strategy import OPTION_FIELDS
+from jaxpar.core.strategy import CHOICES, OPTION_FIELDS
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE
 from jaxpar.errors import ConfigError
@@ -309,7 +309,7 @@ def add_plan(sub) -> None:
     pl.add_argument("--dtype", choices=("bfloat16", "float8"), default="bfloat16",
                     help="the precision the plans compute in (default bfloat16); float8 for another stack's "
                          "float8 linears (--software torchtitan, megatron-core, ...) on a profile with a float8 peak")
-    pl.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+    pl.add_argument("--grad-dtype", choices=CHOICES["grad_dtype"], default="float32",
                     help="the dtype the plans accumulate and reduce gradients in (default float32); bfloat16 for "
                          "another stack's run that reduces in bf16 (NeMo's optim.grad_sync_dtype bf16)")
     pl.add_argument("--write", type=nonempty, metavar="DIR",
