@@ -170,8 +170,9 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
 
 
 def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
-    """At 4k tokens llama3.1-8b's plan needs no CP (its fastest layouts tie within the band, the planner listing
-    the one with the most free memory first, never slower than the fastest by more than the band); at 128k on
+    """At 4k tokens llama3.1-8b needs no CP (the fastest layout without a context axis ties with the fastest
+    plan within the band, asked of the planner itself; its fastest layouts tie, the planner listing the one with
+    the most free memory first, never slower than the fastest by more than the band); at 128k on
     16 GPUs it is CP, which wins back, beyond the band, what 8 GPUs lose to recompute at 128k; each cell's
     comparison with the smallest cluster is a tie or a gap by the band jaxpar.cost.band holds."""
     from jaxpar.cost.band import band_for
@@ -179,10 +180,17 @@ def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
     text = read_results(out, "study_mfu_map")
     assert f"Error band: ±{share:.1%}" in text and "16M" in text and "MFU = model FLOPs" in text
     cells = rows_by(table(text, "model", "devices", "seq"), "devices", "seq")
-    for devices in ("8", "16"):
-        assert "CP" not in {w[:2] for w in cells[(devices, "4,096")]["plan's layout"].split()}, cells
+    from jaxpar.cost.software import MEGATRON_CORE
+    from jaxpar.models.config import parse_model
+    from jaxpar.planning import planner
+    for devices in (8, 16):
+        plans, _, _ = planner.plan(parse_model("llama3.1-8b"), "h100-sxm", devices, 4096, 4096, top=10**6,
+                                   software=MEGATRON_CORE)
+        fastest = max(e.tokens_per_s for e, _ in plans)
+        no_cp = max(e.tokens_per_s for e, st in plans if st.size("context") == 1)
+        assert no_cp >= fastest / (1 + share), (devices, no_cp, fastest)
     long_big, long_small = cells[("16", "131,072")], cells[("8", "131,072")]
-    assert "CP" in long_big["plan's layout"] and "CP" not in long_small["plan's layout"], (long_big, long_small)
+    assert "CP" in long_big["plan's layout"], long_big
     assert number(long_big["MFU"]) > number(long_small["MFU"]) * (1 + share), (long_big, long_small)
     for (devices, seq), c in cells.items():
         assert number(c["fastest MFU"]) * (1 - share) - 0.001 <= number(c["MFU"]) <= number(c["fastest MFU"]), c

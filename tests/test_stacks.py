@@ -188,7 +188,9 @@ def test_float8_is_refused_where_it_cannot_run():
 
 def test_tensor_overlap_stops_at_the_node():
     """torchtitan's async TP hides tensor collectives under GEMMs inside a node only: a tensor group of 8 on
-    8-GPU nodes is hidden whole, the same group on 4-GPU nodes (crossing InfiniBand) not at all."""
+    8-GPU nodes is hidden as far as each collective's own GEMM lasts (the narrow QKV and output projections
+    leave a little exposed: time.decomposed_hideable), the same group on 4-GPU nodes (crossing InfiniBand)
+    not at all."""
     m = from_preset("llama3-8b")
     st = parse_inline("fsdp=2,tensor=8").with_options(dtype="bfloat16", sequence_parallel=True,
                                                        overlap="collective_matmul").resolved(16)
@@ -199,7 +201,7 @@ def test_tensor_overlap_stops_at_the_node():
     small = dataclasses.replace(hw, devices_per_node=4)
     across = estimate(m, st, small, 16, 4096, tt)
     assert fractions(tt, st, across.predicted, small)[0] == 0.0
-    assert across.time.tensor > inside.time.tensor == 0.0
+    assert across.time.tensor > 10 * inside.time.tensor > 0.0
     assert any(c[0] in (AG, RS) and "tensor" in c[1] for c in across.predicted)
     assert fractions(tt, st.with_options(overlap="none"), inside.predicted, hw)[0] == 0.0
 
@@ -359,19 +361,21 @@ def test_the_planner_claims_no_more_than_its_worst_miss_over_megatron_core_recip
 
 
 def test_plans_within_the_error_band_tie_and_plan_prints_the_band(capsys):
-    """Another stack's plans tie within its calibration band on that hardware (jaxpar/cost/bands.toml), jaxpar's
+    """Another stack's plans tie within its calibration band on that hardware (jaxpar/cost/bands.toml: out of
+    sample where another source covers the family, the band the guide uses), jaxpar's
     within TIE_BAND (no published run of jaxpar's program); `plan` prints the band and the MFU convention."""
     from jaxpar.cost.band import band_for
     from jaxpar.planning.planner import TIE_BAND, tie_band
     mc = estimate(from_preset("llama3-8b"), parse_inline("fsdp=8").with_options(dtype="bfloat16").resolved(8),
                   "h100-sxm", 16, 4096, SOFTWARE["megatron-core"])
     b = band_for("h100-sxm", "megatron-core")
-    assert b is not None and tie_band(mc) == max(TIE_BAND, b.median)
+    assert b is not None and tie_band(mc) == max(TIE_BAND, b.guide()) and b.oos_median is not None
     assert tie_band(dataclasses.replace(mc, software="jaxpar")) == TIE_BAND
     assert cli.main(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--software",
                      "megatron-core", "--seq", "4096", "--global-batch", "64", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert f"error band: ±{b.median:.0%} median" in out and "MFU = model FLOPs" in out
+    assert f"out of sample ±{b.oos_median:.1%} median" in out and f"within {b.guide():.1%}" in out
 
 
 def test_plan_prices_another_stacks_float8_and_refuses_it_for_jaxpar(capsys):

@@ -39,8 +39,10 @@ class Band:
         return self.median if self.oos_median is None else self.oos_median
 
     def describe(self) -> str:
+        oos = ("" if self.oos_median is None else
+               f"; out of sample ±{self.oos_median:.1%} median, {self.oos_worst:.0%} worst")
         return (f"±{self.median:.0%} median, {self.worst:.0%} worst over {self.runs} published "
-                f"{self.software} run{'s' if self.runs != 1 else ''} on {self.family}")
+                f"{self.software} run{'s' if self.runs != 1 else ''} on {self.family}{oos}")
 
 
 @functools.cache

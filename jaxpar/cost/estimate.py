@@ -263,12 +263,14 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
     linear_s = matmul_s - time.compute_seconds(cores, 0.0, hw, 0.0, cores, core_eff)
+    hideable = time.decomposed_hideable(comm_s["tensor"], linear_s, flops.projection_ops(m),
+                                        flops.unit_policy(remat) == "full")
     t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s,
                        memory.local_params(m, st, "optimizer", software.state_over_context and not own,
-                                          software.fsdp_over_context and not own),
+                                          software.fsdp_over_context and not own, software.pp_end_stages and not own),
                        hw, overlap.fractions(software, st, colls, hw, skew),
                        1.0 / st.sizes["context"] if software.cp_hide == "diagonal" else 1.0, software.ep_overlap,
-                       linear_s)
+                       hideable)
     t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,

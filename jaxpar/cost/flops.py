@@ -167,6 +167,26 @@ def expert_rows(m: ModelConfig, seq: int, context: int = 1, padded: bool = True)
     return m.experts * min(s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor)) / s_loc
 
 
+def projection_ops(m: ModelConfig) -> list[tuple[int, float]]:
+    """(layers that run it, forward matmul FLOPs per token) of each projection GEMM beside which tensor
+    parallelism with sequence parallelism issues one collective of the b*s*d stream (Korthikanti et al.
+    2022, fig. 5: an all-gather before each block half's first GEMM, a reduce-scatter after its last):
+    attention's QKV and output projection, the MLP's (or the routed and shared experts') up and down,
+    Mamba-2's in_proj and out_proj. time.decomposed_hideable pairs each collective with its own GEMM."""
+    hq, hkv, d = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
+    attention = m.attention_layers + m.moe_layers
+    ops = [(attention, 2.0 * d * (hq + 2 * hkv)), (attention, 2.0 * hq * d)] if attention else []
+    if m.attention_layers:
+        up = 2 if m.mlp_type == "swiglu" else 1
+        ops += [(m.attention_layers, 2.0 * d * m.mlp_dim * up), (m.attention_layers, 2.0 * m.mlp_dim * d)]
+    if m.moe_layers:
+        f = (m.top_k + m.shared_experts) * m.moe_mlp_dim
+        ops += [(m.moe_layers, 4.0 * d * f + 2.0 * d * m.experts), (m.moe_layers, 2.0 * f * d)]
+    if m.mamba_layers:
+        ops += [(m.mamba_layers, 2.0 * d * mamba_dims(m)[0]), (m.mamba_layers, 2.0 * m.d_inner * d)]
+    return ops
+
+
 # ---- embedding and head ----------------------------------------------------------------------------
 
 def embedding_flops(m: ModelConfig, tokens: float) -> Flops:

@@ -172,6 +172,26 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
     return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
+def decomposed_hideable(tensor_s: float, linear_s: float, ops: list[tuple[int, float]], rerun: bool) -> float:
+    """Seconds of the tensor collectives that collective matmuls can hide, when each collective hides under
+    its own GEMM only (Wang et al. 2023, sec. 3: the ring of an all-gather runs beside the partial matmuls of
+    the GEMM that consumes it, a reduce-scatter's beside the GEMM that produces it; PyTorch's async TP fuses
+    exactly these all_gather+matmul and matmul+reduce_scatter pairs). `ops`: the model's projection GEMMs
+    (flops.projection_ops), one collective of equal bytes beside each, so each instance carries
+    tensor_s / (their count). A collective runs once per forward pass (twice under a full rerun) and once in
+    the backward pass, beside the input-gradient GEMM of its op's size, not the weight-gradient one: of the
+    op's GEMM seconds (`linear_s` split by FLOPs) the passes with a collective hold (2 + rerun) / (3 + rerun).
+    A small GEMM under wide TP (a narrow QKV, an output projection over few heads) hides less than its
+    collective takes; the large MLP GEMMs cannot lend it their spare time."""
+    count = sum(n for n, _ in ops)
+    flops = sum(n * g for n, g in ops)
+    if not count or not flops:
+        return linear_s
+    one = tensor_s / count
+    beside = linear_s * (3.0 if rerun else 2.0) / (4.0 if rerun else 3.0) / flops
+    return sum(n * min(one, beside * g) for n, g in ops)
+
+
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
               optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
               context_hide: float = 1.0, expert_overlap: float = 0.0, linear: float | None = None) -> StepTime:
@@ -183,11 +203,11 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     there is (data-parallel gradient reductions run under the backward pass and the distributed
     optimizer's parameter gathers under the next forward: together, under the whole step).
     `expert_overlap`: the software's share of the expert all-to-alls hidden (Software.ep_overlap), after
-    the pipeline's and before the data-parallel collectives. `linear`: seconds of the projection GEMMs
-    (the compute less the attention cores and the elementwise work; None: all of it): a tensor collective
-    decomposed into the GEMM that consumes or produces it hides under that GEMM and nothing else (Wang et
-    al. 2023; Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves
-    the rest exposed."""
+    the pipeline's and before the data-parallel collectives. `linear`: the most tensor-collective seconds the
+    projection GEMMs can hide (`decomposed_hideable`; None: the compute): a tensor collective decomposed
+    into the GEMM that consumes or produces it hides under that GEMM and nothing else (Wang et al. 2023;
+    Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves the rest
+    exposed."""
     tp, pp, dp = overlap
     free = compute
     hidden_tp = min(tp * comm["tensor"], free if linear is None else min(linear, free))

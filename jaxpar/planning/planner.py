@@ -178,10 +178,11 @@ TIE_BAND = 0.005
 
 def tie_band(est) -> float:
     """The relative band within which a plan ties with `est`: the cost model's median error on published runs
-    of its stack on its hardware family where there are some (jaxpar/cost/band.py: plans closer than the model
-    is to real runs are not told apart by it), else TIE_BAND."""
+    of its stack on its hardware family where there are some, out of sample where another source covers the
+    family (band.Band.guide: the band the design guide calls ties with; plans closer than the model is to
+    real runs are not told apart by it), else TIE_BAND."""
     b = band.band_for(est.family, est.software)
-    return max(TIE_BAND, b.median) if b else TIE_BAND
+    return max(TIE_BAND, b.guide()) if b else TIE_BAND
 
 
 def score(est, objective: str = "throughput") -> float:
