@@ -73,6 +73,25 @@ def test_mamba_and_hybrid_estimates_run():
         assert 0 < est.mfu < 1 and est.memory.total > 0
 
 
+def test_offload_is_bounded_by_the_hosts_memory():
+    """What remat offload keeps on the host must fit the usable share of the device's host memory (a TPU v5e
+    host: 512 GiB for 8 chips, 64 GiB each): Llama 3 70B with 8 sequences of 8,192 per chip offloads
+    80 x 8 x 8,192 x 8,192 x 2 bytes = 85.9 GB, more than 92% of 64 GiB; with 4 sequences, 42.9 GB, it fits.
+    A profile that states no host memory does not bound it; estimate prints the verdict."""
+    m = from_preset("llama3-70b")
+    st = parse_inline("fsdp=8").with_options(dtype="bfloat16", remat="offload").resolved(8)
+    v5e = load_hardware("tpu-v5e")
+    assert v5e.host_memory == 512 * 2**30 / 8
+    big = estimate(m, st, v5e, 64, 8192, headroom=0.08)
+    assert big.memory.host == 80 * 8 * 8192 * 8192 * 2 > 0.92 * v5e.host_memory
+    assert not big.host_fits and not big.fits
+    assert "does NOT fit in 58.9 GiB of 64.0 GiB host memory per device" in format_estimate(big)
+    small = estimate(m, st, v5e, 32, 8192, headroom=0.08)
+    assert small.memory.host == big.memory.host / 2 and small.host_fits
+    unknown = estimate(m, st, dataclasses.replace(v5e, host_memory=0.0), 64, 8192, headroom=0.08)
+    assert unknown.host_fits and "host memory not stated" in format_estimate(unknown)
+
+
 def test_offload_keeps_the_unit_inputs_on_the_host_and_selective_recomputes_the_core():
     """remat offload: the host holds each unit's input, units x b x s x d in the compute dtype (a hand count),
     the device full's activations less those, and the copies cost host-link time only beyond the compute;

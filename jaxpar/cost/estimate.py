@@ -43,6 +43,7 @@ class Estimate:
     headroom: float = 0.0                               # share of HBM kept free before a plan "fits"
     family: str = ""                                    # the hardware's calibration family (jaxpar/cost/band.py)
     causal: bool = False                                # model FLOPs count the causal triangle of the scores
+    host_memory: float = 0.0                            # the profile's host DRAM per device (0: unknown)
 
     @property
     def energy(self) -> energy.Energy | None:
@@ -79,9 +80,16 @@ class Estimate:
         return (1.0 - self.headroom) * self.hbm_bytes
 
     @property
+    def host_fits(self) -> bool:
+        """Remat offload's bytes within the same share of the device's host memory (unbounded where the
+        profile does not state it)."""
+        return not self.host_memory or self.memory.host <= (1.0 - self.headroom) * self.host_memory
+
+    @property
     def fits(self) -> bool:
-        """The one fit rule of `plan` and `estimate`: memory per device within the usable HBM."""
-        return self.memory.total <= self.usable_bytes
+        """The one fit rule of `plan` and `estimate`: memory per device within the usable HBM, and what remat
+        offload keeps in host memory within the usable share of the device's host memory."""
+        return self.memory.total <= self.usable_bytes and self.host_fits
 
     @property
     def dominant(self) -> str:
@@ -103,6 +111,7 @@ class Estimate:
             "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                        "activations": mem.activations, "total": mem.total, "host": mem.host},
             "fits": self.fits, "hbm_bytes": self.hbm_bytes, "hbm_headroom": self.headroom,
+            "host_memory": self.host_memory, "host_fits": self.host_fits,
             "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
             "energy": dataclasses.asdict(self.energy) if self.energy else None,
         }
@@ -275,4 +284,5 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
-                    power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=causal)
+                    power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=causal,
+                    host_memory=hw.host_memory)

@@ -48,6 +48,7 @@ class Hardware:
     alpha_intra: float = 5e-6  # seconds per ring hop inside a node
     alpha_inter: float = 1e-5  # seconds per ring hop across nodes
     host_bw: float = 0.0       # per-device link to host memory, bytes/s one direction (remat offload); 0: unknown
+    host_memory: float = 0.0   # host DRAM per device (the host's memory / its devices), bytes: bounds remat offload; 0: unknown
     matmul_efficiency: float = 0.6
     link_efficiency: float = 0.8
     elementwise_passes: float = 1.5
@@ -86,8 +87,8 @@ class Hardware:
 
 PLATFORMS = ("gpu", "tpu")
 _SECTIONS = {"device": ("platform", "peak_flops", "fp8_flops", "hbm_bytes", "hbm_bw"),
-             "links": ("intra_bw", "inter_bw", "host_bw", "devices_per_node", "alpha_intra", "alpha_inter",
-                       "torus_dims"),
+             "links": ("intra_bw", "inter_bw", "host_bw", "host_memory", "devices_per_node", "alpha_intra",
+                       "alpha_inter", "torus_dims"),
              "calibration": ("matmul_efficiency", "link_efficiency", "elementwise_passes", "flash2_efficiency",
                              "calibrated"),
              "power": ("tdp_w", "idle_w")}
