@@ -137,7 +137,9 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
     """Fused attention's activations grow linearly with the sequence (jaxpar's dense kernel, in the
     appendix, faster); with a fused kernel llama3.1-70b fits at 128k on 64 H100 without CP, by full
     recompute, at a lower MFU than at 8k; Mamba-2 2.7B with its one B/C group refuses TP, and at 128k
-    CP leads whatever fits without it by more than the band, with 8 groups TP8 + SP runs; zigzag CP8 ties TP8 + SP; every CP verdict is a tie exactly
+    CP leads whatever fits without it by more than the band, with 8 groups TP8 + SP runs; zigzag CP8 is no
+    slower than TP8 + SP beyond the band (TP8's narrow attention GEMMs cannot hide all of its collectives), and
+    the finding's verdict matches the two figures; every CP verdict is a tie exactly
     when the two MFUs are within jaxpar.cost.band's megatron-core H100 share."""
     text = read_results(out, "study_long_context")
     share = error_band.band_for(load_hardware("h100-sxm").family, "megatron-core").guide()
@@ -164,7 +166,8 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
             assert r["CP verdict"].startswith("CP a tie") == (abs(diff) <= share), r
     node = rows_by(table(text, "model", "layout", "tokens/s/GPU"), "model", "layout")
     zigzag, tpsp = (number(node[("llama3.1-8b", k)]["tokens/s/GPU"]) for k in ("CP8 ring, zigzag", "TP8 + SP"))
-    assert abs(zigzag / tpsp - 1) <= share and "zigzag against TP8 + SP" in text and "a tie" in text
+    verdict = "a tie" if abs(zigzag / tpsp - 1) <= share else "ahead by"
+    assert zigzag >= tpsp * (1 - share) and "zigzag against TP8 + SP" in text and verdict in text, (zigzag, tpsp)
     assert node[("mamba2-2.7b", "TP8 + SP")]["tokens/s/GPU"].startswith("refused"), node
     assert number(node[("mamba2-2.7b, 8 groups", "TP8 + SP")]["tokens/s/GPU"]) > 0, node
 
@@ -328,8 +331,9 @@ def check_study_measured(out: pathlib.Path, stdout: str) -> None:
 
 def check_study_moe(out: pathlib.Path, stdout: str) -> None:
     """Like with like (DP8, ZeRO-1, the same recompute), Mixtral's EP8 and TP8 lie within the model's worst
-    out-of-sample miss of each other (megatron-core on H100, jaxpar/cost/bands.toml) and tie within its
-    band once the all-to-alls are hidden, TP8 loses by more than the band once its tensor collectives are
+    out-of-sample miss of each other (megatron-core on H100, jaxpar/cost/bands.toml) and EP8 trails TP8 by no
+    more than the band once the all-to-alls are hidden (the verdict printed as the figures say: a tie inside
+    the band, else ahead), TP8 loses by more than the band once its tensor collectives are
     exposed, and hiding the all-to-alls never lowers a split's MFU; the all-to-all bytes
     per GPU are the hand count (tokens each GPU routes x top-k x d_model x 2 bytes x MoE layers x 4
     all-to-alls: dispatch and combine, forward and backward; 6 under full recompute); EP alone has no
@@ -356,7 +360,10 @@ def check_study_moe(out: pathlib.Path, stdout: str) -> None:
         assert number(r["MFU (all-to-all hidden)"]) >= number(r["MFU (as calibrated)"]), r
     ep8, tp8 = like[("EP8 TP1", "full")], like[("EP1 TP8", "full")]
     assert abs(number(ep8["MFU (as calibrated)"]) / number(tp8["MFU (as calibrated)"]) - 1) <= band.oos_worst, (ep8, tp8)
-    assert ep8["vs EP1 TP8 (all-to-all hidden)"].startswith("a tie"), ep8
+    hidden_ep, hidden_tp = number(ep8["MFU (all-to-all hidden)"]), number(tp8["MFU (all-to-all hidden)"])
+    assert hidden_ep >= hidden_tp * (1 - share), (ep8, tp8)
+    verdict = "a tie" if abs(hidden_ep / hidden_tp - 1) <= share else "ahead by"
+    assert ep8["vs EP1 TP8 (all-to-all hidden)"].startswith(verdict), ep8
     assert number(tp8["MFU (TP exposed)"]) < (1 - share) * number(ep8["MFU (TP exposed)"]), (ep8, tp8)
     across = table(text, "EP", "nodes per expert group")
     exposed = [number(r["exposed expert s"]) for r in across]
