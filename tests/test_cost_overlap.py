@@ -99,8 +99,8 @@ def test_a_narrow_gemm_under_wide_tp_hides_less_than_its_collective():
     their collectives stay partly exposed; the projection list is the model's, counted by hand."""
     m = M
     d, f = 4096, 14336
-    assert cost_flops.projection_ops(m) == [(32, 2.0 * d * 6144), (32, 2.0 * d * d), (32, 2.0 * d * f * 2),
-                                            (32, 2.0 * f * d)]
+    assert cost_flops.projection_ops(m) == ((32, 2.0 * d * 6144), (32, 2.0 * d * d), (32, 2.0 * d * f * 2),
+                                            (32, 2.0 * f * d))
     ops = cost_flops.projection_ops(m)
     flops = sum(n * g for n, g in ops)
     one = flops / 128 * 2 / 3            # tensor seconds that make each collective as long as the mean GEMM

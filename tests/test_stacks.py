@@ -14,6 +14,7 @@ from jaxpar.cli import main as cli
 from jaxpar.core import validate
 from jaxpar.core.strategy import parse_inline
 from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
+from jaxpar.cost import time as cost_time
 from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.defaults import stack_defaults
 from jaxpar.cost.overlap import fractions
@@ -245,6 +246,39 @@ def test_the_default_cp_traits_price_the_ring_as_before():
     core = dataclasses.replace(SOFTWARE["torchtitan"], cp_hide="core")
     _, whole, _ = context_records(core)
     assert tt.predicted == whole.predicted and tt.time.context > whole.time.context
+
+
+def test_an_fsdp_that_spans_the_context_ranks_gathers_over_them():
+    """torchtitan's FSDP spans its dp_shard x cp mesh and MaxText's `embed` rule its context axis: on 8 GPUs
+    of Llama 3 8B, fsdp1 x context8 shards the weights 8 ways (memory) and so gathers and scatters them over
+    the 8 ranks per layer exactly as fsdp8 does (the data-parallel records, field by field, with the group
+    named fsdp x context), none of it hidden under the attention core; jaxpar's own program, whose rules do
+    not shard weights over context, all-reduces the gradients over context instead (a data-parallel sum)."""
+    m, hw = from_preset("llama3-8b"), load_hardware("h100-sxm")
+    base = dict(dtype="bfloat16", remat="full", attention="ring")
+    for name in ("torchtitan", "maxtext"):
+        sw = SOFTWARE[name]
+        cp = estimate(m, parse_inline("context=8").with_options(**base).resolved(8), hw, 8, 8192, sw)
+        dp = estimate(m, parse_inline("fsdp=8").with_options(**base).resolved(8), hw, 8, 8192, sw)
+        spanned = {(k, ph): (n, b) for k, axes, ph, n, b in cp.predicted if axes == ("fsdp", "context")}
+        assert spanned == {(k, ph): (n, b) for k, axes, ph, n, b in dp.predicted if axes == ("fsdp",)}
+        assert cp.memory.params == pytest.approx(dp.memory.params)
+        assert cp.time.data_total == pytest.approx(dp.time.data_total)
+    own = estimate(m, parse_inline("context=8").with_options(**base).resolved(8), hw, 8, 8192, SOFTWARE["jaxpar"])
+    sums = [c for c in own.predicted if c[0] == AR and c[1] == ("context",)]
+    assert sums and own.time.data_total > 0.0
+
+
+def test_one_second_of_compute_hides_one_second_of_collectives():
+    """The context exchanges hidden under the attention core leave that much less compute to hide the others
+    under (hand numbers: 1 s of compute, 0.4 s of context under a 0.5 s core, 0.8 s of data-parallel
+    collectives fully overlappable: 0.2 s of them show)."""
+    hw = load_hardware("h100-sxm")
+    comm = {"tensor": 0.0, "context": 0.4, "pipeline": 0.0, "expert": 0.0, "data": 0.8}
+    t = cost_time.step_time(1.0, 0.5, 0.0, comm, 0.0, hw, overlap=(0.0, 0.0, 1.0))
+    assert (t.context, t.data) == (0.0, pytest.approx(0.2))
+    alone = cost_time.step_time(1.0, 0.5, 0.0, comm | {"context": 0.0}, 0.0, hw, overlap=(0.0, 0.0, 1.0))
+    assert alone.data == 0.0
 
 
 @pytest.fixture(scope="module")

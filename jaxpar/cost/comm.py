@@ -23,6 +23,8 @@ included). Recomputed forward collectives (remat `full`) are tallied under `back
 """
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.collectives import Collective, wire_factor  # the HLO tally's record and ring model: shared
 from jaxpar.cost import comm_context, comm_tensor, compiler_comm, program_comm, program_pipeline
 from jaxpar.cost.comm_data import data_parallel
@@ -33,7 +35,7 @@ from jaxpar.cost.flops import unit_policy
 from jaxpar.cost.memory import DTYPE_BYTES
 from jaxpar.cost.shape import StepShape, one_f_one_b
 from jaxpar.cost.software import JAXPAR, Software
-from jaxpar.core.strategy import Strategy
+from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
 
 __all__ = ["A2A", "AG", "AR", "PERMUTE", "RS", "Collective", "collectives", "predicted", "record", "to_records",
@@ -68,8 +70,12 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32
     gather = software.param_gather_bytes
     weights = 1 if software.fp8_gathers and st.options.dtype == "float8" else act   # float8 FSDP gathers
-    raw = (program_comm.data_parallel(m, st, shape, act, cc, gather) if own
-           else data_parallel(m, st, shape, weights, cc, gather))
+    if own:
+        raw = program_comm.data_parallel(m, st, shape, act, cc, gather)
+    elif software.fsdp_over_context and sz["context"] > 1:
+        raw = over_context(data_parallel(m, context_as_fsdp(st), shape, weights, cc, gather))
+    else:
+        raw = data_parallel(m, st, shape, weights, cc, gather)
     if sz["tensor"] > 1:
         recomputed = program_pipeline.recomputed_tp(st, shape) if piped else comm_tensor.recomputed_tp(st)
         raw += comm_tensor.tensor_parallel(m, st, shape, act, cc, recomputed, rerun_chunk=one_f)
@@ -90,6 +96,23 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
         copies = program_comm.moe_stage_copies(st, shape)   # (read for every stack: checked on jaxpar's only)
         raw += expert_parallel(m, st, shape, act, cc, software.moe_padded, copies)
     return merge(raw)
+
+
+def context_as_fsdp(st: Strategy) -> Strategy:
+    """The data-parallel view of a step whose stack's FSDP spans the context ranks (Software.fsdp_over_context:
+    torchtitan's fully_shard over its dp_shard x cp mesh, MaxText's `embed` rule on its context axis): one
+    fsdp group of fsdp x context ranks (ZeRO-3 unless the strategy names a stage), no context axis. The memory
+    model shards the state over the same group (memory.local_params); `over_context` names the group's axes."""
+    sizes = dict(st.mesh)
+    sizes["fsdp"], sizes["context"] = sizes["fsdp"] * sizes["context"], 1
+    zero = 3 if st.options.zero is None else st.options.zero
+    return dataclasses.replace(st, mesh=tuple(sizes.items()), options=dataclasses.replace(st.options, zero=zero))
+
+
+def over_context(raw: list[tuple]) -> list[tuple]:
+    """`context_as_fsdp`'s records on the real mesh: each group over fsdp spans fsdp x context."""
+    return [(kind, tuple(a for a in AXES if a in axes or (a == "context" and "fsdp" in axes)), count, nbytes, phase)
+            for kind, axes, count, nbytes, phase in raw]
 
 
 def units_strategy(st: Strategy) -> Strategy:

@@ -80,10 +80,14 @@ class Estimate:
         return (1.0 - self.headroom) * self.hbm_bytes
 
     @property
+    def usable_host_bytes(self) -> float:
+        """The host memory per device remat offload may use: the same share as `usable_bytes` (0: unstated)."""
+        return (1.0 - self.headroom) * self.host_memory
+
+    @property
     def host_fits(self) -> bool:
-        """Remat offload's bytes within the same share of the device's host memory (unbounded where the
-        profile does not state it)."""
-        return not self.host_memory or self.memory.host <= (1.0 - self.headroom) * self.host_memory
+        """Remat offload's bytes within `usable_host_bytes` (unbounded where the profile does not state it)."""
+        return not self.host_memory or self.memory.host <= self.usable_host_bytes
 
     @property
     def fits(self) -> bool:

@@ -167,7 +167,8 @@ def expert_rows(m: ModelConfig, seq: int, context: int = 1, padded: bool = True)
     return m.experts * min(s_loc, group_capacity(seq, m.top_k, m.experts, m.capacity_factor)) / s_loc
 
 
-def projection_ops(m: ModelConfig) -> list[tuple[int, float]]:
+@per_model  # called once per estimate: the planner's hot path
+def projection_ops(m: ModelConfig) -> tuple[tuple[int, float], ...]:
     """(layers that run it, forward matmul FLOPs per token) of each projection GEMM beside which tensor
     parallelism with sequence parallelism issues one collective of the b*s*d stream (Korthikanti et al.
     2022, fig. 5: an all-gather before each block half's first GEMM, a reduce-scatter after its last):
@@ -184,7 +185,7 @@ def projection_ops(m: ModelConfig) -> list[tuple[int, float]]:
         ops += [(m.moe_layers, 4.0 * d * f + 2.0 * d * m.experts), (m.moe_layers, 2.0 * f * d)]
     if m.mamba_layers:
         ops += [(m.mamba_layers, 2.0 * d * mamba_dims(m)[0]), (m.mamba_layers, 2.0 * m.d_inner * d)]
-    return ops
+    return tuple(ops)
 
 
 # ---- embedding and head ----------------------------------------------------------------------------

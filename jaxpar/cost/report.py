@@ -60,7 +60,7 @@ def format_estimate(est: Estimate, recomputed: str = "") -> str:
                     ("activations", mem.activations), ("total", mem.total)):
         lines.append(f"  {name:<15} {_bytes(b):>12}")
     if mem.host:
-        of = (f"{'fits' if est.host_fits else 'does NOT fit'} in {_bytes((1 - est.headroom) * est.host_memory)} of "
+        of = (f"{'fits' if est.host_fits else 'does NOT fit'} in {_bytes(est.usable_host_bytes)} of "
               f"{_bytes(est.host_memory)} host memory per device" if est.host_memory else "host memory not stated")
         lines.append(f"  {'host memory':<15} {_bytes(mem.host):>12}  (remat offload: each layer unit's input, "
                      f"not in the total; {of}; copies exposed beyond compute {est.time.host * 1e3:.1f} ms/step)")

@@ -146,13 +146,14 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
 
 
 def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware, imbalance: float = 1.0) -> dict[str, float]:
-    """Collective time per class: tensor, context, pipeline, expert (the all-to-alls over `expert`,
-    bytes x `imbalance`), data (everything else over data-like axes).
+    """Collective time per class: tensor, context (context parallelism's exchanges over `context` alone: its
+    rings, gathers and scatters; an all-reduce there is a gradient sum, data), pipeline, expert (the
+    all-to-alls over `expert`, bytes x `imbalance`), data (everything else over data-like axes).
     `predicted`: (kind, axes, phase, count, bytes) tuples from comm.predicted."""
     out = {"tensor": 0.0, "context": 0.0, "pipeline": 0.0, "expert": 0.0, "data": 0.0}
     links = _links(st, hw)
     for kind, axes, _phase, count, nbytes in predicted:
-        cls = ("tensor" if "tensor" in axes else "context" if axes == ("context",)
+        cls = ("tensor" if "tensor" in axes else "context" if axes == ("context",) and kind != AR
                else "pipeline" if "pipeline" in axes else "expert" if kind == A2A and axes == ("expert",) else "data")
         alpha, beta = _alpha_beta(kind, axes, st, hw, links)
         out[cls] += count * alpha + nbytes * beta * (imbalance if cls == "expert" else 1.0)
@@ -172,7 +173,7 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
     return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
-def decomposed_hideable(tensor_s: float, linear_s: float, ops: list[tuple[int, float]], rerun: bool) -> float:
+def decomposed_hideable(tensor_s: float, linear_s: float, ops: tuple[tuple[int, float], ...], rerun: bool) -> float:
     """Seconds of the tensor collectives that collective matmuls can hide, when each collective hides under
     its own GEMM only (Wang et al. 2023, sec. 3: the ring of an all-gather runs beside the partial matmuls of
     the GEMM that consumes it, a reduce-scatter's beside the GEMM that produces it; PyTorch's async TP fuses
@@ -201,7 +202,9 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     (tensor, pipeline, data) overlap fractions (jaxpar/cost/software.py): that fraction of each class is
     hidden under compute, tensor first, then pipeline, then data, never more in all than the compute
     there is (data-parallel gradient reductions run under the backward pass and the distributed
-    optimizer's parameter gathers under the next forward: together, under the whole step).
+    optimizer's parameter gathers under the next forward: together, under the whole step), less the
+    context exchanges hidden under the attention core: a second of compute hides one second of collectives,
+    which share the device's links and its collective engine (NCCL's channels, the TPU's DMA queues).
     `expert_overlap`: the software's share of the expert all-to-alls hidden (Software.ep_overlap), after
     the pipeline's and before the data-parallel collectives. `linear`: the most tensor-collective seconds the
     projection GEMMs can hide (`decomposed_hideable`; None: the compute): a tensor collective decomposed
@@ -209,7 +212,8 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves the rest
     exposed."""
     tp, pp, dp = overlap
-    free = compute
+    hidden_cp = min(comm["context"], attention_core * context_hide)
+    free = compute - hidden_cp      # one compute hides each collective second once: the links are shared too
     hidden_tp = min(tp * comm["tensor"], free if linear is None else min(linear, free))
     free -= hidden_tp
     hidden_pp = min(pp * comm["pipeline"], free)
@@ -221,6 +225,6 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     hidden_dp = min(dp * data, free)
     return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
                     tensor=comm["tensor"] - hidden_tp,
-                    context=max(0.0, comm["context"] - attention_core * context_hide),
+                    context=comm["context"] - hidden_cp,
                     pipeline=comm["pipeline"] - hidden_pp, expert=expert - hidden_ep, data=data - hidden_dp,
                     optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)
