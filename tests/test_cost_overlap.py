@@ -47,6 +47,19 @@ def test_fsdp_prefetch_hides_the_weight_gathers_only():
     assert e.time.data >= _seconds(st, [c for c in e.predicted if c[0] == "reduce-scatter"])["data"] > 0
 
 
+def test_tpu_overlap_hides_the_gradient_sums_over_context_too():
+    """tpu_overlap overlaps the data-parallel gradient all-reduces with the backward pass: over data x context
+    as over data alone (the context ranks hold other tokens of the same sequences, so their gradients are
+    summed with the data ranks'); the context ring's permutes stay for the attention term."""
+    hw = load_hardware("tpu-v5p")
+    st = parse_strategy("data=2,context=4").with_options(remat="full", attention="ring", xla_preset="tpu_overlap")
+    st = st.resolved(8)
+    e = estimate(M, st, hw, 16, 4096)
+    sums = [c for c in e.predicted if c[0] == "all-reduce" and "context" in c[1] and c[2] == "backward"]
+    assert sums and e.time.data_total > 0
+    assert e.time.data == pytest.approx(e.time.data_total - cost_time.comm_seconds(tuple(sums), st, hw)["data"])
+
+
 def test_collective_matmul_hides_the_tensor_rings_up_to_the_compute():
     st, e = _run("data=4,tensor=2", sequence_parallel=True, overlap="collective_matmul")
     _, base = _run("data=4,tensor=2", sequence_parallel=True)

@@ -46,8 +46,8 @@ def _hidden(kind: str, axes: tuple[str, ...], phase: str, st: Strategy) -> bool:
     if "tensor" in axes:
         rings = o.overlap != "none" or (o.xla_preset == "gpu_windowed_einsum" and o.sequence_parallel)
         return rings and kind in (AG, RS, PERMUTE)
-    if "pipeline" in axes or "context" in axes or "expert" in axes:
-        return False
+    if "pipeline" in axes or ("context" in axes and kind != AR) or "expert" in axes:
+        return False   # context parallelism's own exchanges keep their attention term; an all-reduce is a gradient sum
     fsdp = "fsdp" in axes and kind == AG and phase in ("forward", "backward")
     if fsdp and (o.fsdp_prefetch or o.xla_preset in _PIPELINED):
         return True
