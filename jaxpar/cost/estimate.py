@@ -283,8 +283,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
                                           software.fsdp_over_context and not own, software.pp_end_stages and not own),
                        hw, overlap.fractions(software, st, colls, hw, skew),
                        1.0 / st.sizes["context"] if software.cp_hide == "diagonal" else 1.0, software.ep_overlap,
-                       hideable)
-    t = dataclasses.replace(t, host=time.host_seconds(mem.host, compute, hw))
+                       hideable, time.host_seconds(mem.host, compute, hw))
     return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
                     seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
                     hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),

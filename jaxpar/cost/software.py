@@ -293,6 +293,14 @@ def program_traits(software: Software, st: Strategy, platform: str) -> Software:
     dispatch the `moe_kernel` option (grouped: the routed copies only, jaxpar/ops/moe_grouped.py)."""
     if not software.jaxpar_program:
         return software
-    traits = kernel_traits(software, program_kernel(st, platform))
-    padded = st.options.moe_kernel == "padded"
-    return traits if traits.moe_padded == padded else dataclasses.replace(traits, moe_padded=padded)
+    kernel, padded = program_kernel(st, platform), st.options.moe_kernel == "padded"
+    key = (id(software), kernel, padded)
+    hit = _TRAITS.get(key)
+    if hit is None or hit[0] is not software:
+        traits = kernel_traits(software, kernel)
+        hit = _TRAITS[key] = (software, traits if traits.moe_padded == padded
+                              else dataclasses.replace(traits, moe_padded=padded))
+    return hit[1]
+
+
+_TRAITS: dict = {}  # (id(software), kernel, padded) -> (software, its traits): one replace per preset, not per estimate

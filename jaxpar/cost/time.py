@@ -195,7 +195,8 @@ def decomposed_hideable(tensor_s: float, linear_s: float, ops: tuple[tuple[int, 
 
 def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
               optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
-              context_hide: float = 1.0, expert_overlap: float = 0.0, linear: float | None = None) -> StepTime:
+              context_hide: float = 1.0, expert_overlap: float = 0.0, linear: float | None = None,
+              host: float = 0.0) -> StepTime:
     """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
     ring/all-gather context communication can hide under (Liu et al. 2023), `context_hide` of it (the
     software's cp_hide: 1/context where only the diagonal block's kernel covers it). `overlap`: the software's
@@ -210,7 +211,7 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
     projection GEMMs can hide (`decomposed_hideable`; None: the compute): a tensor collective decomposed
     into the GEMM that consumes or produces it hides under that GEMM and nothing else (Wang et al. 2023;
     Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves the rest
-    exposed."""
+    exposed. `host`: remat offload's exposed host copies (`host_seconds`)."""
     tp, pp, dp = overlap
     hidden_cp = min(comm["context"], attention_core * context_hide)
     free = compute - hidden_cp      # one compute hides each collective second once: the links are shared too
@@ -227,4 +228,4 @@ def step_time(compute: float, attention_core: float, bubble: float, comm: dict[s
                     tensor=comm["tensor"] - hidden_tp,
                     context=comm["context"] - hidden_cp,
                     pipeline=comm["pipeline"] - hidden_pp, expert=expert - hidden_ep, data=data - hidden_dp,
-                    optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data)
+                    optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data, host=host)
