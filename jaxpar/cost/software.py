@@ -161,6 +161,7 @@ import dataclasses
 import functools
 
 from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.cost.params import per_model
 from jaxpar.ops.attention import resolve_kernel
 
 
@@ -293,14 +294,11 @@ def program_traits(software: Software, st: Strategy, platform: str) -> Software:
     dispatch the `moe_kernel` option (grouped: the routed copies only, jaxpar/ops/moe_grouped.py)."""
     if not software.jaxpar_program:
         return software
-    kernel, padded = program_kernel(st, platform), st.options.moe_kernel == "padded"
-    key = (id(software), kernel, padded)
-    hit = _TRAITS.get(key)
-    if hit is None or hit[0] is not software:
-        traits = kernel_traits(software, kernel)
-        hit = _TRAITS[key] = (software, traits if traits.moe_padded == padded
-                              else dataclasses.replace(traits, moe_padded=padded))
-    return hit[1]
+    return dispatch_traits(software, program_kernel(st, platform), st.options.moe_kernel == "padded")
 
 
-_TRAITS: dict = {}  # (id(software), kernel, padded) -> (software, its traits): one replace per preset, not per estimate
+@per_model  # on the preset's identity: one replace per preset, kernel and dispatch, not one per estimate
+def dispatch_traits(software: Software, kernel: str, padded: bool) -> Software:
+    """`kernel_traits` of `software` with its MoE dispatch `padded` (static buffers) or not (routed copies)."""
+    traits = kernel_traits(software, kernel)
+    return traits if traits.moe_padded == padded else dataclasses.replace(traits, moe_padded=padded)
