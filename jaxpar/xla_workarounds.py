@@ -78,6 +78,10 @@ Workarounds that are part of a kernel or a schedule stay there, each stated wher
   - jaxpar/pipeline/stages.py and one_f_one_b.py: the weights read inside the pipeline loop are
     gathered over fsdp before it and copied once per batch shard, so that their gradient is reduced
     over the batch axes once per step, not in every iteration.
+  - jaxpar/ops/blockwise_attention.py `RESIDUAL_NAMES`: the kernel names its output and logsumexp, and the
+    remat policies that save dots save them too (models/lm.py), because a custom VJP's forward rule is
+    rematerialised under the enclosing checkpoint's policy: saving dots alone kept every block pair's
+    scores (a JAX behaviour; llama3-70b fsdp=256 x tensor=2 under `dots`: 726 GiB per device, not 64).
   - jaxpar/ops/attention.py `ring_attention`: each fold is recomputed backward through a custom VJP
     rather than jax.checkpoint, because an enclosing checkpoint's policy (a pipeline iteration's)
     would overrule a nested one and keep every block's scores (a JAX behaviour, not XLA's).

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.ops.blockwise_attention import RESIDUAL_NAMES as KERNEL_RESIDUALS
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
 from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig, RunConfig
@@ -72,10 +73,12 @@ makes the same choice. Policy: jax.checkpoint_policies.save_and_offload_only_the
 the lowering annotates each saved input `pinned_host` (XLA's host offloading); the CPU lowering drops memory
 kinds (a CPU device's memory is host memory), so there the inputs stay where "full" keeps them."""
 
+_KERNEL_RESIDUALS = jax.checkpoint_policies.save_only_these_names(*KERNEL_RESIDUALS)   # the blockwise kernel's
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _KERNEL_RESIDUALS),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KERNEL_RESIDUALS),
     "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=OFFLOADED,
         offload_src="device", offload_dst="pinned_host"),

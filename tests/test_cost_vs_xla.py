@@ -65,6 +65,8 @@ CASES = [
     ("llama-tiny", "dp8", 8, {"remat": "offload"}),    # full's FLOPs; unit inputs on the host (a CPU's own memory)
     ("llama-tiny", "cp8-ring", 8, {}),
     ("llama-tiny", "dp8", 8, {"attention_kernel": "blockwise"}),   # q, k, v, out and logsumexp; no scores
+    # under a policy that saves dots the kernel's output and logsumexp are saved, not its block products
+    ("llama-tiny", "dp8", 8, {"attention_kernel": "blockwise", "remat": "dots"}),
     ("mamba2-tiny", "dp8", 8, {}),
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
     ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies

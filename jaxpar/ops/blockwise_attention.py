@@ -34,10 +34,20 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 MASKED = -1e30  # a large finite negative: fully masked rows stay finite (no NaN from -inf - -inf)
 BLOCK_Q = 512   # query rows per block: big enough to keep the matmuls efficient on CPU, small against long sequences
 BLOCK_K = 512   # keys per block
+
+RESIDUAL_NAMES = ("flash_out", "flash_lse")
+"""checkpoint_names of the kernel's output and logsumexp, the residuals its backward reads beside q, k, v.
+A custom VJP's forward rule is rematerialised under the ambient checkpoint policy (JAX's custom_vjp.defremat
+docs): under a policy that saves dot outputs (models/lm.py's `dots`, `dots_no_batch`) and not these two, the
+backward pass would rerun the forward's scans from the saved dots, and so keep every block pair's QK^T and
+PV products, the s x s memory of dense attention that the kernel exists to avoid (llama3-70b, seq 8,192,
+fsdp=256 x tensor=2 under `dots`: 726 GiB per device in XLA:CPU's memory analysis, not 67). A policy that
+also saves these names keeps O(s) per layer and reruns nothing of the forward."""
 
 
 # ---- the block update, shared with ring attention -------------------------------------------------
@@ -179,6 +189,7 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
 
 def _flash_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
     out, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk)
+    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))
     return out, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
 
 
