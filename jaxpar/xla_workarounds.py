@@ -80,8 +80,9 @@ Workarounds that are part of a kernel or a schedule stay there, each stated wher
     over the batch axes once per step, not in every iteration.
   - jaxpar/ops/blockwise_attention.py `RESIDUAL_NAMES`: the kernel names its output and logsumexp, and the
     remat policies that save dots save them too (models/lm.py), because a custom VJP's forward rule is
-    rematerialised under the enclosing checkpoint's policy: saving dots alone kept every block pair's
-    scores (a JAX behaviour; llama3-70b fsdp=256 x tensor=2 under `dots`: 726 GiB per device, not 64).
+    rematerialised under the enclosing checkpoint's policy, and a policy that saves dots alone keeps every
+    block pair's scores to rerun it (a JAX behaviour). Seen on llama3-70b fsdp=256 x tensor=2, seq 8,192,
+    under `dots` (XLA:CPU's memory analysis): without the names 726 GiB per device, with them 64.
   - jaxpar/ops/attention.py `ring_attention`: each fold is recomputed backward through a custom VJP
     rather than jax.checkpoint, because an enclosing checkpoint's policy (a pipeline iteration's)
     would overrule a nested one and keep every block's scores (a JAX behaviour, not XLA's).

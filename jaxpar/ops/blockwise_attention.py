@@ -46,8 +46,8 @@ A custom VJP's forward rule is rematerialised under the ambient checkpoint polic
 docs): under a policy that saves dot outputs (models/lm.py's `dots`, `dots_no_batch`) and not these two, the
 backward pass would rerun the forward's scans from the saved dots, and so keep every block pair's QK^T and
 PV products, the s x s memory of dense attention that the kernel exists to avoid (llama3-70b, seq 8,192,
-fsdp=256 x tensor=2 under `dots`: 726 GiB per device in XLA:CPU's memory analysis, not 67). A policy that
-also saves these names keeps O(s) per layer and reruns nothing of the forward."""
+fsdp=256 x tensor=2 under `dots`, XLA:CPU's memory analysis: 726 GiB per device that way, 64 with these
+names saved). A policy that also saves these names keeps O(s) per layer and reruns nothing of the forward."""
 
 
 # ---- the block update, shared with ring attention -------------------------------------------------
