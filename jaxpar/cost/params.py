@@ -50,36 +50,35 @@ BLOCKS = ("attention", "mamba", "moe", "embedding")
 
 def per_model(fn: Callable) -> Callable:
     """Memoise a pure function of (ModelConfig, *hashable args) on the config's identity (or of any
-    first argument that is itself memoised, such as memory.py's inventories). The memo keeps the object
-    alive, so its id cannot be reused while the entry exists; the memo is bounded. Calls with the
-    object alone (most of them) take a shorter path."""
-    memo: dict = {}
-    by_model: dict = {}
+    first argument that is itself memoised, such as memory.py's inventories). Each object gets a table
+    of its own, keyed by the other arguments; the object last seen is checked first (a planner prices
+    one model at a time), so a hit costs an identity test and one dict lookup. The memo keeps the
+    object alive, so its id cannot be reused while the entry exists; tables and memo are bounded."""
+    memo: dict = {}                      # id(object) -> (object, {args: value})
+    last: list = [None, {}]              # the object last seen and its table
 
     @functools.wraps(fn)
     def wrapper(m, *args, **kwargs):
-        if not args and not kwargs:
-            hit = by_model.get(id(m))
-            if hit is not None and hit[0] is m:
-                return hit[1]
-            if len(by_model) > 1024:
-                by_model.clear()
-            value = fn(m)
-            by_model[id(m)] = (m, value)
-            return value
-        key = (id(m), *args, *sorted(kwargs.items())) if kwargs else (id(m), *args)
-        hit = memo.get(key)
-        if hit is not None and hit[0] is m:
-            return hit[1]
-        if len(memo) > 1024:
-            memo.clear()
-        value = fn(m, *args, **kwargs)
-        memo[key] = (m, value)
+        if m is not last[0]:
+            entry = memo.get(id(m))
+            if entry is None or entry[0] is not m:
+                if len(memo) > 1024:
+                    memo.clear()
+                entry = memo[id(m)] = (m, {})
+            last[0], last[1] = entry
+        table = last[1]
+        key = (args, tuple(sorted(kwargs.items()))) if kwargs else args
+        hit = table.get(key, table)      # the table itself marks a miss (no value is ever the table)
+        if hit is not table:
+            return hit
+        if len(table) > 1024:
+            table.clear()
+        value = table[key] = fn(m, *args, **kwargs)
         return value
 
     def cache_clear() -> None:
         memo.clear()
-        by_model.clear()
+        last[0], last[1] = None, {}
     wrapper.cache_clear = cache_clear
     return wrapper
 
