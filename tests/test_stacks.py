@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import statistics
 import sys
@@ -69,6 +70,27 @@ def test_estimate_prints_the_stack_defaults_and_a_program_rule_does_not_refuse_a
         assert line in out
     assert cli.main([*args, "--pp-schedule", "1f1b", "--sequence-parallel"]) == 2
     assert "must be divisible by pipeline=16" in capsys.readouterr().err
+
+
+def test_estimate_prices_a_stacks_context_parallelism_as_it_runs_and_says_so(capsys, tmp_path):
+    """torchtitan on context=8 (fsdp=1): its attention defaults to the stack's ring (jaxpar's program refuses
+    dense attention over context and names the choice), and its FSDP spans the context ranks, so the header
+    prints the ZeRO-3 it prices, not the mesh's zero = 0: the weights, gradients and optimizer state per
+    device equal those of fsdp=8 (independent: the same state over the same 8 devices by the fsdp axis)."""
+    args = ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm", "--seq", "8192", "--global-batch", "8"]
+    assert cli.main([*args, "--mesh", "context=8", "--software", "torchtitan", "--json", str(tmp_path / "cp.json")]) == 0
+    out = capsys.readouterr().out
+    assert "options zero = 3," in out and 'attention = "ring"' in out
+    assert "default: attention = ring (torchtitan's context parallelism" in out
+    assert "default: zero = 3 over fsdp x context = 8 devices" in out
+    assert cli.main([*args, "--mesh", "fsdp=8", "--software", "torchtitan", "--json", str(tmp_path / "fsdp.json")]) == 0
+    capsys.readouterr()
+    cp, fsdp = (json.loads((tmp_path / f).read_text())["memory"] for f in ("cp.json", "fsdp.json"))
+    assert all(cp[k] == fsdp[k] > 0 for k in ("params", "grads", "optimizer"))
+    assert cli.main([*args, "--mesh", "context=8", "--software", "torchtitan", "--zero", "0"]) == 0
+    assert "options zero = 0," in capsys.readouterr().out
+    assert cli.main([*args, "--mesh", "context=8"]) == 2
+    assert "attention=dense cannot shard the sequence: context=8" in capsys.readouterr().err
 
 
 def test_float8_runs_the_linears_at_the_float8_peak_and_pays_their_casts():

@@ -13,7 +13,7 @@ from jaxpar.core.inputs import MAX_GLOBAL_BATCH
 from jaxpar.core.schedule import schedule_summary
 from jaxpar.core.strategy import OPTION_FIELDS
 from jaxpar.cost import SOFTWARE, estimate, format_estimate
-from jaxpar.cost.defaults import accelerator_defaults
+from jaxpar.cost.defaults import accelerator_defaults, priced_zero
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.inference import format_inference, inference_estimate
@@ -79,7 +79,7 @@ def question_from(args) -> tuple[Question, str]:
 
 def cmd_estimate(args) -> int:
     question, mesh = question_from(args)
-    model = model_from(question.model)
+    model, software = model_from(question.model), SOFTWARE[question.software]
     strategy = strategy_from_args(args, mesh)
     if strategy.num_devices < 1:
         if not question.devices:
@@ -91,17 +91,18 @@ def cmd_estimate(args) -> int:
         raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
                           f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
-    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, SOFTWARE[question.software])
+    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, software)
     if args.phase != "train":
         return estimate_inference(args, question, model, strategy, defaults)
     validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True,
-                   program=SOFTWARE[question.software].jaxpar_program)
-    est = estimate(model, strategy, question.hardware, question.global_batch, question.seq,
-                   SOFTWARE[question.software], headroom=question.hbm_headroom)
+                   program=software.jaxpar_program)
+    est = estimate(model, strategy, question.hardware, question.global_batch, question.seq, software,
+                   headroom=question.hbm_headroom)
     if args.run:
         print(f"run file {args.run}: the question of plan mesh file {mesh}")
-    print(f"software {question.software}; options {strategy.describe_options()}")
-    for line in defaults:
+    zero, zero_line = priced_zero(strategy, software)
+    print(f"software {question.software}; options {strategy.describe_options(zero)}")
+    for line in defaults + zero_line:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
         print(schedule_summary(strategy, model.units))
@@ -117,10 +118,9 @@ def estimate_inference(args, question: Question, model, strategy, defaults) -> i
     --seq-token prompt and --gen-len new tokens."""
     validate.check_phases(strategy)
     strategy = strategy.phase(args.phase)  # a mesh file's [prefill] / [decode] layout, if it gives one
-    batch, seq = question.global_batch, question.seq
+    batch, seq, software = question.global_batch, question.seq, SOFTWARE[question.software]
     validate.check_generation(model, strategy, batch, seq, args.gen_len, args.phase)
-    est = inference_estimate(model, strategy, question.hardware, batch, seq, args.gen_len, args.phase,
-                             SOFTWARE[question.software])
+    est = inference_estimate(model, strategy, question.hardware, batch, seq, args.gen_len, args.phase, software)
     print(f"software {question.software}; options {strategy.describe_options()}")
     for line in defaults:
         print(f"  default: {line}")

@@ -186,10 +186,11 @@ class Strategy:
         axes = " x ".join(f"{a}={s}" for a, s in self.mesh if s != 1) or "1 device"
         return f"{self.name} [{axes}]"
 
-    def describe_options(self) -> str:
+    def describe_options(self, zero: int | None = None) -> str:
         """The options in force, in a mesh file's words: every option set to other than its default
-        (by the file or a flag), and the ZeRO stage as resolved from the mesh."""
-        items = [f"zero = {self.zero}"]
+        (by the file or a flag), and the ZeRO stage as resolved from the mesh, or `zero` where the
+        caller prices another (a stack whose FSDP spans the context ranks: jaxpar.cost.defaults)."""
+        items = [f"zero = {self.zero if zero is None else zero}"]
         for f in OPTION_FIELDS:
             value = getattr(self.options, f.name)
             if f.name != "zero" and value != f.default:

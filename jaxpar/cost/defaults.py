@@ -14,6 +14,10 @@ And what another stack's own recipes set (jaxpar/cost/software.py), where the us
     sequence_parallel  on wherever tensor > 1, where the stack's tensor parallelism always shards the
                    sequence between blocks (`sequence_parallel`: Megatron-Core, torchtitan)
     pp_schedule    1f1b under a pipeline, where the stack runs one-forward-one-backward (`pp_1f1b`)
+    attention      under context > 1, the stack's context-parallel attention (`cp_attention`)
+And one the stack decides whatever the options say, printed as a training estimate prices it (`priced_zero`):
+    zero           3 over fsdp x context where the stack's FSDP spans the context ranks (`fsdp_over_context`:
+                   torchtitan, MaxText), though the mesh's ZeRO stage (from fsdp alone) reads otherwise
 Each default is returned as a line to print beside the estimate.
 """
 from __future__ import annotations
@@ -63,4 +67,18 @@ def stack_defaults(st: Strategy, software: Software, given: set[str]) -> tuple[d
     if software.pp_1f1b and free("pp_schedule") and sizes["pipeline"] > 1:
         changes["pp_schedule"] = "1f1b"
         notes.append(f"pp_schedule = 1f1b ({software.name}'s schedule; --pp-schedule to change)")
+    if software.cp_attention and free("attention") and sizes["context"] > 1:
+        changes["attention"] = software.cp_attention
+        notes.append(f"attention = {software.cp_attention} ({software.name}'s context parallelism; --attention to change)")
     return changes, notes
+
+
+def priced_zero(st: Strategy, software: Software) -> tuple[int, list[str]]:
+    """(the ZeRO stage a training estimate prices for `st` under `software`, a line saying so where it is
+    not the mesh's): the strategy's, or 3 where the stack's FSDP spans the context ranks and no stage was
+    named (jaxpar.cost.comm.context_as_fsdp, memory.local_params)."""
+    if software.fsdp_over_context and st.size("context") > 1 and st.options.zero is None:
+        group = st.size("fsdp") * st.size("context")
+        return 3, [f"zero = 3 over fsdp x context = {group} devices ({software.name}'s FSDP spans the context "
+                   "ranks; --zero 0 to change)"]
+    return st.zero, []

@@ -128,6 +128,14 @@ Context parallelism (jaxpar/cost/comm_context.py):
                  query heads, `repeat_kv`, before SDPA)
     cp_grad_bytes  bytes per element of the dK/dV the ring carries: 0 the activations' dtype; 4 where
                  they accumulate in float32 (PyTorch's dkv rotater, convert_to_f32)
+    cp_attention the strategy's `attention` that stands for the stack's context parallelism, which `estimate`
+                 defaults to where context > 1 and the user named none: "ring" Megatron-Core (--cp-comm-type
+                 p2p, its default) and torchtitan (PyTorch's context parallel: a ring of blocks, whose K/V
+                 movement `cp_rotate` gives); "allgather" MaxText (context_parallel_strategy = all_gather,
+                 its default: K and V all-gathered over the context axis); "" jaxpar's program, whose user
+                 chooses the kernel. All three stacks load-balance the causal work over the context ranks by
+                 default (Megatron's 2 x cp chunks per sequence; PyTorch's enable_load_balance; MaxText's
+                 context_parallel_load_balance), as the cost model prices it for every layout
     cp_hide      the attention work context collectives hide under: "core" all of it (Liu et al. 2023:
                  each hop under the previous block's kernel); "diagonal" a 1/context share: PyTorch's
                  all-gather rotater waits on its gather after the diagonal block, the first of context
@@ -207,6 +215,7 @@ class Software:
     cp_kv_heads: str = "kv"
     cp_grad_bytes: int = 0
     cp_hide: str = "core"
+    cp_attention: str = ""
     sources: str = ""
 
 
@@ -224,7 +233,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
                                     fused_mlp=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
                                     distributed_optimizer=True, sequence_parallel=True, state_over_context=True,
-                                    sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
+                                    cp_attention="ring", sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
                                             "Megatron-Bridge performance summaries; cuDNN fused attention skips "
                                             "masked blocks under is_causal")
 # torchtitan (Liang et al. 2024, arXiv 2410.06511; its train_configs): FSDP2 (fully_shard, bf16 parameter
@@ -241,7 +250,7 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
                       pp_head_spread=False, pp_end_stages=True, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True,
                       async_tp=True,
                       sequence_parallel=True, attention_kernel="flash2", state_over_context=True, fsdp_over_context=True,
-                      cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal",
+                      cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal", cp_attention="ring",
                       sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md; torchtitan "
                               "config context_parallel_rotate_method, models/llama3 repeat_kv; PyTorch "
                               "distributed/tensor/experimental/_attention.py (_AllGatherRotater, dkv rotater)")
@@ -258,7 +267,8 @@ MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_atte
                    pp_1f1b=False,
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
                    pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True, state_over_context=True,
-                   fsdp_over_context=True, sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, logical_axis_rules: "
+                   fsdp_over_context=True, cp_attention="allgather",
+                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, context_parallel_strategy, logical_axis_rules: "
                            "activation_embed on tensor); MaxText README")
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
 # Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
