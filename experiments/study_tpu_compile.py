@@ -140,7 +140,7 @@ def compile_both(m, st, tc) -> dict:
     t2 = time.perf_counter()
     shape = step_shape(m, st, tc.batch, tc.seq)
     pred = {cc: cost_comm.collectives(m, st, shape, compiler=cc) for cc in ("cpu", "tpu")}
-    mem = {p: program_memory.memory(m, st, tc.batch, tc.seq, program_kernel(st, p)) for p in ("cpu", "tpu")}
+    mem = {p: program_memory.memory(m, st, tc.batch, tc.seq, program_kernel(st, p), p) for p in ("cpu", "tpu")}
     return {"st": st, "tpu": tpu, "cpu": cpu, "pred": pred, "mem": mem, "seconds": (t1 - t0, t2 - t1),
             "state": mem["tpu"].params + mem["tpu"].optimizer + memory.batch_bytes(st, tc.batch, tc.seq)}
 
@@ -185,7 +185,7 @@ def compile_pod(model: str, topo: str, mesh: str, hw: str) -> dict:
     report = comm.analyze_strategy(m, st, tc, target.topology(topo))
     seconds = time.perf_counter() - t0
     pred = cost_comm.collectives(m, st, step_shape(m, st, tc.batch, tc.seq), compiler="tpu")
-    mem = program_memory.memory(m, st, tc.batch, tc.seq, program_kernel(st, "tpu"))
+    mem = program_memory.memory(m, st, tc.batch, tc.seq, program_kernel(st, "tpu"), "tpu")
     return {"model": model, "topo": topo, "st": st, "tc": tc, "report": report, "pred": pred, "mem": mem,
             "hbm": load_hardware(hw).hbm_bytes, "seconds": seconds}
 

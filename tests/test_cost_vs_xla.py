@@ -74,6 +74,8 @@ CASES = [
     # padded kernel, whose FLOPs the cost model counts on CPU: XLA:CPU expands the grouped kernel's ragged_dot
     # over every local expert, jaxpar/cost/flops.py expert_rows)
     ("moe-tiny:d_model=128,expert_mlp_dim=256", "fsdp=4,expert=2", 8, {"moe_kernel": "padded"}),
+    # a head larger than the activations: its gathered weight and whole gradient at the backward's start
+    ("llama-tiny:d_model=1024,head_dim=64,vocab=16384", "fsdp8", 8, {}),
 ]
 IDS = [f"{m}-{mesh}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, mesh, _, o in CASES]
 

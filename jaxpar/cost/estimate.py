@@ -259,7 +259,7 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
             * flops.TRAIN_FACTOR / n)
 
     colls = comm.predicted(m, st, sh, software)
-    mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform)) if own
+    mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform), hw.platform) if own
            else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
                               memory.Traits(software.fused_mlp, software.autodiff_remat, software.sac_every_other_mm,
                                             software.loss_logit_bytes, software.pp_fsdp_gathered,

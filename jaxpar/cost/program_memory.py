@@ -22,6 +22,9 @@ Each adjustment once, with what it is and where it is checked against XLA's memo
                     plans), tests/test_cost_vs_xla.py's pipeline cases
     gathered experts  ZeRO-3 without remat: every MoE layer's gathered routed experts (`fsdp_experts_bytes`);
                     tests/test_cost_vs_xla.py::test_fsdp_experts_stay_gathered_until_the_backward_pass
+    gathered head   ZeRO-3 over fsdp, no pipeline: at the head's backward, the top of the activation peak,
+                    the LM head gathered whole and its whole float32 gradient before the reduction over
+                    fsdp (`fsdp_head_bytes`; not on XLA:TPU); tests/test_cost_vs_xla.py's large-vocabulary case
 """
 from __future__ import annotations
 
@@ -37,12 +40,13 @@ from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
-def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, kernel: str = "dense") -> Memory:
+def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, kernel: str = "dense",
+           platform: str = "cpu") -> Memory:
     """Bytes per device of one training step of jaxpar's program: the textbook model and optimizer state
     (jaxpar/cost/memory.py: jaxpar's is the textbook's) and this module's activations under the attention
-    `kernel` the run uses (jaxpar.cost.software.program_kernel)."""
+    `kernel` the run uses (jaxpar.cost.software.program_kernel), compiled for `platform` (cpu | gpu | tpu)."""
     params, grads, opt = state_bytes(m, st)
-    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, kernel=kernel),
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, kernel=kernel, platform=platform),
                   host_bytes(m, st, global_batch, seq))
 
 
@@ -68,12 +72,13 @@ def tile_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
 
 
 def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
-                     score_keys: float | None = None, kernel: str = "dense") -> float:
+                     score_keys: float | None = None, kernel: str = "dense", platform: str = "cpu") -> float:
     """Activation bytes per device at the peak of the backward pass of jaxpar's program:
     stored = this stage's layers' kept bytes per token x tokens (a pipeline: its schedule's carries)
            + one layer's full inventory at work in the backward pass (the working set, module docstring)
            + dense attention: one layer's float32 score gradient and the causal mask; blockwise: its tiles
-           + the float32 logits of the head this device runs, and the int32 batch (`batch_bytes`).
+           + the float32 logits of the head this device runs (under ZeRO-3 its gathered weight and whole
+             gradient too: `fsdp_head_bytes`), and the int32 batch (`batch_bytes`).
     `score_keys`: the keys each query's stored scores span (default `seq`); 0 leaves the [heads, s, s]
     scores out, so the difference is what they cost (jaxpar.planning.planner.scores_note). The layer unit
     keeps what its own policy keeps (flops.unit_policy): `selective` none's inventory less the attention
@@ -105,7 +110,7 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
         scores = tile_bytes(m, st, b_loc / micro, seq) if kernel == "blockwise" else 0.0
     elif (na or ne) and not ring:  # per token: h/t query heads x s keys
         scores = tokens * m.heads / t * (seq if score_keys is None else score_keys) * (F32 + BOOL)
-    logits = logit_bytes(m, st, b_loc, seq)
+    logits = logit_bytes(m, st, b_loc, seq) + (fsdp_head_bytes(m, st, platform) if stages == 1 else 0.0)
     if stages > 1:  # jaxpar/pipeline/gpipe.py: each stage the head of ceil(M/S) micro-batches
         logits *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
     return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
@@ -191,3 +196,20 @@ def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:
     weights, outside any region a jax.checkpoint around the kernel controls.)"""
     routed, _ = zero_split(m, "moe", 3, experts=True)
     return routed.per_device(st.sizes["tensor"], st.sizes["expert"]) * F32
+
+
+def fsdp_head_bytes(m: ModelConfig, st: Strategy, platform: str = "cpu") -> float:
+    """ZeRO-3 over fsdp: the LM head's [d_model, vocab/t] weight gathered whole (compute dtype) and its whole
+    float32 gradient, the dot's output before the reduction over fsdp leaves a shard, both alive at the
+    head's backward, which opens the backward pass while every layer's activations are still kept (PyTorch's
+    FSDP memory accounting has the same term: a unit's unsharded parameters and gradients; XLA:CPU's buffer
+    assignment, llama-tiny d_model=1024 vocab=16384 fsdp8: a 64 MiB all-gather or all-reduce output beside the
+    64 MiB gradient at the peak). A layer's own gathered weights are far smaller than its activations and sit
+    inside the working set; the head's grow with the vocabulary (llama3-8b: 1 GiB of weight, 2 GiB of
+    gradient per tensor shard). Not on `platform` tpu: XLA:TPU decomposes FSDP gathers and reduce-scatters
+    around big matmuls (jaxpar/cost/compiler.py TPU_GAPS "decomposed-collectives"), and its pod-scale
+    compiles (experiments/study_tpu_compile.py (B)) hold no whole head or gradient at the peak. On gpu the
+    term is XLA:CPU's reading (no GPU compile checks it)."""
+    if st.zero != 3 or st.sizes["fsdp"] == 1 or platform == "tpu":
+        return 0.0
+    return m.d_model * m.vocab / st.sizes["tensor"] * (DTYPE_BYTES[st.options.dtype] + F32)

@@ -58,7 +58,7 @@ def verify_plan(model, strategy, global_batch: int, seq: int, devices: list | No
         predicted[c.axes] = predicted.get(c.axes, 0.0) + c.bytes
     checks = [Check(f"bytes over {','.join(axes)}", predicted.get(axes, 0.0), compiled.get(axes, 0.0))
               for axes in sorted(predicted.keys() | compiled.keys())]
-    mem = program_memory.memory(model, strategy, global_batch, seq, program_kernel(strategy, platform))
+    mem = program_memory.memory(model, strategy, global_batch, seq, program_kernel(strategy, platform), platform)
     checks.append(Check("memory per device", mem.total, report["memory"]["peak"]))
     return checks, report
 
