@@ -25,8 +25,11 @@ jaxpar's program) with the peak argument + output - alias + temp. The residual, 
   float32 score gradient; XLA:CPU's buffer assignment reuses some of those buffers (dense attention
   cases over-predict by ~5%) and keeps others the inventory leaves out (remat `full` under-predicts by
   ~4%: the recomputed forward also materialises un-fused intermediates);
-* ring attention over-predicts by ~12%: the per-K/V-block carries (running output and statistics)
-  are counted for every block while XLA overlaps part of them with the backward's buffers;
+* ring attention (cp8, 16 tokens per device) over-predicts by ~13%: the carries (running output and
+  statistics) and K/V of the 7 steps after the first are counted whole while XLA overlaps part of them
+  with the backward's buffers; at long local sequences the model under-predicts instead (a fold's score
+  blocks at work in its backward are not counted: llama-tiny d_model=256 fsdp=2 x context=4, 2,048
+  tokens, remat none: about half of XLA:CPU's peak);
 * the Mamba-2 inventory groups SSD's float32 intermediates (segment sums, decays, chunk states) as
   JAX saves them, and XLA fuses a few of them away (~10% over);
 * MoE (moe-tiny under ep8) over-predicts by ~5%: the dispatch buffers, SwiGLU pieces and picked copies

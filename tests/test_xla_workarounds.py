@@ -120,6 +120,29 @@ def test_top_k_keeps_the_router_scores_batch_sharded():
     assert_same_loss(MOE_DP, "top_k")
 
 
+def test_loop_variant_keeps_no_score_block_per_layer_in_ring_attention():
+    """Ring attention over context=4 inside the scan over layers: without the barrier JAX hoists what the
+    positions alone decide out of the layer loop, and XLA:CPU keeps, for every layer and ring step, each
+    (query half, key half) pair's float32 scores and boolean mask. Hand count of the scores alone:
+    layers x (context - 1) steps x 4 pairs x [b, kv heads, group, s/8, s/8] float32."""
+    cfg = parse_model("llama-tiny:max_seq=512")
+    strategy = parse_strategy("context=4").with_options(attention="ring")
+    tc = TrainConfig(batch=2, seq=512, steps=1)
+    temps, losses = [], []
+    for off in (None, "loop_variant"):
+        with xla_workarounds.disabled(off) if off else contextlib.nullcontext():
+            tr = Trainer(cfg, strategy, tc, devices=jax.devices()[:4])
+            compiled = tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS)
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+        batch = tr.batch(Synthetic(cfg.vocab, seed=0), 0)
+        losses.append(float(compiled(jax.device_put(host_state(tr), tr.state_shardings), batch)[1]["loss"]))
+    piece = tc.seq // 4 // 2
+    scores = cfg.layers * 3 * 4 * tc.batch * cfg.kv_heads * (cfg.heads // cfg.kv_heads) * piece * piece * F32
+    print(f"\nring attention temp: {temps[0]:,} B with the barrier, {temps[1]:,} without; scores by hand {scores:,}")
+    assert temps[1] - temps[0] >= scores, (temps, scores)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
 def test_disabled_names_only_known_workarounds():
     with pytest.raises(ValueError, match="unknown"):
         with xla_workarounds.disabled("gatherd"):

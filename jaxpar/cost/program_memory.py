@@ -54,10 +54,12 @@ def inventories(m: ModelConfig, st: Strategy, seq: int, score_keys: float | None
                 fused: bool = False) -> tuple[tuple, tuple, tuple]:
     """(attention, Mamba-2, MoE) inventories of jaxpar's layers (empty where the model has none): dense
     attention keeps the scores of `score_keys` keys (default `seq`), a `fused` kernel none; ring attention
-    per K/V block its carries; MoE at the static buffers' rows per token (flops.expert_rows)."""
+    per K/V block after the first its carries; MoE at the static buffers' rows per token (flops.expert_rows)."""
     c = st.sizes["context"]
     na, nm, ne = block_counts(m)
-    blocks = c if st.options.attention == "ring" and c > 1 else 0
+    # ring: the c - 1 steps after the first fold keep their inputs (the first fold's are the layer's own
+    # K/V and constant statistics; jaxpar.ops.attention.ring_attention)
+    blocks = c - 1 if st.options.attention == "ring" and c > 1 else 0
     keys = 0 if fused else seq if score_keys is None else score_keys
     rows = expert_rows(m, seq, c, padded=True)
     return (jax_attention_inventory(m, keys, blocks, fused) if na else (), jax_mamba_inventory(m) if nm else (),

@@ -59,6 +59,7 @@ from jaxpar.core.sharding import current_layout, use_layout
 from jaxpar.core.strategy import CHOICES
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
 from jaxpar.ops.splash_attention import splash_attention
+from jaxpar.xla_workarounds import loop_variant
 
 LAYOUTS = CHOICES["cp_layout"]  # token layouts along a context-parallel sequence
 
@@ -219,6 +220,7 @@ def ring_attention(q, k, v, pos, *, axis, size, causal, varying=()):
     zigzag layout every off-diagonal step then costs half a block on every device; with the
     contiguous layout whole blocks are skipped on early devices while late ones do full work.
     """
+    q, k, v, pos = loop_variant(q, k, v, pos)   # the positions are the same in every layer (xla_workarounds)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     qg = (q.reshape(b, s, hkv, hq // hkv, d) / math.sqrt(d))        # [b, s, hkv, g, d]

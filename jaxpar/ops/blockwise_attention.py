@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.xla_workarounds import loop_variant
+
 MASKED = -1e30  # a large finite negative: fully masked rows stay finite (no NaN from -inf - -inf)
 BLOCK_Q = 512   # query rows per block: big enough to keep the matmuls efficient on CPU, small against long sequences
 BLOCK_K = 512   # keys per block
@@ -136,15 +138,6 @@ def _visible(causal, q_pos, kv_pos):
     return jnp.any(q_pos[:, :, None] >= kv_pos[:, None, :]) if causal else jnp.bool_(True)
 
 
-def _tied(*arrays):
-    """The arrays, through one optimization barrier: positions and segment ids then count as depending on
-    q, k, v. Inside a scan whose body closes over the positions (the model's scan over layers), JAX's scan
-    partial evaluation hoists every loop-invariant intermediate out of the loop as a residual
-    (jax/_src/lax/control_flow/loops.py, "hoist loop-invariant residuals"): here every (q block, k block)
-    mask, stacked, which is the quadratic memory this kernel avoids. The barrier costs no copy."""
-    return jax.lax.optimization_barrier(arrays)
-
-
 def _varying_like(tree, x):
     """Constants (a scan's or a cond's starting values) typed as varying over the manual mesh axes x varies
     over, as a carry must keep one type under shard_map's check_vma (all-gather attention calls this kernel
@@ -165,7 +158,7 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
     a scan over key blocks folding them with `online_update`."""
     b, sq, hkv, g, d = qg.shape
     scale = 1.0 / math.sqrt(d)
-    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = _tied(qg, q_pos, q_seg, k, v, kv_pos, kv_seg)
+    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = loop_variant(qg, q_pos, q_seg, k, v, kv_pos, kv_seg)
     kv_blocks = tuple(_blocks(x, bk) for x in (k, v, kv_pos, kv_seg))
 
     def one_q_block(args):
@@ -197,7 +190,7 @@ def _flash_bwd(causal, bq, bk, res, dout):
     """dq, dk, dv from the saved row statistics: a scan over key blocks (carrying dq), each a scan over
     query blocks (carrying that key block's dk, dv), recomputing one block of probabilities at a time."""
     qg, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = res
-    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = _tied(qg, q_pos, q_seg, k, v, kv_pos, kv_seg)
+    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = loop_variant(qg, q_pos, q_seg, k, v, kv_pos, kv_seg)
     b, sq, hkv, g, d = qg.shape
     scale = 1.0 / math.sqrt(d)
     dout = dout.astype(jnp.float32)
