@@ -54,9 +54,10 @@ loop_variant(*arrays)               plain form: arrays
     the quadratic memory a blockwise or ring kernel exists to avoid. Here the kernel's inputs pass
     through one optimization barrier together, so positions count as depending on q, k, v (no copy).
     Used by jaxpar/ops/blockwise_attention.py (forward and backward) and jaxpar/ops/attention.py
-    `ring_attention`. Seen on llama-tiny d_model=256 fsdp=2 x context=4, ring attention, 2 sequences of
-    2,048 per data shard (XLA:CPU's memory analysis, test_loop_variant_...): without it 252 / 219 / 511
-    MiB peak under remat none / full / dots, with it 138 / 108 / 289 MiB.
+    `ring_attention` (each fold ties the positions to its K block; the positions' own permutes stay
+    hoisted). Seen on llama-tiny d_model=256 fsdp=2 x context=4, ring attention, 2 sequences of 2,048 per
+    data shard (XLA:CPU's memory analysis, test_loop_variant_...): without it 252 / 219 MiB peak under
+    remat none / full, with it 138 / 108 MiB.
 
 ragged_all_to_all_runs(platform)    the backend rule for the grouped MoE kernel's transfer
     Avoids: `jax.lax.ragged_all_to_all` on XLA:CPU, which does not implement it (the compile fails).
@@ -98,7 +99,11 @@ Workarounds that are part of a kernel or a schedule stay there, each stated wher
     under `dots` (XLA:CPU's memory analysis): without the names 726 GiB per device, with them 64.
   - jaxpar/ops/attention.py `ring_attention`: each fold is recomputed backward through a custom VJP
     rather than jax.checkpoint, because an enclosing checkpoint's policy (a pipeline iteration's)
-    would overrule a nested one and keep every block's scores (a JAX behaviour, not XLA's).
+    would overrule a nested one and keep every block's scores (a JAX behaviour, not XLA's); and its
+    moved K/V blocks and running statistics carry `RING_NAMES`, saved by the policies that save dots, for
+    the reason of the blockwise kernel's names (same repro, remat dots: 511 MiB with neither fix, 289 with
+    the barrier alone, 131 with the names too). The cost model's ring collectives follow: no K/V moved
+    again backward under those policies (jaxpar/cost/comm_context.py RING_KEPT).
 """
 from __future__ import annotations
 

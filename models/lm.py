@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.ops.attention import RING_NAMES
 from jaxpar.ops.blockwise_attention import RESIDUAL_NAMES
 from jaxpar.ops.fsdp_prefetch import prefetched_scan
 from jaxpar.core.sharding import constrain
@@ -73,7 +74,7 @@ makes the same choice. Policy: jax.checkpoint_policies.save_and_offload_only_the
 the lowering annotates each saved input `pinned_host` (XLA's host offloading); the CPU lowering drops memory
 kinds (a CPU device's memory is host memory), so there the inputs stay where "full" keeps them."""
 
-_KERNEL_RESIDUALS = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)   # the blockwise kernel's
+_KERNEL_RESIDUALS = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES, *RING_NAMES)   # the kernels'
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _KERNEL_RESIDUALS),

@@ -1,4 +1,4 @@
-"""Context parallelism's collectives (Liu et al. 2023, ring attention; jaxpar/ops/context_parallel.py and
+"""Context parallelism's collectives (Liu et al. 2023, ring attention; jaxpar/ops/attention.py and
 mamba_cp.py), per layer execution and pass. Records are (kind, axes, count, mean bytes per op, phase) as
 jaxpar/cost/compiler.py's `site` writes them; comm.predicted merges them. How the key positions travel
 is passed in (`Positions`: `positions` below, or jaxpar's pipelines', program_pipeline.py)."""
@@ -34,12 +34,17 @@ class Exchange:
     grad_bytes: int = 0
 
 
+# The remat policies that keep ring attention's moved K/V blocks and positions (by name under those that
+# save dots: jaxpar.ops.attention.RING_NAMES), so that no recomputed layer moves them again.
+RING_KEPT = ("none", "dots", "dots_no_batch")
+
+
 def positions(st: Strategy, shape: StepShape) -> Positions:
     """A step's positions travel once per accumulation step (the batch's, before the layer loop), and
-    again in each recomputed layer (remat: no dot output)."""
+    again in each recomputed layer where the policy keeps no moved block (`RING_KEPT`)."""
     e = shape.exec_attention + shape.exec_moe
     return Positions(shape.accum, shape.b_loc / shape.accum * shape.s_loc * TOKEN_BYTES,
-                     e if st.options.remat != "none" else 0)
+                     e if st.options.remat not in RING_KEPT else 0)
 
 
 def _cp_passes(st: Strategy, rerun_chunk: bool = False) -> tuple[str, ...]:
@@ -65,11 +70,15 @@ def allgather_rotater(st: Strategy, e: float, kv: float, grad: float, cc: Compil
 
 def kernels(st: Strategy, e: float, half: float, cc: Compiler, positions: Positions,
             rerun_chunk: bool = False) -> list[tuple]:
-    """jaxpar's context-parallel attention kernels (jaxpar/ops/context_parallel.py), per layer execution,
-    K and V `half` bytes a shard each: ring (`attention="ring"`) or all-gather (`context_parallel`)."""
+    """jaxpar's context-parallel attention kernels (jaxpar/ops/attention.py), per layer execution, K and V
+    `half` bytes a shard each: ring (`attention="ring"`; its moved blocks moved again backward only under a
+    policy that does not keep them, `RING_KEPT`) or all-gather."""
     c, ax, out = st.sizes["context"], ("context",), []
     ring = st.options.attention == "ring"
-    for phase in _cp_passes(st, rerun_chunk):
+    passes = _cp_passes(st, rerun_chunk)
+    if ring and st.options.remat in RING_KEPT:   # the moved blocks kept: moved again only in a chunk rerun
+        passes = ("forward",) + ("backward",) * int(rerun_chunk)
+    for phase in passes:
         out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
                 else site(cc, AG, ax, e, [half * c, half * c], phase))
     out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], "backward") if ring

@@ -44,7 +44,7 @@ def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0,
     """One attention block as jaxpar's JAX program keeps it (see above). Dense attention keeps the
     scores of all `s_kv` keys; ring attention (`ring_blocks` = context > 1) rematerialises each
     block's scores and keeps, per K/V block, the running float32 output and softmax statistics
-    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention); a `fused` kernel (blockwise, cuDNN,
+    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention; by name under the policies saving dots too); a `fused` kernel (blockwise, cuDNN,
     splash) keeps q, k, v, its output and each query row's float32 logsumexp, nothing per key
     (jaxpar/ops/blockwise_attention.py, FlashAttention-2's residuals)."""
     d, h, hq, hkv, f = m.d_model, m.heads, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
@@ -54,8 +54,8 @@ def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0,
     if fused:
         inv += [("softmax logsumexp (float32)", h, F32, True, NONE_ONLY)]
     elif ring_blocks:
-        inv += [("ring running out, max, sum", ring_blocks * (hq + 2 * h), F32, True, NONE_ONLY),
-                ("ring K/V blocks", ring_blocks * 2 * hkv, None, True, NONE_ONLY)]
+        inv += [("ring running out, max, sum", ring_blocks * (hq + 2 * h), F32, True, JAX_DOT),   # named:
+                ("ring K/V blocks", ring_blocks * 2 * hkv, None, True, JAX_DOT)]           # ops.attention.RING_NAMES
     else:
         inv += [("scores QK^T (float32)", sc, F32, True, JAX_BDOT), ("exp(scores - max)", sc, F32, True, NONE_ONLY),
                 ("probabilities", sc, None, True, NONE_ONLY), ("softmax max, sum", 2 * h, F32, True, NONE_ONLY)]
