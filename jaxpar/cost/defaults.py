@@ -69,7 +69,8 @@ def stack_defaults(st: Strategy, software: Software, given: set[str]) -> tuple[d
         notes.append(f"pp_schedule = 1f1b ({software.name}'s schedule; --pp-schedule to change)")
     if software.cp_attention and free("attention") and sizes["context"] > 1:
         changes["attention"] = software.cp_attention
-        notes.append(f"attention = {software.cp_attention} ({software.name}'s context parallelism; --attention to change)")
+        notes.append(f"attention = {software.cp_attention} ({software.name}'s context parallelism; "
+                     "--attention to change)")
     return changes, notes
 
 

@@ -42,11 +42,11 @@ def _jax_norm(prefix: str, width: int, split: bool = False) -> list[tuple]:
 def jax_attention_inventory(m: ModelConfig, s_kv: float, ring_blocks: int = 0,
                             fused: bool = False) -> tuple[tuple, ...]:
     """One attention block as jaxpar's JAX program keeps it (see above). Dense attention keeps the
-    scores of all `s_kv` keys; ring attention (`ring_blocks` = context > 1) rematerialises each
-    block's scores and keeps, per K/V block, the running float32 output and softmax statistics
-    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention; by name under the policies saving dots too); a `fused` kernel (blockwise, cuDNN,
-    splash) keeps q, k, v, its output and each query row's float32 logsumexp, nothing per key
-    (jaxpar/ops/blockwise_attention.py, FlashAttention-2's residuals)."""
+    scores of all `s_kv` keys; ring attention (`ring_blocks` moved K/V blocks) rematerialises each
+    block's scores and keeps, per moved block, the running float32 output and softmax statistics
+    (hq + 2*heads) and the block's K/V (jaxpar.ops.attention; by name under the policies saving dots
+    too); a `fused` kernel (blockwise, cuDNN, splash) keeps q, k, v, its output and each query row's
+    float32 logsumexp, nothing per key (jaxpar/ops/blockwise_attention.py, FlashAttention-2's residuals)."""
     d, h, hq, hkv, f = m.d_model, m.heads, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
     sc = h * s_kv
     inv = [("layer input x", d, None, False, REMAT), *_jax_norm("norm1", d), ("norm1 out", d, None, False, NONE_ONLY),
