@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.cli import main as cli
 from jaxpar.core import validate
-from jaxpar.core.strategy import parse_inline
+from jaxpar.core.strategy import parse_inline, parse_strategy
 from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
 from jaxpar.cost import time as cost_time
 from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
@@ -91,6 +91,23 @@ def test_estimate_prices_a_stacks_context_parallelism_as_it_runs_and_says_so(cap
     assert "options zero = 0," in capsys.readouterr().out
     assert cli.main([*args, "--mesh", "context=8"]) == 2
     assert "attention=dense cannot shard the sequence: context=8" in capsys.readouterr().err
+
+
+def test_a_plan_over_context_names_the_stage_the_stack_runs_and_its_file_keeps_it_unset(tmp_path):
+    """A torchtitan plan on context=2 x tensor=8 is priced as ZeRO-3 over the context ranks: its line says
+    zero=3, and its mesh file leaves zero unset (a comment says why), so reading the file back prices the
+    same step and memory (`zero = 0` written out would price ZeRO-0's collectives)."""
+    m, hw, sw = from_preset("llama3.1-8b"), load_hardware("h100-sxm"), SOFTWARE["torchtitan"]
+    st = parse_inline("context=2,tensor=8").with_options(attention="ring", dtype="bfloat16", sequence_parallel=True)
+    est = estimate(m, st, hw, 16, 65536, sw)
+    assert "zero=3)" in planner.describe(st, est)
+    path = tmp_path / "plan.toml"
+    path.write_text(planner.to_toml(st, est))
+    assert "\nzero = " not in path.read_text() and "# zero = 3 over fsdp x context" in path.read_text()
+    back = parse_strategy(str(path))
+    assert back.options.zero is None
+    again = estimate(m, back, hw, 16, 65536, sw)
+    assert (again.step_time_s, again.memory.total) == (est.step_time_s, est.memory.total)
 
 
 def test_float8_runs_the_linears_at_the_float8_peak_and_pays_their_casts():

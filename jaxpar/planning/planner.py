@@ -25,6 +25,7 @@ import pathlib
 from jaxpar.core import validate
 from jaxpar.cost import estimate, program_memory
 from jaxpar.cost.estimate import HBM_HEADROOM, check_modelled, check_modelled_layout
+from jaxpar.cost.defaults import priced_zero
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost import band
 from jaxpar.cost.report import mfu_convention
@@ -255,6 +256,12 @@ def remat_label(st: Strategy, est=None) -> str:
     return f"remat={st.options.remat}" + (f"+{extra}" if extra else "")
 
 
+def priced(st: Strategy, est=None) -> int:
+    """The ZeRO stage `est` was priced with (jaxpar.cost.defaults.priced_zero: 3 over fsdp x context where
+    the stack's FSDP spans the context ranks), or the strategy's without an estimate."""
+    return st.zero if est is None else priced_zero(st, SOFTWARE[est.software])[0]
+
+
 def describe(st: Strategy, est=None) -> str:
     """The plan in one line: mesh name and the options that differ between plans (what it recomputes
     beyond the remat policy when `est` is given: `remat_label`)."""
@@ -267,7 +274,7 @@ def describe(st: Strategy, est=None) -> str:
     if st.size("pipeline") > 1:
         kind = {"circular": "circular", "1f1b": "1F1B"}.get(o.pp_schedule)
         flags.append(f"M={o.microbatches}" + (f", {kind}" if kind else "") + (f" v={o.pp_repeats}" if o.pp_repeats > 1 else ""))
-    flags.append(f"zero={st.zero}")
+    flags.append(f"zero={priced(st, est)}")
     return f"{st.name} ({', '.join(flags)})"
 
 
@@ -364,10 +371,13 @@ def scores_note(model: ModelConfig, results, software: Software, global_batch: i
 def to_toml(st: Strategy, est) -> str:
     """A mesh_configs file for a plan: `train`, `comm` and `estimate` take it as --mesh PATH."""
     mesh = "\n".join(f"{a} = {n}" for a, n in st.mesh if n > 1) or "data = 1"
-    options = [f"zero = {st.zero}"] + [f"{f.name} = {toml_value(getattr(st.options, f.name))}"
+    zero = priced(st, est)   # a stage the stack decides stays unset, so that reading the file back prices it again
+    first = (f"zero = {st.zero}" if zero == st.zero
+             else f"# zero = {zero} over fsdp x context: {est.software}'s FSDP spans the context ranks")
+    options = [first] + [f"{f.name} = {toml_value(getattr(st.options, f.name))}"
                                       for f in OPTION_FIELDS if f.name != "zero"
                                       and getattr(st.options, f.name) != getattr(Options(), f.name)]
-    desc = (f"jaxpar plan: {describe(st)}; predicted {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
+    desc = (f"jaxpar plan: {describe(st, est)}; predicted {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
             f"{est.memory.total / 2**30:.1f} GiB/device on {est.hardware}")
     return f'description = "{desc}"\n[mesh]\n{mesh}\n[options]\n' + "\n".join(options) + "\n"
 
