@@ -47,11 +47,12 @@ def positions(st: Strategy, shape: StepShape) -> Positions:
                      e if st.options.remat not in RING_KEPT else 0)
 
 
-def _cp_passes(st: Strategy, rerun_chunk: bool = False) -> tuple[str, ...]:
+def _cp_passes(st: Strategy, rerun_chunk: bool = False, kept: tuple[str, ...] = ("none",)) -> tuple[str, ...]:
     """Passes of the context-parallel kernels' collectives: their outputs (moved K/V blocks, halos,
-    states) are no dot outputs, so every remat policy recomputes them in the backward pass (and a schedule
-    that reruns each chunk in its backward, `rerun_chunk`, once more)."""
-    return ("forward",) + ("backward",) * (int(st.options.remat != "none") + int(rerun_chunk))
+    states) are no dot outputs, so every remat policy but those that keep them (`kept`: none, and for the
+    ring's named blocks `RING_KEPT`) recomputes them in the backward pass (and a schedule that reruns
+    each chunk in its backward, `rerun_chunk`, once more)."""
+    return ("forward",) + ("backward",) * (int(st.options.remat not in kept) + int(rerun_chunk))
 
 
 def allgather_rotater(st: Strategy, e: float, kv: float, grad: float, cc: Compiler,
@@ -75,10 +76,7 @@ def kernels(st: Strategy, e: float, half: float, cc: Compiler, positions: Positi
     policy that does not keep them, `RING_KEPT`) or all-gather."""
     c, ax, out = st.sizes["context"], ("context",), []
     ring = st.options.attention == "ring"
-    passes = _cp_passes(st, rerun_chunk)
-    if ring and st.options.remat in RING_KEPT:   # the moved blocks kept: moved again only in a chunk rerun
-        passes = ("forward",) + ("backward",) * int(rerun_chunk)
-    for phase in passes:
+    for phase in _cp_passes(st, rerun_chunk, RING_KEPT if ring else ("none",)):
         out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], phase) if ring
                 else site(cc, AG, ax, e, [half * c, half * c], phase))
     out += (site(cc, PERMUTE, ax, (c - 1) * e, [half, half], "backward") if ring

@@ -23,6 +23,7 @@ Each default is returned as a line to print beside the estimate.
 from __future__ import annotations
 
 from jaxpar.core.strategy import Options, Strategy
+from jaxpar.cost.comm import context_as_fsdp
 from jaxpar.cost.software import JAXPAR, Software
 
 DEFAULTS = Options()
@@ -78,8 +79,9 @@ def priced_zero(st: Strategy, software: Software) -> tuple[int, list[str]]:
     """(the ZeRO stage a training estimate prices for `st` under `software`, a line saying so where it is
     not the mesh's): the strategy's, or 3 where the stack's FSDP spans the context ranks and no stage was
     named (jaxpar.cost.comm.context_as_fsdp, memory.local_params)."""
-    if software.fsdp_over_context and st.size("context") > 1 and st.options.zero is None:
-        group = st.size("fsdp") * st.size("context")
-        return 3, [f"zero = 3 over fsdp x context = {group} devices ({software.name}'s FSDP spans the context "
-                   "ranks; --zero 0 to change)"]
-    return st.zero, []
+    zero = context_as_fsdp(st).zero if software.fsdp_over_context and st.size("context") > 1 else st.zero
+    if zero == st.zero:
+        return zero, []
+    group = st.size("fsdp") * st.size("context")
+    return zero, [f"zero = {zero} over fsdp x context = {group} devices ({software.name}'s FSDP spans the context "
+                  "ranks; --zero 0 to change)"]
