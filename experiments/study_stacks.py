@@ -49,6 +49,7 @@ from jaxpar.core.strategy import Strategy, parse_inline  # noqa: E402
 from jaxpar.cost import SOFTWARE, estimate, load_hardware  # noqa: E402
 from jaxpar.cost.band import Band, band_for, to_toml  # noqa: E402
 from jaxpar.cost.defaults import stack_defaults  # noqa: E402
+from jaxpar.cost.software import check_runs  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import ModelConfig  # noqa: E402
 
@@ -243,11 +244,12 @@ def family(hardware: str) -> str:
 def question(row: Row) -> Strategy:
     """The row's strategy with its stack's own defaults where the reader left an option at jaxpar's
     (jaxpar.cost.defaults.stack_defaults: the distributed optimizer, sequence parallelism, 1F1B), checked
-    as `estimate --software` checks it (no constraint of jaxpar's own program)."""
+    as `estimate --software` checks it: what the stack runs, no constraint of jaxpar's own program."""
     st = row.strategy.resolved(row.strategy.num_devices)
     changes, _ = stack_defaults(st, SOFTWARE[row.software], set())
     st = st.with_options(**changes) if changes else st
     validate.check(row.model, st, batch=row.global_batch, seq=row.seq, padded_zero=True, program=False)
+    check_runs(st, SOFTWARE[row.software])
     return st
 
 

@@ -87,8 +87,8 @@ def test_estimate_prices_a_stacks_context_parallelism_as_it_runs_and_says_so(cap
     capsys.readouterr()
     cp, fsdp = (json.loads((tmp_path / f).read_text())["memory"] for f in ("cp.json", "fsdp.json"))
     assert all(cp[k] == fsdp[k] > 0 for k in ("params", "grads", "optimizer"))
-    assert cli.main([*args, "--mesh", "context=8", "--software", "torchtitan", "--zero", "0"]) == 0
-    assert "options zero = 0," in capsys.readouterr().out
+    assert cli.main([*args, "--mesh", "context=8", "--software", "torchtitan", "--zero", "0"]) == 2
+    assert "its FSDP spans the context ranks (ZeRO-3 over fsdp x context), not zero=0 over context=8" in capsys.readouterr().err
     assert cli.main([*args, "--mesh", "context=8"]) == 2
     assert "attention=dense cannot shard the sequence: context=8" in capsys.readouterr().err
 
@@ -200,6 +200,30 @@ def test_megatron_plans_no_fsdp_inside_pipeline_stages():
         both[name] = [st.name for _, st in plans if st.size("fsdp") > 1 and st.size("pipeline") > 1]
         assert plans
     assert both["megatron-core"] == [] and both["torchtitan"]
+
+
+def test_estimate_refuses_a_layout_the_stack_does_not_run_and_plan_offers_none(capsys):
+    """A stack's estimate is refused, in one line naming the constraint and the values, for a layout that stack
+    has no mode for (Software.axes, zeros, pp_schedules): llm-foundry has no tensor parallelism, torchtitan no
+    stage that shards the optimizer state alone (its data axis is DDP or FSDP2), Megatron-Core no GPipe; the
+    planner's candidates for torchtitan on data=8 hold no zero=1, Megatron-Core's (its distributed optimizer)
+    do."""
+    args = ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm", "--seq", "4096", "--global-batch", "64"]
+    for extra, why in ((["--mesh", "fsdp=4,tensor=2", "--software", "llm-foundry"],
+                        "llm-foundry does not run fsdp=4,tensor=2 [fsdp=4 x tensor=2]: it parallelises over data, fsdp only, not tensor=2"),
+                       (["--mesh", "data=8", "--software", "torchtitan", "--zero", "1"],
+                        "torchtitan does not run data=8 [data=8]: it runs ZeRO stages 0, 3, not zero=1"),
+                       (["--mesh", "data=2,pipeline=4", "--software", "megatron-core", "--pp-schedule", "gpipe"],
+                        "its pipeline schedules with one chunk per stage are 1f1b, not pp_schedule=gpipe")):
+        assert cli.main([*args, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
+    assert cli.main([*args, "--mesh", "data=8", "--software", "megatron-core", "--zero", "1"]) == 0
+    capsys.readouterr()
+    sizes = {"data": 8, "fsdp": 1, "pipeline": 1, "context": 1, "expert": 1, "tensor": 1}
+    zeros = {name: {o.zero for o in planner.candidate_options(sizes, 64, 32, software=SOFTWARE[name])}
+             for name in ("torchtitan", "megatron-core")}
+    assert zeros == {"torchtitan": {None}, "megatron-core": {None, 1}}
 
 
 def test_the_planner_interleaves_as_the_recipes_split_uneven_layers():

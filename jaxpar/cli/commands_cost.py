@@ -17,6 +17,7 @@ from jaxpar.cost.defaults import accelerator_defaults, priced_zero
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.inference import format_inference, inference_estimate
+from jaxpar.cost.software import check_runs
 from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.planning import planner
@@ -96,6 +97,7 @@ def cmd_estimate(args) -> int:
         return estimate_inference(args, question, model, strategy, defaults)
     validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True,
                    program=software.jaxpar_program)
+    check_runs(strategy, software)
     est = estimate(model, strategy, question.hardware, question.global_batch, question.seq, software,
                    headroom=question.hbm_headroom)
     if args.run:

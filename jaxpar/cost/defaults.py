@@ -78,10 +78,11 @@ def stack_defaults(st: Strategy, software: Software, given: set[str]) -> tuple[d
 def priced_zero(st: Strategy, software: Software) -> tuple[int, list[str]]:
     """(the ZeRO stage a training estimate prices for `st` under `software`, a line saying so where it is
     not the mesh's): the strategy's, or 3 where the stack's FSDP spans the context ranks and no stage was
-    named (jaxpar.cost.comm.context_as_fsdp, memory.local_params)."""
+    named (jaxpar.cost.comm.context_as_fsdp, memory.local_params); another stage there is not one the stack
+    runs (jaxpar.cost.software.refusal)."""
     zero = context_as_fsdp(st).zero if software.fsdp_over_context and st.size("context") > 1 else st.zero
     if zero == st.zero:
         return zero, []
     group = st.size("fsdp") * st.size("context")
     return zero, [f"zero = {zero} over fsdp x context = {group} devices ({software.name}'s FSDP spans the context "
-                  "ranks; --zero 0 to change)"]
+                  "ranks)"]

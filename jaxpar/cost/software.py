@@ -108,6 +108,15 @@ What the stack runs, which `plan --software` searches (jaxpar/planning/planner.p
                   activation_checkpoint mode op (selective per op: every matmul output kept, `dots`) | full;
                   MaxText's remat_policy minimal (dots without batch dimensions) | full | offloaded names;
                   jaxpar's own
+    zeros         its ZeRO stages: Megatron-LM 0 and 1 (DDP; --use-distributed-optimizer), Megatron-Core also 3
+                  (Megatron-FSDP, --data-parallel-sharding-strategy optim_grads_params); torchtitan 0 and 3
+                  (replicate, DDP over data_parallel_replicate_degree; FSDP2's fully_shard over dp_shard: no
+                  stage shards the optimizer state alone, docs/fsdp.md); MaxText 0, 1 and 3 (its data axis
+                  replicates, shard_optimizer_over_data is ZeRO-1, its fsdp rules shard weights and state);
+                  llm-foundry 0, 1 and 3 (FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: ZeRO-2 priced as ZeRO-1,
+                  whose collectives it issues, its sharded gradients not counted in memory);
+                  jaxpar 0, 1 and 3. A stack whose FSDP spans the context ranks (`fsdp_over_context`) runs
+                  ZeRO-3 over them and nothing else
     pp_schedules  its pipeline schedules with one chunk per stage: Megatron and torchtitan run 1F1B (GPipe's
                   memory is never better), MaxText its circular pipeline differentiated by autodiff (GPipe's
                   order); jaxpar GPipe or its lockstep 1F1B
@@ -170,6 +179,7 @@ import functools
 
 from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.cost.params import per_model
+from jaxpar.errors import ConfigError
 from jaxpar.ops.attention import resolve_kernel
 
 
@@ -209,6 +219,7 @@ class Software:
     axes: tuple[str, ...] = AXES
     fsdp_pipeline: bool = True
     remats: tuple[str, ...] = ("none", "dots_no_batch", "full")
+    zeros: tuple[int, ...] = (0, 1, 3)
     pp_schedules: tuple[str, ...] = ("gpipe", "1f1b")
     pp_interleaved: tuple[str, ...] = ("circular", "1f1b")
     cp_rotate: str = ""
@@ -225,7 +236,7 @@ JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
-                    optimizer_bytes=12, fsdp_pipeline=False,
+                    optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1),
                     remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
@@ -233,7 +244,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
                                     fused_mlp=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
                                     distributed_optimizer=True, sequence_parallel=True, state_over_context=True,
-                                    cp_attention="ring", sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
+                                    cp_attention="ring", zeros=(0, 1, 3), sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
                                             "Megatron-Bridge performance summaries; cuDNN fused attention skips "
                                             "masked blocks under is_causal")
 # torchtitan (Liang et al. 2024, arXiv 2410.06511; its train_configs): FSDP2 (fully_shard, bf16 parameter
@@ -245,7 +256,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
 TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
                       pp_1f1b=True, sac_every_other_mm=True, loss_logit_bytes=12, pp_fsdp_gathered=True,
-                      remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",),
+                      remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",), zeros=(0, 3),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, pp_end_stages=True, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True,
                       async_tp=True,
@@ -268,7 +279,7 @@ MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_atte
                    rerun_outputs=False, moe_padded=True, param_gather_bytes=4, serve_weight_bytes=2,
                    pp_head_spread=False, dp_overlap=1.0, async_tp=True, sequence_parallel=True, state_over_context=True,
                    fsdp_over_context=True, cp_attention="allgather",
-                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, context_parallel_strategy, logical_axis_rules: "
+                   sources="maxtext configs/base.yml (weight_dtype, remat_policy, attention, context_parallel_strategy, shard_optimizer_over_data, logical_axis_rules: "
                            "activation_embed on tensor); MaxText README")
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
 # Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
@@ -281,6 +292,42 @@ SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAX
 # Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).
 ALIASES = {"nemo": "megatron-core", "megatron-bridge": "megatron-core"}
 SOFTWARE |= {alias: SOFTWARE[name] for alias, name in ALIASES.items()}
+
+
+def refusal(st: Strategy, software: Software) -> str:
+    """Why another stack does not run the layout `st` ("" where it does): a mesh axis it does not parallelise
+    over (`axes`), FSDP inside pipeline stages where its FSDP does not shard them (`fsdp_pipeline`), a ZeRO
+    stage it has no mode for (`zeros`), a pipeline schedule it does not run (`pp_schedules`,
+    `pp_interleaved`). jaxpar's own program is checked by jaxpar.core.validate instead."""
+    if software.jaxpar_program:
+        return ""
+    sizes, o = st.sizes, st.options
+    if why := mesh_refusal(software, sizes):
+        return why
+    if software.fsdp_over_context and sizes["context"] > 1 and o.zero not in (None, 3):
+        return f"its FSDP spans the context ranks (ZeRO-3 over fsdp x context), not zero={o.zero} over context={sizes['context']}"
+    if st.zero not in software.zeros:
+        return f"it runs ZeRO stages {', '.join(map(str, software.zeros))}, not zero={st.zero}"
+    kinds = software.pp_interleaved if o.pp_repeats > 1 else software.pp_schedules
+    if sizes["pipeline"] > 1 and o.pp_schedule not in kinds:
+        chunks = f"{o.pp_repeats} chunks per stage" if o.pp_repeats > 1 else "one chunk per stage"
+        return f"its pipeline schedules with {chunks} are {', '.join(kinds) or 'none'}, not pp_schedule={o.pp_schedule}"
+    return ""
+
+
+def mesh_refusal(software: Software, sizes: dict[str, int]) -> str:
+    """`refusal`'s rules of the mesh alone (the planner's first sieve): the axes and FSDP inside stages."""
+    if axes := [f"{a}={n}" for a, n in sizes.items() if n > 1 and a not in software.axes]:
+        return f"it parallelises over {', '.join(software.axes)} only, not {', '.join(axes)}"
+    if not software.fsdp_pipeline and sizes["fsdp"] > 1 and sizes["pipeline"] > 1:
+        return f"its FSDP does not shard pipeline stages (fsdp={sizes['fsdp']} x pipeline={sizes['pipeline']})"
+    return ""
+
+
+def check_runs(st: Strategy, software: Software) -> None:
+    """Refuse, in one line, a layout `software` does not run (`refusal`)."""
+    if why := refusal(st, software):
+        raise ConfigError(f"{software.name} does not run {st.describe()}: {why}")
 
 
 def program_kernel(st: Strategy, platform: str) -> str:

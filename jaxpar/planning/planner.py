@@ -29,7 +29,7 @@ from jaxpar.cost.defaults import priced_zero
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost import band
 from jaxpar.cost.report import mfu_convention
-from jaxpar.cost.software import JAXPAR, SOFTWARE, Software
+from jaxpar.cost.software import JAXPAR, SOFTWARE, Software, mesh_refusal
 from jaxpar.errors import ConfigError
 from jaxpar.planning.question import Question, written
 from jaxpar.core.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
@@ -64,8 +64,8 @@ def candidate_meshes(devices: int, max_tensor: int, experts: int = 0):
 def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, dtype: str = "bfloat16",
                       software: Software = JAXPAR, grad_dtype: str = "float32"):
     """What `software` runs (Software.remats, pp_schedules, pp_interleaved): its remat policies x gradient
-    accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO (0 or 1 on `data` without
-    fsdp; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
+    accumulation (per-device micro-batch of 1, 2, 4 or all sequences) x ZeRO (0, or 1 on `data` without
+    fsdp where it runs ZeRO-1, Software.zeros; padded flat shards where the size does not divide) x pipeline micro-batches (4 x stages, or one
     sequence each) x its schedules with one chunk per stage, and its interleaved ones with the most chunks
     per stage that split the units evenly or nearly (`interleaved_repeats`: the smallest bubble, the most
     sends); another stack's tensor parallelism as
@@ -75,7 +75,7 @@ def candidate_options(sizes: dict[str, int], global_batch: int, units: int = 1, 
     rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"]) or 1
     # pipelines: M = 4 x stages, or one sequence per micro-batch (Megatron's usual), when >= stages
     micros = sorted({m for m in (4 * stages, rows) if m >= stages and rows % m == 0}) if stages > 1 else [1]
-    zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 else (None,)
+    zeros = (None, 1) if sizes["data"] > 1 and sizes["fsdp"] == 1 and 1 in software.zeros else (None,)
     schedules = [(kind, 1) for kind in software.pp_schedules] if stages > 1 else [("gpipe", 1)]
     if stages > 1 and (v := interleaved_repeats(units, stages)):   # (interleaved 1F1B: M a multiple of S)
         schedules += [(kind, v) for kind in software.pp_interleaved]
@@ -103,11 +103,9 @@ def interleaved_repeats(units: int, stages: int) -> int:
 
 
 def runs(software: Software, sizes: dict[str, int]) -> bool:
-    """Whether `software` parallelises over every axis of `sizes` larger than 1 (Software.axes), FSDP inside
-    pipeline stages only where it shards them so (Software.fsdp_pipeline)."""
-    if not software.fsdp_pipeline and sizes["fsdp"] > 1 and sizes["pipeline"] > 1:
-        return False
-    return all(n == 1 or a in software.axes for a, n in sizes.items())
+    """Whether `software` runs a mesh of `sizes` (jaxpar.cost.software.mesh_refusal: its axes, FSDP inside
+    pipeline stages only where it shards them so); candidate_options gives only the options it runs."""
+    return not mesh_refusal(software, sizes)
 
 
 OBJECTIVES = ("throughput", "energy")
