@@ -5,7 +5,7 @@ import pytest
 
 from jaxpar.cost import comm, estimate, load_hardware, time
 from jaxpar.core.strategy import parse_inline
-from jaxpar.models.config import ModelConfig
+from jaxpar.models.config import ModelConfig, from_preset
 
 A100 = load_hardware("a100-80gb")
 
@@ -63,3 +63,28 @@ def test_a_group_spanning_torus_dimensions_gathers_over_each():
     beta8 = time.collective_seconds("all-gather", ("tensor",), 0, 1.0, t8, v5p)
     beta16 = time.collective_seconds("all-gather", ("tensor",), 0, 1.0, t16, v5p)
     assert beta16 / (15 / 16) == pytest.approx(0.5 * beta8 / (7 / 8))
+
+
+def test_a_projection_gemm_waits_on_hbm_below_the_ridge_by_hand():
+    """The roofline of one GEMM (time.gemm_excess), by hand on an H100 in bf16 at the calibrated rate:
+    M=128 tokens x K=N=8,192 does 2MKN = 1.718e10 FLOPs and moves 2(MK + KN + MN) = 138.4 MB, so it takes
+    138.4 MB / 3.35 TB/s, beyond its FLOPs at 0.48 x 989 TFLOP/s; 4,096 tokens are compute-bound (nothing
+    added). Llama 3 8B under tensor=8 with 256 tokens per micro-batch: each of its four projection GEMMs per
+    layer (QKV 4096 x 768, output 512 x 4096, gate-up 4096 x 3584, down 1792 x 4096 per device) adds its own
+    excess, three passes each, 32 layers: the estimate's matmul seconds grow by that sum."""
+    hw = load_hardware("h100-sxm")
+    rate = hw.peak_flops * hw.matmul_efficiency
+    one = (("mlp", 8192, 8192, "n", 0),)
+    hand = 2 * (128 * 8192 + 8192 * 8192 + 128 * 8192) / hw.hbm_bw - 2 * 128 * 8192 * 8192 / rate
+    assert hand > 0
+    assert time.gemm_excess(one, 128, {"mlp": 1}, 1, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == pytest.approx(hand)
+    assert time.gemm_excess(one, 4096, {"mlp": 1}, 1, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == 0.0
+    m, tokens = from_preset("llama3-8b"), 256
+    excess = 0.0
+    for k, n in ((4096, 768), (512, 4096), (4096, 3584), (1792, 4096)):
+        excess += max(0.0, 2 * (tokens * k + k * n + tokens * n) / hw.hbm_bw - 2 * tokens * k * n / rate)
+    st = parse_inline("tensor=8").with_options(dtype="bfloat16")
+    est = estimate(m, st, hw, 1, tokens)
+    flops_only = estimate(m, st, dataclasses.replace(hw, hbm_bw=1e30), 1, tokens)
+    assert excess > 0
+    assert est.busy[0] - flops_only.busy[0] == pytest.approx(3 * 32 * excess, rel=1e-6)

@@ -20,12 +20,14 @@ second-to-last, and so on, as Llama 3 405B's 126 layers on 16 stages (7, 8 x 14,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import parse_int
 from jaxpar.core.strategy import Strategy
 
 
+@functools.cache   # the cost model asks it for every candidate a planner prices
 def default_split(units: int, chunks: int) -> tuple[int, ...]:
     """`units` over `chunks` chunks: even when possible, else the ends one unit lighter, outside in."""
     k = -(-units // chunks)

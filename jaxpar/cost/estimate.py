@@ -215,6 +215,22 @@ def fp8_share(st: Strategy, matmul: float, core: float, head: float) -> float:
     return max(0.0, matmul - core - head) if st.options.dtype == "float8" else 0.0
 
 
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands per dtype (outputs: 16-bit at most)
+
+
+def gemm_waits(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float, hw: Hardware) -> float:
+    """Seconds per device the step's projection GEMMs wait on HBM beyond their FLOPs (time.gemm_excess) in
+    the strategy's dtype: float8 linears read 1-byte operands at the float8 peak."""
+    dtype, sizes = st.options.dtype, st.sizes
+    executions = {"attention": sh.exec_attention + sh.exec_moe, "mlp": sh.exec_attention, "experts": sh.exec_moe,
+                  "mamba": sh.exec_mamba}
+    passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
+    operand = ELEMENT_BYTES[dtype]
+    return time.gemm_excess(flops.projection_shapes(m), sh.mb * sh.s_loc, executions, sizes["tensor"],
+                            sizes["expert"], rows, passes, hw.matmul_peak(dtype) * hw.matmul_efficiency, hw.hbm_bw,
+                            operand, 2 if dtype == "float8" else operand)
+
+
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
              software: Software = JAXPAR, imbalance: float = 1.0, headroom: float = 0.0) -> Estimate:
     """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
@@ -271,8 +287,9 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
     low = fp8_share(st, matmul, cores, fl.head * head / n)
     core_eff = hw.flash2_efficiency if software.attention_kernel == "flash2" else 0.0
-    compute = time.compute_seconds(matmul, hbm, hw, low, cores, core_eff)
-    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low, cores, core_eff), hbm / hw.hbm_bw
+    waits = gemm_waits(m, st, sh, remat, rows, hw)
+    compute = time.compute_seconds(matmul, hbm, hw, low, cores, core_eff) + waits
+    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low, cores, core_eff) + waits, hbm / hw.hbm_bw
     skew = 1.0 if software.moe_padded else imbalance
     comm_s = time.comm_seconds(colls, st, hw, skew)
     linear_s = matmul_s - time.compute_seconds(cores, 0.0, hw, 0.0, cores, core_eff)

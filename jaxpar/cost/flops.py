@@ -188,6 +188,28 @@ def projection_ops(m: ModelConfig) -> tuple[tuple[int, float], ...]:
     return tuple(ops)
 
 
+@per_model  # called once per estimate: the planner's hot path
+def projection_shapes(m: ModelConfig) -> tuple[tuple[str, int, int, str, int], ...]:
+    """(block kind, K, N, the dimension tensor parallelism splits, experts) of each projection GEMM of one
+    layer, an M x K input times a K x N weight (Megatron's column-parallel layers split N, its row-parallel
+    ones K: Shoeybi et al. 2019): the same GEMMs as `projection_ops`, the MoE layer's routed experts as
+    one grouped GEMM over `experts` weights and its shared experts as a dense one (the router's d x E is
+    left out: a few columns). Block kinds as the step's layer executions count them (shape.StepShape):
+    "attention" (attention and MoE layers), "mlp", "experts", "mamba"."""
+    hq, hkv, d = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
+    ops = [("attention", d, hq + 2 * hkv, "n", 0), ("attention", hq, d, "k", 0)] if m.attention_layers + m.moe_layers else []
+    if m.attention_layers:
+        ops += [("mlp", d, m.mlp_dim * (2 if m.mlp_type == "swiglu" else 1), "n", 0), ("mlp", m.mlp_dim, d, "k", 0)]
+    if m.moe_layers:
+        f = m.moe_mlp_dim
+        ops += [("experts", d, 2 * f, "n", m.experts), ("experts", f, d, "k", m.experts)]
+        if m.shared_experts:
+            ops += [("experts", d, 2 * f * m.shared_experts, "n", 0), ("experts", f * m.shared_experts, d, "k", 0)]
+    if m.mamba_layers:
+        ops += [("mamba", d, mamba_dims(m)[0], "n", 0), ("mamba", m.d_inner, d, "k", 0)]
+    return tuple(ops)
+
+
 # ---- embedding and head ----------------------------------------------------------------------------
 
 def embedding_flops(m: ModelConfig, tokens: float) -> Flops:
