@@ -215,7 +215,7 @@ def fp8_share(st: Strategy, matmul: float, core: float, head: float) -> float:
     return max(0.0, matmul - core - head) if st.options.dtype == "float8" else 0.0
 
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands per dtype (outputs: 16-bit at most)
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands per dtype (float8's outputs: bf16)
 
 
 def gemm_waits(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float, hw: Hardware) -> float:
