@@ -537,9 +537,9 @@ CHECKS = {
 # Scripts with no --quick mode, each checked by a test file of its own.
 TESTED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py (its --dry-run on CPU)",
                     "bench_moe_kernel": "tests/test_moe_grouped.py (its --quick run, prints only; slow)",
-                    "study_stacks": "tests/test_stacks.py (reads the published runs beside the repository; "
+                    "study_stacks": "tests/test_stacks_published.py (reads the published runs beside the repository; "
                                     "skipped where they are not)",
-                    "study_plan_check": "tests/test_stacks.py (its quick rows, and every Megatron-Core recipe under "
+                    "study_plan_check": "tests/test_stacks_published.py (its quick rows, and every Megatron-Core recipe under "
                                         "-m slow; reads the published runs beside the repository)",
                     "demo_text": "its parts in tests/test_data_prepare.py and tests/test_data_loader.py (prepare, "
                                  "train on text equal to one device, held-out loss, generate from text); "

@@ -1,13 +1,9 @@
-"""Other stacks' presets in the cost model (jaxpar/cost/software.py): their defaults, float8, overlap by
-link tier, and the published runs of those stacks (experiments/study_stacks.py) read and predicted."""
+"""Other stacks' presets in the cost model (jaxpar/cost/software.py): their defaults, what each runs, float8,
+overlap by link tier, context parallelism, the tie band (their published runs: tests/test_stacks_published.py)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
-import statistics
-import sys
 
 import pytest
 
@@ -16,29 +12,13 @@ from jaxpar.core import validate
 from jaxpar.core.strategy import parse_inline, parse_strategy
 from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
 from jaxpar.cost import time as cost_time
+from jaxpar.cost.band import band_for
 from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
 from jaxpar.cost.defaults import stack_defaults
 from jaxpar.cost.overlap import fractions
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import from_preset
 from jaxpar.planning import planner
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load(name: str):
-    """experiments/`name`.py as a module (experiments/ on the path for its own imports)."""
-    if str(ROOT / "experiments") not in sys.path:
-        sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"experiments/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def study():
-    return load("study_stacks")
 
 
 def test_every_stack_preset_states_its_sources_and_nemo_is_megatron_core():
@@ -344,124 +324,10 @@ def test_one_second_of_compute_hides_one_second_of_collectives():
     assert alone.data == 0.0
 
 
-@pytest.fixture(scope="module")
-def published():
-    s = study()
-    if not s.REFERENCE.exists():
-        pytest.skip(f"published runs reference not found at {s.REFERENCE}")
-    return s, *s.read_rows()
-
-
-def test_every_published_training_row_is_read_and_expressible_or_names_its_feature(published):
-    """Every training row of the reference is read by its source's reader; a row is refused only for an
-    architecture the cost model does not represent, with the feature named, never by jaxpar's own rules."""
-    s, rows, skipped = published
-    import tomllib
-    data = tomllib.loads(s.REFERENCE.read_text())
-    training = sum(len(src["rows"]) for src in data["source"] if src["kind"] == "training")
-    assert len(rows) == training
-    ok, refused = s.predictions(rows)
-    assert len(ok) >= training - 2
-    assert all(why.startswith("not modelled: ") for _, why in refused), refused
-    assert all(skip.startswith("trtllm") for skip in skipped)
-
-
-def test_every_published_training_row_is_predicted_to_fit(published, analysed):
-    """The runs ran: each expressible row, in its own layout, stack and precision (bf16 gradients where
-    its stack's config says so), is predicted to fit the device's HBM (the whole of it: the studies use
-    no headroom)."""
-    s, _, _ = published
-    ok, _, _ = analysed
-    for row, st in ok:
-        est = estimate(row.model, st, load_hardware(row.hardware), row.global_batch, row.seq, SOFTWARE[row.software])
-        assert est.fits, (row.label, est.memory, est.hbm_bytes)
-
-
-@pytest.fixture(scope="module")
-def analysed(published):
-    """(expressible rows with strategies, refused rows, leave-one-source-out predictions), computed once."""
-    s, rows, _ = published
-    return s.analyse(rows)
-
-
-def test_out_of_sample_predictions_use_other_sources_only(published, analysed):
-    """Leave one source out: a held-out source's fitted efficiency never comes from its own rows (its rows
-    are not among the ones it was fitted on), and the study prints per-source median and worst errors."""
-    s = published[0]
-    ok, _, loso = analysed
-    assert set(loso) == set(range(len(ok)))
-    for i, (row, _st) in enumerate(ok):
-        own = sum(1 for r, _ in ok if r.source == row.source and s.family(r.hardware) == s.family(row.hardware))
-        same_family = sum(1 for r, _ in ok if s.family(r.hardware) == s.family(row.hardware))
-        how = loso[i][1]
-        if "fitted on" in how:
-            assert int(how.split("fitted on ")[1].split()[0]) == same_family - own
-
-
-def test_torchtitans_memory_lies_below_its_published_peak_and_near_it(published, analysed):
-    """torchtitan publishes each run's peak memory (max reserved by PyTorch's caching allocator, an upper
-    bound on what is alive): the model's memory per GPU, with torchtitan's own traits (its float32 loss,
-    every other matmul saved, FSDP gathered inside a pipeline, FSDP over the context ranks), lies between
-    60% and 100% of it on every row."""
-    import tomllib
-    s = published[0]
-    ok, _, _ = analysed
-    src = next(x for x in tomllib.loads(s.REFERENCE.read_text())["source"] if x["id"] == "torchtitan_h100_2024")
-    memory_gib = [dict(zip(src["columns"], r))["memory_gib"] for r in src["rows"]]
-    rows = [(row, st) for row, st in ok if row.source == "torchtitan_h100_2024"]
-    assert len(rows) == len(memory_gib)
-    for (row, st), gib in zip(rows, memory_gib):
-        est = estimate(row.model, st, load_hardware(row.hardware), row.global_batch, row.seq, SOFTWARE[row.software])
-        assert 0.6 * gib <= est.memory.total / 2**30 <= gib, (row.label, est.memory, gib)
-
-
-def plan_check():
-    return load("study_plan_check")
-
-
-def test_the_planner_finds_each_published_layout_or_a_faster_one(published, analysed):
-    """Study (q) on its quick rows (two stacks, 8 to 64 GPUs): the planner's search (the stack's own remat
-    policies, schedules and axes) contains a plan at least as fast as the published layout's own prediction,
-    and the verdict is the band's (jaxpar/cost/bands.toml): a tie within the guide's band, the model's claim
-    beyond its worst out-of-sample miss."""
-    from jaxpar.cost.band import band_for
-    q = plan_check()
-    ok, _, _ = analysed
-    rows = [(row, st) for row, st in ok if any(k in row.label for k in q.QUICK)]
-    assert len(rows) == len(q.QUICK)
-    for row, st in rows:
-        r = q.check(row, st)
-        assert r["best"].tokens_per_s >= r["published"].tokens_per_s * (1 - 1e-9), row.label
-        b = band_for(load_hardware(row.hardware).family, SOFTWARE[row.software].name)
-        assert r["band"] == b.guide()
-        assert r["verdict"] == ("tie" if r["gain"] <= b.guide() else
-                                "claim of the model" if r["gain"] > (b.oos_worst or b.worst) else "inside the worst miss")
-
-
-@pytest.mark.slow
-def test_the_planner_claims_no_more_than_its_worst_miss_over_megatron_core_recipes(published, analysed):
-    """Issue 30's must-show where the stack runs every option the planner searches (gradient accumulation,
-    interleaved 1F1B, the distributed optimizer): on each NeMo and Megatron-Bridge recipe whose layout the
-    model says fits, the planner's fastest plan is predicted faster by no more than the model's worst
-    out-of-sample miss on Megatron-Core (jaxpar/cost/bands.toml), and no slower than the recipe by more than
-    the band (the search holds the recipe's layout or one as fast). Other stacks' runs are listed with the
-    gain and its reason in results/study_plan_check.md, many beyond it."""
-    q = plan_check()
-    ok, _, _ = analysed
-    rows = [(row, st) for row, st in ok if row.software == "megatron-core"]
-    assert len(rows) >= 8
-    for row, st in rows:
-        r = q.check(row, st)
-        if not r["published"].fits:
-            continue
-        assert -r["band"] <= r["gain"] <= r["worst"], (row.label, r["top"].name, r["gain"])
-
-
 def test_plans_within_the_error_band_tie_and_plan_prints_the_band(capsys):
     """Another stack's plans tie within its calibration band on that hardware (jaxpar/cost/bands.toml: out of
     sample where another source covers the family, the band the guide uses), jaxpar's
     within TIE_BAND (no published run of jaxpar's program); `plan` prints the band and the MFU convention."""
-    from jaxpar.cost.band import band_for
     from jaxpar.planning.planner import TIE_BAND, tie_band
     mc = estimate(from_preset("llama3-8b"), parse_inline("fsdp=8").with_options(dtype="bfloat16").resolved(8),
                   "h100-sxm", 16, 4096, SOFTWARE["megatron-core"])
@@ -488,53 +354,3 @@ def test_plan_prices_another_stacks_float8_and_refuses_it_for_jaxpar(capsys):
     assert "jaxpar's program computes in float32 or bfloat16" in capsys.readouterr().err
     assert cli.main([*args, "--hardware", "a100-80gb", "--software", "torchtitan"]) == 2
     assert "states no float8 peak" in capsys.readouterr().err
-
-
-def test_the_per_stack_summary_states_the_bands_that_bands_toml_holds(published, analysed):
-    """The study's per (stack, hardware family) table is the band it states: each median and worst, in and out
-    of sample, equals jaxpar/cost/bands.toml's (written by --write-bands) within its rounding, and the guide's
-    default band (megatron-core on the H100 family) is the median of the out-of-sample errors of those rows."""
-    from jaxpar.cost.band import band_for
-    s = published[0]
-    ok, _, loso = analysed
-    bands = s.error_bands(ok, loso)
-    rows = {(r[0], r[1]): r for r in ([c.strip() for c in line.strip().strip("|").split("|")]
-                                       for line in s.stack_summary(bands)[2:])}
-    assert len(rows) == len(bands) >= 5
-    for b in bands:
-        toml = band_for(b.family, b.software)
-        assert toml is not None, (b.family, b.software)
-        assert (b.runs, round(b.median, 4), round(b.worst, 4)) == (toml.runs, toml.median, toml.worst), b
-        assert (b.oos_median is None) == (toml.oos_median is None), b
-        if b.oos_median is not None:
-            assert (round(b.oos_median, 4), round(b.oos_worst, 4)) == (toml.oos_median, toml.oos_worst), b
-        cells = rows[b.software, b.family]
-        assert cells[3] == f"{toml.median:.1%}" and cells[7] == f"±{toml.guide():.1%}", cells
-    default = [abs(p["predicted"] / p["published"] - 1) for p in s.points(ok, loso)
-               if (p["stack"], p["family"]) == ("megatron-core", "h100-sxm")]
-    assert statistics.median(default) == pytest.approx(band_for("h100-sxm", "megatron-core").oos_median, abs=5e-5)
-
-
-def test_the_figure_plots_every_predicted_row_and_marks_those_predicted_not_to_fit(published, analysed):
-    """One marker per predicted row on the log-log panel and one on the error panel; a row the model says does
-    not fit in HBM is hollow (every published row fits, so one is marked so here), and the report counts
-    the rows that do not fit."""
-    plt = pytest.importorskip("matplotlib.pyplot")
-    from matplotlib.collections import PathCollection
-    s, rows, skipped = published
-    ok, _, loso = analysed
-    pts = s.points(ok, loso)
-    assert f"{sum(1 for p in pts if not p['fits'])} of them predicted not to fit" in s.report(rows, skipped,
-                                                                                        analysed=analysed)
-    pts[0] = dict(pts[0], fits=False)
-    fig = s.figure(plt, pts, s.error_bands(ok, loso))
-    try:
-        for ax in fig.axes:
-            drawn = [c for c in ax.collections if isinstance(c, PathCollection) and len(c.get_offsets())]
-            assert len(drawn) == len(ok), ax.get_title()
-            hollow = sum(1 for c in drawn if len(c.get_facecolor()) == 0 or c.get_facecolor()[0][3] == 0)
-            not_fit = sum(1 for p in pts if not p["fits"])
-            assert hollow == not_fit > 0
-        assert fig.axes[0].get_xscale() == fig.axes[0].get_yscale() == "log"
-    finally:
-        plt.close(fig)
