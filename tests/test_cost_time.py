@@ -77,8 +77,9 @@ def test_a_projection_gemm_waits_on_hbm_below_the_ridge_by_hand():
     one = (("mlp", 8192, 8192, "n", 0),)
     hand = 2 * (128 * 8192 + 8192 * 8192 + 128 * 8192) / hw.hbm_bw - 2 * 128 * 8192 * 8192 / rate
     assert hand > 0
-    assert time.gemm_excess(one, 128, {"mlp": 1}, 1, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == pytest.approx(hand)
-    assert time.gemm_excess(one, 4096, {"mlp": 1}, 1, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == 0.0
+    (kind, seconds), = time.gemm_excess(one, 128, 1, 1, 1, rate, hw.hbm_bw, 2, 2)
+    assert kind == "mlp" and seconds == pytest.approx(hand)
+    assert time.gemm_excess(one, 4096, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == ()
     m, tokens = from_preset("llama3-8b"), 64
     shapes = ((4096, 768), (512, 4096), (4096, 3584), (1792, 4096))
     waits = [2 * (tokens * k + k * n + tokens * n) / hw.hbm_bw - 2 * tokens * k * n / rate for k, n in shapes]

@@ -219,16 +219,27 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM
 
 
 def gemm_waits(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float, hw: Hardware) -> float:
-    """Seconds per device the step's projection GEMMs wait on HBM beyond their FLOPs (time.gemm_excess) in
-    the strategy's dtype: float8 linears read 1-byte operands at the float8 peak."""
+    """Seconds per device the step's projection GEMMs wait on HBM beyond their FLOPs (time.gemm_excess, per
+    pass) in the strategy's dtype (float8 linears read 1-byte operands at the float8 peak), in every pass
+    they run: forward, the two gradients and a full rerun, for each layer execution of their block kind."""
     dtype, sizes = st.options.dtype, st.sizes
+    operand = ELEMENT_BYTES[dtype]
+    waits = per_pass_waits(m, sh.mb * sh.s_loc, sizes["tensor"], sizes["expert"], rows,
+                           hw.matmul_peak(dtype) * hw.matmul_efficiency, hw.hbm_bw, operand,
+                           2 if dtype == "float8" else operand)
+    if not waits:
+        return 0.0
     executions = {"attention": sh.exec_attention + sh.exec_moe, "mlp": sh.exec_attention, "experts": sh.exec_moe,
                   "mamba": sh.exec_mamba}
     passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
-    operand = ELEMENT_BYTES[dtype]
-    return time.gemm_excess(flops.projection_shapes(m), sh.mb * sh.s_loc, executions, sizes["tensor"],
-                            sizes["expert"], rows, passes, hw.matmul_peak(dtype) * hw.matmul_efficiency, hw.hbm_bw,
-                            operand, 2 if dtype == "float8" else operand)
+    return passes * sum(executions[kind] * seconds for kind, seconds in waits)
+
+
+@params.per_model  # a planner's candidates share their per-device GEMM shapes
+def per_pass_waits(m: ModelConfig, tokens: float, tensor: int, expert: int, rows: float, rate: float, hbm_bw: float,
+                   operand: int, output: int) -> tuple[tuple[str, float], ...]:
+    """time.gemm_excess of `m`'s projection GEMMs (flops.projection_shapes)."""
+    return time.gemm_excess(flops.projection_shapes(m), tokens, tensor, expert, rows, rate, hbm_bw, operand, output)
 
 
 def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,

@@ -174,32 +174,29 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
     return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
-def gemm_excess(shapes: tuple[tuple[str, int, int, str, int], ...], tokens: float, executions: dict[str, float],
-                tensor: int, expert: int, rows: float, passes: float, rate: float, hbm_bw: float,
-                operand_bytes: float, output_bytes: float) -> float:
-    """Seconds the projection GEMMs take beyond their FLOPs at `rate` (the calibrated matmul FLOP/s), where
-    one is bound by HBM instead: the roofline (Williams et al. 2009; the scaling book, "All about
-    rooflines"). A GEMM of an M x K input and a K x N weight does 2MKN FLOPs and moves MK + KN operand and
-    MN output elements, so one whose smaller dimension falls below about rate / hbm_bw FLOPs per byte (a
-    short micro-batch, a narrow per-device slice under wide tensor parallelism, an expert that receives few
-    tokens) waits on memory. `shapes`: flops.projection_shapes; M = `tokens` per micro-batch and device
-    (the gathered sequence under sequence parallelism), `rows` copies per token for the routed experts,
-    whose grouped GEMM reads the experts / `expert` weights of the device; `executions` per block kind
-    (shape.StepShape); `passes` of each GEMM per execution (forward, the input and weight gradients, which
-    move as many elements and do as many FLOPs, and a full rerun). Compute-bound GEMMs add nothing. Tile
-    and wave quantisation (NVIDIA, "Matrix Multiplication Background") are not modelled."""
-    total = 0.0
+def gemm_excess(shapes: tuple[tuple[str, int, int, str, int], ...], tokens: float, tensor: int, expert: int,
+                rows: float, rate: float, hbm_bw: float, operand_bytes: float,
+                output_bytes: float) -> tuple[tuple[str, float], ...]:
+    """(block kind, seconds) that one pass of each projection GEMM takes beyond its FLOPs at `rate` (the
+    calibrated matmul FLOP/s), where it is bound by HBM instead: the roofline (Williams et al. 2009; the
+    scaling book, "All about rooflines"). A GEMM of an M x K input and a K x N weight does 2MKN FLOPs and
+    moves MK + KN operand and MN output elements, so one whose smaller dimension falls below about
+    rate / hbm_bw FLOPs per byte (a short micro-batch, a narrow per-device slice under wide tensor
+    parallelism, an expert that receives few tokens) waits on memory. `shapes`: flops.projection_shapes;
+    M = `tokens` per micro-batch and device (the gathered sequence under sequence parallelism), `rows`
+    copies per token for the routed experts, whose grouped GEMM reads the experts / `expert` weights of the
+    device. The input and weight gradients move as many elements and do as many FLOPs as the forward, so a
+    pass of each costs the same. Compute-bound GEMMs are left out. Tile and wave quantisation (NVIDIA,
+    "Matrix Multiplication Background") are not modelled."""
+    out = []
     for kind, k, n, split, experts in shapes:
-        runs = executions[kind]
-        if not runs:
-            continue
         k, n = (k, n / tensor) if split == "n" else (k / tensor, n)
         m_rows, weights = (tokens * rows, experts / expert * k * n) if experts else (tokens, k * n)
         excess = ((operand_bytes * (m_rows * k + weights) + output_bytes * m_rows * n) / hbm_bw
                   - 2.0 * m_rows * k * n / rate)
         if excess > 0.0:
-            total += runs * passes * excess
-    return total
+            out.append((kind, excess))
+    return tuple(out)
 
 
 def decomposed_hideable(tensor_s: float, linear_s: float, ops: tuple[tuple[int, float], ...], rerun: bool) -> float:
