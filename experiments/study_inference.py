@@ -226,8 +226,9 @@ def report(rows, kv, trt, own) -> list[str]:
                             f"{r['comm_ms']:.3f}"] for r in rows]), "",
             "Latency: one decode step (every sequence gets one token); tokens/s: the node's new tokens per "
             "second; time to first token: the prefill of the whole batch; (largest): the largest batch that fits "
-            "(a multiple of the replicas). comm: the tensor-parallel all-reduces, at the profile's nominal "
-            "per-hop latency (3 us on H100, not fitted), which sets most of the batch-1 latency.", ""]
+            "(a multiple of the replicas). comm: the tensor-parallel all-reduces, at NCCL's latency per ring step "
+            f"({h100.alpha_intra * 1e6:.1f} us over NVLink on H100, its tuning model's; not fitted), which sets most "
+            "of the batch-1 latency.", ""]
     roofline = h100.peak_flops / h100.hbm_bw
     sec2 = ["## (2) Critical batch (model): where a decode step turns compute bound", "",
             *md_table(["model", "hardware", "layout", "critical batch"],

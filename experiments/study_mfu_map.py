@@ -24,8 +24,8 @@ mfu_convention prints it (causal attention); band: megatron-core on the H100 fam
 Assumptions. h100-sxm, software megatron-core (fused attention; TP, DP and PP communication
 overlapped). Mamba-2 2.7B with max_seq raised to 131,072 (the checkpoint was trained at 2,048; the
 shapes do not depend on it). What the cost model prices at scale: per collective a latency of
-alpha x hops (a ring inside a node, a log2 tree across nodes: jaxpar/cost/time.py) and the bytes over each
-link tier; megatron-core's overlap hides the data-parallel, tensor and pipeline collectives under compute
+alpha x steps as NCCL's tuning model counts them (all-gathers and reduce-scatters a ring through every rank,
+all-reduces a tree across nodes: jaxpar/cost/time.py) and the bytes over each link tier; megatron-core's overlap hides the data-parallel, tensor and pipeline collectives under compute
 (jaxpar/cost/software.py). It does not price stragglers, failures and restarts, congestion between jobs
 or across the fabric's tiers, or the data loader. Writes experiments/results/study_mfu_map.md and .png.
 """
@@ -164,9 +164,10 @@ def head(cells: list[dict]) -> list[str]:
             "plan's; `vs smallest cluster`: the cell against the smallest cluster where the model fits at that length, "
             "a tie within the band or the gap; `exposed comm`: collective time not hidden under compute, share of the "
             "step; `DP comm hidden`: share of the data-parallel collectives hidden. `-`: nothing fits.", "",
-            f"What the model prices at scale (h100-sxm): per collective {HW.alpha_intra * 1e6:.0f} µs per hop inside a "
-            f"node (a ring) and {HW.alpha_inter * 1e6:.0f} µs per hop across nodes (a log2 tree), the bytes over "
-            f"NVLink and InfiniBand; megatron-core hides the data-parallel, tensor and pipeline collectives under "
+            f"What the model prices at scale (h100-sxm): per collective {HW.alpha_intra * 1e6:.1f} µs per step over "
+            f"NVLink and {HW.alpha_inter * 1e6:.0f} µs per step across nodes (NCCL's ring latencies), all-gathers and "
+            "reduce-scatters a ring through every rank, all-reduces a tree across nodes (log2 of the nodes), the bytes "
+            "over NVLink and InfiniBand; megatron-core hides the data-parallel, tensor and pipeline collectives under "
             "compute. Not priced: stragglers, failures and restarts, congestion across the fabric, the data loader.", "",
             f"Published, for comparison: Llama 3 405B at seq 8,192 ran {tf0} TFLOP/s per GPU on {n0:,} H100 and "
             f"{tf1} on {n1:,} (Dubey et al. 2024, table 4): {versus(tf1, tf0, BAND)} (different layouts: DP64 and "

@@ -71,6 +71,7 @@ class Row:
     seq: int
     published: float          # tokens/s per device
     unsupported: str = ""     # why the cost model cannot represent it ("" = it can)
+    memory_gib: float = 0.0   # the peak memory per device the source published (GiB; 0: not published)
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def torchtitan(src, row, models) -> Row:
     opts |= dict(microbatches=pp, pp_schedule="1f1b") if pp > 1 else {}
     label = f"{row.get('table', 'asyncTP')} {row['model']} {row['gpus']} GPUs fsdp{row['fsdp']} tp{row['tp']} pp{pp} cp{cp}"
     return Row(src["id"], label, m, st.with_options(**opts), "h100-96gb-500w", "torchtitan", row["global_batch"], seq,
-               row["tokens_per_s_per_gpu"], why)
+               row["tokens_per_s_per_gpu"], why, row.get("memory_gib", 0.0))
 
 
 def maxtext_v6e(src, row, models) -> Row:
@@ -301,6 +302,39 @@ def leave_one_source_out(ok: list[tuple[Row, Strategy]]) -> dict[int, tuple[floa
 
 # ---- reporting -------------------------------------------------------------------------------------
 
+def memory_check(ok: list[tuple[Row, Strategy]]) -> list[tuple[Row, float]]:
+    """(row, predicted memory per device in GiB) for the rows whose source publishes its peak memory."""
+    out = []
+    for row, st in ok:
+        if row.memory_gib:
+            est = estimate(row.model, st, load_hardware(row.hardware), row.global_batch, row.seq, SOFTWARE[row.software])
+            out.append((row, est.memory.total / 2**30))
+    return out
+
+
+MEMORY_HEAD = ("Memory, where the source publishes it: torchtitan logs `torch.cuda.max_memory_reserved` (its "
+               "DeviceMemoryMonitor's max_reserved_gib), what PyTorch's caching allocator held at its peak. The "
+               "model counts what the step keeps (weights, gradients, optimizer state, activations, the loss's "
+               "logits); the allocator also holds its fragmentation and the rounding of its blocks, so the "
+               "prediction is a lower bound of the published figure, and their ratio is the share of the "
+               "reserved memory the model accounts for.")
+
+
+def memory_table(checked: list[tuple[Row, float]]) -> list[str]:
+    if not checked:
+        return []
+    ratios = [pred / row.memory_gib for row, pred in checked]
+    lines = ["## Memory where a source publishes it", "", MEMORY_HEAD, "",
+             "| source | run | published peak GiB | predicted GiB | predicted / published |", "|---|---|---|---|---|"]
+    lines += [f"| {row.source} | {row.label} | {row.memory_gib:.1f} | {pred:.1f} | {pred / row.memory_gib:.2f} |"
+              for row, pred in checked]
+    lines += ["", f"{len(checked)} runs: the model accounts for {min(ratios):.0%} to {max(ratios):.0%} of the reserved "
+              f"peak (median {statistics.median(ratios):.0%}); {sum(r <= 1 for r in ratios)} of {len(checked)} "
+              "predictions are at or below it. A layout the model puts near the HBM's edge may not fit a PyTorch stack: "
+              "`--hbm-headroom` keeps the rest free.", ""]
+    return lines
+
+
 def summary(errors: dict[str, list[float]], alone: dict[str, int] | None = None) -> list[str]:
     """Per source: rows, median and worst |error|, and whether the issue's goal holds; `alone`: per source, its
     rows on a hardware family no other source covers (their "out of sample" constants were fitted on them)."""
@@ -455,7 +489,8 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analy
                      f"{'yes' if fits else 'NO'} | {how} |")
     lines += ["", "In sample (the committed profiles):", "", *summary(ins), "",
               "Out of sample (leave one source out):", "", *summary(outs, alone), "",
-              "## Per stack and hardware family: the error bands (jaxpar/cost/bands.toml)", "", *stack_summary(bands), ""]
+              "## Per stack and hardware family: the error bands (jaxpar/cost/bands.toml)", "", *stack_summary(bands), "",
+              *memory_table(memory_check(ok))]
     lines += [f"{len(ok)} rows predicted, {not_fit} of them predicted not to fit in HBM; "
               f"{len(refused)} not expressible:", ""]
     lines += [f"- {row.source} {row.label}: {why}" for row, why in refused]

@@ -26,8 +26,8 @@ def test_estimate_with_overlap_loses_exactly_the_exposed_all_to_alls():
     st = Strategy(name="data8-expert8", mesh=tuple((a, sizes[a]) for a in AXES),
                   options=Options(zero=1, remat="full", dtype="bfloat16"))
     m = parse_model("mixtral-8x7b")
-    plain = estimate(m, st, H100, 64, 4096, MEGATRON_CORE)
-    hidden = estimate(m, st, H100, 64, 4096, dataclasses.replace(MEGATRON_CORE, ep_overlap=1.0))
+    plain = estimate(m, st, H100, 128, 4096, MEGATRON_CORE)
+    hidden = estimate(m, st, H100, 128, 4096, dataclasses.replace(MEGATRON_CORE, ep_overlap=1.0))
     a2a = sum(c.bytes for c in plain.collectives if c.kind == "all-to-all")
     assert a2a > 0 and plain.time.expert > 0 and hidden.time.expert == 0.0
     # the compute is far larger than the all-to-alls and the data-parallel traffic together, so all of it hides

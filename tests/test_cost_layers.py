@@ -12,7 +12,7 @@ COST = pathlib.Path(__file__).resolve().parent.parent / "jaxpar" / "cost"
 TEXTBOOK = ("hardware", "params", "flops", "shape", "memory", "held", "floor", "time", "energy")
 # the collectives each parallelism issues: textbook, with XLA's passes applied through compiler.py
 COLLECTIVES = ("comm_data", "comm_tensor", "comm_context", "comm_pipeline", "comm_expert")
-COMPILER_KIN = {"Compiler", "site", "together", "reductions", "ar_bytes", "scattered", "input_grads",
+COMPILER_KIN = {"Compiler", "site", "together", "reductions", "ar_bytes", "scattered", "input_grads", "weight_buffers", "weight_buckets",
                 "input_grad_sums"}   # the passes as compiler.py applies them
 # still branching on a trait of its own (XLA:CPU's unhoisted loop sums and its combiner's grouping)
 COMPILER_BRANCHES = ("comm_data",)

@@ -1,5 +1,6 @@
 """Link tiers, alpha-beta times and the step-time composition."""
 import dataclasses
+import math
 
 import pytest
 
@@ -33,6 +34,67 @@ def test_cross_node_all_reduce_is_hierarchical():
     big = parse_inline("data=16384")   # 2048 nodes: 11 tree steps across them, not 2047 ring steps
     latency = time.collective_seconds(comm.AR, ("data",), 1, 0.0, big, A100)
     assert latency == pytest.approx(2 * (7 * A100.alpha_intra + 11 * A100.alpha_inter))
+
+
+def test_cross_node_gathers_and_scatters_are_rings_through_every_rank():
+    """NCCL's tuning model (src/graph/tuning.cc): an all-gather or reduce-scatter over n ranks on m nodes is a
+    ring of n - 1 steps, m - 1 of them across nodes; an all-reduce takes its tree (above). data=32 on 8-GPU
+    nodes: 28 NVLink steps and 3 network steps; data=16384: 14,336 and 2,047."""
+    for devices, nodes in ((32, 4), (16384, 2048)):
+        st = parse_inline(f"data={devices}")
+        for kind in (comm.AG, comm.RS):
+            latency = time.collective_seconds(kind, ("data",), 1, 0.0, st, A100)
+            assert latency == pytest.approx((devices - nodes) * A100.alpha_intra + (nodes - 1) * A100.alpha_inter)
+    inside = time.collective_seconds(comm.AG, ("tensor",), 1, 0.0, parse_inline("tensor=8"), A100)
+    assert inside == pytest.approx(7 * A100.alpha_intra)
+
+
+def test_a_torus_runs_its_rings_per_dimension():
+    """A v5e slice of 256 chips is a 16 x 16 torus: a ring over 16 chips takes 15 steps, over 32 chips (two
+    dimensions, 16 x 2) 15 + 1, over the whole slice 15 + 15, not 255; a GPU node's switch, members - 1."""
+    v5e, h100 = load_hardware("tpu-v5e"), load_hardware("h100-sxm")
+    assert [v5e.ring_steps(k, 256) for k in (1, 2, 16, 32, 256)] == [0, 1, 15, 16, 30]
+    assert [h100.ring_steps(k, 8) for k in (1, 2, 8)] == [0, 1, 7]
+    st = parse_inline("fsdp=256")
+    assert time.collective_seconds(comm.AG, ("fsdp",), 1, 0.0, st, v5e) == pytest.approx(30 * v5e.alpha_intra)
+
+
+def test_flat_parameters_issue_one_gather_and_one_scatter_per_block_and_pass():
+    """PyTorch's FSDP gathers a block's weights as one flat buffer (Software.flat_params): per layer one
+    all-gather forward, one backward (full remat reruns the forward: two then) and one reduce-scatter; XLA's
+    program (jaxpar) one per weight array (a Llama layer: 7 matrices and 2 norms). Bytes are the same."""
+    from jaxpar.cost.software import SOFTWARE
+    m = from_preset("llama3-8b")
+    st = parse_inline("fsdp=64")
+    counts = {}
+    for name in ("jaxpar", "torchtitan"):
+        est = estimate(m, st, "h100-sxm", 64, 4096, SOFTWARE[name])
+        counts[name] = {(k, ph): (c, b) for k, axes, ph, c, b in est.predicted if axes == ("fsdp",)}
+    flat, arrays = counts["torchtitan"], counts["jaxpar"]
+    assert flat[(comm.AG, "forward")][0] == m.layers + 3   # + the head, the final norm, the embedding lookup's token ids
+    assert flat[(comm.AG, "backward")][0] == m.layers
+    assert flat[(comm.RS, "backward")][0] == m.layers
+    assert arrays[(comm.RS, "backward")][0] == 9 * m.layers
+    assert flat[(comm.RS, "backward")][1] == pytest.approx(arrays[(comm.RS, "backward")][1])
+
+
+def test_megatron_buckets_its_step_reductions():
+    """Megatron-Core's DDP and distributed optimizer reduce the gradients and gather the weights in buckets of
+    max(40M, 1M x ranks) parameters (Software.grad_buckets): Llama 3 8B over 64 data ranks, ZeRO-1, issues
+    ceil(8.0B / 64M) reduce-scatters of float32 gradients and as many bf16 gathers; XLA's program one per
+    stacked weight array."""
+    from jaxpar.cost.software import SOFTWARE
+    m = from_preset("llama3-8b")
+    st = parse_inline("data=64").with_options(zero=1)
+    ops = {}
+    for name in ("jaxpar", "megatron-core"):
+        est = estimate(m, st, "h100-sxm", 64, 4096, SOFTWARE[name])
+        ops[name] = {(k, ph): (c, b) for k, axes, ph, c, b in est.predicted if axes == ("data",)}
+    count, nbytes = ops["megatron-core"][(comm.RS, "backward")]
+    assert count == math.ceil(nbytes / 4 / 64e6) > 100
+    gathers, gathered = ops["megatron-core"][(comm.AG, "optimizer")]
+    assert gathers == math.ceil(gathered / 2 / 64e6)
+    assert ops["jaxpar"][(comm.RS, "backward")][0] < 20
 
 
 def test_single_device_step_is_compute_plus_optimizer():

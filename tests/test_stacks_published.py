@@ -89,16 +89,17 @@ def test_torchtitans_memory_lies_below_its_published_peak_and_near_it(published,
     """torchtitan publishes each run's peak memory (max reserved by PyTorch's caching allocator, an upper
     bound on what is alive): the model's memory per GPU, with torchtitan's own traits (its float32 loss,
     every other matmul saved, FSDP gathered inside a pipeline, FSDP over the context ranks), lies between
-    60% and 100% of it on every row."""
+    60% and 100% of it on every row, and the study's memory table lists each row."""
     s = published[0]
     ok, _, _ = analysed
     src = next(x for x in tomllib.loads(s.REFERENCE.read_text())["source"] if x["id"] == "torchtitan_h100_2024")
     memory_gib = [dict(zip(src["columns"], r))["memory_gib"] for r in src["rows"]]
-    rows = [(row, st) for row, st in ok if row.source == "torchtitan_h100_2024"]
-    assert len(rows) == len(memory_gib)
-    for (row, st), gib in zip(rows, memory_gib):
-        est = estimate(row.model, st, load_hardware(row.hardware), row.global_batch, row.seq, SOFTWARE[row.software])
-        assert 0.6 * gib <= est.memory.total / 2**30 <= gib, (row.label, est.memory, gib)
+    checked = s.memory_check(ok)
+    assert [row.memory_gib for row, _ in checked] == memory_gib
+    for row, predicted in checked:
+        assert 0.6 * row.memory_gib <= predicted <= row.memory_gib, (row.label, predicted, row.memory_gib)
+    table = s.memory_table(checked)
+    assert sum(line.startswith("| torchtitan_h100_2024 |") for line in table) == len(memory_gib)
 
 
 def plan_check():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import pathlib
 import types
 from collections.abc import Mapping
@@ -132,6 +133,10 @@ class Strategy:
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]
+
+    def group(self, axes: tuple[str, ...]) -> int:
+        """Devices in a group over `axes` (the product of their sizes)."""
+        return math.prod(self.sizes[a] for a in axes)
 
     @functools.cached_property
     def zero(self) -> int:

@@ -64,7 +64,9 @@ def predicted(m: ModelConfig, st: Strategy, shape: StepShape, software: Software
     per second."""
     cores = st                                  # the attention core's collectives (context) under the run's policy
     st = units_strategy(st)                     # every other collective follows the layer unit's policy
-    sz, cc, own, sp = st.sizes, compiler, software.jaxpar_program, st.options.sequence_parallel
+    sz, own, sp = st.sizes, software.jaxpar_program, st.options.sequence_parallel
+    flat, buckets = software.flat_params, software.grad_buckets
+    cc = compiler.issuing(flat, buckets) if flat or buckets else compiler
     piped = own and shape.stages > 1            # jaxpar's own pipeline schedules (jaxpar/pipeline/)
     one_f = one_f_one_b(st, shape, own)         # ... its 1F1B: every backward tick reruns its chunk
     act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]  # XLA:CPU moves bf16 as float32

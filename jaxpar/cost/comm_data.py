@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxpar.cost.compiler import A2A, AG, AR, RS, Compiler, reductions, site, together
+from jaxpar.cost.compiler import (A2A, AG, AR, RS, Compiler, reductions, site, together, weight_buckets,
+                                  weight_buffers)
 from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors, unit_norms
 from jaxpar.cost.memory import PARAM_BYTES, TOKEN_BYTES, grad_bytes
 from jaxpar.cost.params import zero_rules, zero_split
@@ -48,10 +49,7 @@ def embedding_lookup(m: ModelConfig, st: Strategy, shape: StepShape, act: int, s
     the token ids are all-gathered to look rows up locally and the rows go back to batch sharding by an
     all-to-all; backward (and under ZeRO-1, where only the gradient is sharded, only backward) the
     row gradients take the reverse all-to-all, after which the embedding gradient needs no reduction."""
-    n = 1
-    for a in shard:
-        n *= st.sizes[a]
-    ids = shape.b_loc * n * shape.s_loc * TOKEN_BYTES
+    ids = shape.b_loc * st.group(shard) * shape.s_loc * TOKEN_BYTES
     rows = shape.b_loc * shape.s_loc * m.d_model * act
     out = site(cc, AG, shard, shape.accum, [ids / shape.accum], "forward")
     if st.zero == 3:
@@ -80,7 +78,7 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: C
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if e:
             sharded, _ = zero_split(m, block, 3)
-            arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act, sharded.moved)
+            arrays = weight_buffers(cc, equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act, sharded.moved))
             if shape.stages > 1:
                 per_unit = e / (shape.accum * shape.iterations * shape.per_chunk)   # blocks per unit
                 slots = per_unit * shape.repeats * shape.per_chunk
@@ -93,8 +91,8 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: C
                 if block == "moe":
                     routed, _ = zero_split(m, block, 3, experts=True)
                     elements, n = elements + routed.per_device(t, st.sizes["expert"]), n + routed.moved
-                arrays = equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act - elements * act,
-                                       sharded.moved - n)
+                arrays = weight_buffers(cc, equal_buffers(sharded.per_device(t, st.sizes["expert"]) * act
+                                                          - elements * act, sharded.moved - n))
             out += site(cc, AG, ("fsdp",), e, arrays, "backward")
     head, norm = head_and_norm(m, t)
     return out + site(cc, AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
@@ -155,12 +153,14 @@ def _groups(cc: Compiler, st: Strategy, over: tuple[str, ...], experts: bool | N
     return [over] if experts and over else reductions(cc, st, over)
 
 
-def _grads(cc: Compiler, group: tuple[str, ...], h: Held, shards: int, execs: float, gb: int) -> list[tuple]:
+def _grads(cc: Compiler, st: Strategy, group: tuple[str, ...], h: Held, shards: int, execs: float,
+           gb: int) -> list[tuple]:
     """All-reduces of the gradients of the weights `h` (`gb` bytes each) over `group` (sizes / `shards`):
-    hoisted, once per step; else a unit's in the layer loop (`execs` per unit) and embedding + head + final
-    norm's after it."""
+    hoisted, once per step (per array or per bucket, `weight_buckets`); else a unit's in the layer loop
+    (`execs` per unit) and embedding + head + final norm's after it."""
     if cc.hoist:
-        return site(cc, AR, group, 1, equal_buffers(h.full * gb / shards, h.arrays), "backward")
+        buffers = weight_buckets(cc, equal_buffers(h.full * gb / shards, h.arrays), gb / shards, st, group)
+        return site(cc, AR, group, 1, buffers, "backward")
     return (site(cc, AR, group, execs, equal_buffers(h.unit * gb / shards, h.unit_arrays), "backward")
             + site(cc, AR, group, 1, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward"))
 
@@ -187,7 +187,7 @@ def _replicated_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compil
 
     def per_group(group):
         sums = departed(group, h) if departed else None
-        return _grads(cc, group, h, 1, execs, grad_bytes(st)) if sums is None else sums
+        return _grads(cc, st, group, h, 1, execs, grad_bytes(st)) if sums is None else sums
     return [op for group in _groups(cc, st, axes, experts) for op in per_group(group)]
 
 
@@ -203,7 +203,7 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
         return _groups(cc, st, over, experts)
 
     def grads(group: tuple[str, ...], h: Held, shards: int) -> list[tuple]:
-        return _grads(cc, group, h, shards, execs, gb)
+        return _grads(cc, st, group, h, shards, execs, gb)
 
     copies = departures.sharded_sums if dense else None
     sharded, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
@@ -221,15 +221,17 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     # the sharded gradients, but the embedding's (its lookup leaves it sharded), reduce-scattered; ZeRO-3
     # does it in the loop whatever the compiler (that is what keeps only a shard of each gradient alive)
     if cc.hoist and zero != 3:
-        out += site(cc, RS, shard, 1, equal_buffers(sharded.layers * gb, sharded.unit_arrays)
-                    + [b * gb for b in (head, norm) if b and dense], "backward")
+        out += site(cc, RS, shard, 1, weight_buckets(cc, equal_buffers(sharded.layers * gb, sharded.unit_arrays)
+                                                      + [b * gb for b in (head, norm) if b and dense], gb,
+                                                      st, shard), "backward")
     else:
         if shape.stages > 1:   # jaxpar/pipeline/gpipe.py: each fsdp shard accumulates its stage's v*k unit slots, reduced once
             slots = shape.repeats * shape.per_chunk
-            in_loop = site(cc, RS, shard, shape.accum, equal_buffers(sharded.unit * slots * gb,
-                                                                     sharded.unit_arrays), "backward")
+            in_loop = site(cc, RS, shard, shape.accum, weight_buffers(cc, equal_buffers(
+                sharded.unit * slots * gb, sharded.unit_arrays)), "backward")
         else:
-            in_loop = site(cc, RS, shard, execs, equal_buffers(sharded.unit * gb, sharded.unit_arrays), "backward")
+            in_loop = site(cc, RS, shard, execs,
+                           weight_buffers(cc, equal_buffers(sharded.unit * gb, sharded.unit_arrays)), "backward")
         if vectors and not cc.hoist:
             in_loop += [op for group in groups(axes) for op in site(
                 cc, AR, group, execs, equal_buffers(norms.unit * gb, norms.unit_arrays), "backward")]
@@ -244,7 +246,8 @@ def _sharded_grads(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
                 grads(group, norms, 1) if cc.hoist else site(cc, AR, group, 1, [norm * gb], "backward"))]
     if zero == 1:
         out += embedding_lookup(m, st, shape, act, shard, cc) if dense else []
-        out += site(cc, AG, shard, 1, equal_buffers(sharded.full * gather_bytes, sharded.arrays), "optimizer")
+        out += site(cc, AG, shard, 1, weight_buckets(cc, equal_buffers(sharded.full * gather_bytes, sharded.arrays),
+                                                      gather_bytes, st, shard), "optimizer")
     for group in groups(axes):  # the kept weights', as under ZeRO-0 (in the loop: above)
         out += (grads(group, kept, 1) if cc.hoist
                 else site(cc, AR, group, 1, equal_buffers(kept.emb * gb, kept.emb_arrays), "backward"))

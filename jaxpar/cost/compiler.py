@@ -19,6 +19,16 @@ same on every backend; what XLA's later passes make of it is not. `Compiler` sta
     promote_bf16          bf16 collectives run in float32 (4 bytes per element): XLA:CPU's float
                           normalization converts every bf16 all-reduce, all-gather, permute and
                           all-to-all (checked on a bf16 ZeRO-1 step: tests/test_planner.py, verify).
+    flat_weights          not a pass but the program's choice, which the software makes
+                          (Software.flat_params): FSDP gathers and reduce-scatters one block's weights as
+                          one flat buffer, one op per block and pass (PyTorch FSDP's FlatParameter, FSDP2's
+                          one all-gather and one reduce-scatter per fully_shard group); XLA issues one per
+                          weight array (False), as `weight_buffers` applies.
+    buckets               also the program's (Software.grad_buckets): the gradient reductions and parameter
+                          gathers a step issues once, after or beside the backward pass, go in buckets
+                          of max(40M, 1M x ranks) parameters (Megatron-Core's DDP default bucket_size,
+                          megatron/core/distributed/distributed_data_parallel.py), not one per array
+                          (`weight_buckets`).
 `GPU` and `TPU` are the textbook (Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (it runs
 none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
 A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
@@ -34,6 +44,8 @@ of them beyond an op's kind and bytes is cost/compiler_comm.py's.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 from jaxpar.core.rules import BASE_RULES
 from jaxpar.core.strategy import Strategy
@@ -52,6 +64,14 @@ class Compiler:
     hoist: bool = True
     fold: bool = True
     promote_bf16: bool = False
+    flat_weights: bool = False
+    buckets: bool = False
+
+    @functools.cache
+    def issuing(self, flat_weights: bool, buckets: bool) -> Compiler:
+        """This compiler under a program that flattens each block's weights and buckets its step's reductions
+        as the software says (`flat_weights`, `buckets`)."""
+        return dataclasses.replace(self, flat_weights=flat_weights, buckets=buckets)
 
 
 GPU = Compiler("gpu")
@@ -103,6 +123,27 @@ def site(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, buffers: 
     if kind == AR and cc.combine:
         return [(AR, axes, execs, sum(buffers), phase)]
     return [(kind, axes, execs * len(buffers), sum(buffers) / len(buffers), phase)]
+
+
+def weight_buffers(cc: Compiler, buffers: list[float]) -> list[float]:
+    """The buffers a block's FSDP all-gather or reduce-scatter moves: one per weight array, or their sum
+    where the program flattens the block's weights (`Compiler.flat_weights`)."""
+    return [sum(buffers)] if cc.flat_weights and buffers else buffers
+
+
+BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 40_000_000, 1_000_000   # Megatron-Core DDP: max(40M, 1M x ranks)
+
+
+def weight_buckets(cc: Compiler, buffers: list[float], element_bytes: float, st: Strategy,
+                   axes: tuple[str, ...]) -> list[float]:
+    """The buffers of a gradient reduction or parameter gather issued once per step over `axes`: one per
+    weight array, or equal buckets of max(40M, 1M x ranks) parameters of `element_bytes` each where the
+    program buckets them (`Compiler.buckets`)."""
+    if not cc.buckets or not buffers:
+        return buffers
+    total = sum(buffers)
+    n = max(1, math.ceil(total / element_bytes / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * st.group(axes))))
+    return [total / n] * n
 
 
 def ar_bytes(cc: Compiler, act: int) -> int:

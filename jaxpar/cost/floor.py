@@ -63,13 +63,6 @@ from jaxpar.core.strategy import Strategy
 KINDS = ("data", "zero1", "fsdp", "tensor", "context", "expert", "pipeline")
 
 
-def _group(st: Strategy, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= st.sizes[a]
-    return n
-
-
 def _ar(n: int) -> float:
     """Bytes sent per buffer byte by a ring all-reduce over n devices."""
     return 2 * (n - 1) / n
@@ -100,7 +93,7 @@ def _lookup(m: ModelConfig, shape: StepShape, n: int, act: int, forward: bool) -
 def _weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, experts: bool | None) -> dict[str, float]:
     """Data parallelism, ZeRO-1 and FSDP for the weights `experts` selects (see the module docstring)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1 and not (experts and a == "expert"))
-    n_all, s = _group(st, axes), shape.stages
+    n_all, s = st.group(axes), shape.stages
     dense = experts is not True
 
     def per_device(h) -> float:   # layers per stage; embedding, head, final norm shared out over the stages
@@ -110,7 +103,7 @@ def _weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, experts: 
         return {"data": _ar(n_all) * per_device(held(m, st, experts=experts)) * GRAD_BYTES}
     purpose = "optimizer" if st.zero == 1 else "params"
     shard = tuple(a for a in zero_rules(st.zero, purpose)["embed"] if a in axes)
-    n, rest = _group(st, shard), _group(st, tuple(a for a in axes if a not in shard))
+    n, rest = st.group(shard), st.group(tuple(a for a in axes if a not in shard))
     z, kept = held(m, st, "zero", experts), held(m, st, "kept", experts)
     out = {"data": _ar(n_all) * per_device(kept) * GRAD_BYTES + _ar(rest) * per_device(z) / n * GRAD_BYTES}
     table = m.vocab * m.d_model / st.sizes["tensor"] / s if dense else 0.0   # the embedding table, in z.emb
@@ -170,7 +163,7 @@ def _context(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> float:
 def _expert(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> float:
     e, moe = st.sizes["expert"], shape.exec_moe * _real(shape)
     a2a = (6 if st.options.remat == "full" else 4) * _share(e) * shape.mb * shape.s_loc * m.top_k * m.d_model * act
-    return moe * (a2a + _ar(_group(st, DATA_LIKE)) * 2 * m.experts * 4)
+    return moe * (a2a + _ar(st.group(DATA_LIKE)) * 2 * m.experts * 4)
 
 
 def _pipeline(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> float:

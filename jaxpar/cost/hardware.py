@@ -18,7 +18,9 @@ stated per software (jaxpar/cost/software.py: tp_overlap, dp_overlap, pp_overlap
 
 Link model (scaling book, GPU and TPU chapters): an axis whose devices all sit in one node (GPU
 NVLink domain, TPU ICI slice) uses `intra_bw`; an axis spanning nodes also crosses `inter_bw`
-(InfiniBand / DCN), per device. `alpha_*` is the per-hop latency of a ring step on each tier.
+(InfiniBand / DCN), per device. `alpha_*` is the latency of one ring step on each tier (GPU profiles:
+NCCL's own tuning model, src/graph/tuning.cc hwLat, ring with the Simple protocol of large messages:
+3.4 us over NVLink, 14 us over the network; jaxpar/cost/time.py counts the steps).
 A TPU slice is a torus of `torus_dims` dimensions (v4, v5p: 3; v5e, v6e: 2): `intra_bw` is one
 dimension's bidirectional ring, and a group that spans several dimensions gathers over each of them at
 once, "increasing the available bandwidth by a factor of N_axes" (scaling book, "Sharded matrices":
@@ -83,6 +85,18 @@ class Hardware:
         while reach < members and spanned < self.torus_dims:
             spanned, reach = spanned + 1, reach * edge
         return spanned
+
+    def ring_steps(self, members: int, slice_chips: int) -> int:
+        """Latency steps of a ring collective over `members` devices of one node: members - 1 through a
+        switch (NCCL's ring over NVLink); on a torus one ring per dimension the group spans, each of its
+        chips along that dimension less one, run one after another ("an AllGather over two axes is two
+        1-D AllGathers", scaling book, "Sharded matrices"; the group fills dimensions as `torus_axes`)."""
+        spanned = self.torus_axes(members, slice_chips)
+        if spanned <= 1:
+            return max(0, members - 1)
+        edge = max(2, round(slice_chips ** (1.0 / self.torus_dims)))
+        full = edge ** (spanned - 1)
+        return (spanned - 1) * (edge - 1) + max(1, -(-members // full)) - 1
 
 
 PLATFORMS = ("gpu", "tpu")

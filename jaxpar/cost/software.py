@@ -84,6 +84,18 @@ one more `Software(...)` in `SOFTWARE`.
                        dp_shard_cp mesh whenever dp_shard or cp is > 1 (torchtitan/models/llama3/infra/
                        parallelize.py), MaxText's logical axis rules put `embed` on `context`; Megatron's
                        distributed optimizer shards only what its ZeRO stage says (False)
+    flat_params        FSDP gathers and reduce-scatters each block's weights as one flat buffer: one op per
+                       block and pass, not one per weight array (jaxpar/cost/compiler.py flat_weights):
+                       torchtitan's FSDP2 (one fully_shard group per TransformerBlock, gathered by one
+                       foreach all-gather, reduced by one reduce-scatter: torchtitan docs/fsdp.md),
+                       llm-foundry's FSDP1 (one FlatParameter per wrapped block), Megatron-FSDP (its
+                       fsdp_unit_modules, a TransformerLayer each, gathered per unit); False for XLA's
+                       programs (jaxpar, MaxText), which issue one per array
+    grad_buckets       the gradient reductions and parameter gathers issued once per step (ZeRO-0's
+                       all-reduces, ZeRO-1's reduce-scatters and gathers) go in buckets of max(40M, 1M x
+                       data-parallel ranks) parameters: Megatron-Core's DDP and distributed optimizer
+                       (bucket_size default, megatron/core/distributed/distributed_data_parallel.py;
+                       jaxpar/cost/compiler.py buckets); False: one per weight array
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
@@ -207,6 +219,8 @@ class Software:
     dp_overlap: float = 0.0
     pp_overlap: float = 0.0
     ep_overlap: float = 0.0
+    flat_params: bool = False
+    grad_buckets: bool = False
     fp8_gathers: bool = False
     async_tp: bool = False
     distributed_optimizer: bool = False
@@ -236,7 +250,7 @@ JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
-                    optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1),
+                    optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1), flat_params=True, grad_buckets=True,
                     remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
@@ -259,6 +273,7 @@ TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fuse
                       remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",), zeros=(0, 3),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, pp_end_stages=True, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True,
+                      flat_params=True,
                       async_tp=True,
                       sequence_parallel=True, attention_kernel="flash2", state_over_context=True, fsdp_over_context=True,
                       cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal", cp_attention="ring",
@@ -286,7 +301,7 @@ MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_atte
 # (causal), forward/backward prefetch, full-layer activation checkpointing; no TP or PP.
 LLM_FOUNDRY = Software(name="llm-foundry", jaxpar_program=False, causal=True, fused_attention=True,
                        rerun_outputs=True, param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False,
-                       dp_overlap=1.0, attention_kernel="flash2", axes=("data", "fsdp"), remats=("none", "full"),
+                       dp_overlap=1.0, attention_kernel="flash2", axes=("data", "fsdp"), remats=("none", "full"), flat_params=True,
                        pp_schedules=(), pp_interleaved=(), sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
 SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAXTEXT, LLM_FOUNDRY)}
 # Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).

@@ -6,7 +6,8 @@ compute     = matmul FLOPs / (peak * matmul_efficiency) + elementwise HBM bytes 
               inventory of memory.py produced once per forward, with `elementwise_passes` HBM passes
               per byte forward and 2x that backward, plus what the remat policy recomputes)
 collective  = count * alpha * hops + wire bytes / (bandwidth * link_efficiency), hierarchically
-              (hops: k - 1 ring steps inside a node, log2(m) tree steps across m nodes):
+              (hops as NCCL's tuning model counts them, `_latency`: all-gathers and reduce-scatters are
+              rings through every rank, all-reduces trees across nodes):
               a group with k members per node and m nodes moves (k-1)/k of its buffer over the
               intra-node links and (m-1)/m of a 1/k slice over each device's inter-node link
               (2x both for all-reduce; NCCL tree/ring over NVLink+IB, TPU ICI+DCN)
@@ -24,7 +25,7 @@ import dataclasses
 import functools
 import math
 
-from jaxpar.cost.compiler import A2A, AR, PERMUTE
+from jaxpar.cost.compiler import A2A, AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
 from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.errors import ConfigError
@@ -137,13 +138,28 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
     if kind == PERMUTE:
         cross = m > 1
         alpha, beta = (hw.alpha_inter if cross else hw.alpha_intra), 1.0 / (bw_out if cross else bw_in)
-    else:  # latency: a ring inside the node; across nodes NCCL's trees (Sanders et al. 2009's double
-        # binary tree) and TPU DCN hierarchies take log2(m) steps, not m - 1 (bandwidth stays the ring's)
+    else:
         f = 2.0 if kind == AR else 1.0
-        alpha = f * ((k - 1) * hw.alpha_intra + math.ceil(math.log2(m)) * hw.alpha_inter)
+        alpha = f * _latency(kind, m, hw.ring_steps(k, slice_chips(st, hw)), hw)
         beta = f * ((k - 1) / k / bw_in + (m - 1) / m / k / bw_out)
     links[(kind, axes)] = (alpha, beta)
     return alpha, beta
+
+
+def _latency(kind: str, m: int, steps_in: int, hw: Hardware) -> float:
+    """Seconds of latency of one collective (one pass for an all-reduce) over k devices per node on m nodes,
+    `steps_in` ring steps inside a node (Hardware.ring_steps: k - 1 through a switch). NCCL's tuning model (src/graph/tuning.cc,
+    the latencies of ncclTopoTuneModel), the algorithms it runs on large messages:
+      all-gather, reduce-scatter  a ring through all k*m ranks: m(k - 1) steps inside nodes and m - 1
+                                  across them (NCCL runs these as rings only: no tree);
+      all-reduce                  a tree across nodes (Sanders et al. 2009's double binary tree):
+                                  k - 1 steps inside a node and log2(m) across, per pass.
+    A TPU slice's torus runs its rings per dimension (`steps_in`), the slices in parallel, and the ring over
+    DCN after them: steps_in + (m - 1) for the first two. All-to-alls, as the all-reduce's tree."""
+    if kind in (AG, RS) and m > 1:
+        inside = steps_in if hw.torus_dims else m * steps_in
+        return inside * hw.alpha_intra + (m - 1) * hw.alpha_inter
+    return steps_in * hw.alpha_intra + math.ceil(math.log2(m)) * hw.alpha_inter
 
 
 def comm_seconds(predicted: tuple[tuple, ...], st: Strategy, hw: Hardware, imbalance: float = 1.0) -> dict[str, float]:
