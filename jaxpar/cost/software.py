@@ -94,8 +94,9 @@ one more `Software(...)` in `SOFTWARE`.
     grad_buckets       the gradient reductions and parameter gathers issued once per step (ZeRO-0's
                        all-reduces, ZeRO-1's reduce-scatters and gathers) go in buckets of max(40M, 1M x
                        data-parallel ranks) parameters: Megatron-Core's DDP and distributed optimizer
-                       (bucket_size default, megatron/core/distributed/distributed_data_parallel.py;
-                       jaxpar/cost/compiler.py buckets); False: one per weight array
+                       under --overlap-grad-reduce (bucket_size default, megatron/core/distributed/
+                       distributed_data_parallel.py; jaxpar/cost/compiler.py buckets); False: one per weight
+                       array (Megatron-LM's runs without the overlap reduce one buffer, close to it)
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
@@ -250,7 +251,7 @@ JAXPAR = Software()
 MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
-                    optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1), flat_params=True, grad_buckets=True,
+                    optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1),
                     remats=("none", "selective", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",))
 # Megatron-Core as run for its H100 MFU table (2024-25): Transformer Engine's fused attention, the
 # communication overlaps above all on, no dropout (the LLM pre-training recipes set both dropouts to 0)
@@ -258,6 +259,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
                                     fused_mlp=True,
                                     tp_overlap=1.0, dp_overlap=1.0, pp_overlap=1.0, async_tp=True,
                                     distributed_optimizer=True, sequence_parallel=True, state_over_context=True,
+                                    flat_params=True, grad_buckets=True,
                                     cp_attention="ring", zeros=(0, 1, 3), sources="Megatron-Core MFU table (published_runs_h100.toml); NeMo and "
                                             "Megatron-Bridge performance summaries; cuDNN fused attention skips "
                                             "masked blocks under is_causal")
