@@ -80,11 +80,15 @@ class Hardware:
         fills dimensions one after another (1 without a torus, or for one member)."""
         if not self.torus_dims or members <= 1:
             return 1
-        edge = max(2, round(slice_chips ** (1.0 / self.torus_dims)))
+        edge = self.torus_edge(slice_chips)
         spanned, reach = 1, edge
         while reach < members and spanned < self.torus_dims:
             spanned, reach = spanned + 1, reach * edge
         return spanned
+
+    def torus_edge(self, slice_chips: int) -> int:
+        """Chips along one dimension of a slice of `slice_chips` on the torus: about c^(1/d)."""
+        return max(2, round(slice_chips ** (1.0 / self.torus_dims)))
 
     def ring_steps(self, members: int, slice_chips: int) -> int:
         """Latency steps of a ring collective over `members` devices of one node: members - 1 through a
@@ -94,7 +98,7 @@ class Hardware:
         spanned = self.torus_axes(members, slice_chips)
         if spanned <= 1:
             return max(0, members - 1)
-        edge = max(2, round(slice_chips ** (1.0 / self.torus_dims)))
+        edge = self.torus_edge(slice_chips)
         full = edge ** (spanned - 1)
         return (spanned - 1) * (edge - 1) + max(1, -(-members // full)) - 1
 

@@ -96,7 +96,7 @@ one more `Software(...)` in `SOFTWARE`.
                        data-parallel ranks) parameters: Megatron-Core's DDP and distributed optimizer
                        under --overlap-grad-reduce (bucket_size default, megatron/core/distributed/
                        distributed_data_parallel.py; jaxpar/cost/compiler.py buckets); False: one per weight
-                       array (Megatron-LM's runs without the overlap reduce one buffer, close to it)
+                       array (without the overlap Megatron reduces one contiguous buffer: as few ops)
     fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
                        float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
     async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap

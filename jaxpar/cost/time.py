@@ -148,8 +148,8 @@ def _alpha_beta(kind: str, axes: tuple[str, ...], st: Strategy, hw: Hardware,
 
 def _latency(kind: str, m: int, steps_in: int, hw: Hardware) -> float:
     """Seconds of latency of one collective (one pass for an all-reduce) over k devices per node on m nodes,
-    `steps_in` ring steps inside a node (Hardware.ring_steps: k - 1 through a switch). NCCL's tuning model (src/graph/tuning.cc,
-    the latencies of ncclTopoTuneModel), the algorithms it runs on large messages:
+    `steps_in` ring steps inside a node (Hardware.ring_steps: k - 1 through a switch). NCCL's tuning model
+    (src/graph/tuning.cc, the latencies of ncclTopoTuneModel), the algorithms it runs on large messages:
       all-gather, reduce-scatter  a ring through all k*m ranks: m(k - 1) steps inside nodes and m - 1
                                   across them (NCCL runs these as rings only: no tree);
       all-reduce                  a tree across nodes (Sanders et al. 2009's double binary tree):
