@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterable
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+AR, AG, RS, A2A, PERMUTE = KINDS
 PHASES = ("forward", "backward", "optimizer", "other")
 OPTIMIZER_SCOPE = "optimizer"  # the jax.named_scope whose ops are in the `optimizer` phase
 UNMATCHED_AXES = ("?",)  # the axes of device groups that span no mesh axes

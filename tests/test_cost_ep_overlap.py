@@ -15,10 +15,10 @@ H100 = load_hardware("h100-sxm")
 
 def test_step_time_hides_the_expert_share_before_data():
     comm = {"tensor": 0.1, "context": 0.0, "pipeline": 0.0, "expert": 0.3, "data": 0.4}
-    t = time.step_time(0.5, 0.0, 0.0, comm, 0.0, H100, overlap=(1.0, 0.0, 1.0), expert_overlap=0.5)
+    t = time.step_time(time.Busy(0.5), comm, time.Hiding(tensor=1.0, data=1.0, expert=0.5), 0.0, H100)
     assert (t.tensor, t.expert) == (0.0, pytest.approx(0.15))        # half of the all-to-alls hidden
     assert t.data == pytest.approx(0.4 - (0.5 - 0.1 - 0.15))          # the data share takes what compute is left
-    assert time.step_time(1.0, 0.0, 0.0, comm, 0.0, H100).expert == 0.3  # default: exposed
+    assert time.step_time(time.Busy(1.0), comm, time.Hiding(), 0.0, H100).expert == 0.3  # default: exposed
 
 
 def test_estimate_with_overlap_loses_exactly_the_exposed_all_to_alls():
@@ -43,6 +43,6 @@ def test_one_f_one_b_holds_the_logits_of_one_micro_batch():
                   options=Options(remat="full", dtype="bfloat16", microbatches=8, pp_schedule="1f1b"))
     batch, seq, extra = 64, 1024, 32768
     small, big = parse_model("llama3-8b"), parse_model(f"llama3-8b:vocab={128256 + extra}")
-    grown = (memory.activation_bytes(big, st, batch, seq, one_f_one_b=True)
-             - memory.activation_bytes(small, st, batch, seq, one_f_one_b=True))
+    one_f = memory.Traits(pp_1f1b=True)
+    grown = memory.activation_bytes(big, st, batch, seq, one_f) - memory.activation_bytes(small, st, batch, seq, one_f)
     assert grown == pytest.approx(batch / 2 / 8 * seq * extra * 4 / 2)

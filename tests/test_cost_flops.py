@@ -40,11 +40,11 @@ def test_step_flops_is_6NT_plus_attention():
     assert flops.step_flops(TINY, "dots_no_batch", B, S).hardware == expected + 2 * 2 * (2 * B * S * S * 64)
     # XLA drops the rerun of the MLP down projection (its output is dead in the backward)
     down = 2 * T * 128 * 64
-    assert flops.step_flops(TINY, "full", B, S, rerun_outputs=False).hardware == expected + 2 * (layer_fwd - down)
+    assert flops.step_flops(TINY, "full", B, S, flops.Kernels(rerun_outputs=False)).hardware == expected + 2 * (layer_fwd - down)
     # ring attention reruns QK^T (not PV) of every block in the backward
     qk = 2 * B * S * S * 64
-    assert flops.step_flops(TINY, "none", B, S, ring=True).hardware == expected + 2 * qk
-    assert flops.step_flops(TINY, "full", B, S, ring=True).hardware == expected + 2 * layer_fwd + 2 * qk
+    assert flops.step_flops(TINY, "none", B, S, flops.Kernels(rerun_qk=True)).hardware == expected + 2 * qk
+    assert flops.step_flops(TINY, "full", B, S, flops.Kernels(rerun_qk=True)).hardware == expected + 2 * layer_fwd + 2 * qk
 
 
 def test_gelu_mlp_has_two_matmuls():
@@ -86,12 +86,12 @@ def test_flops_by_part_sum_to_the_step_and_match_a_hand_count():
     from jaxpar.models.config import parse_model
     for name in ("llama3-70b", "hybrid-tiny", "mamba2-tiny"):
         m = parse_model(name)
-        f = step_flops(m, "none", 8, 128, causal=True)
+        f = step_flops(m, "none", 8, 128, flops.Kernels(causal=True))
         assert sum(mm for _, mm, _ in f.by_block) == pytest.approx(f.model, rel=1e-12)
     m = parse_model("llama-tiny")  # d=64, 16 heads x 8, 8 kv heads, f=128, V=256, 2 layers
     b, s = 4, 32
     t = b * s
-    parts = {name: (mm, other) for name, mm, other in step_flops(m, "none", b, s, causal=False).by_block}
+    parts = {name: (mm, other) for name, mm, other in step_flops(m, "none", b, s, flops.Kernels(causal=False)).by_block}
     assert parts["attention qkvo"][0] == 3 * 2 * (2 * t * 64 * (128 + 2 * 64) + 2 * t * 128 * 64)
     assert parts["attention scores"][0] == 3 * 2 * (4 * b * s * s * 128)
     assert parts["mlp"][0] == 3 * 2 * (6 * t * 64 * 128)

@@ -65,7 +65,7 @@ def test_activations_full_remat_by_hand():
 def test_pipeline_inflight_microbatches():
     st = parse_inline("pipeline=4").with_options(microbatches=8)
     gpipe = memory.activation_bytes(TINY, st, 16, 32)
-    one_f = memory.activation_bytes(TINY, st, 16, 32, one_f_one_b=True)
+    one_f = memory.activation_bytes(TINY, st, 16, 32, memory.Traits(pp_1f1b=True))
     logits = 16 * 32 * 256 * 4 + 3 * 4 * 16 * 32   # float32 logits and the int32 batch
     one_logits = 16 / 8 * 32 * 256 * 4 + 3 * 4 * 16 * 32   # 1F1B: one micro-batch's logits
     assert (gpipe - logits) == pytest.approx(2 * (one_f - one_logits))   # 8 vs min(8, 4) micro-batches
@@ -90,5 +90,5 @@ def test_a_fused_swiglu_and_autodiff_remat_keep_less_by_hand():
     fused = memory.activation_bytes(TINY, st, 2, 32, traits=memory.Traits(fused_mlp=True))
     assert base - fused == TINY.layers * 128 * 4 * 2 * 32
     dots = st.with_options(remat="dots")
-    saved = memory.activation_bytes(TINY, dots, 2, 32) - memory.activation_bytes(TINY, dots, 2, 32, traits=memory.Traits(residuals=True))
+    saved = memory.activation_bytes(TINY, dots, 2, 32) - memory.activation_bytes(TINY, dots, 2, 32, traits=memory.Traits(autodiff_remat=True))
     assert saved == TINY.layers * 64 * 4 * 2 * 32

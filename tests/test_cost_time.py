@@ -106,8 +106,8 @@ def test_single_device_step_is_compute_plus_optimizer():
 
 
 def test_bubble_and_overlap():
-    t = time.step_time(1.0, 0.0, 0.2, {"tensor": 0.1, "context": 0.0, "pipeline": 0.05, "data": 0.4},
-                       0.0, A100, overlap=(0.0, 0.0, 0.5))
+    t = time.step_time(time.Busy(1.0, bubble=0.2), {"tensor": 0.1, "context": 0.0, "pipeline": 0.05, "data": 0.4},
+                       time.Hiding(data=0.5), 0.0, A100)
     assert t.bubble == pytest.approx(0.25)          # compute / (1 - 0.2) - compute
     assert t.data == pytest.approx(0.2) and t.data_total == 0.4
     assert t.total == pytest.approx(1.0 + 0.25 + 0.1 + 0.05 + 0.2)
@@ -139,9 +139,9 @@ def test_a_projection_gemm_waits_on_hbm_below_the_ridge_by_hand():
     one = (("mlp", 8192, 8192, "n", 0),)
     hand = 2 * (128 * 8192 + 8192 * 8192 + 128 * 8192) / hw.hbm_bw - 2 * 128 * 8192 * 8192 / rate
     assert hand > 0
-    (kind, seconds), = time.gemm_excess(one, 128, 1, 1, 1, rate, hw.hbm_bw, 2, 2)
+    (kind, seconds), = time.gemm_excess(one, time.GemmRun(128, 1, 1, 1, rate, hw.hbm_bw, 2, 2))
     assert kind == "mlp" and seconds == pytest.approx(hand)
-    assert time.gemm_excess(one, 4096, 1, 1, 1, rate, hw.hbm_bw, 2, 2) == ()
+    assert time.gemm_excess(one, time.GemmRun(4096, 1, 1, 1, rate, hw.hbm_bw, 2, 2)) == ()
     m, tokens = from_preset("llama3-8b"), 64
     shapes = ((4096, 768), (512, 4096), (4096, 3584), (1792, 4096))
     waits = [2 * (tokens * k + k * n + tokens * n) / hw.hbm_bw - 2 * tokens * k * n / rate for k, n in shapes]

@@ -121,8 +121,8 @@ def predicted_flops(c: Compiled) -> float:
     m = c.trainer.model_cfg
     rows = flops.expert_rows(m, SEQ, st.size("context")) if m.moe_layers else None
     fused = program_kernel(st, "cpu") != "dense"   # its backward recomputes QK^T, as ring attention's does
-    f = flops.step_flops(m, st.options.remat, c.batch, SEQ, causal=False, ring=ring or fused, rerun_outputs=False,
-                         rows=rows)
+    f = flops.step_flops(m, st.options.remat, c.batch, SEQ,
+                         flops.Kernels(causal=False, rerun_qk=ring or fused, rerun_outputs=False, rows=rows))
     return f.hardware / st.num_devices
 
 

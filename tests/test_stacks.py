@@ -13,7 +13,7 @@ from jaxpar.core.strategy import parse_inline, parse_strategy
 from jaxpar.cost import SOFTWARE, estimate, flops, load_hardware
 from jaxpar.cost import time as cost_time
 from jaxpar.cost.band import band_for
-from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
+from jaxpar.collectives import AG, AR, PERMUTE, RS
 from jaxpar.cost.defaults import stack_defaults
 from jaxpar.cost.overlap import fractions
 from jaxpar.errors import ConfigError
@@ -318,9 +318,10 @@ def test_one_second_of_compute_hides_one_second_of_collectives():
     collectives fully overlappable: 0.2 s of them show)."""
     hw = load_hardware("h100-sxm")
     comm = {"tensor": 0.0, "context": 0.4, "pipeline": 0.0, "expert": 0.0, "data": 0.8}
-    t = cost_time.step_time(1.0, 0.5, 0.0, comm, 0.0, hw, overlap=(0.0, 0.0, 1.0))
+    t = cost_time.step_time(cost_time.Busy(1.0, attention_core=0.5), comm, cost_time.Hiding(data=1.0), 0.0, hw)
     assert (t.context, t.data) == (0.0, pytest.approx(0.2))
-    alone = cost_time.step_time(1.0, 0.5, 0.0, comm | {"context": 0.0}, 0.0, hw, overlap=(0.0, 0.0, 1.0))
+    alone = cost_time.step_time(cost_time.Busy(1.0, attention_core=0.5), comm | {"context": 0.0},
+                                cost_time.Hiding(data=1.0), 0.0, hw)
     assert alone.data == 0.0
 
 

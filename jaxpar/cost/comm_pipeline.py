@@ -1,10 +1,11 @@
 """Pipeline parallelism's collectives: the sends between stages, per schedule iteration (Narayanan et al.
-2021). Records are (kind, axes, count, mean bytes per op, phase), as comm.py's. What jaxpar's own
-pipelines issue besides (the head spread over the stages, the boundary sums, an uneven split's weight
-moves, 1F1B's head and recomputes) is program_pipeline.py's."""
+2021). Sites as jaxpar/cost/sites.py records them. What jaxpar's own pipelines issue besides (the head
+spread over the stages, the boundary sums, an uneven split's weight moves, 1F1B's head and recomputes) is
+program_pipeline.py's."""
 from __future__ import annotations
 
-from jaxpar.cost.compiler import AG, PERMUTE
+from jaxpar.collectives import AG, PERMUTE
+from jaxpar.cost import sites
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -24,7 +25,7 @@ def pipeline_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int,
     n = shape.iterations * shape.accum
     sent = x / sizes["tensor"] if split else x
     ax = ("pipeline",)
-    out = [(PERMUTE, ax, n, sent, "forward"), (PERMUTE, ax, n, sent, "backward")]
+    out = sites.issue(PERMUTE, ax, n, [sent], "forward") + sites.issue(PERMUTE, ax, n, [sent], "backward")
     if split and not sp and sizes["tensor"] > 1:
-        out += [(AG, ("tensor",), n, x, "forward"), (AG, ("tensor",), n, x, "backward")]
+        out += sites.issue(AG, ("tensor",), n, [x], "forward") + sites.issue(AG, ("tensor",), n, [x], "backward")
     return out

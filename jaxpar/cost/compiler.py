@@ -1,45 +1,14 @@
-"""The compiler is data: XLA's collective passes on each backend, for the analytic cost model (cost/comm.py).
+"""The compiler is data: XLA's collective passes on each backend, applied to the textbook's sites after the fact.
 
-What a program asks for (the SPMD partitioner's collectives and jaxpar's hand-written ones) is the
-same on every backend; what XLA's later passes make of it is not. `Compiler` states those passes:
-    reduce_scatter        ReduceScatterCreator: an all-reduce whose result is only sliced to 1/n
-                          becomes a reduce-scatter. Without it the all-reduce stays (same bytes).
-    reassociate           AllReduceReassociate: AR(x) + AR(y) -> AR(x + y). Without it, under
-                          tensor parallelism the input gradients of q, k, v (and gate, up) are
-                          all-reduced one by one: 5 per attention layer backward, not Megatron's 2.
-    combine               AllReduceCombiner: the independent all-reduces over one group that a
-                          program issues at one point (one layer's weight gradients, q/k/v's input
-                          gradients) become one tuple-shaped op: one count, the bytes summed.
-    hoist                 gradient all-reduces leave the layer loop (one per stacked weight array
-                          per step, the textbook); without it they run in the loop body, once per
-                          layer execution (pipeline bubbles included) on one layer's gradients.
-    fold                  AllReduceFolder: AR over g1 of AR over g2 -> one AR over g1 x g2. Without
-                          it a gradient partial over the batch axes and over `context` is reduced
-                          twice, once per group.
-    promote_bf16          bf16 collectives run in float32 (4 bytes per element): XLA:CPU's float
-                          normalization converts every bf16 all-reduce, all-gather, permute and
-                          all-to-all (checked on a bf16 ZeRO-1 step: tests/test_planner.py, verify).
-    flat_weights          not a pass but the program's choice, which the software makes
-                          (Software.flat_params): FSDP gathers and reduce-scatters one block's weights as
-                          one flat buffer, one op per block and pass (PyTorch FSDP's FlatParameter, FSDP2's
-                          one all-gather and one reduce-scatter per fully_shard group); XLA issues one per
-                          weight array (False), as `weight_buffers` applies.
-    buckets               also the program's (Software.grad_buckets): the gradient reductions and parameter
-                          gathers a step issues once, after or beside the backward pass, go in buckets
-                          of max(40M, 1M x ranks) parameters (Megatron-Core's DDP default bucket_size,
-                          megatron/core/distributed/distributed_data_parallel.py), not one per array
-                          (`weight_buckets`).
-`GPU` and `TPU` are the textbook (Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (it runs
-none of the first five passes but the combiner; tests/test_comm.py hand-counts its tally).
-A model of the combiner's scheduling is out of scope: scalar all-reduces (the loss, the partial
-sums of the gradient norms) are not predicted, because XLA folds them into whichever op is near.
-XLA:TPU, compiled for a TPU topology on a CPU host (`jaxpar comm --target tpu-v5e:2x4`,
-jaxpar/analysis/target.py), is held against `TPU` in tests/test_tpu_compile.py: each axis group's gradient
-reduction bytes and the tensor-parallel backward all-reduces match; what `TPU` does not model is named in
-`TPU_GAPS` (checked there as bounds).
-`site`, `together`, `reductions`, `ar_bytes`, `scattered` and `input_grads` apply a `Compiler` to the
-collectives each parallelism issues (cost/comm_*.py); what a backend's unhoisted loop and combiner make
-of them beyond an op's kind and bytes is cost/compiler_comm.py's.
+What a program asks for (the SPMD partitioner's collectives and jaxpar's hand-written ones) is the same on
+every backend; what XLA's later passes make of it is not. `Compiler` states the passes as data, one field
+each; `lower` applies them to the sites the textbook modules issue (jaxpar/cost/sites.py), with a stack's
+own issuing (flat FSDP buffers, Megatron's buckets: `Compiler.issuing`). `GPU` and `TPU` are the textbook
+(Megatron; the ZeRO paper); `CPU` is what XLA:CPU emits (tests/test_comm.py hand-counts its tally). Scalar
+all-reduces (the loss, the gradient norm's partial sums) are not predicted: XLA folds them into whichever op
+is near. XLA:TPU, compiled ahead of time for a topology (`jaxpar comm --target tpu-v5e:2x4`), is held against
+`TPU` in tests/test_tpu_compile.py; what `TPU` does not model is named in `TPU_GAPS`. What XLA makes of the
+sites beyond an op's kind and bytes (its loop, its partitioner's norm sums) is jaxpar/cost/compiler_comm.py's.
 """
 from __future__ import annotations
 
@@ -47,25 +16,33 @@ import dataclasses
 import functools
 import math
 
+from jaxpar.collectives import AR, RS
+from jaxpar.cost import sites
 from jaxpar.core.rules import BASE_RULES
 from jaxpar.core.strategy import Strategy
 
-AR, AG, RS, A2A, PERMUTE = "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
 BATCH_AXES = BASE_RULES["batch"]  # the axes a batch is split over
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compiler:
-    """XLA's collective passes on one backend (module docstring)."""
+    """XLA's collective passes on one backend (module docstring), one field each."""
     name: str
-    reduce_scatter: bool = True
-    reassociate: bool = True
-    combine: bool = False
-    hoist: bool = True
-    fold: bool = True
-    promote_bf16: bool = False
-    flat_weights: bool = False
-    buckets: bool = False
+    reduce_scatter: bool = True   # ReduceScatterCreator: an all-reduce whose result is only sliced to 1/n is a
+    #                               reduce-scatter; without it the all-reduce stays (same bytes)
+    reassociate: bool = True      # AllReduceReassociate: AR(x) + AR(y) -> AR(x + y); without it q, k, v's (and
+    #                               gate, up's) input gradients are all-reduced one by one: 5 per layer, not 2
+    combine: bool = False         # AllReduceCombiner: the independent all-reduces over one group issued at one
+    #                               point (a layer's weight gradients) are one tuple-shaped op
+    hoist: bool = True            # gradient sums leave the layer loop (one per stacked array per step); without
+    #                               it they run per layer execution (compiler_comm.data_parallel_in_loop)
+    fold: bool = True             # AllReduceFolder: AR over g1 of AR over g2 -> one AR over g1 x g2; without it a
+    #                               sum over the batch axes and `context` is two (`reductions`)
+    promote_bf16: bool = False    # XLA:CPU's float normalization runs bf16 collectives in float32 (4 bytes)
+    flat_weights: bool = False    # the program's (Software.flat_params): a block's FSDP gathers and scatters as one
+    #                               flat buffer (PyTorch FSDP's FlatParameter, FSDP2's per-group all-gather)
+    buckets: bool = False         # the program's (Software.grad_buckets): a step's one-off reductions and gathers
+    #                               in buckets of max(40M, 1M x ranks) parameters (Megatron-Core's DDP)
 
     @functools.cache
     def issuing(self, flat_weights: bool, buckets: bool) -> Compiler:
@@ -107,91 +84,80 @@ TPU_GAPS = {
 }
 
 
-# ---- what the passes make of the collectives a program issues ------------------------------------
-
-def site(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, buffers: list[float], phase: str,
-         partitioner: bool = True) -> list[tuple]:
-    """One collective per buffer, issued together `execs` times over `axes`, as [(kind, axes, count,
-    mean bytes per op, phase)]: count = execs x buffers (`predicted` keeps only count and total bytes
-    per kind, axes and phase, so one tuple per site suffices). A partitioner's reduce-scatter stays an
-    all-reduce without ReduceScatterCreator (`partitioner=False`: a hand-written psum_scatter, always
-    a reduce-scatter); the combiner makes the all-reduces of one site one op."""
-    if kind == RS and partitioner and not cc.reduce_scatter:
-        kind = AR
-    if not execs or not buffers:
-        return []
-    if kind == AR and cc.combine:
-        return [(AR, axes, execs, sum(buffers), phase)]
-    return [(kind, axes, execs * len(buffers), sum(buffers) / len(buffers), phase)]
-
-
-def weight_buffers(cc: Compiler, buffers: list[float]) -> list[float]:
-    """The buffers a block's FSDP all-gather or reduce-scatter moves: one per weight array, or their sum
-    where the program flattens the block's weights (`Compiler.flat_weights`)."""
-    return [sum(buffers)] if cc.flat_weights and buffers else buffers
-
+# ---- what the passes make of the textbook's sites -----------------------------------------------------
 
 BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 40_000_000, 1_000_000   # Megatron-Core DDP: max(40M, 1M x ranks)
+FLAT = frozenset({sites.WEIGHTS, sites.UNIT_SCATTER, sites.STAGE_WEIGHTS})   # the roles `flat_weights` merges
 
 
-def weight_buckets(cc: Compiler, buffers: list[float], element_bytes: float, st: Strategy,
-                   axes: tuple[str, ...]) -> list[float]:
-    """The buffers of a gradient reduction or parameter gather issued once per step over `axes`: one per
-    weight array, or equal buckets of max(40M, 1M x ranks) parameters of `element_bytes` each where the
-    program buckets them (`Compiler.buckets`)."""
-    if not cc.buckets or not buffers:
-        return buffers
-    total = sum(buffers)
-    n = max(1, math.ceil(total / element_bytes / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * st.group(axes))))
-    return [total / n] * n
+def plain(cc: Compiler) -> bool:
+    """Whether `cc` leaves every site as the textbook states it (XLA:GPU and XLA:TPU, no stack's issuing)."""
+    return (cc.reduce_scatter and cc.reassociate and cc.fold and not cc.combine and not cc.flat_weights
+            and not cc.buckets)
 
 
-def ar_bytes(cc: Compiler, act: int) -> int:
-    """Bytes per element of an all-reduced activation of `act` bytes per element."""
-    return 4 if cc.promote_bf16 else act
+def lower(cc: Compiler, ops: list[tuple], st: Strategy) -> list[tuple]:
+    """The sites (jaxpar/cost/sites.py) as `cc` issues them: a program that flattens a block's weights merges
+    their gathers and scatters (`flat_weights`) and one that buckets its step's reductions re-cuts them
+    (`buckets`, `weight_buckets`); without AllReduceReassociate an input gradient is summed once per
+    projection; without ReduceScatterCreator a partitioner's reduce-scatter stays an all-reduce (same bytes);
+    the combiner makes the all-reduces of one site one op; without AllReduceFolder a sum over batch and
+    sequence axes is two (`reductions`); the combiner issues the label-logit sum with the next all-reduce
+    over `tensor` (after the backward pass, or under sequence parallelism inside the norms' sum)."""
+    if plain(cc):
+        return ops
+    out = []
+    for kind, axes, execs, n, total, phase, role in ops:
+        if cc.flat_weights and role in FLAT:
+            n = 1
+        if cc.buckets and (element_bytes := sites.bucketed(role)):
+            n = weight_buckets(total, element_bytes, st.group(axes))
+        if not cc.reassociate and type(role) is tuple and role[0] == sites.INPUT:
+            kind, n, total = AR, n + role[1], total + role[1] * role[2]
+        if kind == RS and role != sites.HAND and not cc.reduce_scatter:
+            kind = AR
+        if kind == AR and cc.combine:
+            n = 1
+        if role == sites.LABEL and cc.combine:
+            if st.options.sequence_parallel:
+                continue   # compiler_comm.sp_norms_in_loop issues it with the final norm's sum
+            phase = "optimizer"
+        groups = reductions(cc, axes) if role == sites.STATS else (axes,)
+        out += [(kind, group, execs, n, total, phase, role) for group in groups]
+    return out
+
+
+def weight_buckets(total: float, element_bytes: float, ranks: int) -> int:
+    """Buffers a step's reduction or gather of `total` bytes takes in buckets of max(40M, 1M x ranks)
+    parameters of `element_bytes` each (Megatron-Core's DDP default bucket_size,
+    megatron/core/distributed/distributed_data_parallel.py)."""
+    return max(1, math.ceil(total / element_bytes / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * ranks)))
 
 
 def together(cc: Compiler, ops: list[tuple]) -> list[tuple]:
-    """Collectives issued at one point of the program: with the combiner, the all-reduces over one group
-    (with equal executions and phase) become one op, their bytes summed."""
+    """Sites issued at one point of the program (`lower`ed): with the combiner, the all-reduces over one group
+    with equal executions and phase become one op, their bytes summed."""
     if not cc.combine:
         return ops
     merged: dict[tuple, float] = {}
     others = []
-    for kind, axes, execs, nbytes, phase in ops:
+    for op in ops:
+        kind, axes, execs, n, total, phase, _ = op
         if kind == AR:
-            merged[(axes, execs, phase)] = merged.get((axes, execs, phase), 0.0) + nbytes
+            merged[(axes, execs, phase)] = merged.get((axes, execs, phase), 0.0) + total
         else:
-            others.append((kind, axes, execs, nbytes, phase))
-    return others + [(AR, axes, execs, nbytes, phase) for (axes, execs, phase), nbytes in merged.items()]
+            others.append(op)
+    return others + [(AR, axes, execs, 1, total, phase, "") for (axes, execs, phase), total in merged.items()]
 
 
-def reductions(cc: Compiler, st: Strategy, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The groups a replicated weight's gradient is all-reduced over: one, or (without AllReduceFolder)
-    the batch axes and `context` separately (the partial sums over batch and over sequence)."""
+def reductions(cc: Compiler, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The groups a sum over `axes` is all-reduced over: one, or without AllReduceFolder the batch axes and
+    the others (`context`: the partial sums over batch and over sequence) apart."""
     if cc.fold or not axes:
         return [axes] if axes else []
     return [g for g in (tuple(a for a in axes if a in BATCH_AXES), tuple(a for a in axes if a not in BATCH_AXES)) if g]
 
 
-def scattered(cc: Compiler, x: float, xr: float) -> float:
-    """Bytes of one partitioner's reduce-scatter of a buffer of x bytes (xr: as all-reduced): x, or xr
-    where ReduceScatterCreator is absent and it stays an all-reduce of the (promoted) whole (`site`
-    names its kind)."""
-    return x if cc.reduce_scatter else xr
-
-
-def input_grads(cc: Compiler, xr: float, projections: int) -> list[float]:
-    """The buffers summed for the input gradient of `projections` column-parallel matmuls reading one
-    input (q, k, v; gate, up): one with AllReduceReassociate (AR(x) + AR(y) -> AR(x + y)), one per
-    projection without it; xr bytes each."""
-    return [xr] if cc.reassociate else [xr] * projections
-
-
-def input_grad_sums(cc: Compiler, kind: str, axes: tuple[str, ...], execs: float, nbytes: float, xr: float,
-                    projections: int, phase: str) -> list[tuple]:
-    """`input_grads` as issued: with AllReduceReassociate one `kind` op of `nbytes` (a reduce-scatter of
-    the sequence shard under SP); without it an all-reduce per projection (sliced afterwards under SP)."""
-    if cc.reassociate:
-        return site(cc, kind, axes, execs, [nbytes], phase)
-    return site(cc, AR, axes, execs, input_grads(cc, xr, projections), phase)
+def activation_bytes(cc: Compiler, dtype_bytes: int) -> int:
+    """Bytes per element of an activation a collective moves: XLA:CPU moves bf16 as float32 (`promote_bf16`)."""
+    return 4 if cc.promote_bf16 else dtype_bytes

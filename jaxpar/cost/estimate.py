@@ -121,28 +121,169 @@ class Estimate:
         }
 
 
-def elementwise_hbm_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, seq: int, passes: float,
-                          dropout: bool, rows: float = 0.0, fused: bool = False, head_share: float = 1.0) -> float:
+# ---- the stages, each over the step's records -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One training step's question as the stages read it: the model, the layout, the hardware, the stack
+    (its traits under this layout and hardware: software.program_traits), the batch and sequence, how the
+    step is cut up on a device (`shape`), and the most loaded expert's tokens over the mean (`imbalance`)."""
+    model: ModelConfig
+    strategy: Strategy
+    hardware: Hardware
+    software: Software
+    global_batch: int
+    seq: int
+    shape: shape.StepShape
+    imbalance: float = 1.0
+
+    @property
+    def devices(self) -> int:
+        return self.strategy.num_devices
+
+
+def question(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
+             software: Software = JAXPAR, imbalance: float = 1.0) -> Step:
+    """The step to estimate, its shape on a device (shape.step_shape), refused in one line where the model or
+    the layout is one the cost model does not count. Divisibility is jaxpar.core.validate.check's."""
+    check_modelled(model)
+    check_modelled_layout(model, strategy)
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    if strategy.num_devices < 1:
+        raise ConfigError(f"mesh {strategy.name}: resolve the -1 axis (Strategy.resolved) before estimating")
+    return Step(model, strategy, hw, program_traits(software, strategy, hw.platform), global_batch, seq,
+                shape.step_shape(model, strategy, global_batch, seq), imbalance)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Work:
+    """What a device computes in the step: the step's FLOPs (`flops`, all devices), the policy whose
+    recompute the layers run (`remat`), expert rows per token (`rows`), the share of the head it runs
+    (`head`), and per device on the critical path: matmul FLOPs (`matmul`), the attention cores' model
+    FLOPs (`core`) and with their reruns (`cores`), the matmul FLOPs run in float8 (`low`) and the HBM
+    bytes of bandwidth-bound work (`hbm`)."""
+    flops: flops.StepFlops
+    remat: str
+    rows: float
+    head: float
+    matmul: float
+    core: float
+    cores: float
+    low: float
+    hbm: float
+
+
+def work(step: Step) -> Work:
+    """The FLOPs stage: the textbook's (flops.py) under the stack's kernels, for jaxpar's program with what its
+    pipelines recompute and where they run the head (program_flops.py); on the critical path the layers split
+    over the devices, the head as its share says, the routed experts the most loaded device's (`imbalance` x
+    the mean; static buffers do not vary). A ring or a fused kernel recomputes QK^T backward."""
+    m, st, sh, sw, n = step.model, step.strategy, step.shape, step.software, step.devices
+    own, context = sw.jaxpar_program, st.sizes["context"]
+    ring = st.options.attention == "ring" and context > 1
+    rows = flops.expert_rows(m, step.seq, context, sw.moe_padded)
+    remat = program_flops.recompute_policy(st, sh) if own else st.options.remat
+    kernels = flops.Kernels(causal=sw.causal, rerun_qk=ring or sw.fused_attention, rerun_outputs=sw.rerun_outputs,
+                            rows=rows if m.moe_layers else None, every_other_mm=sw.sac_every_other_mm)
+    fl = flops.step_flops(m, remat, step.global_batch, step.seq, kernels)
+    head = shape.head_share(sh, sw.pp_head_spread)
+    if own:
+        fl = program_flops.chunk_recompute(fl, m, st, sh, step.global_batch, step.seq, kernels)
+        head = program_flops.head_share(st, sh, head)
+    experts = 0.0 if sw.moe_padded else fl_experts(fl) * (step.imbalance - 1.0)
+    matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
+    hbm = elementwise_hbm_bytes(step, rows, head / sh.stages)
+    hbm += float8_cast_bytes(m, st, sh, remat, rows if m.moe_layers else 0.0)
+    core = (flops.attention_core_flops(m, step.global_batch, step.seq, sw.causal).matmul
+            * (m.attention_layers + m.moe_layers) * flops.TRAIN_FACTOR / n)
+    cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, kernels.rerun_qk, sw.rerun_outputs)
+    return Work(fl, remat, rows, head, matmul, core, cores, fp8_share(st, matmul, cores, fl.head * head / n), hbm)
+
+
+def step_memory(step: Step) -> memory.Memory:
+    """The memory stage: the textbook's accounting under the stack's traits (memory.py), or what jaxpar's
+    program keeps and XLA's buffers hold (program_memory.py) under the attention kernel it runs there."""
+    m, st, hw = step.model, step.strategy, step.hardware
+    if step.software.jaxpar_program:
+        return program_memory.memory(m, st, step.global_batch, step.seq, program_kernel(st, hw.platform), hw.platform)
+    return memory.memory(m, st, step.global_batch, step.seq, memory.Traits.of(step.software))
+
+
+def step_time(step: Step, w: Work, predicted: tuple[tuple, ...], mem: memory.Memory) -> tuple[time.StepTime, tuple]:
+    """The time stage (time.py): roofline compute (matmuls at the calibrated rate, float8 linears at the float8
+    peak, a FlashAttention-2 core at its own; HBM-bound work; GEMMs below the ridge), alpha-beta collectives,
+    the stack's overlap, the bubble, the optimizer. Also (matmul, HBM-bound, collective) seconds for energy."""
+    st, sw, hw, sh = step.strategy, step.software, step.hardware, step.shape
+    core_eff = hw.flash2_efficiency if sw.attention_kernel == "flash2" else 0.0
+    waits = gemm_waits(step, w)
+    compute = time.compute_seconds(w.matmul, w.hbm, hw, w.low, w.cores, core_eff) + waits
+    matmul_s = time.compute_seconds(w.matmul, 0.0, hw, w.low, w.cores, core_eff) + waits
+    skew = 1.0 if sw.moe_padded else step.imbalance
+    comm_s = time.comm_seconds(predicted, st, hw, skew)
+    linear_s = matmul_s - time.compute_seconds(w.cores, 0.0, hw, 0.0, w.cores, core_eff)
+    busy = time.Busy(compute=compute, attention_core=time.compute_seconds(w.core, 0.0, hw, 0.0, w.core, core_eff),
+                     bubble=sh.bubble, host=time.host_seconds(mem.host, compute, hw),
+                     linear=time.decomposed_hideable(comm_s["tensor"], linear_s, flops.projection_ops(step.model),
+                                                     flops.unit_policy(w.remat) == "full"))
+    tensor, pipeline, data = overlap.fractions(sw, st, predicted, hw, skew)
+    hiding = time.Hiding(tensor=tensor, pipeline=pipeline, data=data, expert=sw.ep_overlap,
+                         context=1.0 / st.sizes["context"] if sw.cp_hide == "diagonal" else 1.0)
+    t = time.step_time(busy, comm_s, hiding, optimizer_params(step), hw)
+    return t, (matmul_s, w.hbm / hw.hbm_bw, sum(comm_s.values()))
+
+
+def optimizer_params(step: Step) -> float:
+    """Elements of one optimizer moment a device updates (memory.local_params, sharded as the stack's state)."""
+    other = not step.software.jaxpar_program
+    sw = step.software
+    return memory.local_params(step.model, step.strategy, "optimizer", sw.state_over_context and other,
+                               sw.fsdp_over_context and other, sw.pp_end_stages and other)
+
+
+def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
+             software: Software = JAXPAR, imbalance: float = 1.0, headroom: float = 0.0) -> Estimate:
+    """Predict one training step of `software` (jaxpar by default; a stack's preset for its published runs), in
+    the order the scaling book reads a step: its shape, its FLOPs, its collectives (comm.py: the textbook's,
+    then what jaxpar's program, the compiler and the stack make of them), its memory and the time all of it
+    takes on the hardware. `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean (routed
+    dispatch: the experts' compute and the all-to-all bytes on the critical path). `headroom`: the share of
+    HBM kept free before the step `fits` (the commands and the planner: HBM_HEADROOM)."""
+    step = question(model, strategy, hardware, global_batch, seq, software, imbalance)    # shape
+    w = work(step)                                                                       # FLOPs
+    predicted = comm.predicted(step.model, step.strategy, step.shape, step.software)      # collectives
+    mem = step_memory(step)                                                              # memory
+    t, busy = step_time(step, w, predicted, mem)                                         # time
+    hw = step.hardware
+    return Estimate(model=model.name, strategy=strategy.name, hardware=hw.name, software=step.software.name,
+                    devices=step.devices, global_batch=global_batch, seq=seq, mesh=strategy.mesh, predicted=predicted,
+                    flops=w.flops, time=t, memory=mem, hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=busy,
+                    power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=step.software.causal,
+                    host_memory=hw.host_memory)
+
+
+# ---- the terms the stages read ------------------------------------------------------------------------
+
+def elementwise_hbm_bytes(step: Step, rows: float = 0.0, head_share: float = 1.0) -> float:
     """HBM bytes of bandwidth-bound work per device per step (useful work; the bubble is added later):
-    passes * (3 * produced + recomputed) bytes per token per layer (forward 1x, backward 2x), plus the
-    float32 logits (3 * passes * T*V/t*4 bytes x `head_share`, the share of the local batch whose head
-    this device runs: 1, or ceil(M/S)/M where the pipeline spreads the head over its stages). MoE layers:
-    `rows` expert rows per token (flops.expert_rows). `fused`: a fused attention kernel (no scores in HBM)."""
+    passes x (3 x produced + recomputed) bytes per token per layer (forward 1x, backward 2x; `passes`: the
+    profile's elementwise_passes), plus the float32 logits (3 x passes x T x V/t x 4 bytes x `head_share`,
+    the share of the local batch whose head this device runs). MoE layers: `rows` expert rows per token
+    (flops.expert_rows). A fused attention kernel keeps no scores in HBM."""
+    m, st, sh, sw = step.model, step.strategy, step.shape, step.software
     o, t = st.options, st.sizes["tensor"]
-    act, sp = memory.DTYPE_BYTES[o.dtype], o.sequence_parallel
-    tokens = sh.b_loc * sh.s_loc
+    act, sp = memory.ACTIVATION_BYTES[o.dtype], o.sequence_parallel
     total = 0.0
-    keys = memory.keys_per_query(st, seq, fused)
-    attn = memory.attention_inventory(m, keys, dropout)
+    keys = memory.keys_per_query(st, step.seq, sw.fused_attention)
+    attn = memory.attention_inventory(m, keys, sw.dropout)
     na, nm, ne = params.block_counts(m)
-    moe = memory.moe_inventory(m, keys, rows, dropout) if ne else ()
+    moe = memory.moe_inventory(m, keys, rows, sw.dropout) if ne else ()
     for layers, inv in ((na, attn), (nm, memory.mamba_inventory(m)), (ne, moe)):
         if layers:
             produced = memory.inventory_bytes(inv, act, t, sp, "none")
             redo = memory.recomputed_bytes(inv, act, t, sp, o.remat)
             total += layers / sh.stages * (3.0 * produced + redo)
     logits = 3.0 * m.vocab / t * memory.LOGIT_BYTES * head_share
-    return passes * tokens * (total + logits)
+    return step.hardware.elementwise_passes * sh.b_loc * sh.s_loc * (total + logits)
 
 
 FLOAT8_CAST_BYTES = 4  # per element: read in bf16 (2), written in float8 row- and column-major (1 + 1)
@@ -215,105 +356,28 @@ def fp8_share(st: Strategy, matmul: float, core: float, head: float) -> float:
     return max(0.0, matmul - core - head) if st.options.dtype == "float8" else 0.0
 
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands per dtype (float8's outputs: bf16)
+GEMM_OPERAND_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands (float8's outputs: bf16)
 
 
-def gemm_waits(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float, hw: Hardware) -> float:
+def gemm_waits(step: Step, w: Work) -> float:
     """Seconds per device the step's projection GEMMs wait on HBM beyond their FLOPs (time.gemm_excess, per
-    pass) in the strategy's dtype (float8 linears read 1-byte operands at the float8 peak), in every pass
-    they run: forward, the two gradients and a full rerun, for each layer execution of their block kind."""
+    pass) in the strategy's dtype (float8 linears read 1-byte operands at the float8 peak), in every pass they
+    run: forward, the two gradients and a full rerun, for each layer execution of their block kind."""
+    st, sh, hw = step.strategy, step.shape, step.hardware
     dtype, sizes = st.options.dtype, st.sizes
-    operand = ELEMENT_BYTES[dtype]
-    waits = per_pass_waits(m, sh.mb * sh.s_loc, sizes["tensor"], sizes["expert"], rows,
-                           hw.matmul_peak(dtype) * hw.matmul_efficiency, hw.hbm_bw, operand,
-                           2 if dtype == "float8" else operand)
+    operand = GEMM_OPERAND_BYTES[dtype]
+    run = time.GemmRun(sh.mb * sh.s_loc, sizes["tensor"], sizes["expert"], w.rows,
+                       hw.matmul_peak(dtype) * hw.matmul_efficiency, hw.hbm_bw, operand, 2 if dtype == "float8" else operand)
+    waits = per_pass_waits(step.model, run)
     if not waits:
         return 0.0
     executions = {"attention": sh.exec_attention + sh.exec_moe, "mlp": sh.exec_attention, "experts": sh.exec_moe,
                   "mamba": sh.exec_mamba}
-    passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
+    passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(w.remat) == "full" else 0.0)
     return passes * sum(executions[kind] * seconds for kind, seconds in waits)
 
 
 @params.per_model  # a planner's candidates share their per-device GEMM shapes
-def per_pass_waits(m: ModelConfig, tokens: float, tensor: int, expert: int, rows: float, rate: float, hbm_bw: float,
-                   operand: int, output: int) -> tuple[tuple[str, float], ...]:
+def per_pass_waits(m: ModelConfig, run: time.GemmRun) -> tuple[tuple[str, float], ...]:
     """time.gemm_excess of `m`'s projection GEMMs (flops.projection_shapes)."""
-    return time.gemm_excess(flops.projection_shapes(m), tokens, tensor, expert, rows, rate, hbm_bw, operand, output)
-
-
-def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, global_batch: int, seq: int,
-             software: Software = JAXPAR, imbalance: float = 1.0, headroom: float = 0.0) -> Estimate:
-    """Predict one training step of `software` (jaxpar by default; MEGATRON for the published runs).
-    Top-down: the step's shape; its FLOPs (the textbook's under the software's traits, then, for jaxpar's
-    own program, program_flops.py's adjustments); its collectives (comm.py: what the compiled program
-    issues); its memory (the textbook's, memory.py, or jaxpar's program's, program_memory.py); and the
-    time they take on the hardware (time.py). Divisibility is not checked here (jaxpar.core.validate.check
-    does it once). `imbalance` (MoE, >= 1): the most loaded expert's tokens over the mean; under routed
-    dispatch (Megatron) it scales the experts' compute and the all-to-all bytes on the critical path;
-    jaxpar's static buffers cost the same whatever the routing (their overflow is dropped in capacity mode).
-    `headroom`: the share of HBM kept free for the runtime before the step `fits` (the commands and the
-    planner pass HBM_HEADROOM; 0 compares with the whole HBM, as the studies in experiments/ do)."""
-    check_modelled(model)
-    check_modelled_layout(model, strategy)
-    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    software = program_traits(software, strategy, hw.platform)
-    st, m, own = strategy, model, software.jaxpar_program
-    dropout, causal = software.dropout, software.causal
-    n = st.num_devices
-    if n < 1:
-        raise ConfigError(f"mesh {st.name}: resolve the -1 axis (Strategy.resolved) before estimating")
-    sh = shape.step_shape(m, st, global_batch, seq)
-
-    # FLOPs: ring attention and a fused kernel both recompute QK^T in the backward pass (flops.recompute_flops)
-    ring = st.options.attention == "ring" and st.sizes["context"] > 1
-    rows = flops.expert_rows(m, seq, st.sizes["context"], software.moe_padded)
-    remat = program_flops.recompute_policy(st, sh) if own else st.options.remat
-    fl = flops.step_flops(m, remat, global_batch, seq, causal, ring or software.fused_attention,
-                          software.rerun_outputs, rows if m.moe_layers else None, software.sac_every_other_mm)
-    head = shape.head_share(sh, software.pp_head_spread)
-    if own:
-        fl = program_flops.chunk_recompute(fl, m, st, sh, global_batch, seq, causal, software.rerun_outputs)
-        head = program_flops.head_share(st, sh, head)
-    # critical path per device: layers split over all devices, the head as `head` says, routed experts
-    # the most loaded device's (`imbalance` x the mean; static buffers do not vary)
-    experts = 0.0 if software.moe_padded else fl_experts(fl) * (imbalance - 1.0)
-    matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
-    hbm = elementwise_hbm_bytes(m, st, sh, seq, hw.elementwise_passes, dropout, rows, software.fused_attention,
-                                head / sh.stages)
-    hbm += float8_cast_bytes(m, st, sh, remat, rows if m.moe_layers else 0.0)
-    core = (flops.attention_core_flops(m, global_batch, seq, causal).matmul * (m.attention_layers + m.moe_layers)
-            * flops.TRAIN_FACTOR / n)
-
-    colls = comm.predicted(m, st, sh, software)
-    mem = (program_memory.memory(m, st, global_batch, seq, program_kernel(st, hw.platform), hw.platform) if own
-           else memory.memory(m, st, global_batch, seq, dropout, software.pp_1f1b, software.fused_attention,
-                              memory.Traits(software.fused_mlp, software.autodiff_remat, software.sac_every_other_mm,
-                                            software.loss_logit_bytes, software.pp_fsdp_gathered,
-                                            software.pp_end_stages),
-                              (software.weight_bytes, software.optimizer_bytes, software.state_over_context,
-                               software.fsdp_over_context), software.param_gather_bytes))
-
-    # time: roofline compute, alpha-beta collectives, the software's overlap, the bubble, the optimizer
-    cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, ring or software.fused_attention, software.rerun_outputs)
-    low = fp8_share(st, matmul, cores, fl.head * head / n)
-    core_eff = hw.flash2_efficiency if software.attention_kernel == "flash2" else 0.0
-    waits = gemm_waits(m, st, sh, remat, rows, hw)
-    compute = time.compute_seconds(matmul, hbm, hw, low, cores, core_eff) + waits
-    matmul_s, hbm_s = time.compute_seconds(matmul, 0.0, hw, low, cores, core_eff) + waits, hbm / hw.hbm_bw
-    skew = 1.0 if software.moe_padded else imbalance
-    comm_s = time.comm_seconds(colls, st, hw, skew)
-    linear_s = matmul_s - time.compute_seconds(cores, 0.0, hw, 0.0, cores, core_eff)
-    hideable = time.decomposed_hideable(comm_s["tensor"], linear_s, flops.projection_ops(m),
-                                        flops.unit_policy(remat) == "full")
-    t = time.step_time(compute, time.compute_seconds(core, 0.0, hw, 0.0, core, core_eff), sh.bubble, comm_s,
-                       memory.local_params(m, st, "optimizer", software.state_over_context and not own,
-                                          software.fsdp_over_context and not own, software.pp_end_stages and not own),
-                       hw, overlap.fractions(software, st, colls, hw, skew),
-                       1.0 / st.sizes["context"] if software.cp_hide == "diagonal" else 1.0, software.ep_overlap,
-                       hideable, time.host_seconds(mem.host, compute, hw))
-    return Estimate(model=m.name, strategy=st.name, hardware=hw.name, software=software.name, devices=n, global_batch=global_batch,
-                    seq=seq, mesh=st.mesh, predicted=colls, flops=fl, time=t, memory=mem,
-                    hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=(matmul_s, hbm_s, sum(comm_s.values())),
-                    power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=causal,
-                    host_memory=hw.host_memory)
+    return time.gemm_excess(flops.projection_shapes(m), run)

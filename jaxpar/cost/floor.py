@@ -54,7 +54,7 @@ compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble ite
 from __future__ import annotations
 
 from jaxpar.cost.held import DATA_LIKE, held, unit_norms
-from jaxpar.cost.memory import DTYPE_BYTES, GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
+from jaxpar.cost.memory import ACTIVATION_BYTES, GRAD_BYTES, PARAM_BYTES, TOKEN_BYTES
 from jaxpar.cost.params import attention_block_params, layer_counts, mamba_block_params, mamba_dims, zero_rules
 from jaxpar.cost.shape import StepShape
 from jaxpar.models.config import ModelConfig
@@ -174,7 +174,7 @@ def _pipeline(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> float
 
 def floor(m: ModelConfig, st: Strategy, shape: StepShape) -> dict[str, float]:
     """Bytes one device must send per step, by layout kind (KINDS; kinds the strategy lacks are absent)."""
-    act = DTYPE_BYTES[st.options.dtype]
+    act = ACTIVATION_BYTES[st.options.dtype]
     sz, out = st.sizes, {}
     if m.moe_layers and sz["expert"] > 1:
         parts = [_weights(m, st, shape, act, False), _weights(m, st, shape, act, True)]

@@ -275,12 +275,26 @@ def every_other_matmul_flops(m: ModelConfig, tokens: float) -> Flops:
     return Flops(2.0 * tokens * m.d_model * (hkv + hq + up) * m.attention_layers)
 
 
-def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False,
-                    ring: bool = False, rerun_outputs: bool = True, every_other_mm: bool = False) -> Flops:
-    """Forward work redone in the backward pass under a remat policy (see module docstring; `selective`:
-    the attention core's forward once more, UNIT_POLICY, but for PV where the compiler drops the dead
-    output, as it drops full remat's last projection: `rerun_outputs` False; `every_other_mm`: `dots` as
-    torchtitan runs it, every other matmul rerun, `every_other_matmul_flops`)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kernels:
+    """What a step's kernels compute that its FLOP count depends on: only the causal triangle of the scores
+    (`causal`: a kernel that skips fully masked blocks); QK^T again in the backward pass (`rerun_qk`: ring
+    attention's rematerialised folds, a fused kernel's backward); the unit's last projection in a full rerun
+    (`rerun_outputs`: PyTorch's checkpoint reruns it, XLA drops it: module docstring); expert rows per token
+    (`rows`: `expert_rows`; None: the k copies); torchtitan's `dots`, which reruns every other matmul
+    (`every_other_mm`: `every_other_matmul_flops`)."""
+    causal: bool = False
+    rerun_qk: bool = False
+    rerun_outputs: bool = True
+    rows: float | None = None
+    every_other_mm: bool = False
+
+
+def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kernels = Kernels()) -> Flops:
+    """Forward work redone in the backward pass under a remat policy (module docstring; `selective`: the
+    attention core's forward once more, UNIT_POLICY, but for PV where the compiler drops the dead output, as
+    it drops full remat's last projection: `kernels.rerun_outputs` False)."""
+    causal, rerun_outputs = kernels.causal, kernels.rerun_outputs
     if remat == "selective":
         rec = attention_core_flops(m, batch, seq, causal) * ((1.0 if rerun_outputs else 0.5)
                                                              * (m.attention_layers + m.moe_layers))
@@ -297,27 +311,24 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: 
                                               + mamba_block_flops(m, batch, seq).other * m.mamba_layers
                                               + moe_block_flops(m, batch, seq, causal).other * m.moe_layers)
         rec = Flops(0.0, other)  # `dots`: elementwise only
-        if remat == "dots" and every_other_mm:
+        if remat == "dots" and kernels.every_other_mm:
             rec = rec + every_other_matmul_flops(m, batch * seq)
-    if ring:
+    if kernels.rerun_qk:
         rec = rec + attention_core_flops(m, batch, seq, causal) * (0.5 * (m.attention_layers + m.moe_layers))  # QK^T
     return rec
 
 
 @per_model  # a planner varies the strategy, not these arguments
-def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, causal: bool = False, ring: bool = False,
-               rerun_outputs: bool = True, rows: float | None = None, every_other_mm: bool = False) -> StepFlops:
-    """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together).
-    `ring`: ring attention's rematerialised folds; `rerun_outputs`: whether `full` remat reruns the
-    unit's last projection (module docstring); `rows`: expert rows computed per token (`expert_rows`;
-    None: the k copies), the excess counted as `padding` (hardware FLOPs, not model FLOPs);
-    `every_other_mm`: see `recompute_flops`."""
-    tokens = batch * seq
+def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kernels = Kernels()) -> StepFlops:
+    """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together) under `remat`,
+    as `kernels` compute them (`Kernels`): the expert rows beyond the k copies count as `padding` (hardware
+    FLOPs, not model FLOPs)."""
+    tokens, causal, rows = batch * seq, kernels.causal, kernels.rows
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
     moe = moe_block_flops(m, batch, seq, causal) * m.moe_layers
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
-    rec = recompute_flops(m, remat, batch, seq, causal, ring, rerun_outputs, every_other_mm)
+    rec = recompute_flops(m, remat, batch, seq, kernels)
     pad = 0.0
     if m.moe_layers and rows is not None:
         excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers

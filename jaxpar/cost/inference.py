@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.collectives import human_bytes
+from jaxpar.collectives import A2A, AG, AR, PERMUTE, human_bytes
 from jaxpar.cost import comm as cost_comm
-from jaxpar.cost import flops, params, program_pipeline
-from jaxpar.cost.comm_context import context_parallel, positions
-from jaxpar.cost.compiler import A2A, AG, AR, COMPILERS, PERMUTE, Compiler, site
-from jaxpar.cost import comm_expert
+from jaxpar.cost import comm_expert, compiler_comm, flops, params, program_pipeline, sites
+from jaxpar.cost.comm_context import Exchange, context_parallel
+from jaxpar.cost.compiler import COMPILERS, Compiler, activation_bytes, lower
 from jaxpar.cost.hardware import Hardware, load_hardware
-from jaxpar.cost.memory import DTYPE_BYTES
+from jaxpar.cost.memory import ACTIVATION_BYTES
 from jaxpar.cost.shape import step_shape
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.cost.time import comm_seconds
@@ -141,7 +140,7 @@ def kv_heads_per_device(m: ModelConfig, tensor: int) -> float:
 
 def cache_bytes(m: ModelConfig, st: Strategy, batch: int, slots: int) -> float:
     """KV cache + Mamba-2 decode state per device (models/decode.py's cache_layout, sharded by the rules)."""
-    sz, act = st.sizes, DTYPE_BYTES[st.options.dtype]
+    sz, act = st.sizes, ACTIVATION_BYTES[st.options.dtype]
     b = batch / (sz["data"] * sz["fsdp"] * sz["expert"])
     t = sz["tensor"]
     kv = (m.attention_layers + m.moe_layers) * 2 * b * slots * kv_heads_per_device(m, t) * m.head_dim * act
@@ -180,7 +179,7 @@ def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, key
     return total + 2.0 * batch * m.d_model * m.vocab  # the head, on the last position of each sequence
 
 
-def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, act: int, cc: Compiler) -> list[tuple]:
+def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, act: int) -> list[tuple]:
     """A prefill split over `context` (models/decode.py): attention's K/V exchange and Mamba-2's halos
     and states are training's forward ones (cost/comm_context.py context_parallel, on this prompt's shape);
     then each attention layer's K and V are all-gathered over context into the cache (it is
@@ -194,17 +193,18 @@ def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, ac
     all-reduce per layer)."""
     sz, c = st.sizes, st.sizes["context"]
     sh = step_shape(m, st, batch, prompt)
-    moved = program_pipeline.cp_positions(st, sh) if sh.stages > 1 else positions(st, sh)   # as training's
-    ops = [op for op in context_parallel(m, st, sh, act, cc, moved) if op[4] == "forward"]
+    ops = context_parallel(m, st, sh, act)
+    if sh.stages > 1:   # the positions as training's pipelines move them
+        ops = program_pipeline.context_parallel(ops, m, st, sh, act, Exchange())
+    ops = [op for op in ops if op[5] == "forward"]
     e = m.attention_layers + m.moe_layers
     if e:
         full = sh.mb * prompt * m.kv_heads * m.head_dim / min(sz["tensor"], m.kv_heads) * act  # K or V, all slots
-        ops += site(cc, AG, ("context",), e, [full, full], "forward")
+        ops += sites.issue(AG, ("context",), e, [full, full], "forward")
     row = sh.mb * m.d_model * act
     if st.options.cp_layout != "zigzag":  # the last token sits on the last shard
-        ops += site(cc, PERMUTE, ("context",), 1, [row], "forward")
-    ops += site(cc, AR, ("context",), 1, [row], "forward")
-    return ops
+        ops += sites.issue(PERMUTE, ("context",), 1, [row], "forward")
+    return ops + sites.issue(AR, ("context",), 1, [row], "forward")
 
 
 def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Compiler,
@@ -212,38 +212,33 @@ def _collectives(m: ModelConfig, st: Strategy, batch: float, q_len: int, cc: Com
     """Per device per step, merged by (kind, axes, phase) as cost/comm.py's `predicted`
     (`moe_padded`: MoE dispatch into static buffers, Software.moe_padded)."""
     t = st.sizes["tensor"]
-    act = 4 if cc.promote_bf16 else DTYPE_BYTES[st.options.dtype]
+    act = activation_bytes(cc, ACTIVATION_BYTES[st.options.dtype])
     b = batch / (st.sizes["data"] * st.sizes["fsdp"] * st.sizes["expert"])
     x = b * q_len / st.sizes["context"] * m.d_model * act   # a context-parallel prefill splits the tokens
     ax = ("tensor",)
     ops = []
     if t > 1:
-        ops += site(cc, AR, ax, 1, [x], "forward")                                      # embedding (vocab-parallel)
-        ops += site(cc, AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
-        ops += site(cc, AG, ax, 2, [b * 4 * t], "forward")                              # argmax: (value, id) per rank
+        ops += sites.issue(AR, ax, 1, [x], "forward")                                   # embedding (vocab-parallel)
+        ops += sites.issue(AR, ax, 2 * (m.attention_layers + m.moe_layers) + m.mamba_layers, [x], "forward")
+        ops += sites.issue(AG, ax, 2, [b * 4 * t], "forward")                           # argmax: (value, id) per rank
     c = st.sizes["context"]
     if c > 1:  # a context-parallel prefill (a decode step never splits its one token)
-        ops += _context_prefill(m, st, batch, q_len, act, cc)
+        ops += _context_prefill(m, st, batch, q_len, act)
     if m.moe_layers and st.sizes["expert"] > 1:
         # the copies to the experts' owners and back, as in training's forward (cost/comm_expert.py
         # expert_parallel), a group being one sequence's q_len tokens
-        n, form = st.sizes["expert"], comm_expert.kernel(st, cc, moe_padded)
+        n, form = st.sizes["expert"], compiler_comm.dispatch_form(st, cc, moe_padded)
         buf = comm_expert.dispatch_bytes(m, b, q_len, 1, n, act, form)
-        ops += site(cc, A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")
+        ops += sites.issue(A2A, ("expert",), 2 * m.moe_layers, [buf], "forward")
         if form != "padded":
-            ops += site(cc, AG, ("expert",), m.moe_layers, [comm_expert.counts_bytes(m, n)], "forward")
-    merged: dict[tuple, list[float]] = {}
-    for kind, axes, count, nbytes, phase in ops:
-        acc = merged.setdefault((kind, axes, phase), [0.0, 0.0])
-        acc[0] += count
-        acc[1] += count * nbytes
-    return tuple((k, a, p, c, b_) for (k, a, p), (c, b_) in merged.items())
+            ops += sites.issue(AG, ("expert",), m.moe_layers, [comm_expert.counts_bytes(m, n)], "forward")
+    return cost_comm.merge(lower(cc, ops, st))
 
 
 def weight_bytes(software: Software, st: Strategy) -> int:
     """Bytes per parameter a generation step reads: jaxpar's generate converts the weights to the serving
     dtype once (jaxpar/serving/generate.py), so its strategy's dtype decides; other stacks their preset's."""
-    return DTYPE_BYTES[st.options.dtype] if software.jaxpar_program else software.serve_weight_bytes
+    return ACTIVATION_BYTES[st.options.dtype] if software.jaxpar_program else software.serve_weight_bytes
 
 
 def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, batch: int, prompt: int,
@@ -268,7 +263,7 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, b
         touched = expected_experts_touched(m.experts, m.top_k, batch / (sz["data"] * sz["fsdp"]) * q_len)
         routed = shared + experts / m.experts * touched / (tp * ep) * per_param
     cache = cache_bytes(m, st, batch, slots)
-    act = DTYPE_BYTES[st.options.dtype]
+    act = ACTIVATION_BYTES[st.options.dtype]
     acts = batch / dp * q_len / cp * (m.d_model * 4 + m.mlp_dim / tp * 2) * act + batch / dp * m.vocab / tp * 4
     hbm = weights + cache + acts  # decode reads the cache; prefill writes it (same bytes)
     matmul_s = matmul / (hw.peak_flops * hw.matmul_efficiency)

@@ -30,14 +30,19 @@ from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, z
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 2}  # float8 steps keep activations in bf16 (casts per matmul)
+# Bytes per element of what a step keeps in its compute dtype: activations, gathered weights, the KV cache
+# (a float8 step keeps them in bf16 and casts per matmul: estimate.GEMM_OPERAND_BYTES has its operands)
+ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float8": 2}
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+GRADIENT_BYTES = {"float32": GRAD_BYTES, "bfloat16": 2}   # per gradient element, by the strategy's grad_dtype
 
 
 def grad_bytes(st: Strategy) -> int:
     """Bytes per gradient element as the step accumulates and reduces them: the strategy's `grad_dtype`
-    (float32, GRAD_BYTES, unless another stack's run reduces in bfloat16)."""
-    return DTYPE_BYTES[st.options.grad_dtype]
+    (float32 unless another stack's run reduces in bfloat16)."""
+    return GRADIENT_BYTES[st.options.grad_dtype]
+
+
 LOGIT_BYTES = 4  # logits are upcast to float32 for the loss
 TOKEN_BYTES = 4  # int32 token ids and positions; f32 per-token statistics
 
@@ -122,16 +127,15 @@ def _local_params(m: ModelConfig, zero: int, purpose: str, tensor: int, stages: 
     return n
 
 
-def state_bytes(m: ModelConfig, st: Strategy, weight_bytes: int = PARAM_BYTES, optimizer_bytes: int = ADAM_BYTES,
-                over_context: bool = False, fsdp_over_context: bool = False,
-                end_stages: bool = False) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage: `weight_bytes` per
-    parameter of the weights kept between steps, float32 gradients, `optimizer_bytes` per parameter of the
-    optimizer's state (Software.weight_bytes, optimizer_bytes: jaxpar's float32 weights are the masters;
-    a bf16 stack keeps a float32 master copy with the moments)."""
-    n = local_params(m, st, "params", over_context, fsdp_over_context, end_stages)
-    return (n * weight_bytes, n * grad_bytes(st),
-            local_params(m, st, "optimizer", over_context, fsdp_over_context, end_stages) * optimizer_bytes)
+def state_bytes(m: ModelConfig, st: Strategy, traits: "Traits" = None) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per device under the strategy's ZeRO stage: the stack's weight_bytes
+    per parameter of the weights kept between steps, float32 gradients, its optimizer_bytes per parameter of
+    the optimizer's state (jaxpar's float32 weights are the masters; a bf16 stack keeps a float32 master copy
+    with the moments), sharded as `local_params` says (`traits`: Traits; None, jaxpar's)."""
+    t = traits or Traits()
+    where = (t.state_over_context, t.fsdp_over_context, t.pp_end_stages)
+    n = local_params(m, st, "params", *where)
+    return n * t.weight_bytes, n * grad_bytes(st), local_params(m, st, "optimizer", *where) * t.optimizer_bytes
 
 
 # ---- activation inventories (elements per token, byte override, split by tensor?, kept under) -------
@@ -245,7 +249,7 @@ def stage_bytes(m: ModelConfig, inventories: tuple[tuple, tuple, tuple], st: Str
     """Bytes per token this stage's layers keep under `policy`, from the (attention, Mamba-2, MoE)
     `inventories` of one layer each."""
     sz, o = st.sizes, st.options
-    act, fp8 = DTYPE_BYTES[o.dtype], 1 if o.dtype == "float8" else 0
+    act, fp8 = ACTIVATION_BYTES[o.dtype], 1 if o.dtype == "float8" else 0
     return sum(n * inventory_bytes(inv, act, sz["tensor"], o.sequence_parallel, policy, fp8)
                for n, inv in zip(block_counts(m), inventories)) / sz["pipeline"]
 
@@ -253,7 +257,7 @@ def stage_bytes(m: ModelConfig, inventories: tuple[tuple, tuple, tuple], st: Str
 def working_bytes(inventories: tuple[tuple, tuple, tuple], st: Strategy) -> float:
     """Bytes per token of the largest layer's full inventory (what `none` keeps): one layer at work."""
     sz, o = st.sizes, st.options
-    return max(inventory_bytes(inv, DTYPE_BYTES[o.dtype], sz["tensor"], o.sequence_parallel, "none")
+    return max(inventory_bytes(inv, ACTIVATION_BYTES[o.dtype], sz["tensor"], o.sequence_parallel, "none")
                for inv in inventories)
 
 
@@ -266,7 +270,7 @@ def host_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> flo
     sz, o = st.sizes, st.options
     _, _, tokens = step_tokens(st, global_batch, seq)
     split = sz["tensor"] if o.sequence_parallel else 1
-    return m.units / sz["pipeline"] * tokens * m.d_model * DTYPE_BYTES[o.dtype] / split
+    return m.units / sz["pipeline"] * tokens * m.d_model * ACTIVATION_BYTES[o.dtype] / split
 
 
 def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
@@ -276,23 +280,34 @@ def logit_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Traits:
-    """What a stack's program keeps that the mesh and the remat policy do not say (jaxpar/cost/software.py
-    has each trait's source):
-        fused_mlp       a fused SwiGLU keeps its input only (`fused_swiglu`)
-        residuals       autodiff's remat keeps only what its backward pass reads (`residuals_only`)
-        every_other_mm  `dots` saves every other matmul output of a layer (`every_other_matmul`)
-        loss_bytes      bytes per logit alive at the loss's peak (Megatron's fused vocab-parallel cross
-                        entropy: the float32 logits, 4)
-        pp_fsdp_gathered  under a pipeline, FSDP keeps the stage's weights gathered and its gradients
-                        unsharded for the whole step (`pipeline_fsdp_bytes`)
-        pp_end_stages   under a pipeline, the embedding is on the first stage and the head on the last
-                        (`embedding_copies`)"""
+    """What a stack's program keeps that the mesh and the remat policy do not say, named as
+    jaxpar/cost/software.py's `Software` names them (its fields carry each one's meaning and source):
+    dropout masks, 1F1B's in-flight micro-batches, a fused attention kernel (no scores in HBM), a fused
+    SwiGLU (`fused_swiglu`), autodiff's remat (`residuals_only`), torchtitan's every-other-matmul `dots`
+    (`every_other_matmul`), the bytes per logit alive at the loss's peak, a pipeline's gathered FSDP weights
+    (`pipeline_fsdp_bytes`) and its end stages' embedding and head (`embedding_copies`), the bytes per
+    parameter of the weights kept between steps, of the optimizer state and of a parameter gather, and the
+    state sharded over the context ranks (`local_params`). `of` reads them off a stack."""
+    dropout: bool = False
+    pp_1f1b: bool = False
+    fused_attention: bool = False
     fused_mlp: bool = False
-    residuals: bool = False
-    every_other_mm: bool = False
-    loss_bytes: int = LOGIT_BYTES
+    autodiff_remat: bool = False
+    sac_every_other_mm: bool = False
+    loss_logit_bytes: int = LOGIT_BYTES
     pp_fsdp_gathered: bool = False
     pp_end_stages: bool = False
+    weight_bytes: int = PARAM_BYTES
+    optimizer_bytes: int = ADAM_BYTES
+    param_gather_bytes: int = 2
+    state_over_context: bool = False
+    fsdp_over_context: bool = False
+
+    @staticmethod
+    @per_model   # on the stack's identity: one record per preset
+    def of(stack) -> "Traits":
+        """The traits of `stack` (any object with these fields: a jaxpar.cost.software.Software)."""
+        return Traits(**{name: getattr(stack, name) for name in Traits.__dataclass_fields__})
 
 
 @per_model  # memoised on the inventory's identity, as inventory_bytes
@@ -327,28 +342,27 @@ def every_other_matmul(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
     return tuple(e if e[0] not in EVEN_MATMULS else (*e[:4], e[4] - {"dots"}) for e in inv)
 
 
-def inventories(m: ModelConfig, st: Strategy, seq: int, dropout: bool = False, fused_attention: bool = False,
-                traits: Traits = Traits()) -> tuple[tuple, tuple, tuple]:
+def inventories(m: ModelConfig, st: Strategy, seq: int, traits: Traits = Traits()) -> tuple[tuple, tuple, tuple]:
     """(attention, Mamba-2, MoE) inventories of one layer each (empty where the model has none): scores
     over `keys_per_query` keys, routed experts at their k copies per token, as the stack's `traits` keep
     them (`Traits`)."""
     na, nm, ne = block_counts(m)
-    keys = keys_per_query(st, seq, fused_attention)
+    keys = keys_per_query(st, seq, traits.fused_attention)
     rows = expert_rows(m, seq, st.sizes["context"], padded=False)
+    dropout = traits.dropout
     attention = attention_inventory(m, keys, dropout) if na else ()
     attention = fused_swiglu(attention) if traits.fused_mlp else attention
-    attention = every_other_matmul(attention) if traits.every_other_mm else attention
+    attention = every_other_matmul(attention) if traits.sac_every_other_mm else attention
     invs = (attention, mamba_inventory(m) if nm else (), moe_inventory(m, keys, rows, dropout) if ne else ())
-    return tuple(residuals_only(inv) for inv in invs) if traits.residuals else invs
+    return tuple(residuals_only(inv) for inv in invs) if traits.autodiff_remat else invs
 
 
-def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-                     one_f_one_b: bool = False, fused_attention: bool = False, traits: Traits = Traits()) -> float:
+def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, traits: Traits = Traits()) -> float:
     """Activation bytes per device at the peak of the backward pass:
     stored = in-flight micro-batches x sum over this stage's layers of (kept bytes per token x tokens)
            + the larger of two transients that are never alive together:
                under remat `full`, one layer's full inventory recomputed at work in the backward pass;
-               the loss's logits of one accumulation step, b*s*V/t x `traits.loss_bytes`; under 1F1B of
+               the loss's logits of one accumulation step, b*s*V/t x `traits.loss_logit_bytes`; under 1F1B of
                one micro-batch (the last stage runs each micro-batch's loss and its backward pass back to
                back, with no warm-up micro-batches: Narayanan et al. 2021 sec. 2.2; Megatron-Core's
                pipeline schedules).
@@ -356,52 +370,44 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
              vocab-parallel cross entropy keeps its softmax in their place) and they are freed before the
              last layer's backward pass recomputes its inventory
            + the int32 batch (`batch_bytes`).
-    `one_f_one_b`: the software runs 1F1B (Software.pp_1f1b); `fused_attention`: no scores in HBM."""
-    o = st.options
+    `traits.pp_1f1b`: the stack runs 1F1B; `traits.fused_attention`: no scores in HBM."""
+    o, one_f_one_b = st.options, traits.pp_1f1b
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
-    invs = inventories(m, st, seq, dropout, fused_attention, traits)
+    invs = inventories(m, st, seq, traits)
     inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
-    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq) / LOGIT_BYTES * traits.loss_bytes
+    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq) / LOGIT_BYTES * traits.loss_logit_bytes
     return stored + max(transient, logits) + batch_bytes(st, global_batch, seq)
 
 
-def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, gather_bytes: int,
-                        fsdp_over_context: bool = False, end_stages: bool = False) -> tuple[float, float]:
+def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, traits: Traits) -> tuple[float, float]:
     """(gathered weights, unsharded gradients) bytes per device where FSDP shards the weights inside a
     pipeline stage and keeps them gathered for the step: torchtitan's default reshard_after_forward is
     off under pipeline parallelism (torchtitan/models/llama3/infra/parallelize.py: "For PP, do not reshard
     after forward to avoid per-microbatch all-gathers"), and PyTorch's pipeline stages accumulate the
     gradients of every micro-batch but the last unsharded, reduced on the last (torch/distributed/
-    pipelining/stage.py backward_maybe_with_nosync): the stage's weights at `gather_bytes` and its float32
-    gradients, over tensor and the stage only. (0, 0) without a pipeline or FSDP (over fsdp, or over
-    context where the stack's FSDP spans it: `fsdp_over_context`)."""
+    pipelining/stage.py backward_maybe_with_nosync): the stage's weights at the stack's param_gather_bytes and
+    its float32 gradients, over tensor and the stage only. (0, 0) without a pipeline or FSDP (over fsdp, or
+    over context where the stack's FSDP spans it: fsdp_over_context)."""
     sz = st.sizes
-    sharded = (st.zero == 3 and sz["fsdp"] > 1) or (fsdp_over_context and sz["context"] > 1)
+    sharded = (st.zero == 3 and sz["fsdp"] > 1) or (traits.fsdp_over_context and sz["context"] > 1)
     if sz["pipeline"] == 1 or not sharded:
         return 0.0, 0.0
     whole = _local_params(m, 0, "params", sz["tensor"], sz["pipeline"], 1, sz["expert"],
-                          embedding_copies(m, sz["pipeline"], end_stages))
-    return whole * gather_bytes, whole * grad_bytes(st)
+                          embedding_copies(m, sz["pipeline"], traits.pp_end_stages))
+    return whole * traits.param_gather_bytes, whole * grad_bytes(st)
 
 
-def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, dropout: bool = False,
-           one_f_one_b: bool = False, fused_attention: bool = False, traits: Traits = Traits(),
-           state: tuple[int, int, bool, bool] = (PARAM_BYTES, ADAM_BYTES, False, False),
-           gather_bytes: int = 2) -> Memory:
-    """Bytes per device of one training step: model and optimizer state (`state`: `state_bytes`'s
-    weight_bytes, optimizer_bytes, over_context, fsdp_over_context), with a pipeline's gathered FSDP
-    weights and unsharded gradients where the stack keeps them (`traits.pp_fsdp_gathered`,
-    `pipeline_fsdp_bytes`; `gather_bytes` per gathered weight), and activations."""
-    weight_bytes, optimizer_bytes, over_context, fsdp_over_context = state
-    params, grads, opt = state_bytes(m, st, weight_bytes, optimizer_bytes, over_context, fsdp_over_context,
-                                     traits.pp_end_stages)
+def memory(m: ModelConfig, st: Strategy, global_batch: int, seq: int, traits: Traits = Traits()) -> Memory:
+    """Bytes per device of one training step of a stack with `traits`: model and optimizer state
+    (`state_bytes`), with a pipeline's gathered FSDP weights and unsharded gradients where the stack keeps
+    them (`pipeline_fsdp_bytes`), and activations (`activation_bytes`)."""
+    params, grads, opt = state_bytes(m, st, traits)
     if traits.pp_fsdp_gathered:
-        gathered, unsharded = pipeline_fsdp_bytes(m, st, gather_bytes, fsdp_over_context, traits.pp_end_stages)
+        gathered, unsharded = pipeline_fsdp_bytes(m, st, traits)
         params, grads = params + gathered, max(grads, unsharded)
-    return Memory(params, grads, opt,
-                  activation_bytes(m, st, global_batch, seq, dropout, one_f_one_b, fused_attention, traits),
+    return Memory(params, grads, opt, activation_bytes(m, st, global_batch, seq, traits),
                   host_bytes(m, st, global_batch, seq))
 
 

@@ -31,7 +31,7 @@ realises on a given accelerator is measured by experiments/bench_overlap.py wher
 from __future__ import annotations
 
 from jaxpar import xla_presets
-from jaxpar.cost.compiler import AG, AR, PERMUTE, RS
+from jaxpar.collectives import AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
 from jaxpar.cost.software import Software
 from jaxpar.cost.time import axis_span, comm_seconds

@@ -1,44 +1,74 @@
 """The gradient sums of jaxpar's own pipelines (jaxpar/pipeline/gpipe.py, one_f_one_b.py), where they depart
-from the textbook's per-layer reductions of jaxpar/cost/comm_data.py. A stage runs with one copy of its
-(gathered) weights per data (x fsdp) shard, so nothing is summed over `data` inside the schedule's loop:
-each shard accumulates its stage's v*k unit slots, and the copies are summed once per accumulation step
-after it (`stage_copies`; with the experts split over `expert`, `moe_stage_copies`; over fsdp,
-`fsdp_stage_copies`). How XLA:CPU's combiner groups those sums is stated per function with the layouts
-it was checked on (tests/test_cost_vs_hlo.py, tests/test_verify_scale.py). `data_parallel` is jaxpar's
-program's data parallelism: the textbook's with these `departures`. Records as comm.py's.
+from comm_data's: a stage runs with one copy of its (gathered) weights per data (x fsdp) shard, so nothing is
+summed over `data` inside the schedule's loop: each shard accumulates its stage's v*k unit slots, and the
+copies are summed once per accumulation step after it (`stage_copies`; with the experts split over
+`expert`, `moe_stage_copies`; over fsdp, `fsdp_stage_copies`). `data_parallel` applies them to comm_data's
+sites, by role. How XLA:CPU's combiner groups those sums is stated per function with the layouts it was
+checked on (tests/test_cost_vs_hlo.py, tests/test_verify_scale.py).
 """
 from __future__ import annotations
 
-import functools
-
-from jaxpar.cost import comm_data
-from jaxpar.cost.compiler import AR, Compiler, site
+from jaxpar.collectives import AG, AR, RS
+from jaxpar.cost import sites
+from jaxpar.cost.compiler import Compiler
 from jaxpar.cost.held import Held, equal_buffers, head_and_norm, held, unit_norms
-from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES
-from jaxpar.cost.shape import StepShape, one_f_one_b
+from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, grad_bytes
+from jaxpar.cost.program_flops import one_f_one_b
+from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
-def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
-                  gather_bytes: int) -> list[tuple]:
-    """jaxpar's program's data parallelism: comm_data.data_parallel with `departures`; a MoE model's under
-    `moe_stage_copies` (the loop's sums left to the combiner, not hoisted) is `moe_copies_grads` whole."""
-    if m.moe_layers and moe_stage_copies(st, shape) and not cc.hoist:
-        return moe_copies_grads(m, st, shape, cc)
-    return comm_data.data_parallel(m, st, shape, act, cc, gather_bytes, departures(m, st, shape, cc))
+
+def shard_sums(role) -> bool:
+    """Whether a site's `role` is the ZeRO shards' sums over the data axes beyond the shard group."""
+    return role == sites.LOOP_SHARDED or (type(role) is tuple and role[0] == sites.SHARDED)
 
 
-def departures(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler) -> comm_data.Departures:
-    """Where jaxpar's program departs from the textbook's data parallelism (comm_data.Departures): its
-    pipelines' replicated weights summed as `replicated_sums`, their fsdp shards as `copies_grads` under
-    `fsdp_stage_copies`; a stage's fsdp gathers move the stored float32 weights (PARAM_BYTES); jaxpar's
-    1F1B gathers the embedding table over fsdp before its loop (jaxpar/pipeline/one_f_one_b.py) in place
-    of the sharded lookup."""
-    return comm_data.Departures(
-        replicated_sums=functools.partial(replicated_sums, m, st, shape, cc),
-        sharded_sums=functools.partial(copies_grads, m, st, shape, cc) if fsdp_stage_copies(st, shape) else None,
-        stage_gather_bytes=PARAM_BYTES, table_gathered=one_f_one_b(st, shape))
+def data_parallel(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler,
+                  act: int) -> list[tuple]:
+    """comm_data's sites (or compiler_comm's in-loop ones) as jaxpar's program issues them: a pipeline
+    stage's fsdp gathers move the stored float32 weights (its per-shard copies accumulate their gradients in
+    float32 and cast them in the layers: the all-gather's operand is the float32 parameter in the HLO); its
+    1F1B gathers the embedding table over fsdp before its loop (jaxpar/pipeline/one_f_one_b.py) in place of
+    the sharded lookup; its pipelines' per-shard weight copies sum their gradients as `copies_grads` (ZeRO-3,
+    `fsdp_stage_copies`) and, where the sums stay in the loop, as `replicated_sums`; a MoE model's under
+    `moe_stage_copies` as `moe_copies_grads`. Routed experts split over `expert` keep comm_data's."""
+    if shape.stages == 1:   # (every departure is a pipeline's)
+        return ops
+    if m.moe_layers and st.sizes["expert"] > 1:
+        return moe_copies_grads(m, st, shape, cc) if moe_stage_copies(st, shape) and not cc.hoist else ops
+    copies, table = fsdp_stage_copies(st, shape), one_f_one_b(st, shape) and st.zero == 3
+    sums: dict[tuple, list[tuple] | None] = {}   # a group's sums in place of its sites (None: the sites stand)
+    out = []
+    for op in ops:
+        kind, axes, execs, n, total, phase, role = op
+        if role == sites.STAGE_WEIGHTS:
+            op = (kind, axes, execs, n, total * (PARAM_BYTES / act), phase, role)
+        elif table and role == sites.LOOKUP:
+            out += table_gathered(m, st, shape, act) if sites.LOOKUP not in sums else []
+            sums[sites.LOOKUP] = None
+            continue
+        elif copies and role == sites.FINAL_NORM:
+            continue
+        elif (copies and shard_sums(role)) or role == sites.LOOP_SUMS:
+            key = (role == sites.LOOP_SUMS, axes)
+            if key not in sums:
+                sums[key] = (replicated_sums(m, st, shape, cc, axes, held(m, st)) if key[0]
+                             else copies_grads(m, st, shape, cc, axes))
+                out += sums[key] or []
+            if sums[key] is not None:
+                continue
+        out.append(op)
+    return out
+
+
+def table_gathered(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> list[tuple]:
+    """jaxpar's 1F1B: the embedding table gathered over fsdp per accumulation step and its gradient
+    scattered back (in place of comm_data.embedding_lookup)."""
+    table = held(m, st, "zero").emb - sum(head_and_norm(m, st.sizes["tensor"]))
+    return (sites.issue(AG, ("fsdp",), shape.accum, [table * act], "forward")
+            + sites.issue(RS, ("fsdp",), shape.accum, [table * grad_bytes(st)], "backward"))
 
 
 def replicated_sums(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
@@ -82,11 +112,11 @@ def moe_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compile
     execs, slots = shape.exec_layers / len(m.pattern), shape.repeats * shape.per_chunk
     head, norm = head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
-    out = site(cc, AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
-    out += site(cc, AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
-    out += site(cc, AR, ("data",), shape.accum, [(dense.unit + experts.unit) * slots * GRAD_BYTES], "backward")
-    out += site(cc, AR, ("data", "expert"), shape.accum, [(head + norm) * GRAD_BYTES] + losses, "backward")
-    return out + site(cc, AR, ("data", "expert"), 1, [(dense.emb - head - norm) * GRAD_BYTES], "backward")
+    out = sites.issue(AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
+    out += sites.issue(AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
+    out += sites.issue(AR, ("data",), shape.accum, [(dense.unit + experts.unit) * slots * GRAD_BYTES], "backward")
+    out += sites.issue(AR, ("data", "expert"), shape.accum, [(head + norm) * GRAD_BYTES] + losses, "backward")
+    return out + sites.issue(AR, ("data", "expert"), 1, [(dense.emb - head - norm) * GRAD_BYTES], "backward")
 
 
 def fsdp_stage_copies(st: Strategy, shape: StepShape) -> bool:
@@ -108,13 +138,13 @@ def replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: 
     losses = [shape.head_micro * 4] if cc.combine else []
     apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
     if st.options.pp_schedule == "1f1b" and st.sizes["tensor"] > 1:   # the head's and norm's with the embedding's
-        out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays), "backward")
-        return out + site(cc, AR, group, shape.accum, [emb + (head + norm) * GRAD_BYTES], "backward")
-    out = site(cc, AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
+        out = sites.issue(AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays), "backward")
+        return out + sites.issue(AR, group, shape.accum, [emb + (head + norm) * GRAD_BYTES], "backward")
+    out = sites.issue(AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
                + [(norm + (0.0 if apart else head)) * GRAD_BYTES] + losses + ([emb] if shape.accum > 1 else []),
                "backward")
-    out += site(cc, AR, group, shape.accum, [head * GRAD_BYTES] if apart and head else [], "backward")
-    return out + site(cc, AR, group, 1, [emb] if shape.accum == 1 else [], "backward")
+    out += sites.issue(AR, group, shape.accum, [head * GRAD_BYTES] if apart and head else [], "backward")
+    return out + sites.issue(AR, group, 1, [emb] if shape.accum == 1 else [], "backward")
 
 
 def context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
@@ -128,13 +158,13 @@ def context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, 
     norms, norm_arrays = unit_norms(m) if stage_copies(st, shape) else (0, 0)
     head, norm = head_and_norm(m, st.sizes["tensor"])
     one_f = st.options.pp_schedule == "1f1b"
-    out = site(cc, AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
+    out = sites.issue(AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
                "backward")
-    out += site(cc, AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
+    out += sites.issue(AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
     ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and norms else [(head + norm) * GRAD_BYTES]
     per_micro = shape.accum * (shape.micro if one_f else 1)   # 1F1B: head per tick, lookup per micro-batch
-    out += [op for b in ends for op in site(cc, AR, group, per_micro, [b], "backward")]
-    return out + site(cc, AR, group, per_micro if one_f else 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
+    out += [op for b in ends for op in sites.issue(AR, group, per_micro, [b], "backward")]
+    return out + sites.issue(AR, group, per_micro if one_f else 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
 
 
 def head_apart(st: Strategy, shape: StepShape) -> bool:
@@ -143,8 +173,7 @@ def head_apart(st: Strategy, shape: StepShape) -> bool:
     return stage_copies(st, shape) and st.zero != 3 and st.sizes["tensor"] > 1 and st.options.pp_schedule != "1f1b"
 
 
-def copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...],
-                 sharded: Held, head: float, norm: float) -> list[tuple]:
+def copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, group: tuple[str, ...]) -> list[tuple]:
     """The sums over `data` under `stage_copies`: once per accumulation step after the schedule's loop
     (not per layer execution: each data x fsdp shard accumulates into its own copy), the stage's v*k unit
     slots' fsdp shards (padding included) together with the embedding's shard; the head's fsdp shard over
@@ -152,10 +181,28 @@ def copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, g
     norm over data x fsdp, un-sharded, with the per-micro-batch losses (XLA:CPU's grouping, checked in
     tests/test_verify_scale.py)."""
     f, slots = st.sizes["fsdp"], shape.repeats * shape.per_chunk
+    sharded, (head, norm) = held(m, st, "zero"), head_and_norm(m, st.sizes["tensor"])
     emb = sharded.emb - head - norm
     execs = 1 if cc.hoist else shape.accum
-    out = site(cc, AR, group, execs, equal_buffers(sharded.unit * slots * GRAD_BYTES / f, sharded.unit_arrays)
+    out = sites.issue(AR, group, execs, equal_buffers(sharded.unit * slots * GRAD_BYTES / f, sharded.unit_arrays)
                + [emb * GRAD_BYTES / f], "backward")
-    out += site(cc, AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
+    out += sites.issue(AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
     losses = [shape.head_micro * 4] if cc.combine else []
-    return out + site(cc, AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
+    return out + sites.issue(AR, group + ("fsdp",), shape.accum, [norm * GRAD_BYTES] + losses, "backward")
+
+
+def expert_stats(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepShape) -> list[tuple]:
+    """comm_expert's balance statistics under `moe_stage_copies`: summed over the axes but `data` in the
+    loop, and the stage's v*k unit slots' accumulated statistics over `data` once per accumulation step."""
+    if not moe_stage_copies(st, shape):
+        return ops
+    out = []
+    for op in ops:
+        if op[6] == sites.STATS:
+            per = op[4]
+            out += sites.issue(AR, ("data",), shape.accum, [shape.repeats * shape.per_chunk * per], "forward")
+            axes = tuple(a for a in op[1] if a != "data")
+            op = (op[0], axes, *op[2:]) if axes else None
+        if op:
+            out.append(op)
+    return out

@@ -18,9 +18,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.cost import flops
-from jaxpar.cost.shape import StepShape, one_f_one_b
+from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
+
+
+def one_f_one_b(st: Strategy, shape: StepShape) -> bool:
+    """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline/one_f_one_b.py): a pipeline, pp_schedule 1f1b."""
+    return shape.stages > 1 and st.options.pp_schedule == "1f1b"
 
 
 def recompute_policy(st: Strategy, sh: StepShape) -> str:
@@ -33,14 +38,15 @@ def recompute_policy(st: Strategy, sh: StepShape) -> str:
 
 
 def chunk_recompute(fl: flops.StepFlops, m: ModelConfig, st: Strategy, sh: StepShape, global_batch: int, seq: int,
-                    causal: bool, rerun_outputs: bool) -> flops.StepFlops:
+                    kernels: flops.Kernels) -> flops.StepFlops:
     """`fl` plus what 1F1B's chunks rerun inside under the units' own policy (none outside 1F1B or
-    without remat)."""
+    without remat), as `kernels` compute the scores and the unit's last projection."""
     remat = st.options.remat
     if not one_f_one_b(st, sh) or remat == "none":
         return fl
     inner = "full" if remat == "dots_no_batch" else remat   # the stages' vmap: no dot without a batch dim
-    again = flops.recompute_flops(m, inner, global_batch, seq, causal, False, rerun_outputs)
+    again = flops.recompute_flops(m, inner, global_batch, seq,
+                                  flops.Kernels(causal=kernels.causal, rerun_outputs=kernels.rerun_outputs))
     return dataclasses.replace(fl, recompute=fl.recompute + again.matmul, hardware=fl.hardware + again.matmul,
                                elementwise=fl.elementwise + again.other)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from jaxpar.cost.flops import expert_rows, unit_policy
 from jaxpar.cost.inventory_jax import BOOL, F32, jax_attention_inventory, jax_mamba_inventory, jax_moe_inventory
-from jaxpar.cost.memory import (DTYPE_BYTES, GRAD_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
+from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
                                 state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
@@ -132,7 +132,7 @@ def pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: float
     XLA's memory analysis of llama3-70b's top plans (`plan --verify`, tests/test_verify_scale.py)."""
     sz, o = st.sizes, st.options
     sched = schedule_of(st, m.units)
-    act = DTYPE_BYTES[o.dtype]
+    act = ACTIVATION_BYTES[o.dtype]
     if o.remat in ("full", "dots_no_batch"):
         stored = sched.iterations * tokens * m.d_model * act / (sz["tensor"] if o.sequence_parallel else 1)
     else:
@@ -149,7 +149,7 @@ def one_f_one_b_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, laye
     slots' layers under remat "none", else what the units' policy keeps of them (`stage_kept`: the stage's
     v chunks', one micro-batch) and one layer's inventory at work (jaxpar/pipeline/stages.py)."""
     sz = st.sizes
-    act = DTYPE_BYTES[st.options.dtype]
+    act = ACTIVATION_BYTES[st.options.dtype]
     stages = sz["pipeline"]
     sched_k = schedule_of(st, m.units).per_chunk
     tokens = b_loc / st.options.microbatches * seq / sz["context"]
@@ -170,7 +170,7 @@ def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: in
     output gradient gathered for the table's scatter-add, each un-split over `tensor` (llama3-70b
     TP4 PP8 DP2, 128 sequences of 8k per device: two 32 GiB float32 buffers in XLA:CPU's peak, which
     promotes the bf16 sums). jaxpar/pipeline/one_f_one_b.py looks the micro-batches up in turn instead."""
-    return 2 * b_loc * seq / st.sizes["context"] * m.d_model * DTYPE_BYTES[st.options.dtype]
+    return 2 * b_loc * seq / st.sizes["context"] * m.d_model * ACTIVATION_BYTES[st.options.dtype]
 
 
 def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
@@ -185,7 +185,7 @@ def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
         if n:
             sharded, kept = zero_split(m, block, 3)
             unit += n / m.units * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
-    return sched.repeats * sched.per_chunk * unit * (DTYPE_BYTES[st.options.dtype] + GRAD_BYTES)
+    return sched.repeats * sched.per_chunk * unit * (ACTIVATION_BYTES[st.options.dtype] + GRAD_BYTES)
 
 
 def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:
@@ -214,4 +214,4 @@ def fsdp_head_bytes(m: ModelConfig, st: Strategy, platform: str = "cpu") -> floa
     term is XLA:CPU's reading (no GPU compile checks it)."""
     if st.zero != 3 or st.sizes["fsdp"] == 1 or platform == "tpu":
         return 0.0
-    return m.d_model * m.vocab / st.sizes["tensor"] * (DTYPE_BYTES[st.options.dtype] + F32)
+    return m.d_model * m.vocab / st.sizes["tensor"] * (ACTIVATION_BYTES[st.options.dtype] + F32)

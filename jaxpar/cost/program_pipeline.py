@@ -6,8 +6,10 @@ are (kind, axes, count, mean bytes per op, phase), as comm.py's. The gradient su
 per-shard weight copies are program_comm.py's."""
 from __future__ import annotations
 
+from jaxpar.collectives import A2A, AG, AR, PERMUTE, RS
+from jaxpar.cost import comm_context, comm_tensor, sites
 from jaxpar.cost.comm_context import Positions
-from jaxpar.cost.compiler import A2A, AG, AR, PERMUTE, RS, Compiler, ar_bytes, scattered, site, together
+from jaxpar.cost.compiler import Compiler, lower, together
 from jaxpar.cost.held import DATA_LIKE, equal_buffers, held
 from jaxpar.cost.memory import GRAD_BYTES, TOKEN_BYTES
 from jaxpar.cost.program_comm import fsdp_stage_copies, head_apart, moe_stage_copies, stage_copies
@@ -24,9 +26,8 @@ def unused_cooldown_send(sends: list[tuple], st: Strategy, shape: StepShape) -> 
     per accumulation step (tests/test_cost_vs_hlo.py's 1F1B cases at pipeline=2)."""
     if not (st.options.pp_schedule == "1f1b" and shape.stages == 2 and shape.repeats == 1):
         return sends
-    return [(kind, axes, count - shape.accum, nbytes, phase)
-            if (kind, axes, phase) == (PERMUTE, ("pipeline",), "backward") else (kind, axes, count, nbytes, phase)
-            for kind, axes, count, nbytes, phase in sends]
+    return [(kind, axes, execs - shape.accum, *rest) if (kind, axes, rest[-2]) == (PERMUTE, ("pipeline",), "backward")
+            else (kind, axes, execs, *rest) for kind, axes, execs, *rest in sends]
 
 
 def schedule_collectives(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
@@ -34,7 +35,7 @@ def schedule_collectives(m: ModelConfig, st: Strategy, shape: StepShape, act: in
     step: the head spread over the stages (`head_spread`), the sums at the pipeline's ends (`boundary_sums`)
     and, for an uneven split, the weights' moves to their stages (`uneven_weights`)."""
     return (head_spread(m, st, shape, act) + boundary_sums(m, st, shape, act, cc)
-            + uneven_weights(m, st, shape, act, cc))
+            + uneven_weights(m, st, shape, act))
 
 
 def head_spread(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> list[tuple]:
@@ -45,10 +46,10 @@ def head_spread(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> lis
     ax, x = ("pipeline",), shape.mb * shape.s_loc * m.d_model * act
     t = st.sizes["tensor"] if st.options.sequence_parallel else 1
     if st.options.pp_schedule == "1f1b":
-        return [(A2A, ax, shape.micro * shape.accum, x / t, "forward"),
-                (A2A, ax, shape.micro * shape.accum, x / t, "backward")]
+        return (sites.issue(A2A, ax, shape.micro * shape.accum, [x / t], "forward")
+                + sites.issue(A2A, ax, shape.micro * shape.accum, [x / t], "backward"))
     spread = shape.stages * shape.head_micro * x / t
-    return [(A2A, ax, shape.accum, spread, "forward"), (A2A, ax, shape.accum, spread, "backward")]
+    return sites.issue(A2A, ax, shape.accum, [spread], "forward") + sites.issue(A2A, ax, shape.accum, [spread], "backward")
 
 
 def boundary_sums(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
@@ -62,21 +63,21 @@ def boundary_sums(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: 
     sz, ax = st.sizes, ("pipeline",)
     t = sz["tensor"] if st.options.sequence_parallel else 1
     one_f_one_b = st.options.pp_schedule == "1f1b"
-    y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * ar_bytes(cc, act) / t
+    y = shape.b_loc / shape.accum * shape.s_loc * m.d_model * act / t
     zero3 = sz["fsdp"] if st.zero == 3 else 1
-    head = m.vocab * m.d_model / sz["tensor"] / (1 if one_f_one_b else zero3) * ar_bytes(cc, act)
+    head = m.vocab * m.d_model / sz["tensor"] / (1 if one_f_one_b else zero3) * act
     apart = head_apart(st, shape)
-    out = together(cc, site(cc, AR, ax, shape.accum, [y], "backward")
-                   + site(cc, AR, ax, shape.accum, [0.0 if fsdp_stage_copies(st, shape) or apart else head,
-                                                    m.d_model * ar_bytes(cc, act)], "backward"))
-    out += site(cc, AR, ax, shape.accum, [head] if apart else [], "backward")
+    out = together(cc, lower(cc, sites.issue(AR, ax, shape.accum, [y], "backward")
+                             + sites.issue(AR, ax, shape.accum, [0.0 if fsdp_stage_copies(st, shape) or apart else head,
+                                                                 m.d_model * act], "backward"), st))
+    out += sites.issue(AR, ax, shape.accum, [head] if apart else [], "backward")
     data = tuple(a for a in DATA_LIKE if sz[a] > 1 and a != "fsdp")
     if cc.combine and data and "context" not in data and not (stage_copies(st, shape) or moe_stage_copies(st, shape)):
-        out += [(AR, data, shape.accum, shape.head_micro * 4, "backward")]
+        out += sites.issue(AR, data, shape.accum, [shape.head_micro * 4], "backward")
     return out
 
 
-def uneven_weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler) -> list[tuple]:
+def uneven_weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> list[tuple]:
     """An uneven split's weights are viewed as [S, v, k] per step: per weight array one all-to-all forward,
     and one for its gradient backward (moved before the fsdp gather: ZeRO-3 shards of the sharded part).
     An even split, circular included, is stored stage-major (jaxpar/pipeline/order.py): no weight moves."""
@@ -87,7 +88,7 @@ def uneven_weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc:
     h = held(m, st)
     unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
     arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
-    return site(cc, A2A, ("pipeline",), 1, arrays, "forward") + site(cc, A2A, ("pipeline",), 1, arrays, "backward")
+    return sites.issue(A2A, ("pipeline",), 1, arrays, "forward") + sites.issue(A2A, ("pipeline",), 1, arrays, "backward")
 
 
 # ---- what the stages recompute and how the positions travel -----------------------------------------
@@ -144,18 +145,58 @@ def one_f_one_b_head(cc: Compiler, st: Strategy, shape: StepShape, m: ModelConfi
     only) with, in one op under the combiner, the input gradient's sum (SP: its reduce-scatter apart,
     and the final norm's weight gradient instead: its partial sum over the tick's sequence shard,
     accumulated replicated)."""
-    sp, ax, n, d = st.options.sequence_parallel, ("tensor",), shape.accum, m.d_model
-    tokens = shape.b_loc / shape.accum * shape.s_loc
-    x, xr = tokens * d * act, tokens * d * ar_bytes(cc, act)
+    sp, ax, d = st.options.sequence_parallel, ("tensor",), m.d_model
+    x = shape.b_loc / shape.accum * shape.s_loc * d * act
     ticks, h = shape.micro * shape.accum, shape.mb * shape.s_loc / shape.stages
-    hx, hxr = h * d * act, h * d * ar_bytes(cc, act)
+    hx = h * d * act
     per = shape.micro   # the embedding looked up micro-batch by micro-batch (jaxpar/pipeline/one_f_one_b.py)
-    out = site(cc, RS if sp else AR, ax, ticks, [(scattered(cc, x, xr) if sp else xr) / per], "forward")
-    out += site(cc, AG, ax, ticks, [x / per], "backward") if sp else []
-    out += site(cc, AG, ax, ticks, [hx], "forward") if sp else []
-    out += site(cc, AR, ax, ticks, [h * 4], "forward") + site(cc, AR, ax, ticks, [h * 4], "forward")
+    out = sites.issue(RS if sp else AR, ax, ticks, [x / per], "forward")
+    out += sites.issue(AG, ax, ticks, [x / per], "backward") if sp else []
+    out += sites.issue(AG, ax, ticks, [hx], "forward") if sp else []
+    out += sites.issue(AR, ax, ticks, [h * 4], "forward") + sites.issue(AR, ax, ticks, [h * 4], "forward")
     if sp:   # (a reduce-scatter: apart, XLA:CPU's too)
-        out += site(cc, RS, ax, ticks, [scattered(cc, hx, hxr)], "backward")
-    grads = site(cc, AR, ax, ticks, [d * GRAD_BYTES] if sp else [hxr], "backward")
-    out += together(cc, site(cc, AR, ax, ticks, [h * 4], "backward") + grads)
+        out += sites.issue(RS, ax, ticks, [hx], "backward")
+    grads = sites.issue(AR, ax, ticks, [d * GRAD_BYTES] if sp else [hx], "backward")
+    return out + together(cc, lower(cc, sites.issue(AR, ax, ticks, [h * 4], "backward") + grads, st))
+
+
+# ---- the adjustments, applied to the textbook's sites -----------------------------------------------
+
+def tensor_parallel(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler,
+                    act: int) -> list[tuple]:
+    """comm_tensor's sites as jaxpar's pipelines issue them: their stages recompute more than a layer's own
+    remat (`recomputed_tp`, in place of comm_tensor.recomputed_tp); 1F1B reruns each chunk in its backward
+    (a Mamba-2 layer's collectives once more: `rerun_mamba`) and runs its own vocab-parallel head
+    (`one_f_one_b_head`, in place of comm_tensor.tp_vocab), whose ticks sum the final norm's gradient."""
+    one_f, x = st.options.pp_schedule == "1f1b", comm_tensor.residual(m, shape, act)
+    out = [op for op in ops if not (one_f and op[6] in (sites.VOCAB, sites.LABEL))]
+    if one_f:
+        out = [op[:6] + (sites.SP_LAYER_NORMS,) if op[6] == sites.SP_NORMS else op for op in out]
+        out += one_f_one_b_head(cc, st, shape, m, act) + rerun_mamba(st, shape, x)
+    if shape.exec_attention and st.options.overlap == "none":
+        gathers, sums = recomputed_tp(st, shape)
+        textbook = comm_tensor.recomputed_tp(st)
+        more = gathers - textbook[0] if st.options.sequence_parallel else 0
+        out += comm_tensor.reruns(st, shape.exec_attention, x, more, sums - textbook[1])
+    return out
+
+
+def rerun_mamba(st: Strategy, shape: StepShape, x: float) -> list[tuple]:
+    """What 1F1B's rerun of each chunk in its backward adds to a Mamba-2 layer's tensor collectives: the
+    gathered input again under SP (no dot output), and the out_proj sum where a slot feeds the next (k > 1)."""
+    e, sp = shape.exec_mamba, st.options.sequence_parallel
+    out = sites.issue(AG, ("tensor",), e, [x], "backward") if sp else []
+    return out + (sites.issue(RS if sp else AR, ("tensor",), e, [x], "backward") if shape.per_chunk > 1 else [])
+
+
+def context_parallel(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepShape, act: int,
+                     exchange: comm_context.Exchange) -> list[tuple]:
+    """comm_context's sites as jaxpar's pipelines issue them: the positions travel as `cp_positions` says,
+    and 1F1B's rerun of each chunk runs the kernels' forward collectives once more, backward."""
+    out = [op for op in ops if op[6] != sites.POSITIONS]
+    if any(op[6] == sites.POSITIONS for op in ops):
+        out += comm_context.position_sites(st, cp_positions(st, shape))
+    if st.options.pp_schedule == "1f1b":
+        out += (comm_context.attention_pass(m, st, shape, act, exchange, "backward")
+                + comm_context.mamba_pass(m, st, shape, act, "backward"))
     return out

@@ -70,8 +70,3 @@ def head_share(shape: StepShape, spread: bool) -> float:
     jaxpar/pipeline/gpipe.py), S where the last stage runs all M (Megatron), 1 without a pipeline."""
     return shape.head_micro * shape.stages / shape.micro if (spread and shape.stages > 1) else shape.stages
 
-
-def one_f_one_b(st: Strategy, shape: StepShape, jaxpar_program: bool = True) -> bool:
-    """The step runs jaxpar's own 1F1B schedule (jaxpar/pipeline/one_f_one_b.py): a pipeline, pp_schedule 1f1b,
-    and jaxpar's program (`Software.jaxpar_program`)."""
-    return jaxpar_program and shape.stages > 1 and st.options.pp_schedule == "1f1b"

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import math
 
-from jaxpar.cost.compiler import A2A, AG, AR, PERMUTE, RS
+from jaxpar.collectives import A2A, AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
 from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.errors import ConfigError
@@ -190,26 +190,37 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
     return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
-def gemm_excess(shapes: tuple[tuple[str, int, int, str, int], ...], tokens: float, tensor: int, expert: int,
-                rows: float, rate: float, hbm_bw: float, operand_bytes: float,
-                output_bytes: float) -> tuple[tuple[str, float], ...]:
-    """(block kind, seconds) that one pass of each projection GEMM takes beyond its FLOPs at `rate` (the
-    calibrated matmul FLOP/s), where it is bound by HBM instead: the roofline (Williams et al. 2009; the
-    scaling book, "All about rooflines"). A GEMM of an M x K input and a K x N weight does 2MKN FLOPs and
-    moves MK + KN operand and MN output elements, so one whose smaller dimension falls below about
-    rate / hbm_bw FLOPs per byte (a short micro-batch, a narrow per-device slice under wide tensor
-    parallelism, an expert that receives few tokens) waits on memory. `shapes`: flops.projection_shapes;
-    M = `tokens` per micro-batch and device (the gathered sequence under sequence parallelism), `rows`
-    copies per token for the routed experts, whose grouped GEMM reads the experts / `expert` weights of the
-    device. The input and weight gradients move as many elements and do as many FLOPs as the forward, so a
-    pass of each costs the same. Compute-bound GEMMs are left out. Tile and wave quantisation (NVIDIA,
-    "Matrix Multiplication Background") are not modelled."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class GemmRun:
+    """How a step's projection GEMMs run on a device (`gemm_excess`): M = `tokens` per micro-batch (the gathered
+    sequence under sequence parallelism), K or N split over `tensor`, the routed experts' grouped GEMM over
+    E / `expert` weights with `rows` copies per token, at `rate` FLOP/s (the calibrated matmul rate) and
+    `hbm_bw` bytes/s, `operand_bytes` and `output_bytes` per element."""
+    tokens: float
+    tensor: int
+    expert: int
+    rows: float
+    rate: float
+    hbm_bw: float
+    operand_bytes: float
+    output_bytes: float
+
+
+def gemm_excess(shapes: tuple[tuple[str, int, int, str, int], ...], run: GemmRun) -> tuple[tuple[str, float], ...]:
+    """(block kind, seconds) that one pass of each projection GEMM takes beyond its FLOPs at `run.rate`, where
+    it is bound by HBM instead: the roofline (Williams et al. 2009; the scaling book, "All about rooflines").
+    A GEMM of an M x K input and a K x N weight does 2MKN FLOPs and moves MK + KN operand and MN output
+    elements, so one whose smaller dimension falls below about rate / hbm_bw FLOPs per byte (a short
+    micro-batch, a narrow per-device slice under wide tensor parallelism, an expert that receives few tokens)
+    waits on memory. `shapes`: flops.projection_shapes. The input and weight gradients move as many elements
+    and do as many FLOPs as the forward, so a pass of each costs the same. Compute-bound GEMMs are left out;
+    tile and wave quantisation (NVIDIA, "Matrix Multiplication Background") are not modelled."""
     out = []
     for kind, k, n, split, experts in shapes:
-        k, n = (k, n / tensor) if split == "n" else (k / tensor, n)
-        m_rows, weights = (tokens * rows, experts / expert * k * n) if experts else (tokens, k * n)
-        excess = ((operand_bytes * (m_rows * k + weights) + output_bytes * m_rows * n) / hbm_bw
-                  - 2.0 * m_rows * k * n / rate)
+        k, n = (k, n / run.tensor) if split == "n" else (k / run.tensor, n)
+        m_rows, weights = (run.tokens * run.rows, experts / run.expert * k * n) if experts else (run.tokens, k * n)
+        excess = ((run.operand_bytes * (m_rows * k + weights) + run.output_bytes * m_rows * n) / run.hbm_bw
+                  - 2.0 * m_rows * k * n / run.rate)
         if excess > 0.0:
             out.append((kind, excess))
     return tuple(out)
@@ -235,39 +246,54 @@ def decomposed_hideable(tensor_s: float, linear_s: float, ops: tuple[tuple[int, 
     return sum(n * min(one, beside * g) for n, g in ops)
 
 
-def step_time(compute: float, attention_core: float, bubble: float, comm: dict[str, float],
-              optimizer_params: float, hw: Hardware, overlap: tuple[float, float, float] = (0.0, 0.0, 0.0),
-              context_hide: float = 1.0, expert_overlap: float = 0.0, linear: float | None = None,
-              host: float = 0.0) -> StepTime:
-    """Combine the terms (module docstring). `attention_core`: seconds of attention-score work, which
-    ring/all-gather context communication can hide under (Liu et al. 2023), `context_hide` of it (the
-    software's cp_hide: 1/context where only the diagonal block's kernel covers it). `overlap`: the software's
-    (tensor, pipeline, data) overlap fractions (jaxpar/cost/software.py): that fraction of each class is
-    hidden under compute, tensor first, then pipeline, then data, never more in all than the compute
-    there is (data-parallel gradient reductions run under the backward pass and the distributed
-    optimizer's parameter gathers under the next forward: together, under the whole step), less the
-    context exchanges hidden under the attention core: a second of compute hides one second of collectives,
-    which share the device's links and its collective engine (NCCL's channels, the TPU's DMA queues).
-    `expert_overlap`: the software's share of the expert all-to-alls hidden (Software.ep_overlap), after
-    the pipeline's and before the data-parallel collectives. `linear`: the most tensor-collective seconds the
-    projection GEMMs can hide (`decomposed_hideable`; None: the compute): a tensor collective decomposed
-    into the GEMM that consumes or produces it hides under that GEMM and nothing else (Wang et al. 2023;
-    Transformer Engine's userbuffers, PyTorch's async TP), so a small GEMM under wide TP leaves the rest
-    exposed. `host`: remat offload's exposed host copies (`host_seconds`)."""
-    tp, pp, dp = overlap
-    hidden_cp = min(comm["context"], attention_core * context_hide)
-    free = compute - hidden_cp      # one compute hides each collective second once: the links are shared too
-    hidden_tp = min(tp * comm["tensor"], free if linear is None else min(linear, free))
+@dataclasses.dataclass(frozen=True, slots=True)
+class Busy:
+    """What a device computes in one step, in seconds: `compute` (matmuls, HBM-bound work, GEMM waits; without
+    the bubble), of which `attention_core` is attention-score work (what context exchanges hide under), the
+    pipeline's idle fraction `bubble`, the most tensor-collective seconds the projection GEMMs can hide
+    (`linear`, decomposed_hideable; None: the compute) and remat offload's exposed host copies (`host`)."""
+    compute: float
+    attention_core: float = 0.0
+    bubble: float = 0.0
+    linear: float | None = None
+    host: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hiding:
+    """The share of each class of collective a stack issues beside independent compute (jaxpar/cost/software.py
+    tp_overlap, pp_overlap, ep_overlap, dp_overlap; jaxpar's program's: jaxpar/cost/overlap.py), and the share
+    of the attention core context exchanges hide under (`context`: cp_hide, 1/context where only the diagonal
+    block's kernel covers them)."""
+    tensor: float = 0.0
+    pipeline: float = 0.0
+    data: float = 0.0
+    expert: float = 0.0
+    context: float = 1.0
+
+
+def step_time(busy: Busy, comm: dict[str, float], hiding: Hiding, optimizer_params: float, hw: Hardware) -> StepTime:
+    """Combine the terms (module docstring). Context exchanges hide under the attention core (Liu et al. 2023),
+    `hiding.context` of it; then each class's `hiding` share hides under compute, tensor first, then pipeline,
+    expert and data, never more in all than the compute there is (data-parallel reductions under the backward
+    pass and the distributed optimizer's gathers under the next forward: together, under the whole step): a
+    second of compute hides one second of collectives, which share the device's links and its collective
+    engine (NCCL's channels, the TPU's DMA queues). A tensor collective decomposed into the GEMM that consumes
+    or produces it hides under that GEMM and nothing else (Wang et al. 2023; Transformer Engine's
+    userbuffers, PyTorch's async TP): at most `busy.linear`. `optimizer_params`: elements AdamW updates."""
+    hidden_cp = min(comm["context"], busy.attention_core * hiding.context)
+    free = busy.compute - hidden_cp   # one compute hides each collective second once: the links are shared too
+    hidden_tp = min(hiding.tensor * comm["tensor"], free if busy.linear is None else min(busy.linear, free))
     free -= hidden_tp
-    hidden_pp = min(pp * comm["pipeline"], free)
+    hidden_pp = min(hiding.pipeline * comm["pipeline"], free)
     free -= hidden_pp
     expert = comm.get("expert", 0.0)
-    hidden_ep = min(expert_overlap * expert, free)
+    hidden_ep = min(hiding.expert * expert, free)
     free -= hidden_ep
     data = comm["data"]
-    hidden_dp = min(dp * data, free)
-    return StepTime(compute=compute, bubble=compute * bubble / (1.0 - bubble) if bubble else 0.0,
-                    tensor=comm["tensor"] - hidden_tp,
-                    context=comm["context"] - hidden_cp,
+    hidden_dp = min(hiding.data * data, free)
+    bubble = busy.bubble
+    return StepTime(compute=busy.compute, bubble=busy.compute * bubble / (1.0 - bubble) if bubble else 0.0,
+                    tensor=comm["tensor"] - hidden_tp, context=comm["context"] - hidden_cp,
                     pipeline=comm["pipeline"] - hidden_pp, expert=expert - hidden_ep, data=data - hidden_dp,
-                    optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data, host=host)
+                    optimizer=optimizer_params * ADAMW_BYTES_PER_PARAM / hw.hbm_bw, data_total=data, host=busy.host)

@@ -28,7 +28,7 @@ from jaxpar.core.inputs import check_host_memory
 from jaxpar.core.mesh import make_mesh
 from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.core.strategy import Strategy
-from jaxpar.cost.flops import step_flops
+from jaxpar.cost.flops import Kernels, step_flops
 from jaxpar.models.config import ModelConfig, RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.moe import AUX_FIELDS, aux_metrics
@@ -352,7 +352,7 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
     stop = trainer.tc.steps if stop is None else min(stop, trainer.tc.steps)
     tokens = trainer.tc.batch * trainer.tc.seq
     # model FLOPs (MoE: from the active parameters, the k routed experts per token)
-    flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, causal=True).model
+    flops = step_flops(trainer.model_cfg, "none", trainer.tc.batch, trainer.tc.seq, Kernels(causal=True)).model
     for step in range(start + 1, stop + 1):
         batch = trainer.batch(source, step - 1)
         t0 = time.perf_counter()
