@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxpar.cost import MEGATRON_CORE  # noqa: E402
-from jaxpar.cost.inference import inference_estimate  # noqa: E402
+from jaxpar.cost.inference import Request, inference_estimate  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
 from jaxpar.core.strategy import parse_inline  # noqa: E402
@@ -79,8 +79,8 @@ def modelled(batches: list[int], prompt: int, new: int) -> list[dict]:
                     check_generation(m, st, b, prompt, new)
                 except ConfigError:
                     continue
-                pre = inference_estimate(m, st, "h100-sxm", b, prompt, new, "prefill", MEGATRON_CORE)
-                dec = inference_estimate(m, st, "h100-sxm", b, prompt, new, "decode", MEGATRON_CORE)
+                pre = inference_estimate(m, st, "h100-sxm", Request("prefill", b, prompt, new), MEGATRON_CORE)
+                dec = inference_estimate(m, st, "h100-sxm", Request("decode", b, prompt, new), MEGATRON_CORE)
                 rows.append({"model": name, "layout": mesh, "batch": b, "ttft_ms": pre.step_s * 1e3,
                              "step_ms": dec.step_s * 1e3, "tokens_per_s": dec.tokens_per_s, "bound": dec.bound,
                              "mem_gib": dec.memory_total / 2**30, "fits": dec.fits,

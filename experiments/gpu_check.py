@@ -518,8 +518,8 @@ def section_presets(plan: Plan, clock: Clock) -> dict:
 
 def predicted_decode(m, strategy, batch: int, plan: Plan) -> dict:
     """The cost model's decode step at a full cache (jaxpar/cost/inference.py)."""
-    from jaxpar.cost.inference import inference_estimate  # noqa: PLC0415 (module docstring: imports per section)
-    est = inference_estimate(m, strategy, HARDWARE, batch, plan.prompt, plan.new_tokens, "decode")
+    from jaxpar.cost.inference import Request, inference_estimate  # noqa: PLC0415 (module docstring: imports per section)
+    est = inference_estimate(m, strategy, HARDWARE, Request("decode", batch, plan.prompt, plan.new_tokens))
     return {"step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "hbm_bytes": est.hbm_bytes, "bound": est.bound}
 
 

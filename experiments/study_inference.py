@@ -35,7 +35,7 @@ from _study import ROOT, arguments, band_line, finish, md_table, progress  # noq
 
 from jaxpar.cost.defaults import accelerator_defaults  # noqa: E402
 from jaxpar.cost.hardware import load_hardware  # noqa: E402
-from jaxpar.cost.inference import cache_bytes, inference_estimate  # noqa: E402
+from jaxpar.cost.inference import Request, cache_bytes, inference_estimate  # noqa: E402
 from jaxpar.cost.software import JAXPAR, MAXTEXT, MEGATRON_CORE  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import parse_model  # noqa: E402
@@ -59,8 +59,8 @@ def strategy(mesh: str, batch: int, dtype: str = "bfloat16"):
 def row(m, mesh: str, hw: str, batch: int, software=None, dtype: str = "bfloat16") -> dict:
     software = software or SOFTWARE[hw]
     st = strategy(mesh, batch, dtype)
-    dec = inference_estimate(m, st, hw, batch, PROMPT, GENERATE, "decode", software)
-    pre = inference_estimate(m, st, hw, batch, PROMPT, GENERATE, "prefill", software)
+    dec = inference_estimate(m, st, hw, Request("decode", batch, PROMPT, GENERATE), software)
+    pre = inference_estimate(m, st, hw, Request("prefill", batch, PROMPT, GENERATE), software)
     return {"model": m.name, "hardware": hw, "layout": mesh, "batch": batch, "latency_ms": 1e3 * dec.step_s,
             "tokens_s": dec.tokens_per_s, "bound": dec.bound, "ttft_ms": 1e3 * pre.step_s,
             "memory_gib": dec.memory_total / 2**30, "weights_gib": dec.weights_bytes / 2**30, "fits": dec.fits,
@@ -71,7 +71,7 @@ def largest_fitting(m, mesh: str, hw: str, prompt: int, generate: int, software,
     """The largest batch (a multiple of `step`, the replicas) whose decode at the full cache fits; 0: none."""
     def fits(b):
         try:
-            return inference_estimate(m, strategy(mesh, b), hw, b, prompt, generate, "decode", software).fits
+            return inference_estimate(m, strategy(mesh, b), hw, Request("decode", b, prompt, generate), software).fits
         except ConfigError:
             return False
     if not fits(step):
@@ -108,7 +108,7 @@ def kv_cache(contexts: list[int]) -> list[dict]:
     rows = []
     for (model, hw), _ in SETUPS.items():
         m, st, hbm = parse_model(model), strategy("tensor=8", 1), load_hardware(hw).hbm_bytes
-        base = inference_estimate(m, st, hw, 1, PROMPT, GENERATE, "decode", SOFTWARE[hw])
+        base = inference_estimate(m, st, hw, Request("decode", 1, PROMPT, GENERATE), SOFTWARE[hw])
         for ctx in contexts:
             per_seq = cache_bytes(m, st, 1, ctx)
             rows.append({"model": model, "hardware": hw, "context": ctx, "cache_gib": per_seq / 2**30,
@@ -133,8 +133,8 @@ def versus_trtllm() -> list[dict]:
         mesh = f"tensor={r['tp']}" if r["tp"] > 1 else "data=1"
         b = largest_fitting(m, mesh, "h100-sxm", isl, osl, MEGATRON_CORE)
         st = strategy(mesh, b)
-        pre = inference_estimate(m, st, "h100-sxm", b, isl, osl, "prefill", MEGATRON_CORE)
-        dec = inference_estimate(m, st, "h100-sxm", b, isl, osl // 2 + 1, "decode", MEGATRON_CORE)
+        pre = inference_estimate(m, st, "h100-sxm", Request("prefill", b, isl, osl), MEGATRON_CORE)
+        dec = inference_estimate(m, st, "h100-sxm", Request("decode", b, isl, osl // 2 + 1), MEGATRON_CORE)
         tokens_s = b * osl / (pre.step_s + osl * dec.step_s)
         out.append({"model": r["model"], "tp": r["tp"], "isl": isl, "osl": osl, "batch": b, "bound": dec.bound,
                     "predicted": tokens_s, "published": r["output_tokens_per_s"],

@@ -1,116 +1,27 @@
-"""Compiler workarounds: where the model departs from the plain form to steer XLA's SPMD partitioner.
+"""Compiler workarounds: where the model departs from the plain form to steer XLA's SPMD partitioner (GSPMD:
+Xu et al. 2021) or JAX's autodiff, each in one function whose plain form is one line.
 
-The model states what it computes and which logical names its arrays carry; the rules table and
-jaxpar/core/sharding.py turn the names into shardings, and XLA's SPMD partitioner (GSPMD: Xu et al.
-2021, "GSPMD: General and Scalable Parallelization for ML Computation Graphs") inserts the collectives.
-At a few places the partitioner, left to itself, moves more than the layouts require. Each such place
-calls a function of this module, which spells out the form that moves only what is needed; its plain
-form is one line, and `disabled(name)` restores it while a step is traced, so that the compiled
-difference can be seen (tests/test_xla_workarounds.py compiles a training step both ways, tallies the
-collectives of each and checks that the loss is the same):
+    gathered(w, names, dtype)     w.astype(dtype): a weight read by two dots gathered once, not per dot
+    lookup(table, ids, ...)       jnp.take: an embedding lookup whose table's width is sharded over the
+                                  batch's axes, moved by one all-to-all, not replicated and permuted
+    top_k(scores, k)              lax.top_k: the router's choice as k argmax passes, kept batch-sharded
+    loop_variant(*arrays)         arrays: a kernel's inputs through one optimization barrier, so the scan
+                                  over layers hoists no per-layer mask or score block as a residual
+    ragged_all_to_all_runs, ragged_dot_nests   the backends that compile the grouped MoE kernel's ragged ops
+
+`disabled(name)` restores the plain form while a step is traced, so the compiled difference can be seen
+(tests/test_xla_workarounds.py compiles a step both ways and asserts what each saves, with the loss equal):
 
     with xla_workarounds.disabled("lookup"):
         trainer = Trainer(model, strategy, tc)       # a fresh one: a jitted step keeps its first trace
-        report = jaxpar.analysis.comm.analyze(trainer)
 
-gathered(w, names, dtype)           plain form: w.astype(dtype)
-    Avoids: a weight stored sharded over fsdp and read by two dots (a product and the transpose that
-    gives its input gradient) gathered once per dot. Used for the norm scales (models/layers.py,
-    RMSNorm: the product and, backward, the input gradient), the LM head (models/lm.py: the logits and
-    the input gradient; at llama3-70b's shapes under `plan --verify`, 1 GiB per step) and, under
-    remat, the attention output projection (models/transformer.py: the recomputed product and the
-    input gradient). Here the weight is cast and constrained once to its compute layout (rules
-    "compute": the params table without fsdp) and the gradient constrained back to the stored layout.
-    Seen on llama-tiny fsdp=2 x tensor=2, sequence parallel, remat = "full" (test_gathered_...):
-    without it, 5 more all-gathers of a norm scale over fsdp (2 per layer and the final norm), one
-    more of o-proj per layer, one more of the head. Under fsdp8 the norm scales alone differ.
-
-lookup(table, ids, names, dtype, rows)   plain form: jnp.take(table, ids, axis=0).astype(dtype)
-    Avoids: the partitioner finding no path from the table's layout to the batch's when the table's
-    width is sharded over an axis that also splits the batch (fsdp), with its vocab on tensor or
-    the batch also split over a later axis (expert): it replicates the rows over the mesh ("Involuntary
-    full rematerialization" in the compile log) and moves them by collective-permutes. Here the ids are
-    gathered over the width's axes, each device looks up its width slice of every row, and one
-    all-to-all over fsdp takes the rows to the batch layout (its transpose backward, so the table's
-    gradient needs no reduction over fsdp); the rows then pass through the [batch, seq, width] layout
-    before the residual one (sequence parallelism: straight to a sequence-sharded residual the
-    partitioner gathers the ids over tensor). Seen on llama-tiny fsdp=2 x tensor=2 and fsdp=2 x
-    expert=2 (the split form, `_split_lookup`; test_lookup_...): without it, collective-permutes over
-    fsdp x tensor (fsdp x expert); with it, none, and an all-to-all over fsdp each way. At llama3-70b's
-    shapes under pipeline x tensor the plain form all-reduced whole micro-batches over pipeline x tensor.
-
-top_k(scores, k)                    plain form: jax.lax.top_k(scores, k)[1]
-    Avoids: the partitioner gathering a batch-sharded lax.top_k operand (the router scores [batch, seq,
-    experts]) onto every device. Here the top k are k argmax passes, reductions over the unsharded
-    last dim, which stay sharded as their operand. Seen on moe-tiny data=2 (test_top_k_...): without
-    it, each layer's scores all-gathered over data.
-
-loop_variant(*arrays)               plain form: arrays
-    Avoids: JAX's scan partial evaluation hoisting loop-invariant intermediates out of the loop as stacked
-    residuals (jax/_src/lax/control_flow/loops.py, "hoist loop-invariant residuals"; a JAX behaviour, not
-    XLA's). An attention kernel inside the model's scan over layers closes over the token positions,
-    which are the same in every layer, so every block's causal mask (and, in ring attention, every score
-    block computed from a mask) is loop-invariant and would be computed once and kept for every layer:
-    the quadratic memory a blockwise or ring kernel exists to avoid. Here the kernel's inputs pass
-    through one optimization barrier together, so positions count as depending on q, k, v (no copy).
-    Used by jaxpar/ops/blockwise_attention.py (forward and backward) and jaxpar/ops/attention.py
-    `ring_attention` (each fold ties the positions to its K block; the positions' own permutes stay
-    hoisted). Seen on llama-tiny d_model=256 fsdp=2 x context=4, ring attention, 2 sequences of 2,048 per
-    data shard (XLA:CPU's memory analysis, test_loop_variant_...): without it 252 / 219 MiB peak under
-    remat none / full, with it 138 / 108 MiB.
-
-ragged_all_to_all_runs(platform)    the backend rule for the grouped MoE kernel's transfer
-    Avoids: `jax.lax.ragged_all_to_all` on XLA:CPU, which does not implement it (the compile fails).
-    jaxpar/ops/moe_grouped.py moves its routed copies by a ragged all-to-all on GPU and TPU and by a
-    fixed-capacity bucketed all_to_all elsewhere; the cost model (jaxpar/cost/comm_expert.py) prices
-    whichever form this rule picks for the platform it prices.
-
-ragged_dot_nests(platform)          the backend rule for the grouped MoE kernel's matmuls in nested vmaps
-    Avoids: jax.lax.ragged_dot under two vmaps on XLA:CPU, whose lowering (JAX's dense expansion of
-    ragged_dot_general) fails for two batch dims (JAX 0.12: "vmap in_axes must be an int ... got
-    (np.int64(0), 0)"); GPU and TPU lower it to one ragged dot instruction. Inside the pipeline's vmaps
-    over stages and weight copies on CPU, jaxpar/ops/moe_grouped.py writes the same product as the dense
-    masked einsum XLA:CPU expands ragged_dot into. Seen on moe-tiny:layers=4 pipeline=2,expert=2,data=2
-    (tests/test_cost_vs_hlo.py).
-
-release_compiled_code(share)        for a long-lived process that compiles thousands of steps
-    Avoids: XLA:CPU segfaulting in a compile once the process holds the kernel's limit of memory
-    mappings (Linux vm.max_map_count, 65,530 by default). Each executable XLA:CPU compiles maps its
-    machine code (about 7 mappings for a small jitted function here), and JAX keeps every executable
-    while its jitted function's cache lives; when mmap fails inside LLVM's code allocator the compile
-    dies with SIGSEGV, not an error. Seen in the slow test run's long-lived pytest worker, after ~50,000
-    mappings (tests/conftest.py checks between tests). When the mappings pass `share` of the
-    limit, it empties JAX's caches (`jax.clear_caches`: later calls compile again) and collects garbage.
-
-Workarounds that are part of a kernel or a schedule stay there, each stated where it lives:
-  - jaxpar/ops/collective_matmul.py: the custom VJPs compute a weight's gradient as one dot with the
-    gathered activation, not the n partial dots autodiff of the ring gives, which XLA:CPU would
-    all-reduce over the batch axes one by one (it does not reassociate all-reduces).
-  - jaxpar/ops/moe.py `moe_experts`: an expert width split over tensor runs in shard_map, each shard
-    summing its output after the combine, where the partitioner would sum the E-times-larger dispatch
-    buffers; `_varying` makes the backward sum the tokens' gradient, not the buffers'.
-  - jaxpar/pipeline/stages.py and one_f_one_b.py: the weights read inside the pipeline loop are
-    gathered over fsdp before it and copied once per batch shard, so that their gradient is reduced
-    over the batch axes once per step, not in every iteration.
-  - jaxpar/ops/blockwise_attention.py `RESIDUAL_NAMES`: the kernel names its output and logsumexp, and the
-    remat policies that save dots save them too (models/lm.py), because a custom VJP's forward rule is
-    rematerialised under the enclosing checkpoint's policy, and a policy that saves dots alone keeps every
-    block pair's scores to rerun it (a JAX behaviour). Seen on llama3-70b fsdp=256 x tensor=2, seq 8,192,
-    under `dots` (XLA:CPU's memory analysis): without the names 726 GiB per device, with them 64.
-  - jaxpar/ops/attention.py `ring_attention`: each fold is recomputed backward through a custom VJP
-    rather than jax.checkpoint, because an enclosing checkpoint's policy (a pipeline iteration's)
-    would overrule a nested one and keep every block's scores (a JAX behaviour, not XLA's); and its
-    moved K/V blocks and running statistics carry `RING_NAMES`, saved by the policies that save dots, for
-    the reason of the blockwise kernel's names (same repro, remat dots: 511 MiB with neither fix, 289 with
-    the barrier alone, 131 with the names too). The cost model's ring collectives follow: no K/V moved
-    again backward under those policies (jaxpar/cost/comm_context.py RING_KEPT).
+Workarounds that are part of a kernel or a schedule stay there, each stated where it lives; docs/design.md
+("Compiler workarounds") tells what each avoids and lists those.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import gc
-import pathlib
 from typing import Iterator, Sequence
 
 import jax
@@ -302,37 +213,3 @@ def ragged_dot_nests(platform: str) -> bool:
     lower it to a ragged dot instruction with batch dims; XLA:CPU's dense expansion fails for two batch
     dims in JAX 0.12. Module docstring: why."""
     return platform in RAGGED_ALL_TO_ALL_PLATFORMS
-
-
-# ---- release_compiled_code: a long-lived process under the kernel's memory-mapping limit ------------
-
-MAPS = pathlib.Path("/proc/self/maps")
-MAP_LIMIT = pathlib.Path("/proc/sys/vm/max_map_count")
-
-
-def memory_mappings() -> tuple[int, int] | None:
-    """(mappings this process holds, the kernel's limit), or None where Linux's /proc does not say."""
-    try:
-        with MAPS.open() as f:
-            held = sum(1 for _ in f)
-        return held, int(MAP_LIMIT.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def near_map_limit(share: float = 0.5) -> bool:
-    """Whether this process holds more than `share` of the kernel's limit of memory mappings."""
-    counts = memory_mappings()
-    return counts is not None and counts[0] >= share * counts[1]
-
-
-def release_compiled_code(share: float = 0.5) -> bool:
-    """Empty JAX's caches of compiled executables when this process's memory mappings pass `share` of the
-    kernel's limit, so that XLA:CPU's next compile can map its code (module docstring: why). Executables the
-    caller holds itself (a `Compiled`, a cache of them) stay mapped: drop those first. Returns whether it
-    released."""
-    if not near_map_limit(share):
-        return False
-    jax.clear_caches()
-    gc.collect()
-    return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -178,8 +179,13 @@ def emit(args) -> None:
         m, soft = parse_model(c["model"]), SOFTWARE[c["software"]]
         st = Strategy(name="case", mesh=tuple((a, c["mesh"][a]) for a in AXES), options=make_options(c["options"], "case"))
         def infer(cc):
-            out = inference_estimate(m, st, c["hardware"], c["batch"], c["prompt"], c["generate"], c["phase"], soft,
-                                     cc).to_json()
+            if "request" in inspect.signature(inference_estimate).parameters:   # a tree with the Request record
+                from jaxpar.cost.inference import Request   # noqa: PLC0415 (only trees that have it)
+                est = inference_estimate(m, st, c["hardware"], Request(c["phase"], c["batch"], c["prompt"], c["generate"]),
+                                         soft, cc)
+            else:
+                est = inference_estimate(m, st, c["hardware"], c["batch"], c["prompt"], c["generate"], c["phase"], soft, cc)
+            out = est.to_json()
             out["collectives"] = {f"{c['kind']} {','.join(c['axes'])}": c for c in out["collectives"]}
             return out
         out[f"inference{i}"] = {cc: answer(lambda: infer(cc)) for cc in ("gpu", "cpu")}

@@ -18,7 +18,6 @@ simulate_cpu_devices(8)
 
 import pytest  # noqa: E402
 
-from jaxpar import xla_workarounds  # noqa: E402
 from tests import harness  # noqa: E402
 
 # `make test` runs two pytest-xdist workers, each taking one test file at a time (--dist loadfile) in
@@ -170,11 +169,11 @@ MAPS_CHECKED = [0.0]   # when this worker last counted its memory mappings (coun
 def release_compiled_code():
     """Between tests, at most every 10 s: when the worker's memory mappings pass half the kernel's limit, the
     shared compiled steps (tests/harness.py) and JAX's caches are released, so that a long-lived worker's next
-    XLA:CPU compile does not segfault (jaxpar/xla_workarounds.py: why). A file can add 30,000 mappings."""
+    XLA:CPU compile does not segfault (tests/harness.py: why). A file can add 30,000 mappings."""
     yield
     if time.monotonic() - MAPS_CHECKED[0] < 10.0:
         return
     MAPS_CHECKED[0] = time.monotonic()
-    if xla_workarounds.near_map_limit():
+    if harness.near_map_limit():
         harness.clear_caches()
-        xla_workarounds.release_compiled_code(share=0.0)
+        harness.release_compiled_code(share=0.0)

@@ -6,6 +6,8 @@ Compiling a train step costs seconds on a 2-core machine, so every test that nee
 from __future__ import annotations
 
 import functools
+import gc
+import pathlib
 
 import jax
 import numpy as np
@@ -108,3 +110,39 @@ def clear_caches() -> None:
     memory mappings, the compiled steps held here are what keeps a worker's code mapped)."""
     for cached in (_trainer, _compiled_step, reference_params, loss_and_grads, trajectory):
         cached.cache_clear()
+
+
+# ---- a long-lived test process under the kernel's memory-mapping limit --------------------------------
+
+MAPS = pathlib.Path("/proc/self/maps")
+MAP_LIMIT = pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(mappings this process holds, the kernel's limit), or None where Linux's /proc does not say."""
+    try:
+        with MAPS.open() as f:
+            held = sum(1 for _ in f)
+        return held, int(MAP_LIMIT.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def near_map_limit(share: float = 0.5) -> bool:
+    """Whether this process holds more than `share` of the kernel's limit of memory mappings."""
+    counts = memory_mappings()
+    return counts is not None and counts[0] >= share * counts[1]
+
+
+def release_compiled_code(share: float = 0.5) -> bool:
+    """Empty JAX's caches of compiled executables when this process's memory mappings pass `share` of the
+    kernel's limit (Linux vm.max_map_count, 65,530 by default), and collect garbage: each executable XLA:CPU
+    compiles maps its machine code, JAX keeps every one while its jitted function's cache lives, and when mmap
+    fails inside LLVM's code allocator the compile dies with SIGSEGV, not an error (seen in the slow run's
+    long-lived pytest worker after ~50,000 mappings). Executables a caller holds itself stay mapped: drop
+    those first. Returns whether it released."""
+    if not near_map_limit(share):
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True

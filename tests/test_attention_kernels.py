@@ -67,7 +67,7 @@ def test_blockwise_equals_dense_forward_and_gradients(causal, order, segments):
         seg = None
         reference = lambda q, k, v: dense_attention(q, k, v, pos, pos, causal=causal)
     kernel = lambda q, k, v: blockwise_attention(q, k, v, pos, pos, causal=causal, q_segments=seg, kv_segments=seg,
-                                                 block_q=8, block_k=16)
+                                                 blocks=(8, 16))
     out, vjp = jax.vjp(kernel, q, k, v)
     ref_out, ref_vjp = jax.vjp(reference, q, k, v)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
@@ -80,7 +80,7 @@ def test_blockwise_default_blocks_and_cross_lengths():
     q, k, v, _ = inputs()
     kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     q_pos = kv_pos[:, S - 12:]
-    got = blockwise_attention(q[:, S - 12:], k, v, q_pos, kv_pos, causal=True, block_q=5, block_k=7)
+    got = blockwise_attention(q[:, S - 12:], k, v, q_pos, kv_pos, causal=True, blocks=(5, 7))
     np.testing.assert_allclose(got, dense_attention(q[:, S - 12:], k, v, q_pos, kv_pos, causal=True), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(blockwise_attention(q, k, v, kv_pos, kv_pos),
                                dense_attention(q, k, v, kv_pos, kv_pos), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,11 @@ function cut into parts that make no sense alone is worse than one long function
   dependency off a path that does not need it, and says which with a comment on the import's line:
   `# cycle: <the cycle>` or `# deferred: <what is deferred, and for whom>`. At most MAX_INNER_IMPORTS
   such imports in all.
+* Functions that take few parameters: none with more than MAX_PARAMETERS (keyword-only ones and defaults
+  included; self and cls not counted), but at most MAX_EXEMPT, each saying why with a `# many parameters:
+  <why>` comment on its `def` line (pass a record instead: a frozen dataclass of the related values).
+* Docstrings are contracts: a module's at most MAX_MODULE_DOCSTRING lines, a function's MAX_DOCSTRING
+  (derivations and design stories go to docs/), and no module over MAX_MODULE_LINES lines.
 * `jaxpar/` keeps at most MAX_TOP_MODULES modules at its top level: the *.py files directly in
   jaxpar/, `__init__.py` included; everything else lives in a package named for its concept.
 * The pipeline is one package, `jaxpar/pipeline/` (an `__init__.py`, its public API), with no
@@ -28,9 +33,12 @@ import re
 from tests.test_package import ROOT, modules
 
 MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS, MAX_EXEMPT = 8, 3
+MAX_MODULE_DOCSTRING, MAX_DOCSTRING, MAX_MODULE_LINES = 40, 25, 600
 MAX_INNER_IMPORTS = 10
 MAX_TOP_MODULES = 8
 REASON = re.compile(r"#\s*(deferred|cycle):\s*\S")
+MANY = re.compile(r"#\s*many parameters:\s*\S")
 
 
 def _functions(tree: ast.AST):
@@ -41,6 +49,34 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[s
     """(name, line, length) of every function longer than `limit` lines."""
     return [(f.name, f.lineno, n) for f in _functions(ast.parse(source))
             if (n := f.end_lineno - f.lineno + 1) > limit]
+
+
+def parameters(f: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Parameters of `f`: positional, keyword-only (defaults included), not self or cls, not *args / **kwargs."""
+    a = f.args
+    named = a.posonlyargs + a.args + a.kwonlyargs
+    return len(named) - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+
+
+def many_parameters(source: str, limit: int = MAX_PARAMETERS) -> list[tuple[str, int, int, bool]]:
+    """(name, line, parameters, exempt by its `# many parameters:` comment) of every function over `limit`."""
+    lines = source.splitlines()
+    return [(f.name, f.lineno, n, bool(MANY.search(lines[f.lineno - 1])))
+            for f in _functions(ast.parse(source)) if (n := parameters(f)) > limit]
+
+
+def essays(source: str) -> list[tuple[str, int]]:
+    """(where, lines) of a module docstring over MAX_MODULE_DOCSTRING lines or a function's over MAX_DOCSTRING."""
+    tree = ast.parse(source)
+    out = []
+    doc = ast.get_docstring(tree)
+    if doc and doc.count("\n") + 1 > MAX_MODULE_DOCSTRING:
+        out.append(("module", doc.count("\n") + 1))
+    for f in _functions(tree):
+        doc = ast.get_docstring(f)
+        if doc and doc.count("\n") + 1 > MAX_DOCSTRING:
+            out.append((f.name, doc.count("\n") + 1))
+    return out
 
 
 def inner_imports(source: str) -> list[tuple[int, bool]]:
@@ -114,6 +150,16 @@ def test_inner_import_finder_reads_the_reason_comment():
     assert inner_imports(source) == [(4, True), (5, True), (7, False), (9, False)]
 
 
+def test_parameter_and_docstring_finders_find_planted_ones():
+    many = ("def f(a, b, c, d, e, f, g, h, i): pass\n"
+            "def g(a, b, c, d, e, f, g, h, *, i=1): pass  # many parameters: a public entry point\n"
+            "class C:\n    def m(self, a, b, c, d, e, f, g, h): pass\n")
+    assert many_parameters(many) == [("f", 1, 9, False), ("g", 2, 9, True)]
+    essay = '"""' + "x\n" * MAX_MODULE_DOCSTRING + 'x"""\ndef f():\n    """' + "x\n" * MAX_DOCSTRING + 'x"""\n'
+    assert essays(essay) == [("module", MAX_MODULE_DOCSTRING + 1), ("f", MAX_DOCSTRING + 1)]
+    assert essays('"""' + "x\n" * (MAX_MODULE_DOCSTRING - 1) + 'x"""\n') == []
+
+
 def test_private_use_finder_finds_planted_ones():
     mods = {"jaxpar.a", "jaxpar.b", "jaxpar.pkg", "jaxpar.pkg.c"}
     planted = ("from jaxpar.b import _hidden, shown\n"
@@ -145,6 +191,23 @@ def test_no_function_over_80_lines():
     long = [f"{path}:{line} {name} ({n} lines)" for path, src, _ in _sources().values()
             for name, line, n in long_functions(src)]
     assert long == [], f"functions over {MAX_FUNCTION_LINES} lines (split them by concept): {long}"
+
+
+def test_functions_take_few_parameters():
+    found = [(f"{path}:{line} {name} ({n})", exempt) for path, src, _ in _sources().values()
+             for name, line, n, exempt in many_parameters(src)]
+    loose = [where for where, exempt in found if not exempt]
+    assert loose == [], (f"functions with more than {MAX_PARAMETERS} parameters (pass a record, or say why with "
+                         f"`# many parameters: ...`): {loose}")
+    assert len(found) <= MAX_EXEMPT, f"{len(found)} functions exempt from {MAX_PARAMETERS} parameters: {found}"
+
+
+def test_docstrings_are_contracts_and_modules_short():
+    long = [f"{path} {where} ({n} lines)" for path, src, _ in _sources().values() for where, n in essays(src)]
+    assert long == [], f"docstrings over {MAX_MODULE_DOCSTRING} (module) / {MAX_DOCSTRING} lines: move the story to docs/: {long}"
+    big = [f"{path} ({src.count(chr(10))} lines)" for path, src, _ in _sources().values()
+           if src.count("\n") > MAX_MODULE_LINES]
+    assert big == [], f"modules over {MAX_MODULE_LINES} lines (split by concept): {big}"
 
 
 def test_no_private_name_crosses_a_module():

@@ -9,7 +9,7 @@ import pathlib
 
 COST = pathlib.Path(__file__).resolve().parent.parent / "jaxpar" / "cost"
 TEXTBOOK = ("hardware", "params", "flops", "shape", "memory", "held", "floor", "time", "energy", "sites",
-            "comm_data", "comm_tensor", "comm_context", "comm_pipeline", "comm_expert")
+            "comm_data", "comm_tensor", "comm_context", "comm_pipeline", "comm_expert", "weight_moves")
 # the implementation layer, and the modules over both layers (estimate, inference, the recipe comm)
 IMPLEMENTATION = ("software", "compiler", "compiler_comm", "inventory_jax", "program_memory", "program_flops",
                   "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference", "band")
@@ -78,5 +78,5 @@ def test_textbook_functions_take_no_program_or_compiler():
 
 def test_one_name_for_jaxpars_own_program():
     sources = {p.name: p.read_text() for p in COST.glob("*.py")}
-    assert "jaxpar_program: bool = field(" in sources["software.py"] or "jaxpar_program: bool = True" in sources["software.py"]
+    assert "jaxpar_program: bool = trait(True" in sources["software.py"]
     assert [(name, s) for name, src in sources.items() for s in OTHER_SPELLINGS if s in src] == []

@@ -202,7 +202,7 @@ def test_chain_points_at_what_it_names():
     assert embed.where[0].file.endswith("jaxpar/core/rules.py") and embed.where[0].text.startswith('"embed":')
     assert any("zero == 3" in w.text for w in embed.where)
     assert e.spec_source.text.startswith("def spec_for(")
-    assert all(m.where.line and m.where.text.startswith("def ") for m in e.moves)
+    assert all(explain.where(m).line and explain.where(m).text.startswith("def ") for m in e.moves)
 
 
 def test_cli(capsys, tmp_path):

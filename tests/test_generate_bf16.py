@@ -28,7 +28,7 @@ from flax import nnx
 from jaxpar.analysis.hlo_text import parse_module, shape_bytes
 from jaxpar.cli import main as cli
 from jaxpar.core.strategy import parse_strategy
-from jaxpar.cost.inference import inference_estimate
+from jaxpar.cost.inference import Request, inference_estimate
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import RunConfig, parse_model
 from jaxpar.models.lm import LM
@@ -83,8 +83,7 @@ def test_bf16_decode_step_reads_half_the_parameter_bytes():
     assert bf16.bytes_per_device()["weights"] == 2 * count and f32.bytes_per_device()["weights"] == 4 * count
     assert bf16.cache_layout["units"][0]["k"].dtype == "bfloat16"
     for gen in (f32, bf16):   # the serving cost model reads the weights in the generator's dtype
-        est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, "decode",
-                                 compiler="cpu")
+        est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", Request("decode", gen.batch, gen.prompt_len, NEW), compiler="cpu")
         assert est.weights_bytes == parameter_bytes(gen)
 
 

@@ -305,11 +305,10 @@ def test_steps_collectives_and_cache_equal_the_cost_model(model, mesh):
     """jaxpar/cost/inference.py for XLA:CPU against the compiled prefill and decode steps (the HLO tally,
     scalars aside): counts exact, bytes within 1% per kind and axes; and the cache bytes per device it
     predicts are the generator's cache shards (K/V replicated x2 across tensor ranks in the hybrid)."""
-    from jaxpar.cost.inference import inference_estimate
+    from jaxpar.cost.inference import Request, inference_estimate
     gen, _, _ = generated(model, mesh)
     for phase, compiled in zip(("prefill", "decode"), gen._compiled):  # noqa: SLF001
-        est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, phase,
-                                 compiler="cpu")
+        est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", Request(phase, gen.batch, gen.prompt_len, NEW), compiler="cpu")
         assert_collectives_as_estimated(compiled, gen.mesh, est, phase)
     shards = sum(math.prod(sh.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
                  for s, sh in zip(jax.tree.leaves(gen.cache_layout, is_leaf=decode.is_slot),

@@ -123,7 +123,7 @@ def test_expected_experts_touched():
     """The occupancy formula against a hand count (one token touches exactly k experts; no token none)
     and a Monte-Carlo draw of uniform top-k routing; the decode estimate's routed weights grow with the
     batch from k experts' worth towards all of them."""
-    from jaxpar.cost.inference import expected_experts_touched, inference_estimate
+    from jaxpar.cost.inference import Request, expected_experts_touched, inference_estimate
     assert expected_experts_touched(8, 2, 1) == pytest.approx(2) and expected_experts_touched(8, 2, 0) == 0
     rng = np.random.default_rng(0)
     for e, k, t in ((8, 2, 3), (64, 6, 10), (256, 8, 32)):
@@ -132,7 +132,7 @@ def test_expected_experts_touched():
         assert expected_experts_touched(e, k, t) == pytest.approx(np.mean(draws), rel=0.03), (e, k, t)
     m = parse_model("mixtral-8x7b")
     st = parse_strategy("expert=8").resolved(8)
-    one, many = (inference_estimate(m, st, "h100-sxm", b, 512, 64, "decode") for b in (1, 256))
+    one, many = (inference_estimate(m, st, "h100-sxm", Request("decode", b, 512, 64)) for b in (1, 256))
     assert one.experts_touched == pytest.approx(2) and many.experts_touched == pytest.approx(8, rel=1e-6)
     assert one.routed_weights_bytes < many.routed_weights_bytes == pytest.approx(many.weights_bytes)
 
@@ -193,7 +193,7 @@ def test_cli_generate_names_both_layouts(capsys):
 def test_plan_inference(tmp_path, phase, argv, capsys):
     """The listed layouts are ranked by step time and each fits; the top one's figures equal
     `estimate --phase` run on that layout; a candidate that does not fit is never listed."""
-    from jaxpar.cost.inference import inference_estimate
+    from jaxpar.cost.inference import Request, inference_estimate
     from jaxpar.planning.inference import candidates
     out, est_out = tmp_path / "plan.json", tmp_path / "est.json"
     assert cli.main(["plan", "--hardware", "h100-sxm", "--devices", "8", "--phase", phase, *argv,
@@ -212,7 +212,7 @@ def test_plan_inference(tmp_path, phase, argv, capsys):
     b, s, g = (int(argv[i]) for i in (3, 5, 7))
     listed = {tuple(sorted(p["mesh"].items())) for p in plans}
     too_big = [st for st in candidates(m, 8, phase, 8)
-               if not inference_estimate(m, st, "h100-sxm", b, s, g, phase).fits]
+               if not inference_estimate(m, st, "h100-sxm", Request(phase, b, s, g)).fits]
     assert all(tuple(sorted(dict(st.mesh).items())) not in listed for st in too_big)
     if phase == "decode":
         assert too_big   # 70b in float32 masters does not fit on fewer than 8 tensor ranks
@@ -225,11 +225,11 @@ def test_moe_steps_collectives_equal_the_cost_model():
     within 1%), and the decode step's expert all-to-alls are the hand count: 2 per MoE layer, each a
     device's buckets to its 2 expert owners (the grouped kernel on CPU, jaxpar/ops/moe_grouped.py) of
     4 rows each (its 2 sequences' one token sends at most min(k, E/n) = 2 copies to an owner) x d=64 float32."""
-    from jaxpar.cost.inference import inference_estimate
+    from jaxpar.cost.inference import Request, inference_estimate
     model = parse_model("moe-tiny")
     gen = Generator(model, parse_strategy("expert=2,tensor=4"), PROMPTS, NEW)
     for phase, compiled in zip(("prefill", "decode"), gen.compiled_steps()):
-        est = inference_estimate(model, gen.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, phase, compiler="cpu")
+        est = inference_estimate(model, gen.strategy, "h100-sxm", Request(phase, gen.batch, gen.prompt_len, NEW), compiler="cpu")
         got = assert_collectives_as_estimated(compiled, gen.mesh, est, phase)
     assert got["all-to-all", ("expert",)] == [2 * model.moe_layers, 2 * model.moe_layers * 2 * 4 * 64 * 4]
 
@@ -241,13 +241,13 @@ def test_context_prefill_collectives_equal_the_cost_model(mesh):
     permutes, the key positions' ring, the cache fill's K/V all-gathers, the last token's slice and sum
     over context, the tensor sums over the context rank's share of the tokens) equals the cost model's, counts
     exact and bytes within 1%."""
-    from jaxpar.cost.inference import inference_estimate
+    from jaxpar.cost.inference import Request, inference_estimate
     model = parse_model("llama-tiny")
     strategy = parse_strategy(mesh)
     if "=" in mesh:
         strategy = strategy.with_options(attention="ring")
     gen = Generator(model, strategy, PROMPTS, NEW)
     pre = gen.prefill
-    est = inference_estimate(model, pre.strategy, "h100-sxm", gen.batch, gen.prompt_len, NEW, "prefill", compiler="cpu")
+    est = inference_estimate(model, pre.strategy, "h100-sxm", Request("prefill", gen.batch, gen.prompt_len, NEW), compiler="cpu")
     got = assert_collectives_as_estimated(gen.compiled_steps()[0], pre.mesh, est, "prefill")
     assert ("all-gather", ("context",)) in got

@@ -1,68 +1,19 @@
 """See the communication: compile one training step and report its collectives, FLOPs and memory.
 
-``analyze(trainer)`` compiles the trainer's step from shapes alone (no arrays) and returns
-the ``comm`` JSON object of docs/design.md::
+``analyze(trainer)`` compiles the trainer's step from shapes alone (no arrays) and returns the ``comm`` JSON
+object of docs/design.md: {"model", "mesh", "devices", "collectives": [{"kind", "axes", "count", "bytes",
+"wire_bytes", "phase"}], "totals", "flops_per_device", "memory": {"argument", "output", "temp", "peak"},
+"compile_seconds", "warnings"}, plus ``"reduced_from"`` for a mesh too big to compile.
 
-    {"model", "mesh": {axis: size}, "devices",
-     "collectives": [{"kind", "axes", "count", "bytes", "wire_bytes", "phase"}],
-     "totals": {"count", "bytes", "wire_bytes"}, "flops_per_device",
-     "memory": {"argument", "output", "temp", "peak"}, "compile_seconds", "warnings": [...]}
+    collectives   jaxpar.analysis.tally.tally_compiled: kind x mesh axes x phase, per device per step,
+                  loop trip counts included (XLA:CPU forms no reduce-scatter and does not reassociate
+                  all-reduces; its combiner merges independent ones: listed in ``warnings``)
+    FLOPs         XLA's cost_analysis() plus (runs - 1) x FLOPs of every dot run more than once per step
+    memory        compiled.memory_analysis(): peak = argument + output - alias + temp
+    big meshes    above DEVICE_LIMIT (2048) devices the outermost data axes are shrunk (the batch with
+                  them, per-device shapes unchanged), and each collective over a shrunk axis rescaled
 
-plus ``"reduced_from"`` when the mesh was too big to compile (below). jaxpar.analysis.report
-presents one or several reports; jaxpar.analysis.patterns holds the FLOP and reduce-scatter readings.
-
-Collectives
-    ``jaxpar.analysis.tally.tally_compiled``: kind x mesh axes x phase, per device per step, loop trip counts
-    included. Three facts about XLA:CPU (the backend these analyses run on) shape what is seen:
-    * it has no ReduceScatterCreator pass, so a reduce-scatter that the SPMD partitioner would
-      form on GPU/TPU (gradients under FSDP and ZeRO-1, the row-parallel output under sequence
-      parallelism) stays an all-reduce whose result is immediately dynamic-sliced to 1/n. Same
-      ``bytes``, but twice the ring ``wire_bytes``. ``scatter_like_all_reduces`` finds them and
-      ``analyze`` lists them in ``warnings``;
-    * it has no AllReduceReassociate pass, so ``AR(x) + AR(y)`` is not rewritten to ``AR(x + y)``
-      (e.g. the input gradients of the q, k and v projections under tensor parallelism are
-      all-reduced one by one);
-    * its all-reduce combiner merges independent all-reduces into one tuple-shaped op whose
-      ``op_name`` lists all of theirs; the tally gives the whole op one phase (``optimizer`` wins
-      if any part is in the optimizer scope, then ``backward``).
-
-FLOPs per device
-    XLA's ``cost_analysis()`` counts each while-loop body once, whatever its trip count. We add
-    ``(runs - 1) x FLOPs`` for every ``dot`` that runs more than once per step (runs from the
-    HLO call graph with ``known_trip_count``; a dot costs 2 x result elements x contracted
-    elements). Non-dot ops inside loop bodies (elementwise, reductions: a few percent of a
-    transformer's FLOPs) stay counted once, so the figure is a slight under-estimate; the raw
-    XLA figure is kept in ``warnings``.
-
-Memory per device
-    From ``compiled.memory_analysis()``: ``argument``, ``output`` and ``temp`` sizes, and
-    ``peak = argument + output - alias + temp`` (donated state aliases its output). XLA:CPU's
-    own ``peak_memory_in_bytes`` leaves out the temporaries, so it is not used.
-
-Meshes above ``DEVICE_LIMIT`` (2048) devices
-    XLA:CPU refuses to compile for more than 2048 devices ("Multiprocess computations aren't
-    implemented on the CPU backend"). ``analyze_strategy`` then shrinks the outermost
-    data-parallel axes, ``data`` first and ``fsdp`` second, to the largest divisors of their
-    sizes that fit, scales the global batch down by the same factor so that every per-device
-    activation shape is unchanged, compiles that, and rescales each collective whose device
-    group spans a shrunk axis from the compiled group size n_small to the full size n_full:
-
-    * ``count`` is unchanged: the step runs the same collectives, over bigger groups;
-    * ``bytes`` (the full buffer of each instance) is unchanged. For all-reduce, all-to-all and
-      collective-permute the per-device buffer is an activation or gradient shard whose shape
-      does not depend on the data-parallel size. For all-gather and reduce-scatter over
-      ``data``/``fsdp`` the full buffer is a parameter or gradient (FSDP, ZeRO-1): its size is
-      fixed by the model, and only the per-device shard shrinks as n grows;
-    * ``wire_bytes`` follows the ring formula with n_full (AG, RS, A2A (n-1)/n; AR 2(n-1)/n).
-
-    Assumptions, stated in ``reduced_from``: an all-gather of an activation over a data axis
-    (XLA gathers the token ids for an FSDP embedding lookup) would grow by n_full/n_small and
-    is under-reported (it is a few KiB); a group over a *part* of a shrunk axis
-    (``'fsdp:(2)4'``) is left as compiled, with a warning. FLOPs per device are unchanged.
-    Memory: the parameter and optimizer-state shards are recomputed for the full mesh
-    (``argument``, ``output`` and ``peak`` move by the difference); ``temp`` is the reduced
-    compile's, an over-estimate when ``fsdp`` (or ``data`` under ZeRO-1) shrank, because
-    gradient shards are bigger there.
+docs/analysis.md states each reading and its assumptions; jaxpar.analysis.report presents the reports.
 """
 from __future__ import annotations
 

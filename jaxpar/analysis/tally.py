@@ -1,69 +1,17 @@
 """Tally the collectives in compiled HLO: kind x mesh axes x bytes x phase, loop trip counts included.
 
-The module is read with jaxpar.analysis.hlo_text (instructions, call graph with loop trip counts,
-shape sizes). Every collective instance is sized from its shape, mapped back to the mesh axes its
-device groups span, multiplied by how often its computation runs, labelled with a training phase,
-and merged with its equals into jaxpar.collectives' ``Collective`` records.
+The module is read with jaxpar.analysis.hlo_text (instructions, call graph with loop trip counts, shape
+sizes). Every collective instance (plain, combined, asynchronous start/done pairs counted once, XLA:TPU's
+fusions as jaxpar.analysis.fused reads them) is sized from its shape, mapped back to the mesh axes its
+device groups span (explicit, iota and mesh-axis replica groups; sub-axes in Shardy's notation; groups that
+are no product of axes reported as ("?",)), multiplied by how often its computation runs, labelled with a
+training phase (its op_name: the optimizer scope, `transpose(` for backward, else forward) and merged into
+jaxpar.collectives' ``Collective`` records. Bytes: the result buffer (reduce-scatter: times the group size,
+the pre-scatter buffer); ``wire_bytes`` the ring model's. Replica-group ids are partition ids: positions in
+the executable's device assignment, not ``Device.id``. docs/analysis.md lists every form handled.
 
-HLO collectives handled ([seen]: in jax 0.12 CPU output; [XLA]: only in XLA's source and tests)
----------------------------------------------------------------------------------------------
-Collectives
-    ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``,
-    plain or combined (tuple-shaped) [seen]. Async pairs count once, at the start [XLA]:
-    ``all-reduce-start`` (shape = the result), ``all-gather-start`` (``(operands, results)``),
-    ``collective-permute-start`` (``(operand, result, u32[], u32[])``), XLA's async sugar
-    ``reduce-scatter-start`` / ``all-to-all-start`` (``((operands), results, ...)``), and
-    ``async-start(...), calls=%c``, which runs the collective inside ``%c`` once per start.
-    ``-update`` / ``-done`` ops are skipped. ``send``, ``recv``, ``ragged-all-to-all`` and
-    ``collective-broadcast`` are not tallied; they add a warning. XLA:TPU's collectives inside fusions
-    (asynchronous start/continuation/done copies, counted once at the start; all-reduce + dynamic-slice
-    fusions, reduce-scatters) are read as jaxpar.analysis.fused says; the op is then named by its fusion.
-Replica groups
-    explicit ``replica_groups={{0,2},{1,3}}`` [seen] and ``replica_groups={}`` (all devices)
-    [XLA]; iota ``replica_groups=[4,2]<=[2,2,2]T(1,0,2)`` [seen] and ``[2,4]<=[8]`` [XLA];
-    mesh axes ``replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}``, including sub-axes
-    ``{'x':(2)4}`` (pre-size 2, size 4; Shardy's notation) [seen]; unquoted names and a
-    non-iota ``mesh[...], device_ids=(...)`` [XLA]. ``collective-permute`` uses
-    ``source_target_pairs={{0,1},{1,2}}`` [seen].
-Loops and calls
-    Runs per step come from hlo_text's ``executed_instructions``. Its notes on inexact counts (a
-    ``while`` without a known trip count: body counted once; a ``conditional``: every branch
-    counted once) go to ``Tally.warnings`` for each collective they affect.
-
-Device ids
-    Replica-group ids in a jit-compiled SPMD module are *partition ids*: positions in the
-    executable's device assignment, which jax takes from ``mesh.devices.flat``. They are not
-    ``Device.id``: on a mesh built from devices (3, 1, 0, 2) the HLO still says ``{0,1,2,3}``.
-    ``tally`` takes the id that the HLO uses for each mesh position; ``tally_compiled`` passes
-    ``arange(mesh.size).reshape(mesh shape)``.
-
-Axes
-    A group set spans the axes S iff every group is the set of devices that vary along S with
-    the other coordinates fixed. S may name part of an axis: ``'data:(2)2'`` is the minor
-    half of an axis ``data`` of size 4 (Shardy's sub-axis notation). Groups of one device
-    (``axes == ()``) move no data and are dropped. Groups that are no such product are
-    reported with ``axes == ("?",)`` and a warning. A collective-permute spans the axes along
-    which some source and target differ.
-
-Bytes (per device, summed over instances and loop trips)
-    all-reduce, all-gather, all-to-all, collective-permute: the result buffer (all tuple
-    elements); reduce-scatter: the result times the group size n (the pre-scatter buffer).
-    ``wire_bytes`` is what one device sends under the ring algorithm: AG, RS, A2A
-    (n-1)/n x bytes, AR 2(n-1)/n x bytes, permute = bytes (jaxpar.collectives.wire_factor). Note
-    that XLA:CPU promotes a bf16 all-reduce to f32, so the CPU tally shows 4 bytes per element there.
-
-API
-    ``tally`` (and ``tally_compiled``): the merged collectives. ``collective_ops``: the same per
-    instruction (kind, axes, group size, executions, bytes, the bytes of its scalar parts, phase),
-    which ``tally`` sums. ``phase_of``: the phase of an op name. Other readings of the module
-    (jaxpar.analysis.patterns) use hlo_text's reader directly.
-
-Phases (from ``metadata={op_name="..."}``; the first rule that applies wins)
-    1. no op_name -> ``other``;
-    2. the optimizer scope name (default ``"optimizer"``, i.e. code under
-       ``jax.named_scope("optimizer")``) appears as a whole word -> ``optimizer``;
-    3. ``transpose(`` appears (jax names backward ops ``transpose(jvp(...))``) -> ``backward``;
-    4. anything else (``jvp(...)``, a parameter name, plain forward code) -> ``forward``.
+API: ``tally`` (and ``tally_compiled``), the merged collectives; ``collective_ops``, the same per
+instruction; ``phase_of``, the phase of an op name.
 """
 
 from __future__ import annotations

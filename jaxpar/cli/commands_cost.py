@@ -16,7 +16,7 @@ from jaxpar.cost import SOFTWARE, estimate, format_estimate
 from jaxpar.cost.defaults import accelerator_defaults, priced_zero
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.hardware import load_hardware
-from jaxpar.cost.inference import format_inference, inference_estimate
+from jaxpar.cost.inference import Request, format_inference, inference_estimate
 from jaxpar.cost.software import check_runs
 from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
@@ -122,7 +122,7 @@ def estimate_inference(args, question: Question, model, strategy, defaults) -> i
     strategy = strategy.phase(args.phase)  # a mesh file's [prefill] / [decode] layout, if it gives one
     batch, seq, software = question.global_batch, question.seq, SOFTWARE[question.software]
     validate.check_generation(model, strategy, batch, seq, args.gen_len, args.phase)
-    est = inference_estimate(model, strategy, question.hardware, batch, seq, args.gen_len, args.phase, software)
+    est = inference_estimate(model, strategy, question.hardware, Request(args.phase, batch, seq, args.gen_len), software)
     print(f"software {question.software}; options {strategy.describe_options()}")
     for line in defaults:
         print(f"  default: {line}")
@@ -185,8 +185,9 @@ def plan_inference(args) -> int:
     for flag in ("verify", "write"):
         if getattr(args, flag):
             raise ConfigError(f"plan --{flag} is for training layouts; not with --phase {args.phase}")
-    results, considered, valid = search(model_from(args.model), args.hardware, args.devices, args.phase,
-                                        args.global_batch, args.seq, args.gen_len, args.top, SOFTWARE[args.software])
+    request = Request(args.phase, args.global_batch, args.seq, args.gen_len)
+    results, considered, valid = search(model_from(args.model), args.hardware, args.devices, request, args.top,
+                                        SOFTWARE[args.software])
     print(format_inference_plan(results, considered, valid, args.phase, args.software))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,55 +1,15 @@
 """The communication floor of a layout: the fewest bytes one device must send per training step.
 
 `floor(m, st, shape)` writes out, per layout kind, what the parallelism itself obliges a device to send
-(ring model, as `jaxpar.collectives.wire_factor`: an all-reduce over n devices sends 2(n-1)/n of its
-buffer, an all-gather, reduce-scatter or all-to-all (n-1)/n, a permute all of it), averaged over the
-devices. It is the yardstick for the compiled program (experiments/bench_floor.py prints compiled wire
-bytes / floor for every 8-device catalogue strategy): what a program moves above it is either a price
-the implementation chose (static all-to-all buffers, an SPMD pipeline's bubble iterations) or
-communication it should not do. It is *not* the cost model (jaxpar/cost/comm.py predicts what the
-compiled program does, inefficiencies included); no formula here reads a compiler trait.
-
-Per kind, per step (x = one micro-batch's residual activation on a device, mb*s_loc*d bytes in the
-compute dtype; f32 gradients; e = real layer executions: a pipeline's bubble iterations excluded):
-
-* data parallelism (ZeRO-0): the gradients of the weights replicated over the data-like axes
-  (data, fsdp, context, and expert for the non-expert weights) are all-reduced once per step over all of
-  them at once: 2(n-1)/n * G. The bandwidth-optimal all-reduce sends that much (Patarasuk & Yuan 2009);
-  reducing axis by axis would send more.
-* ZeRO-1 (Rajbhandari et al. 2020, section 7): the sharded weights' gradients reduce-scattered and the
-  updated weights all-gathered, (n-1)/n each (their 2Psi, as DP's); the embedding's gradient may instead
-  come back by the lookup's route (row gradients all-to-all'd to the rows' owners, token ids gathered),
-  whichever is fewer bytes.
-* FSDP / ZeRO-3 (ibid.: 3Psi): each layer's sharded weights gathered for the forward, again for the
-  backward (the weights are freed in between: that is the layout) and the gradients reduce-scattered,
-  (n-1)/n each; under a pipeline a stage gathers its weights once per step and keeps them across its
-  micro-batches (jaxpar/pipeline/gpipe.py), forward only. Head and final norm: gathered once (they are used at
-  the forward's end and the backward's start); so are the layers' norm weights (a vector each: kept
-  gathered for the backward, models/layers.py). Embedding table: gathered + gradient reduce-scattered,
-  or looked up where it lies (ids gathered, rows all-to-all'd forward and their gradients backward),
-  whichever is fewer. Over the data-like axes beyond fsdp the shards' gradients are all-reduced.
-* tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022): per attention layer one sum of x
-  after o-proj and one after the MLP forward, and one for q,k,v's and one for gate,up's input gradients
-  backward: 4 sums, each 2(t-1)/t * x (an all-reduce, or under SP an all-gather plus a reduce-scatter,
-  the same bytes); remat `full` reruns the attention sum (SP: both gathers and the attention scatter),
-  the `dots` policies under SP the two gathers (no dot outputs). Mamba-2 layer: 2 sums (out_proj
-  forward, in_proj's input gradient backward). MoE layer: the attention half's 2, the experts' combined
-  output forward and the tokens' gradient at the kernel backward, plus the combine weights' gradient
-  [tokens, k] f32 (the experts' outputs are partial sums over tensor). Vocab-parallel embedding and
-  head: the embedding output's sum, the head input's gradient sum, and Megatron's three [tokens] f32
-  softmax reductions (max, sum of exponentials, the label's logit). Under SP the norm weights'
-  gradients are summed over tensor.
-* context parallelism (Liu et al. 2023): per attention layer K and V blocks travel c-1 hops forward
-  and dK, dV c-1 hops backward (an all-gather of K,V and a reduce-scatter of dK,dV send the same);
-  Mamba-2: the conv halo permuted and the segment states gathered, and their transposes.
-* expert parallelism: per MoE layer two all-to-alls forward (dispatch, combine) and two backward, each
-  carrying only the routed copies, tokens*k*d (Megatron's dropless dispatcher; jaxpar's static buffers
-  carry E/k times more: `jaxpar.ops.moe`), (e-1)/e of them leaving the device; the router statistics
-  (2E f32) summed over the batch axes.
-* pipeline parallelism (Narayanan et al. 2021): each micro-batch's activation crosses each stage
-  boundary once forward and its gradient once backward, v*S-1 boundaries with v chunks per device
-  (under SP split over tensor); averaged over the S stages. Embedding on the first stage, head and final
-  norm on the last: their work and gradient reduction are shared out over the stages in the average.
+(ring model, as `jaxpar.collectives.wire_factor`), averaged over the devices: data parallelism's gradient
+all-reduce once per step over every data-like axis at once (Patarasuk & Yuan 2009); ZeRO-1's reduce-scatter
+and gather, and ZeRO-3's gathers forward and backward with the reduce-scatter (Rajbhandari et al. 2020,
+sec. 7: 2 and 3 Psi); tensor parallelism's four sums per attention layer (Shoeybi et al. 2019; Korthikanti
+et al. 2022); context parallelism's c-1 K/V hops each way (Liu et al. 2023); expert parallelism's routed
+copies only; pipeline parallelism's boundary crossings (Narayanan et al. 2021). It is the yardstick for the
+compiled program (experiments/bench_floor.py prints compiled wire bytes / floor per catalogue strategy),
+not the cost model (comm.py predicts what the program does, inefficiencies included); no formula here
+reads a compiler trait. docs/cost-model.md ("The communication floor") has each kind at length.
 """
 from __future__ import annotations
 

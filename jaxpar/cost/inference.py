@@ -1,52 +1,16 @@
 """Inference: one prefill or one decode step, its roofline, memory, collectives and latency.
 
 Prefill runs a batch of prompts through the model and fills the cache: compute-bound like training's
-forward. Decode runs one token per sequence against the cache: every step streams the weights and the
-whole KV cache from HBM for a few FLOPs per byte, so it is bandwidth-bound until the batch is large
-(scaling book, "All about Transformer inference"). Per device, for `batch` sequences, prompts of
-`prompt` tokens and `generate` new tokens (a cache of S = prompt + generate - 1 slots, as
-jaxpar.serving.generate sizes it; a decode step is costed at the full cache, its slowest):
-
-    matmul FLOPs   2 x (active matmul parameters) per token, + attention 4 x hq x keys per query token
-                   (dense: the prefill's s x s scores in full; decode: the S cached keys), + the head
-                   on the last position only (2 x d x V per sequence), all / (data x tensor)
-    HBM bytes      weights per device (`weight_bytes` per element: jaxpar's generate stores the weights
-                   in the serving dtype, converted once when it loads them, so bfloat16 reads 2 and
-                   float32 4; other stacks their preset's serve_weight_bytes) + the KV cache read once
-                   (decode) or written (prefill) + Mamba-2 states read and written
-    time           max(matmul / (peak x efficiency), HBM bytes / bandwidth) + collectives (not
-                   overlapped): a roofline per step, the hardware profile's calibration constants
-    collectives    under tensor: the vocab-parallel embedding's sum, two row-parallel sums per
-                   attention layer and one per Mamba-2 layer, of [b, s, d] (s = 1 in decode), and the
-                   sampling's all-gathers of each rank's best (value, id) (greedy); under expert: each
-                   MoE layer's two dispatch all-to-alls (training's forward ones, cost/comm_expert.py
-                   expert_parallel, a group being one sequence's step tokens); the batch axes need
-                   none (no gradients)
-    memory         weights + KV cache (layers x 2 x b x S x kv heads per device x head_dim, K/V heads
-                   replicated across tensor ranks when tensor > kv_heads) + Mamba-2 states + the step's
-                   activations and float32 logits
-Critical batch: the batch at which a decode step's matmul time reaches its HBM time (weights are read
-once per step whatever the batch; each sequence adds FLOPs and its own KV bytes).
-
-Context-parallel prefill (context > 1 in the prefill layout): the prompt's tokens, their FLOPs,
-activations and tensor-parallel sums are split over context too; the cache is replicated over context
-(decode reads it whole). Its own collectives (ring or all-gather K/V, Mamba-2 halos and states, the
-cache fill's all-gather, the last token's sum over context): `_context_prefill`.
-
-Mixture of experts. A device holds E / expert experts (each split over tensor), and jaxpar's kernel
-(jaxpar/ops/moe.py) runs them as one batched matmul over its local experts, so a step reads all of
-them. A kernel that reads only the experts some token was routed to (a grouped GEMM) reads, per MoE
-layer, the expected number of distinct experts T tokens touch when each picks k of E experts
-uniformly without replacement: a given expert is missed by one token with probability 1 - k/E, by all
-T independently with (1 - k/E)^T, so
-
-    E[distinct experts] = E x (1 - (1 - k/E)^T)
-
-(the classical occupancy expectation, Feller, "An Introduction to Probability Theory and Its
-Applications" vol. 1, ch. II; uniform routing is what the load-balancing loss aims for). T is the
-tokens one expert group routes per step: batch / (data x fsdp) in decode (the expert axis shares its
-tokens through the all-to-all). `routed_weights_bytes` is that read per device (the shared weights
-plus the touched local experts); at T = 1 it is k experts, and it tends to all E as T grows.
+forward. Decode runs one token per sequence against the cache: every step streams the weights and the whole
+KV cache from HBM for a few FLOPs per byte, so it is bandwidth-bound until the batch is large (scaling book,
+"All about Transformer inference"). Per device, for `batch` sequences, prompts of `prompt` tokens and
+`generate` new tokens (a cache of prompt + generate - 1 slots, as jaxpar.serving.generate sizes it):
+matmul FLOPs (2 x active matmul parameters per token, attention over the keys, the head on the last
+position), HBM bytes (weights, the KV cache read or written, Mamba-2 states), time max(matmul, HBM) +
+collectives (a roofline per step; the tensor-parallel sums, a context-parallel prefill's exchanges, the
+expert all-to-alls), memory (weights, cache, activations) and the critical batch at which decode turns
+compute-bound. A routed MoE kernel reads the experts T tokens touch, E x (1 - (1 - k/E)^T) (the occupancy
+expectation, Feller vol. 1 ch. II). docs/serving.md ("The serving model") has each term at length.
 """
 from __future__ import annotations
 
@@ -191,7 +155,7 @@ def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, ac
     layers small int32 permutes instead of c-1), and a Mamba-2 layer's cache fill (its conv window's
     last columns and its final SSM state, taken off the shard that holds them: a permute and an
     all-reduce per layer)."""
-    sz, c = st.sizes, st.sizes["context"]
+    sz = st.sizes
     sh = step_shape(m, st, batch, prompt)
     ops = context_parallel(m, st, sh, act)
     if sh.stages > 1:   # the positions as training's pipelines move them
@@ -241,11 +205,21 @@ def weight_bytes(software: Software, st: Strategy) -> int:
     return ACTIVATION_BYTES[st.options.dtype] if software.jaxpar_program else software.serve_weight_bytes
 
 
-def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, batch: int, prompt: int,
-                       generate: int, phase: str, software: Software = JAXPAR,
-                       compiler: Compiler | str = "gpu") -> InferenceEstimate:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """A serving step's question: the `phase` (prefill | decode), `batch` sequences, prompts of `prompt`
+    tokens and `generate` new tokens each."""
+    phase: str
+    batch: int
+    prompt: int
+    generate: int
+
+
+def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, request: Request,
+                       software: Software = JAXPAR, compiler: Compiler | str = "gpu") -> InferenceEstimate:
     """One prefill or decode step (module docstring). `strategy` resolved; jaxpar.core.validate.check_generate
     states what generation supports."""
+    phase, batch, prompt, generate = request.phase, request.batch, request.prompt, request.generate
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     cc = COMPILERS[compiler] if isinstance(compiler, str) else compiler
     sz, n = st.sizes, st.num_devices

@@ -1,189 +1,13 @@
 """What the software stack does that neither the model config nor the mesh says.
 
-The same mesh costs differently under different implementations; these switches name the
-differences that matter for the cost model, with presets for jaxpar itself, for Megatron-LM (the
-published runs the model is calibrated on) and for Megatron-Core. A preset is data: a new stack is
-one more `Software(...)` in `SOFTWARE`.
-
-    jaxpar_program     the step is jaxpar's own JAX program as XLA compiles it: the one question "is this
-                       jaxpar's program?" of the cost model. Its program's adjustments to the textbook
-                       figures apply (its activation inventory, jaxpar/cost/inventory_jax.py and
-                       program_memory.py; its pipelines' per-shard weight copies, head spread and
-                       boundary all-reduces, jaxpar/cost/program_comm.py and program_pipeline.py; its overlap
-                       options, jaxpar/cost/overlap.py); False: another stack, costed by its traits below
-    dropout            the model trains with dropout: masks and dropped copies join the activation
-                       inventory (Megatron GPT: attention-probability and hidden dropout, Korthikanti 2022)
-    causal             count only the lower triangle of attention scores (a causal kernel that skips
-                       masked blocks); False counts the full s x s, as dense masked attention computes
-    pp_scatter_gather  a stage sends 1/t of its boundary activation and the receiver all-gathers it
-                       over `tensor` (Narayanan et al. 2021, section 4.1); False: the activation goes as
-                       it is, split over `tensor` only under sequence parallelism
-    pp_1f1b            the pipeline runs one-forward-one-backward (Megatron; Narayanan 2021), so a
-                       stage holds activations of S micro-batches, not all M (jaxpar's GPipe/circular
-                       schedules are autodiff through a loop: forward for all M, then backward)
-    rerun_outputs      full recompute reruns a layer's last projection too (Megatron); XLA drops it,
-                       because nothing in the backward pass reads its output (jaxpar/cost/flops.py)
-    moe_padded         MoE dispatch into static per-expert buffers of the group capacity (jaxpar.ops.moe:
-                       dropless computes and sends E/k times the token copies that exist); False: only
-                       the routed copies (Megatron's grouped GEMM and token dispatcher)
-    param_gather_bytes bytes per element of the parameter all-gather after a ZeRO-1 update: jaxpar gathers
-                       its float32 masters (4); Megatron's distributed optimizer the bf16 weights (2)
-    pp_head_spread     the head and loss of a pipeline run on every stage, each on ceil(M/S) micro-batches
-                       (jaxpar/pipeline/gpipe.py); False: on the last stage, for all M (Megatron)
-    pp_end_stages      the embedding is built on the first pipeline stage and the head on the last, so a
-                       stage holds one of an untied model's two vocabulary matrices (Megatron-LM's GPTModel
-                       pre_process / post_process; torchtitan's pipeline split); False: on every stage, as
-                       jaxpar stages only the layers and MaxText pipelines only its decoder layers
-                       (jaxpar/cost/memory.py embedding_copies)
-    serve_weight_bytes bytes per parameter a generation step reads: Megatron-style serving stores bf16
-                       weights (2); jaxpar's generate stores them in its strategy's dtype
-                       (jaxpar.cost.inference.weight_bytes)
-    fused_attention    a fused (flash) attention kernel (Dao et al. 2022; Dao 2023): the s x s scores never
-                       reach HBM (no score, softmax or score-dropout activations; none stored), and the
-                       backward pass recomputes QK^T from the saved softmax statistics (+1 score matmul).
-                       For jaxpar's program both follow the run's `attention_kernel` on the target
-                       hardware (`program_traits`): every kernel but dense is fused and skips the blocks a
-                       causal mask hides
-
-    fused_mlp          the SwiGLU runs as one fused kernel that keeps only its input (gate, up) for the
-                       backward pass, so silu(gate) is never stored (jaxpar/cost/memory.py fused_swiglu):
-                       Megatron-Core's --bias-swiglu-fusion (on by default), torch.compile's fusion of the
-                       elementwise ops (torchtitan's runs compile), XLA's fusions (MaxText); False in eager
-                       PyTorch, where the product keeps both its inputs
-    autodiff_remat     rematerialisation by autodiff (jax.checkpoint under XLA: MaxText's remat policies),
-                       which saves only the values its backward pass reads (jaxpar/cost/memory.py
-                       residuals_only): a block's last projection is never stored; False: PyTorch's
-                       selective checkpointing, which caches every output its policy names
-    sac_every_other_mm under remat `dots` the stack saves every other matmul output of a layer and reruns
-                       the rest: torchtitan's op-level selective activation checkpointing ("Saves output of
-                       all compute ops, except every second mm", torchtitan parallelize_llama `_custom_policy`;
-                       jaxpar/cost/memory.py every_other_matmul, flops.py every_other_matmul_flops)
-    loss_logit_bytes   bytes per logit alive at the loss's peak: Megatron's fused vocab-parallel cross entropy
-                       keeps the float32 logits and works in place (4); torchtitan's loss is
-                       F.cross_entropy(pred.flatten(0, 1).float(), ...), uncompiled ("compiling loss
-                       function causes CUDA errors"), with `del pred` before the backward pass: log-softmax's
-                       float32 output, its gradient and its input's gradient are alive together (12)
-    pp_fsdp_gathered   under a pipeline, FSDP keeps each stage's weights gathered (bf16) and its gradients
-                       unsharded (float32) for the whole step (torchtitan: reshard_after_forward off under
-                       PP; PyTorch's pipeline stages reduce gradients on the last micro-batch only;
-                       jaxpar/cost/memory.py pipeline_fsdp_bytes)
-    attention_kernel   "flash2": the stack's attention is FlashAttention-2 (PyTorch SDPA's flash backend,
-                       flash-attn 2), which runs at the profile's flash2_efficiency (an Ampere kernel: 35%
-                       of an H100); "": a kernel tuned for the hardware (cuDNN, Transformer Engine, splash),
-                       at the matmul efficiency
-    weight_bytes       bytes per parameter of the weights kept between steps: jaxpar's float32 weights are
-                       the optimizer's masters (4); Megatron keeps bf16 weights (2) and the float32 master
-                       copy in the optimizer state (Megatron's Float16OptimizerWithFloat16Params)
-    optimizer_bytes    bytes per parameter of the optimizer state: AdamW's two float32 moments (8), plus
-                       the float32 master copy where the weights are bf16 (12)
-    state_over_context the ZeRO-sharded state is split over the context-parallel ranks as well: Megatron's
-                       distributed optimizer shards over its data x context group, torchtitan's FSDP over
-                       the flattened dp_shard x cp mesh, MaxText's rules put `embed` on its context axis
-    fsdp_over_context  the stack's FSDP spans the context ranks even where the data-parallel shard degree is
-                       1, so the whole state is sharded over them: torchtitan applies fully_shard over its
-                       dp_shard_cp mesh whenever dp_shard or cp is > 1 (torchtitan/models/llama3/infra/
-                       parallelize.py), MaxText's logical axis rules put `embed` on `context`; Megatron's
-                       distributed optimizer shards only what its ZeRO stage says (False)
-    flat_params        FSDP gathers and reduce-scatters each block's weights as one flat buffer: one op per
-                       block and pass, not one per weight array (jaxpar/cost/compiler.py flat_weights):
-                       torchtitan's FSDP2 (one fully_shard group per TransformerBlock, gathered by one
-                       foreach all-gather, reduced by one reduce-scatter: torchtitan docs/fsdp.md),
-                       llm-foundry's FSDP1 (one FlatParameter per wrapped block), Megatron-FSDP (its
-                       fsdp_unit_modules, a TransformerLayer each, gathered per unit); False for XLA's
-                       programs (jaxpar, MaxText), which issue one per array
-    grad_buckets       the gradient reductions and parameter gathers issued once per step (ZeRO-0's
-                       all-reduces, ZeRO-1's reduce-scatters and gathers) go in buckets of max(40M, 1M x
-                       data-parallel ranks) parameters: Megatron-Core's DDP and distributed optimizer
-                       under --overlap-grad-reduce (bucket_size default, megatron/core/distributed/
-                       distributed_data_parallel.py; jaxpar/cost/compiler.py buckets); False: one per weight
-                       array (without the overlap Megatron reduces one contiguous buffer: as few ops)
-    fp8_gathers        under dtype=float8 the FSDP all-gathers move float8 weights (1 byte; torchtitan's
-                       float8 linears with `enable_fsdp_float8_all_gather`, torchao float8 README)
-    async_tp           the stack runs tensor parallelism as collective matmuls when asked (`--overlap
-                       collective_matmul`: torchtitan's async TP, PyTorch SymmetricMemory; MaxText's and
-                       XLA's collective matmul): its tensor collectives hide under the GEMMs inside a node
-    distributed_optimizer  the stack's recipes shard the optimizer state over the data-parallel ranks
-                       (Megatron --use-distributed-optimizer, NeMo's default): estimate defaults to zero=1
-    sequence_parallel  the stack's tensor parallelism always shards the norms' sequence (Megatron-Core
-                       recipes; torchtitan's TP plan shards the sequence between blocks): estimate
-                       defaults to sequence parallelism wherever tensor > 1
-
-What the stack runs, which `plan --software` searches (jaxpar/planning/planner.py candidate_options):
-    axes          the mesh axes it parallelises over (llm-foundry: FSDP and data parallelism only)
-    fsdp_pipeline  its FSDP shards the weights inside pipeline stages (torchtitan's FSDP2 under PP; jaxpar;
-                  MaxText's fsdp axis beside its pipeline); False for Megatron: Megatron-FSDP composes with
-                  TP, CP and EP but not PP (Megatron-LM docs custom_fsdp.md; issue #1455; "FSDP and PP are
-                  mutually exclusive in Megatron's standard path", PR #6081), so a Megatron pipeline shards
-                  its state with the distributed optimizer only
-    remats        its recompute policies: Megatron's --recompute-granularity selective | full, and selective
-                  with --recompute-modules layernorm moe_act (the norms and activations rerun, every
-                  matmul output kept: `dots`; Megatron-Core 0.11+); torchtitan's
-                  activation_checkpoint mode op (selective per op: every matmul output kept, `dots`) | full;
-                  MaxText's remat_policy minimal (dots without batch dimensions) | full | offloaded names;
-                  jaxpar's own
-    zeros         its ZeRO stages: Megatron-LM 0 and 1 (DDP; --use-distributed-optimizer), Megatron-Core also 3
-                  (Megatron-FSDP, --data-parallel-sharding-strategy optim_grads_params); torchtitan 0 and 3
-                  (replicate, DDP over data_parallel_replicate_degree; FSDP2's fully_shard over dp_shard: no
-                  stage shards the optimizer state alone, docs/fsdp.md); MaxText 0, 1 and 3 (its data axis
-                  replicates, shard_optimizer_over_data is ZeRO-1, its fsdp rules shard weights and state);
-                  llm-foundry 0, 1 and 3 (FSDP NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: ZeRO-2 priced as ZeRO-1,
-                  whose collectives it issues, its sharded gradients not counted in memory);
-                  jaxpar 0, 1 and 3. A stack whose FSDP spans the context ranks (`fsdp_over_context`) runs
-                  ZeRO-3 over them and nothing else
-    pp_schedules  its pipeline schedules with one chunk per stage: Megatron and torchtitan run 1F1B (GPipe's
-                  memory is never better), MaxText its circular pipeline differentiated by autodiff (GPipe's
-                  order); jaxpar GPipe or its lockstep 1F1B
-    pp_interleaved  its schedules with v > 1 chunks per stage: Megatron's and torchtitan's interleaved 1F1B
-                  (virtual pipeline stages; Interleaved1F1B), MaxText's circular repeats
-                  (num_pipeline_repeats), jaxpar's circular and interleaved 1F1B
-
-Context parallelism (jaxpar/cost/comm_context.py):
-    cp_rotate    how K and V reach the other context ranks: "" as the strategy's `attention` option says
-                 (jaxpar's kernels: a ring of permutes, or an all-gather with dK/dV reduce-scattered);
-                 "allgather": PyTorch's context parallel with rotate method ALL_GATHER (torchtitan's
-                 `context_parallel_rotate_method` default; torch/distributed/tensor/experimental/_attention.py
-                 `_AllGatherRotater`): one all-gather of K and V per attention call forward and again
-                 backward, dK and dV sent around the ring by context hops of the whole local buffer
-                 (its dkv rotater), the positions sharded up front (no position traffic)
-    cp_kv_heads  the heads K and V carry when they travel: "kv" the key-value heads (GQA kept);
-                 "q" every query head of the tensor shard (torchtitan's llama repeats K and V to the
-                 query heads, `repeat_kv`, before SDPA)
-    cp_grad_bytes  bytes per element of the dK/dV the ring carries: 0 the activations' dtype; 4 where
-                 they accumulate in float32 (PyTorch's dkv rotater, convert_to_f32)
-    cp_attention the strategy's `attention` that stands for the stack's context parallelism, which `estimate`
-                 defaults to where context > 1 and the user named none: "ring" Megatron-Core (--cp-comm-type
-                 p2p, its default) and torchtitan (PyTorch's context parallel: a ring of blocks, whose K/V
-                 movement `cp_rotate` gives); "allgather" MaxText (context_parallel_strategy = all_gather,
-                 its default: K and V all-gathered over the context axis); "" jaxpar's program, whose user
-                 chooses the kernel. All three stacks load-balance the causal work over the context ranks by
-                 default (Megatron's 2 x cp chunks per sequence; PyTorch's enable_load_balance; MaxText's
-                 context_parallel_load_balance), as the cost model prices it for every layout
-    cp_hide      the attention work context collectives hide under: "core" all of it (Liu et al. 2023:
-                 each hop under the previous block's kernel); "diagonal" a 1/context share: PyTorch's
-                 all-gather rotater waits on its gather after the diagonal block, the first of context
-                 blocks, and the dK/dV ring's last hop waits after the last block
-
-Overlap: the fraction of a class of collectives the software issues concurrently with independent
-compute; time.step_time hides at most that fraction, and never more than the compute there is:
-    tp_overlap   tensor/sequence-parallel all-gathers and reduce-scatters decomposed into the GEMMs
-                 that consume or produce them (Megatron-Core --tp-comm-overlap over Transformer
-                 Engine's userbuffers; Wang et al. 2023, "Overlap communication with dependent
-                 computation via decomposition"); 0 when the collective waits between GEMMs. Only
-                 inside a node (NVLink, a TPU slice's ICI): userbuffers and SymmetricMemory need
-                 peer-to-peer device memory, so a tensor group across InfiniBand or DCN waits
-                 (jaxpar/cost/overlap.py)
-    dp_overlap   gradient reduce-scatters / all-reduces issued bucket by bucket as the backward pass
-                 produces them, and the distributed optimizer's parameter all-gathers issued with the
-                 next forward (Megatron-Core --overlap-grad-reduce, --overlap-param-gather; PyTorch
-                 DDP buckets, Li et al. 2020); 0: reduced after the backward pass (Megatron-LM 2021)
-    pp_overlap   the interleaved schedule's stage-to-stage sends and receives issued asynchronously
-                 with the next micro-batch's compute (Megatron-Core --overlap-p2p-comm)
-    ep_overlap   the expert all-to-alls (dispatch and combine) issued beside another micro-batch's
-                 compute: DeepSeek-V3's DualPipe pairs a forward and a backward chunk so that each one's
-                 all-to-alls hide under the other's compute (DeepSeek-AI 2024, arXiv 2412.19437 sec.
-                 3.2.1); Megatron-Core's --overlap-moe-expert-parallel-comm does the same for 1F1B
-                 micro-batches (Megatron-Bridge docs/training/communication-overlap.md). 0 in every
-                 preset: no published run that calibrates a preset trains a mixture of experts
+The same mesh costs differently under different implementations; `Software`'s fields name the differences
+that matter to the cost model, each with its meaning and source (`trait`; `describe` prints them), with a
+preset for jaxpar itself and one for each stack whose published runs calibrate the model. A preset is data:
+a new stack is one more `Software(...)` in `SOFTWARE`. `jaxpar_program` is the one question "is this
+jaxpar's own program?" of the cost model: its program's adjustments to the textbook apply (its activation
+inventory, its pipelines' weight copies and head, its overlap options); otherwise the stack is costed by
+its traits. What each stack runs (`axes`, `zeros`, `remats`, `pp_schedules`) is what `plan --software`
+searches and `refusal` checks. docs/cost-model.md has the stories behind the traits.
 """
 from __future__ import annotations
 
@@ -196,53 +20,107 @@ from jaxpar.errors import ConfigError
 from jaxpar.ops.attention import resolve_kernel
 
 
+def trait(default, help: str):
+    """A `Software` field with its one-line meaning and source."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Software:
-    name: str = "jaxpar"
-    jaxpar_program: bool = True
-    dropout: bool = False
-    causal: bool = False
-    pp_scatter_gather: bool = False
-    pp_1f1b: bool = False
-    rerun_outputs: bool = False
-    moe_padded: bool = True
-    param_gather_bytes: int = 4
-    serve_weight_bytes: int = 4
-    pp_head_spread: bool = True
-    pp_end_stages: bool = False
-    fused_attention: bool = False
-    fused_mlp: bool = False
-    autodiff_remat: bool = False
-    sac_every_other_mm: bool = False
-    loss_logit_bytes: int = 4
-    pp_fsdp_gathered: bool = False
-    tp_overlap: float = 0.0
-    dp_overlap: float = 0.0
-    pp_overlap: float = 0.0
-    ep_overlap: float = 0.0
-    flat_params: bool = False
-    grad_buckets: bool = False
-    fp8_gathers: bool = False
-    async_tp: bool = False
-    distributed_optimizer: bool = False
-    sequence_parallel: bool = False
-    attention_kernel: str = ""
-    weight_bytes: int = 4
-    optimizer_bytes: int = 8
-    state_over_context: bool = False
-    fsdp_over_context: bool = False
-    axes: tuple[str, ...] = AXES
-    fsdp_pipeline: bool = True
-    remats: tuple[str, ...] = ("none", "dots_no_batch", "full")
-    zeros: tuple[int, ...] = (0, 1, 3)
-    pp_schedules: tuple[str, ...] = ("gpipe", "1f1b")
-    pp_interleaved: tuple[str, ...] = ("circular", "1f1b")
-    cp_rotate: str = ""
-    cp_kv_heads: str = "kv"
-    cp_grad_bytes: int = 0
-    cp_hide: str = "core"
-    cp_attention: str = ""
-    sources: str = ""
+    name: str = trait("jaxpar", "the stack's name (`--software`)")
+    jaxpar_program: bool = trait(True, "the step is jaxpar's own JAX program as XLA compiles it: its program's "
+                                       "adjustments apply (inventory_jax, program_memory, program_comm, program_pipeline, overlap)")
+    dropout: bool = trait(False, "dropout masks and dropped copies join the activation inventory (Megatron GPT: "
+                                 "Korthikanti et al. 2022)")
+    causal: bool = trait(False, "count only the lower triangle of the scores (a causal kernel that skips masked "
+                                "blocks); False counts the full s x s, as dense masked attention computes")
+    pp_scatter_gather: bool = trait(False, "a stage sends 1/t of its boundary activation and the receiver "
+                                           "all-gathers it over tensor (Narayanan et al. 2021, sec. 4.1)")
+    pp_1f1b: bool = trait(False, "the pipeline runs 1F1B, a stage holding S micro-batches' activations, not M "
+                                 "(Megatron; Narayanan et al. 2021)")
+    rerun_outputs: bool = trait(False, "full recompute reruns a layer's last projection too (PyTorch's checkpoint: "
+                                       "Megatron); XLA drops it, nothing reads its output (flops.py)")
+    moe_padded: bool = trait(True, "MoE dispatch into static per-expert buffers of the group capacity (jaxpar.ops.moe);"
+                                   " False: only the routed copies (Megatron's grouped GEMM and token dispatcher)")
+    param_gather_bytes: int = trait(4, "bytes per element of a parameter all-gather: jaxpar gathers its float32 "
+                                       "masters; Megatron's distributed optimizer and FSDP2 the bf16 weights (2)")
+    serve_weight_bytes: int = trait(4, "bytes per parameter a generation step reads: bf16 serving stores 2; "
+                                       "jaxpar's generate its strategy's dtype (inference.weight_bytes)")
+    pp_head_spread: bool = trait(True, "the head and loss of a pipeline run on every stage, ceil(M/S) micro-batches "
+                                       "each (jaxpar/pipeline/gpipe.py); False: the last stage, all M (Megatron)")
+    pp_end_stages: bool = trait(False, "the embedding on the first stage and the head on the last (Megatron-LM's "
+                                       "pre_process / post_process; torchtitan's split; memory.embedding_copies)")
+    fused_attention: bool = trait(False, "a fused (flash) attention kernel: no scores in HBM, QK^T recomputed "
+                                         "backward (Dao et al. 2022; Dao 2023); jaxpar's follows its attention_kernel")
+    fused_mlp: bool = trait(False, "the SwiGLU one fused kernel keeping only its input (Megatron-Core's "
+                                   "--bias-swiglu-fusion, torch.compile, XLA's fusions; memory.fused_swiglu)")
+    autodiff_remat: bool = trait(False, "remat by autodiff (jax.checkpoint: MaxText), which saves only what the "
+                                        "backward reads (memory.residuals_only); False: PyTorch's checkpointing")
+    sac_every_other_mm: bool = trait(False, "under remat dots the stack saves every other matmul output (torchtitan's "
+                                            "op-level SAC, parallelize_llama `_custom_policy`)")
+    loss_logit_bytes: int = trait(4, "bytes per logit alive at the loss's peak: Megatron's fused vocab-parallel "
+                                     "cross entropy 4; torchtitan's uncompiled F.cross_entropy 12")
+    pp_fsdp_gathered: bool = trait(False, "under a pipeline FSDP keeps each stage's weights gathered and gradients "
+                                          "unsharded for the step (torchtitan: reshard_after_forward off under PP)")
+    tp_overlap: float = trait(0.0, "the share of tensor all-gathers and reduce-scatters decomposed into their GEMMs "
+                                   "(Megatron-Core --tp-comm-overlap; Wang et al. 2023), inside a node only")
+    dp_overlap: float = trait(0.0, "the share of gradient reductions issued bucket by bucket under the backward, and "
+                                   "parameter gathers with the next forward (--overlap-grad-reduce; Li et al. 2020)")
+    pp_overlap: float = trait(0.0, "the share of stage-to-stage sends issued beside the next micro-batch's compute "
+                                   "(Megatron-Core --overlap-p2p-comm)")
+    ep_overlap: float = trait(0.0, "the share of expert all-to-alls hidden under another micro-batch's compute "
+                                   "(DeepSeek-V3's DualPipe, arXiv 2412.19437 sec. 3.2.1); 0 in every preset")
+    flat_params: bool = trait(False, "FSDP gathers and reduce-scatters each block as one flat buffer (FSDP2 per "
+                                     "fully_shard group, FSDP1's FlatParameter, Megatron-FSDP's units)")
+    grad_buckets: bool = trait(False, "the step's one-off reductions and gathers in buckets of max(40M, 1M x ranks) "
+                                      "parameters (Megatron-Core's DDP under --overlap-grad-reduce)")
+    fp8_gathers: bool = trait(False, "under dtype=float8 FSDP gathers float8 weights (torchtitan's "
+                                     "enable_fsdp_float8_all_gather, torchao's float8 README)")
+    async_tp: bool = trait(False, "tensor parallelism as collective matmuls under --overlap collective_matmul "
+                                  "(torchtitan's async TP, MaxText's and XLA's collective matmul)")
+    distributed_optimizer: bool = trait(False, "the recipes shard the optimizer state over data (Megatron "
+                                               "--use-distributed-optimizer): estimate defaults to zero=1")
+    sequence_parallel: bool = trait(False, "tensor parallelism always shards the norms' sequence (Megatron-Core's "
+                                           "recipes, torchtitan's TP plan): estimate defaults to it where tensor > 1")
+    attention_kernel: str = trait("", "flash2: FlashAttention-2 at the profile's flash2_efficiency (PyTorch SDPA, "
+                                      "flash-attn 2); \"\": a kernel tuned for the hardware, at the matmul efficiency")
+    weight_bytes: int = trait(4, "bytes per parameter of the weights kept between steps: jaxpar's float32 masters; "
+                                 "Megatron's bf16 weights (2; Float16OptimizerWithFloat16Params)")
+    optimizer_bytes: int = trait(8, "bytes per parameter of the optimizer state: AdamW's two float32 moments, plus "
+                                    "the float32 master copy where the weights are bf16 (12)")
+    state_over_context: bool = trait(False, "the ZeRO-sharded state split over the context ranks too (Megatron's "
+                                            "distributed optimizer over data x context, torchtitan, MaxText)")
+    fsdp_over_context: bool = trait(False, "FSDP spans the context ranks even at fsdp=1 (torchtitan's fully_shard over "
+                                           "dp_shard x cp; MaxText's `embed` rule on context)")
+    axes: tuple[str, ...] = trait(AXES, "the mesh axes the stack parallelises over (llm-foundry: data and fsdp)")
+    fsdp_pipeline: bool = trait(True, "its FSDP shards weights inside pipeline stages (torchtitan, MaxText, jaxpar); "
+                                      "Megatron-FSDP does not compose with PP (Megatron-LM custom_fsdp.md)")
+    remats: tuple[str, ...] = trait(("none", "dots_no_batch", "full"),
+                                    "its recompute policies (Megatron's --recompute-granularity, torchtitan's "
+                                    "activation_checkpoint, MaxText's remat_policy)")
+    zeros: tuple[int, ...] = trait((0, 1, 3), "its ZeRO stages (torchtitan 0 and 3: DDP, FSDP2; Megatron-LM 0 and 1; "
+                                              "Megatron-Core also 3; MaxText and llm-foundry 0, 1, 3)")
+    pp_schedules: tuple[str, ...] = trait(("gpipe", "1f1b"), "its pipeline schedules with one chunk per stage")
+    pp_interleaved: tuple[str, ...] = trait(("circular", "1f1b"), "its schedules with v > 1 chunks per stage "
+                                                                  "(interleaved 1F1B, MaxText's circular repeats)")
+    cp_rotate: str = trait("", "how K and V reach the other context ranks: \"\" as `attention` says; allgather: "
+                               "PyTorch's context parallel with rotate method ALL_GATHER (_AllGatherRotater)")
+    cp_kv_heads: str = trait("kv", "the heads K and V carry when they travel: kv (GQA kept), or q (torchtitan's "
+                                   "llama repeats them to the query heads, repeat_kv)")
+    cp_grad_bytes: int = trait(0, "bytes per element of the dK/dV the ring carries: 0 the activations' dtype; 4 "
+                                  "where they accumulate in float32 (PyTorch's dkv rotater)")
+    cp_hide: str = trait("core", "the attention work context collectives hide under: core, all of it (Liu et al. "
+                                 "2023); diagonal, 1/context (PyTorch's rotater waits after the diagonal block)")
+    cp_attention: str = trait("", "the context-parallel attention estimate defaults to: ring (Megatron-Core "
+                                  "--cp-comm-type p2p, torchtitan), allgather (MaxText); \"\": the user's")
+    sources: str = trait("", "where the preset's traits come from")
+
+
+def describe(software: Software) -> list[str]:
+    """One line per trait of `software` that differs from jaxpar's: name = value, meaning and source."""
+    base = Software()
+    return [f"{f.name} = {getattr(software, f.name)!r}: {f.metadata['help']}"
+            for f in dataclasses.fields(Software) if getattr(software, f.name) != getattr(base, f.name)]
 
 
 JAXPAR = Software()

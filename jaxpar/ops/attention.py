@@ -1,52 +1,19 @@
 """Attention kernels: the dense reference, the fused ones, and context parallelism (ring, all-gather).
 
-Shapes: q [b, s, hq, d]; k, v [b, s, hkv, d] with hq a multiple of hkv (GQA); positions [b, s]
-are the tokens' global positions, so causal masking is right for any token order (zigzag layouts).
-`attention` dispatches on two strategy options: `attention` (dense | ring | allgather: how the
-sequence is split over `context`) and `attention_kernel` (what computes softmax(q k^T) v on a device):
-
-  dense      the full [hq, s, s] float32 score matrix, kept for the backward pass: the reference.
-  blockwise  online softmax over blocks, in pure JAX, with a backward pass that recomputes the blocks
-             (jaxpar/ops/blockwise_attention.py): memory linear in the sequence, on every backend.
-  cudnn      cuDNN's fused flash kernel through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16).
-             Its mask works on indices, so it runs where positions are 0..s-1 in order (no context
-             parallelism).
-  splash     the Pallas splash-attention kernel (jaxpar/ops/splash_attention.py): compiled by Mosaic on
-             a TPU, Pallas interpret mode elsewhere (the CPU tests); GQA and segment ids. Its masks work
-             on indices too, so no context parallelism either.
-  auto       cudnn on a GPU in a 16-bit dtype, splash on a TPU, blockwise elsewhere (`resolve_kernel`).
-
-The constraints on sequence length, context size, heads and kernels are checked before compiling,
-in jaxpar/core/validate.py.
-
-Context parallelism
--------------------
-Every other layer of a transformer is position-wise, so a sequence split over devices needs no
-communication there. Attention is the one place where a query must see keys held by other devices.
-Two ways to let it, both written with `jax.shard_map` so the collectives are spelled out:
-
-  ring       K/V blocks travel around the context ring (`ppermute`), one hop per step, while each
-             device folds every arriving block into a running (flash-style) softmax. Memory per
-             device is one block of scores; traffic is (context-1) K/V blocks per device, which
-             overlap with the block computations.
-  allgather  K/V of the whole sequence are all-gathered, queries stay local (Llama 3). Simple, and
-             with GQA the K/V are small; memory holds scores for the local queries x all keys.
-             Autodiff turns the all-gather into a reduce-scatter of dK/dV in the backward pass.
-
-Positions travel with K/V, and masking compares global position ids, never array indices. So the
-kernels are right for *any* token layout, and the layout is a data-pipeline choice:
-
-  contiguous device i holds tokens [i*s/c, (i+1)*s/c). Under a causal mask the last device does
-             ~2c-1 times the work of the first.
-  zigzag     the sequence is cut into 2c chunks and device i holds chunks i and 2c-1-i (an early
-             and a late one), which balances causal work across devices.
-
-`token_permutation` gives that order; the training step applies it once to tokens, labels and
-positions, and from then on the model works on a permuted sequence without knowing it.
+Shapes: q [b, s, hq, d]; k, v [b, s, hkv, d] with hq a multiple of hkv (GQA); positions [b, s] are the
+tokens' global positions, so causal masking is right for any token order (zigzag layouts). `attention`
+dispatches on how the sequence is split over `context` (dense | ring | allgather) and on the kernel that
+computes softmax(q k^T) v on a device: dense (the [hq, s, s] float32 scores kept for the backward: the
+reference), blockwise (online softmax, recomputed backward: jaxpar/ops/blockwise_attention.py), cudnn
+(cuDNN's fused flash kernel), splash (the Pallas splash kernel: jaxpar/ops/splash_attention.py), auto
+(`resolve_kernel`). Context parallelism, in `jax.shard_map`: `ring_attention` (K/V blocks around the
+context ring, folded into a running softmax: one block of scores per device; Liu et al. 2023) and
+`allgather_attention` (K/V of the whole sequence gathered, queries local: Llama 3). Positions travel with
+K/V, so the kernels are right for any token layout (`token_permutation`: contiguous or zigzag). The
+constraints are jaxpar/core/validate.py's; docs/kernels.md has the kernels and layouts at length.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -176,11 +143,10 @@ def context_attention(q, k, v, positions, *, impl: str, kernel: str = "dense", c
     pos_spec = P(_dim(batch_axes), _dim(ring_axes))
     # The mesh axes q differs along (check_vma tracks them); constants joining q must be cast up.
     varying = tuple(dict.fromkeys(batch_axes + ring_axes + head_axes + kv_head_axes))
-    split = (ring_attention if impl == "ring"
-             else functools.partial(allgather_attention, kernel=local_kernel))
-
     def local(q, k, v, pos):
-        return split(q, k, v, pos, axis=ring_axes, size=layout.size("seq"), causal=causal, varying=varying)
+        if impl == "ring":
+            return ring_attention(q, k, v, pos, axis=ring_axes, size=layout.size("seq"), causal=causal, varying=varying)
+        return allgather_attention(q, k, v, pos, axis=ring_axes, causal=causal, kernel=local_kernel)
 
     # Inside a pipeline's vmap over stages (spmd_axis_name = pipeline) the batching adds `pipeline` to
     # what q varies over but not to the kernel's cast-up constants, and check_vma refuses the mix: off
@@ -196,14 +162,13 @@ def _dim(axes: tuple[str, ...]):
 
 # ---- all-gather context parallelism ------------------------------------------------------------
 
-def allgather_attention(q, k, v, pos, *, axis, size, causal, varying=(), kernel=dense_attention):
+def allgather_attention(q, k, v, pos, *, axis, causal, kernel=dense_attention):
     """Per device: local queries against the all-gathered K/V (and their positions), with `kernel`.
 
     Forward: one all-gather each of K, V, positions over `axis`. Backward (by autodiff): the
     transpose of an all-gather is a reduce-scatter, so dK/dV are summed over the ring and each
     device keeps its own slice.
     """
-    del size, varying
     k_all, v_all, pos_all = jax.lax.all_gather((k, v, pos), axis, axis=1, tiled=True)
     return kernel(q, k_all, v_all, pos, pos_all, causal=causal)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,10 +94,11 @@ def empty_stats(shape, d):
 
 # ---- the kernel ---------------------------------------------------------------------------------
 
-def blockwise_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segments=None, kv_segments=None,
-                        block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """softmax(q k^T / sqrt(d) + mask) v in blocks of block_q queries x block_k keys; equals
+def blockwise_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segments=None, kv_segments=None,  # many parameters: the kernels' shared signature, and the block sizes
+                        blocks: tuple[int, int] = (BLOCK_Q, BLOCK_K)):
+    """softmax(q k^T / sqrt(d) + mask) v in `blocks` of (block_q queries, block_k keys); equals
     jaxpar.ops.attention.dense_attention (with segment ids: attention within each segment)."""
+    block_q, block_k = blocks
     if (q_segments is None) != (kv_segments is None):
         raise ValueError("blockwise_attention: give both q_segments and kv_segments, or neither")
     b, sq, hq, d = q.shape
@@ -112,8 +114,16 @@ def blockwise_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segmen
     q_pos, q_seg = _pad(q_pos, bq), _pad(q_seg, bq)
     kv_seg = kv_seg.at[:, sk:].set(-1)
     q_seg = q_seg.at[:, sq:].set(-2)
-    out = _flash(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk)
+    out = _flash(qg, k, v, Mask(q_pos, kv_pos, q_seg, kv_seg), causal, bq, bk)
     return out[:, :sq].reshape(b, sq, hq, d)
+
+
+class Mask(NamedTuple):
+    """What decides which (query, key) pairs are allowed: their positions and segment ids (padding -2, -1)."""
+    q_pos: jax.Array
+    kv_pos: jax.Array
+    q_seg: jax.Array
+    kv_seg: jax.Array
 
 
 def _pad(x, block):
@@ -148,17 +158,17 @@ def _varying_like(tree, x):
     return jax.lax.pcast(tree, axes, to="varying") if axes else tree
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
-    return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(qg, k, v, mask: Mask, causal, bq, bk):
+    return _forward(qg, k, v, mask, causal, bq, bk)[0]
 
 
-def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
+def _forward(qg, k, v, mask: Mask, causal, bq, bk):
     """(out [b, sq, hkv, g, d] in q's dtype, lse [b, hkv, g, sq] float32): a map over query blocks, each
     a scan over key blocks folding them with `online_update`."""
     b, sq, hkv, g, d = qg.shape
     scale = 1.0 / math.sqrt(d)
-    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = loop_variant(qg, q_pos, q_seg, k, v, kv_pos, kv_seg)
+    qg, q_pos, q_seg, k, v, kv_pos, kv_seg = loop_variant(qg, mask.q_pos, mask.q_seg, k, v, mask.kv_pos, mask.kv_seg)
     kv_blocks = tuple(_blocks(x, bk) for x in (k, v, kv_pos, kv_seg))
 
     def one_q_block(args):
@@ -180,10 +190,10 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
     return _unblocks(out), jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, sq)
 
 
-def _flash_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk):
-    out, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, bq, bk)
+def _flash_fwd(qg, k, v, mask: Mask, causal, bq, bk):
+    out, lse = _forward(qg, k, v, mask, causal, bq, bk)
     out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))
-    return out, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+    return out, (qg, k, v, *mask, out, lse)
 
 
 def _flash_bwd(causal, bq, bk, res, dout):
@@ -205,7 +215,7 @@ def _flash_bwd(causal, bq, bk, res, dout):
             qb, dob, lse_b, delta_b, qpos, qseg = qs
             return jax.lax.cond(_visible(causal, qpos, kpos), _pair_grads,
                                 lambda grads, *_: (grads, _varying_like(jnp.zeros(qb.shape, jnp.float32), dob)),
-                                grads, qb, dob, lse_b, delta_b, kb, vb,
+                                grads, (qb, dob, lse_b, delta_b), (kb, vb),
                                 block_mask(qpos, kpos, qseg, kseg, causal=causal), scale)
 
         zeros = _varying_like((jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32)), kb)
@@ -215,13 +225,14 @@ def _flash_bwd(causal, bq, bk, res, dout):
     dq0 = _varying_like(jnp.zeros((sq // bq, b, bq, hkv, g, d), jnp.float32), dout)
     dq, (dk, dv) = jax.lax.scan(one_k_block, dq0, tuple(_blocks(x, bk) for x in (k, v, kv_pos, kv_seg)))
     return (_unblocks(dq).astype(qg.dtype), _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype),
-            None, None, None, None)
+            Mask(None, None, None, None))
 
 
-def _pair_grads(grads, qb, dob, lse_b, delta_b, kb, vb, allowed, scale):
-    """One (q block, k block) pair of the backward pass: ((dk, dv) + this pair's, this pair's dq).
-    lse_b and delta_b are [b, bq, hkv, g] (the blocks' layout); qb is not yet scaled."""
-    dk, dv = grads
+def _pair_grads(grads, q_block, kv_block, allowed, scale):
+    """One (q block, k block) pair of the backward pass: ((dk, dv) + this pair's, this pair's dq). `q_block`:
+    (qb, dob, lse_b, delta_b), lse_b and delta_b [b, bq, hkv, g] (the blocks' layout), qb not yet scaled;
+    `kv_block`: (kb, vb)."""
+    (dk, dv), (qb, dob, lse_b, delta_b), (kb, vb) = grads, q_block, kv_block
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
     p = jnp.exp(scores - jnp.moveaxis(lse_b, 1, 3)[..., None])
     if allowed is not None:

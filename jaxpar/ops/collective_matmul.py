@@ -1,54 +1,16 @@
-"""Collective matmul: tensor parallelism's all-gather and reduce-scatter, cut into ring steps that
-overlap with the matmuls they feed.
+"""Collective matmul: tensor parallelism's all-gather and reduce-scatter, cut into ring steps that overlap with
+the matmuls they feed (Wang et al. 2023, ASPLOS; the shard_map notebook's and the scaling book's loop).
 
-Under tensor + sequence parallelism (`tensor` = n, Megatron's SP) the residual stream is split on its
-sequence over the ring axis. Each sub-block of a layer then does
-
-    column-parallel   y = all_gather(x) @ W        x [b, s/n, d] -> [b, s, d];  W [d, f/n] -> y [b, s, f/n]
-    row-parallel      z = reduce_scatter(h @ V)    h [b, s, f/n], V [f/n, d]  -> partial [b, s, d] -> z [b, s/n, d]
-
-and XLA runs the collective and the matmul one after the other: the matmul waits for the whole
-all-gather, the reduce-scatter for the whole matmul. Both collectives are sums of per-chunk pieces, so
-they can be decomposed (Wang et al. 2023, "Overlap communication with dependent computation via
-decomposition in large deep learning models", ASPLOS; the shard_map notebook's collective-matmul
-example and the scaling book's TP chapter describe the same loop):
-
-    all-gather matmul (unidirectional ring, device i, n steps, n-1 `ppermute`s to the right):
-        step k:  y[:, chunk (i-k) mod n] = x_k @ W          x_0 = own chunk; x_{k+1} = ppermute(x_k)
-    the permute for step k+1 and the dot of step k read the same x_k and are independent, so one
-    hides behind the other. (The chunks that went past are also kept, assembled into the gathered x:
-    the weight's gradient reads it, as it reads XLA's all-gathered x without the option.)
-
-    matmul reduce-scatter (n steps, n-1 `ppermute`s of the partial sums to the right):
-        acc_0 = h[:, chunk (i-1) mod n] @ V;   acc_k = ppermute(acc_{k-1}) + h[:, chunk (i-k-1) mod n] @ V
-    after n-1 hops the accumulator on device i has visited every device and holds chunk i's full sum;
-    each step's dot is independent of the permute in flight.
-
-Bidirectional rings (`bidirectional=True`) cut every chunk in two halves along the sequence, one going
-right and one going left: the same n-1 steps, each moving half the bytes on each of the two links
-(a bidirectional ring's links are full duplex, so a step takes half the time). The chunk must have an
-even number of rows (checked in jaxpar/core/validate.py).
-
-Backward (a custom_vjp, itself decomposed). The input gradient of an all-gather matmul is a matmul
-reduce-scatter, dx = reduce_scatter(dy @ W^T), and that of a matmul reduce-scatter an all-gather matmul,
-dh = all_gather(dz) @ V^T: each is the other ring. The weights' gradients are one dot each with the
-gathered activation (x, kept by the forward ring; dz, assembled by the backward ring). Autodiff of the
-forward ring would give the same rings (a ppermute's transpose is a ppermute the other way) but n
-partial weight gradients, which XLA sums over the batch axes one by one before adding them (n times
-the data-parallel gradient bytes on XLA:CPU, which does not reassociate all-reduces).
-tests/test_collective_matmul.py reads the compiled step: no all-gather or reduce-scatter over `tensor`
-is left in the layer loop, forward or backward. The loops are unrolled in Python (n is the tensor size,
-at most a node's 8 GPUs): every permute and dot is visible to XLA's scheduler, which on GPU/TPU can run
-a permute asynchronously beside the dot of the same step.
-
-Where it runs. `column_parallel` and `row_parallel` take global arrays and run in `jax.shard_map`
-manual over the residual stream's sequence axes only (`res_seq`: `context` and the ring axis
-`tensor`); the batch (data, fsdp, expert axes) and the weights' fsdp shards stay with XLA's
-partitioner, as in the rest of the model. The sequence over `context` (context parallelism beside SP)
-is context-major, so a context shard's ring is its own tensor group; the weights are the same on every
-context shard, and are marked varying over `context` inside, so that their gradient is summed over it
-(a psum at the boundary). With no layout, or one without a ring (no SP, tensor = 1),
-they are plain matmuls, so a model calls them unconditionally under the option.
+Under tensor + sequence parallelism a column-parallel projection is y = all_gather(x) @ W and a
+row-parallel one z = reduce_scatter(h @ V). `column_parallel` runs the gather as n-1 `ppermute`s of the
+sequence chunks, each step's dot beside the next chunk's permute (and keeps the gathered x for the
+weight's gradient); `row_parallel` accumulates partial sums around the ring, each hop beside a dot.
+Bidirectional rings move half a chunk each way per step. The backward is a custom VJP: each ring's input
+gradient is the other ring, and a weight's gradient one dot with the gathered activation (autodiff would
+give n partial ones, which XLA:CPU all-reduces one by one). Both run in `jax.shard_map` manual over the
+residual stream's sequence axes (`res_seq`); with no layout or no ring they are plain matmuls, so a model
+may call them unconditionally. docs/kernels.md has the steps at length; tests/test_collective_matmul.py
+reads the compiled step: no all-gather or reduce-scatter over `tensor` left in the layer loop.
 """
 from __future__ import annotations
 

@@ -1,52 +1,21 @@
 """Mixture-of-experts dispatch: token copies to their experts and back, locally or expert-parallel.
 
-The model routes (models/moe.py: router, top-k, weights); this kernel moves and computes:
+    x [g, s, d] tokens in g groups, ids and weights [g, s, k] (the router's, models/moe.py), w_gate, w_up
+    [E, d, f], w_down [E, f, d]  ->  y [g, s, d] = sum_j weights_j * kept_j * FFN_{ids_j}(x), kept [g, s, k]
 
-    x        [g, s, d]     tokens, g groups (sequences) of s tokens
-    ids      [g, s, k]     each token's k distinct experts (int32)
-    weights  [g, s, k]     their combine weights (float32)
-    w_gate, w_up [E, d, f], w_down [E, f, d]     E stacked SwiGLU experts
-    ->  y [g, s, d] = sum_j weights[..., j] * kept[..., j] * FFN_{ids[..., j]}(x),   kept [g, s, k]
-
-Capacity. Each group (sequence) gives each expert at most C token copies:
-    dropless (capacity_factor = 0)   C = s: nothing is dropped (a token visits an expert at most once);
-    capacity (capacity_factor > 0)   C = min(s, ceil(capacity_factor * s * k / E)).
-Copies queue for an expert in a fixed order, first choices first (GShard): every token's choice 1 in
-token order, then every token's choice 2, ...; copies past the first C of the queue are dropped
-(kept = False: they contribute nothing, the residual carries the token on). The order is the token
-order the model sees (under the zigzag context layout, the permuted one), so the drops of a
-sequence do not depend on how the batch is split over devices.
-
-Buffers. Copies go to fixed-size buffers [E, C, d] per group, slot = position in the expert's queue
-(a scatter-add; dropped copies land in a spare slot that is cut off), the experts run as one batched
-matmul over [E, ...], and a gather brings each copy's output back to its token. Under dropless the
-buffers hold the worst case, s rows per expert (E/k times the copies that exist): exact and static,
-which is what XLA needs; capacity mode shrinks them to about capacity_factor x the copies. These buffers are the `padded`
-kernel (strategy option moe_kernel = padded). The `grouped` kernel (the default; jaxpar/ops/moe_grouped.py)
-sorts the kept copies by expert and multiplies them with ragged_dot: only the routed copies are computed,
-and under expert parallelism each shard's counts travel first, then its copies. Both kernels keep and
-drop the same copies (`queue_slots`) and share the layouts below.
-
-Expert parallelism. With the layout's `experts` axes (the `expert` mesh axis) of size n > 1, the
-kernel runs in `jax.shard_map` over the whole mesh. Tokens are sharded over the batch axes (which
-include `expert`) and the sequence over `context`; every shard routes its own tokens into buffers
-[E, g*C_loc, d] (C_loc = min(s_loc, C): a shard holds s_loc tokens of a sequence), viewed as
-[n, E/n, g*C_loc, d]: one `all_to_all` over `expert` sends block i to the shard that owns experts
-[i*E/n, (i+1)*E/n), the owner applies its experts to what every shard sent, and a second
-`all_to_all` returns the outputs, which are combined with the router weights where the tokens
-live. Under tensor parallelism the experts' `mlp` dim is split over `tensor` (column- then
-row-parallel): each rank's output is a partial sum, reduced by one psum over `tensor` after the
-combine (which is linear, so the psum moves [tokens, d], not the buffers). Under context parallelism
-a sequence's queue spans the context shards: each shard all-gathers every shard's per-(choice,
-expert) counts (g*k*E integers) to place its copies in the sequence's queue. Autodiff transposes
-each all_to_all into an all_to_all backward; gradients of the experts replicated over data, fsdp or
-context are summed by shard_map (check_vma). Inside the pipeline's vmaps over stages and weight copies
-(jaxpar/pipeline/gpipe.py: a layout with `in_vmap`) the shard_map is batched over those mesh axes, which its
-replication check does not follow (JAX 0.12 compares the unbatched out_specs with values varying over
-them): it runs unchecked there, whose transpose sums the replicated inputs' cotangents all the same
-(loss and gradients equal one device: tests/test_pipeline_moe.py).
+Each group gives each expert at most C copies (dropless: C = s; capacity: ceil(cf * s * k / E)), queued
+first choices first in token order (GShard), so the drops do not depend on how the batch is split. The
+`padded` kernel fills static buffers [E, C, d] per group and runs the experts as one batched matmul; the
+`grouped` kernel (jaxpar/ops/moe_grouped.py) sorts the kept copies by expert and multiplies only those
+(ragged_dot); both keep and drop the same copies (`queue_slots`). Under expert parallelism the kernel runs
+in `jax.shard_map`: one all_to_all over `expert` sends each block of buffers to its experts' owner, a second
+brings the outputs back (Lepikhin et al. 2020); an expert width split over `tensor` is summed by one psum
+after the combine; under context parallelism each shard gathers every shard's queue counts. docs/kernels.md
+has the buffers, the layouts and the pipeline's vmaps at length.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import validate
 from jaxpar.ops.capacity import bucket_rows, group_capacity
-from jaxpar.ops.moe_grouped import expert_parallel_grouped, local_grouped
+from jaxpar.ops.moe_grouped import Route, expert_parallel_grouped, local_grouped
 from jaxpar.core.sharding import current_layout
 from jaxpar.xla_workarounds import ragged_all_to_all_runs, ragged_dot_nests
 
@@ -128,27 +97,47 @@ def local_moe(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, context_a
     return _combine(out, ids, slot, kept, weights).astype(x.dtype), kept
 
 
-def _local(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, kernel: str,
-           context_axes: tuple[str, ...] = (), dense: bool = False):
-    """y, kept with every expert here, by `kernel` (padded: `local_moe`; grouped: jaxpar/ops/moe_grouped.py)."""
+def _local(x, ids, weights, experts, *, capacity: int, kernel: str, context_axes: tuple[str, ...] = (),
+           dense: bool = False):
+    """y, kept with every expert here (`experts`: w_gate, w_up, w_down), by `kernel` (padded: `local_moe`;
+    grouped: jaxpar/ops/moe_grouped.py)."""
+    w_gate, w_up, w_down = experts
     if kernel == "padded":
         return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, context_axes=context_axes)
     _, kept = queue_slots(ids, w_gate.shape[0], capacity, context_axes)
     return local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense).astype(x.dtype), kept
 
 
-def _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, *, experts: int, capacity: int, n: int,
-                           expert_axes, context_axes, tensor_axes, kernel: str, ragged: bool, dense: bool):
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one expert-parallel shard's dispatch needs (`_expert_parallel_shard`): the experts in all, the
+    per-sequence capacity, `n` shards over the mesh axes `expert_axes`, the sequence's and the expert width's
+    axes, the kernel, and the grouped kernel's transfer (`ragged`) and matmul form (`dense`)."""
+    experts: int
+    capacity: int
+    n: int
+    expert_axes: object
+    context_axes: tuple[str, ...]
+    tensor_axes: tuple[str, ...]
+    kernel: str
+    ragged: bool
+    dense: bool
+
+
+def _expert_parallel_shard(x, ids, weights, weights_of_experts, plan: Shard):
     """One shard: its tokens' copies out to the experts' owners and back (padded: two all_to_alls of
     the dispatch buffers; grouped: the counts, then the routed copies, jaxpar/ops/moe_grouped.py)."""
+    w_gate, w_up, w_down = weights_of_experts
+    experts, capacity, n, expert_axes = plan.experts, plan.capacity, plan.n, plan.expert_axes
+    context_axes, tensor_axes, kernel = plan.context_axes, plan.tensor_axes, plan.kernel
     g, s, d = x.shape
     cap = min(s, capacity)
     x = _varying(x, tensor_axes)
     slot, kept = queue_slots(ids, experts, capacity, context_axes)
     if kernel == "grouped":
         bucket = bucket_rows(g, s, ids.shape[-1], experts, n, cap)
-        y = expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, n=n, axis=expert_axes,
-                                    bucket=bucket, ragged=ragged, dense=dense).astype(x.dtype)
+        y = expert_parallel_grouped(x, ids, kept, weights, weights_of_experts,
+                                    Route(n, expert_axes, bucket, plan.ragged, plan.dense)).astype(x.dtype)
     else:
         buffers = _dispatch(x, ids, slot, kept, experts, cap)              # [g, E, cap, d]
         send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
@@ -179,7 +168,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     layout = current_layout()
     if layout is None or (kernel == "padded" and layout.size("experts") == 1 and layout.size("seq") == 1
                           and layout.size("mlp") == 1):
-        return _local(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, kernel=kernel)
+        return _local(x, ids, weights, (w_gate, w_up, w_down), capacity=capacity, kernel=kernel)
     n = layout.size("experts")
     validate.check_expert_parallel(experts, n)
     expert_axes, batch_axes, seq_axes = layout.axes("experts"), layout.axes("batch"), layout.axes("seq")
@@ -190,17 +179,15 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     dense = getattr(layout, "in_vmap", False) and not ragged_dot_nests(platform)
     if n == 1:
         def shard(x, ids, weights, w_gate, w_up, w_down):
-            y, kept = _local(_varying(x, tensor_axes), ids, weights, w_gate, w_up, w_down, capacity=capacity,
+            y, kept = _local(_varying(x, tensor_axes), ids, weights, (w_gate, w_up, w_down), capacity=capacity,
                              kernel=kernel, context_axes=seq_axes, dense=dense)
             return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
     else:
-        ragged = ragged_all_to_all_runs(platform)
+        plan = Shard(experts, capacity, n, _dim(expert_axes), seq_axes, tensor_axes, kernel,
+                     ragged_all_to_all_runs(platform), dense)
 
         def shard(x, ids, weights, w_gate, w_up, w_down):
-            return _expert_parallel_shard(x, ids, weights, w_gate, w_up, w_down, experts=experts,
-                                          capacity=capacity, n=n, expert_axes=_dim(expert_axes),
-                                          context_axes=seq_axes, tensor_axes=tensor_axes, kernel=kernel,
-                                          ragged=ragged, dense=dense)
+            return _expert_parallel_shard(x, ids, weights, (w_gate, w_up, w_down), plan)
     call = jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
                          out_specs=(tokens, tokens), check_vma=not getattr(layout, "in_vmap", False))
     return jax.checkpoint(call, policy=_save_all_but_weight_copies)(x, ids, weights, w_gate, w_up, w_down)

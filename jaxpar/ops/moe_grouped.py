@@ -28,6 +28,8 @@ which). Both forms leave the owner the same [n*B, d] layout; autodiff transposes
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -108,10 +110,24 @@ def local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense: bool = Fal
     return _combine(_unsort(grouped_ffn(rows, w_gate, w_up, w_down, sizes, dense), order), kept, weights)
 
 
-def expert_parallel_grouped(x, ids, kept, weights, w_gate, w_up, w_down, *, n: int, axis, bucket: int,
-                            ragged: bool, dense: bool = False) -> jax.Array:
-    """One shard of expert parallelism (module docstring): its tokens' kept copies to their experts'
-    owners and back; w_* hold this shard's E/n experts. y [g, s, d] (float32; partial under `tensor`)."""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one shard's copies travel under expert parallelism: over `n` shards of mesh `axis`, in buckets of
+    `bucket` rows, by a ragged all-to-all (`ragged`) or fixed-capacity ones; `dense`: the matmuls as the
+    dense masked product (jaxpar.xla_workarounds.ragged_dot_nests)."""
+    n: int
+    axis: object
+    bucket: int
+    ragged: bool
+    dense: bool = False
+
+
+def expert_parallel_grouped(x, ids, kept, weights, experts, route: Route) -> jax.Array:
+    """One shard of expert parallelism (module docstring): its tokens' kept copies to their experts' owners
+    and back; `experts` (w_gate, w_up, w_down) hold this shard's E/n experts. y [g, s, d] (float32; partial
+    under `tensor`)."""
+    w_gate, w_up, w_down = experts
+    n, axis, bucket, ragged, dense = route.n, route.axis, route.bucket, route.ragged, route.dense
     per = w_gate.shape[0]
     rows, order, sizes, expert = _sorted_copies(x, ids, kept, per * n)
     counts = jax.lax.all_gather(sizes, axis).reshape(n, n, per)     # [source, owner, local expert]

@@ -1,79 +1,17 @@
 """Pipeline parallelism over the `pipeline` mesh axis: GPipe and circular schedules, GSPMD-style.
 
-The model's layer units are stacked on a leading `layers` dim (models/lm.py). With S stages and
-v repeats (1 for GPipe) the U units are cut into S*v chunks in execution order, chunk c = r*S + s
-run by stage s in repeat r (jaxpar/core/schedule.py: the split; even when S*v divides U, else the first
-and last chunks lighter, or `pp_stages`). Every chunk runs in k = max(split) unit slots; a shorter
-chunk's last slots are padding: zero weights whose output is discarded (`where(valid, unit(h), h)`),
-so they are the identity, the real weights' gradients are unchanged and nothing flows into padding.
-The stacked weights [U, ...] are viewed as [S, v, k, ...] (chunks sliced, padded, stage dim first),
-sharded on `stages` (= pipeline). An even split is stored stage-major (jaxpar/pipeline/order.py: the
-trainer's state holds unit (r*S + s)*k + j at position s*v*k + r*k + j; checkpoints and the gradients
-that `Trainer.loss_and_grads` returns are in layer order), so `layers` on `pipeline` puts each stage's
-chunks on it and the view is a reshape: no weight moves, GPipe or circular. An uneven split cannot
-be sharded evenly on `layers`: `pipeline` shards the next dim it divides (schedule.stored_spec: jit
-needs even shards), and the view moves each stage's units to it once per step (an all-to-all per
-weight leaf, its gradient back the same way).
-
-Activations live in two stage-sharded buffers, the stage state [S, mb, s, d] and `buf`
-[S, M, mb, s, d], and one `lax.scan` runs T = v*M + S - 1 iterations. At iteration t stage s
-works on item i = t - s (valid when 0 <= i < v*M): micro-batch i % M in repeat i // M.
-`buf` starts as every stage's copy of the M micro-batches (the embedding output is replicated over
-`pipeline`: the lookup is a gather, no FLOPs, and sending its output would cost as much as looking
-it up). Every iteration
-  1. stage 0 takes `buf[0, t % M]`: the micro-batch itself in repeat 0, the last stage's output
-     for it from the previous repeat afterwards (see 4); stage s > 0 takes what stage s-1
-     produced in the previous iteration;
-  2. every stage applies its chunk: `vmap` over the stage dim (spmd_axis_name = the pipeline
-     axes, so the blocks' own sharding annotations keep the stage dim on `pipeline`) of a scan
-     over its k unit slots, rematerialised per iteration (see `_iteration_policy`);
-  3. the outputs shift one stage up, the last stage's wrapping round to slot 0: a ppermute, one
-     collective-permute over `pipeline` per iteration (and its transpose backward);
-  4. slot 0 of the shifted outputs (the last stage's output of item t-S+1, micro-batch m) is
-     written to `buf[:, m]` (stage 0's copy is the one that counts), unless the item is a bubble:
-     masked, so bubble work never reaches the result and its gradients are exactly zero.
-The circular schedule needs M >= S so that an output is back in `buf` before stage 0 reads it
-for the next repeat; a slot is overwritten only after stage 0 has read what it held.
-
-The head and loss run once per step in total, not on every stage: after the loop stage 0's `buf`
-(the last repeat's output of every micro-batch, padded to M' = S*ceil(M/S) micro-batches) is spread
-over the stages by one all-to-all, so stage s holds micro-batches s*M'/S + [0, M'/S), and each stage
-runs the final norm, head and cross-entropy on its M'/S (padding micro-batches weigh 0). The loss is
-the mean of the micro-batches' means (equal token counts: the batch mean). The head's and final
-norm's gradients are then partial sums per stage, reduced over `pipeline` with the data axes.
-Micro-batch m takes rows m, m+M, m+2M, ... (as gradient accumulation in jaxpar.training.trainer does): the
-split is a reshape that keeps every row on the devices of the `batch` axes that already hold it.
-
-FSDP inside the stages: the stage view is all-gathered over `fsdp` once per step, before the loop
-(it is loop-invariant), not in every iteration. The gathered weights are then broadcast to one copy
-per fsdp shard, [S, F, v, k, ...] sharded on `fsdp` too (each device keeps what it already holds), and
-a second vmap, over the fsdp shards (spmd_axis_name fsdp), runs each shard's rows with its own copy.
-So the weight gradient accumulates per device through the loop (the scan's cotangent carry is
-[S, F, ...], nothing to reduce there) and the broadcast's transpose reduces it over `fsdp` once per
-step; without the copy, XLA reduces every iteration's contribution in the loop. With `data` > 1 too the
-copies are per data x fsdp shard (the data copies of the fsdp-sharded view made first, so the transpose
-scatters over fsdp before it sums the shards over data), and without fsdp (ZeRO-0/1) per data shard alike
-(the weights are replicated over data anyway, so each device's copy costs nothing): the gradient is summed
-over data once per step, not in every iteration (T times the bytes). Memory: each device
-holds its stage's v*k unit slots of weights un-sharded over fsdp (compute dtype, its tensor shard) for
-the whole step, plus their gradient accumulator in the backward: the ZeRO-2-like trade Llama 3 made
-(Dubey et al. 2024, 3.3.2: no re-shard after the forward).
-
-Mixture of experts inside the stages: the expert kernel's shard_map (jaxpar/ops/moe.py, its all-to-alls over
-`expert`) runs under the vmaps over stages and weight copies, which batch it over `pipeline` (and `data`).
-The router's auxiliary losses are per-layer functions of batch means (models/moe.py), so each item's router
-statistics (sums over its tokens) are added, bubbles masked, into an accumulator per stage, repeat and unit
-slot (= per layer) and the losses are made from the whole batch's sums after the loop: loss, gradients and
-router metrics equal one device's (tests/test_pipeline_moe.py). 1F1B collects them in a forward pass of its own
-(jaxpar/pipeline/one_f_one_b.py).
-
-Communication per step, over `pipeline`: T collective-permutes of the stage state [mb, s, d]
-(its per-device shard) forward and T backward; one all-to-all of the output [M', mb, s, d] forward
-and one of its cotangent backward; the input's cotangent all-reduced backward (every stage's `buf`
-copy began as the input); the head's and final norm's gradients reduced. An uneven split adds one
-all-to-all per weight leaf forward and one for its gradient backward (the view, above); an even one
-moves no weights. Bubble fraction (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019;
-circular/interleaved: Narayanan et al. 2021, v model chunks per device).
+The stacked layer units [U, ...] are cut into S*v chunks (jaxpar/core/schedule.py) and viewed as [S, v, k,
+...], sharded on `pipeline` (an even split is stored stage-major, jaxpar/pipeline/order.py: the view is a
+reshape; an uneven one moves each stage's units to it once per step). One `lax.scan` runs T = v*M + S - 1
+iterations: every stage applies its chunk to one micro-batch (a `vmap` over the stage dim), a ppermute shifts
+the outputs one stage up, bubbles are masked so their gradients are exactly zero; jax.grad differentiates
+the loop. After it the last stage's outputs are spread over the stages by one all-to-all, each stage running
+the final norm, head and loss on M'/S micro-batches (the head's FLOPs once per step). FSDP inside the stages
+gathers the stage view once per step, before the loop, and copies it per batch shard
+(jaxpar/pipeline/stages.py), so the weight gradients cross `data` and `fsdp` once per step. MoE router
+statistics accumulate per layer over the micro-batches, so the router losses are the whole batch's.
+Bubble (S-1)/(v*M+S-1) (GPipe: Huang et al. 2019; circular: Narayanan et al. 2021). docs/pipelines.md has
+the schedule step by step, its buffers and its communication per step.
 """
 from __future__ import annotations
 

@@ -1,83 +1,20 @@
 """The 1F1B (one-forward-one-backward) pipeline schedule: activation memory bounded by the stage count.
 
-GPipe and circular (jaxpar/pipeline/gpipe.py) are a forward loop that jax.grad differentiates: the backward
-starts after every micro-batch's forward, so each stage keeps what its backward needs of all M
-micro-batches (T = M + S - 1 iterations' stage inputs, and with remat "none" their inventories). 1F1B
-(PipeDream-flush: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM", 2.2.1) starts a micro-batch's backward as soon as its forward leaves the last stage,
-so a stage holds a bounded number of micro-batches in flight whatever M is. No autodiff through the
-loop can order work that way, so this module writes the backward itself and hands the trainer the loss
-and the gradients (Trainer._value_and_grad), instead of a loss for jax.grad.
+1F1B (PipeDream-flush: Narayanan et al. 2021, 2.2.1) starts a micro-batch's backward as soon as its forward
+leaves the last stage, so a stage holds at most 2S-1 stashed stage inputs whatever M is. No autodiff through
+a loop orders work that way, so this module writes the backward itself and hands the trainer the loss and
+the gradients (Trainer._value_and_grad). M + 2(S-1) lockstep ticks in three phases (`_warm_up`: S-1
+forwards; `_steady_state`: M ticks of a forward and a backward; `_cool_down`: S-1 backwards), each
+backward tick recomputing its chunk from the stashed input; in the steady ticks the last stage's output is
+spread over the stages for the head (its FLOPs once per step). Interleaved 1F1B (pp_repeats = v: 2.2.2)
+runs v stage-major chunks per stage, micro-batches in groups of S: bubble (S-1)/(vM+S-1), 2vS-1 stashed
+inputs. Weight gradients accumulate in the loop's carry over per-batch-shard weight copies, reduced once per
+step; MoE runs one forward pass for the router statistics first, so the losses are the whole batch's.
+docs/pipelines.md has the timetable, the stash, the interleaving and the MoE pass step by step.
 
-The schedule, one program on every device (`vmap` over the stage dim, spmd_axis_name = the pipeline
-axes, as jaxpar/pipeline/gpipe.py). With v = 1 (plain 1F1B), M + 2(S-1) ticks in three loops; in tick t stage s
-  1. forward: micro-batch i = t - s (valid when 0 <= i < M) through its chunk; stage 0 takes the
-     embedding output of micro-batch t, stage s > 0 what stage s-1 produced in tick t-1. The chunk's
-     input goes into the stage's stash, a ring of D = 2S-1 slots (slot t % D);
-  2. the last stage's output (micro-batch t - (S-1)) is spread over the stages by one all-to-all over
-     `pipeline`: stage p takes the p-th S-th of every device's local sequence and runs the final norm,
-     head and loss on it, and their vjp (seeded 1/(M S): the loss is the mean over micro-batches and
-     pieces); the cotangent goes back by the all-to-all's transpose: the head's FLOPs once per step in
-     all, as GPipe's spread head, not once per stage;
-  3. backward: micro-batch j = t - 2(S-1) + s (valid when 0 <= j < M): the chunk recomputed from its
-     stashed input (slot (t - 2(S-1-s)) % D) and its vjp taken with the cotangent that stage s+1 sent
-     in tick t-1 (the last stage: step 2's, for j = i, the micro-batch it has just run forward). The
-     weights' gradient is added to an accumulator in the loop's carry, the input's cotangent sent on;
-  4. the forward outputs shift one stage up and the input cotangents one stage down: a
-     collective-permute over `pipeline` each (the second is the first's transpose).
-The first S-1 ticks (warm-up) have no valid backward on any stage and the last S-1 (cool-down) no
-valid forward, so they run as their own loops, forward only and backward only: M + S - 1 forwards and
-as many backwards per stage, the work of GPipe's schedule, bubble (S-1)/(M+S-1) (jaxpar/core/schedule.py).
-Stage s stashes a micro-batch from its forward (tick i + s) to its backward (tick i + 2(S-1) - s):
-at most 2(S-1-s) + 1 <= 2S-1 inputs [mb, s, d], whatever M is; the backward's recompute is transient:
-the chunk's k units' activations under remat none, its unit inputs and one unit's activations under
-remat full (the run's policy applies to the units inside the chunk, jaxpar/pipeline/stages.py). Stage 0's
-input cotangents are collected per micro-batch for the embedding's backward. The stash (2S-1 against the asynchronous schedule's S) is the price of one tick
-per hop in both directions in one SPMD program. Bubble work is masked: a zero cotangent, so it adds
-exact zeros. The spread needs each device's sequence piece divisible by S (jaxpar/core/validate.py).
-
-Interleaved 1F1B (pp_repeats = v > 1; Narayanan et al. 2021, 2.2.2): stage s holds v chunks (chunk r*S + s
-in repeat r, stored stage-major as the circular schedule's, jaxpar/pipeline/order.py) and the micro-batches
-go round the stages v times in groups of S (M a multiple of S): forward item i = t - s is micro-batch
-(i // Sv) S + i % S in repeat (i // S) % v, and the last stage's output of repeat r < v-1 reaches stage 0
-exactly when it takes that micro-batch's next repeat (the up-shift is cyclic), so nothing waits in a
-buffer. Backward items run the repeats in reverse, B0 = vS - 1 ticks behind (the cotangent of stage 0
-in repeat r goes round to stage S-1 in repeat r-1 by the same cyclic down-shift), and the head runs in the
-S ticks of each group whose last-stage forward is a last repeat: an outer loop over the groups, each S
-head ticks and (v-1)S without. The stash holds D = 2vS-1 inputs; each stage runs vM + S - 1 chunk
-forwards and backwards, bubble (S-1)/(vM+S-1), as the circular schedule's and Megatron's interleaved one.
-
-Weight gradients are accumulated in the loop's carry, so they must not be reduced over the batch axes
-there (GSPMD would all-reduce every tick's contribution): the stage and head weights are gathered over
-fsdp once, before the loop, and copied once per batch shard ([S, N, ...] and [N, ...], N = data x fsdp
-devices, a broadcast sharded on the batch axes: each device keeps its own copy), and a vmap over the N
-shards (spmd_axis_name = the batch axes) runs each shard's rows with its copy, as GPipe's stages do
-(jaxpar/pipeline/stages.py). Around the loop one jax.vjp carries the gradients to the parameters: the
-embedding, the stage view (an uneven split's all-to-alls), the gathers and the copies, whose
-transposes reduce over the batch axes once per step. Communication per step over `pipeline`: M + S - 1
-permutes of the stage state each way; M all-to-alls of the last stage's output forward and M of its
-cotangent backward; the input's cotangent (only stage 0's is non-zero) and the head's gradients summed
-over the stages (all-reduces).
-
-Mixture of experts: the router's auxiliary losses are functions of sums over the whole batch (models/moe.py),
-and the balance loss's gradient w.r.t. a token's router probabilities is E f_e / tokens, with f_e the
-fraction of the batch's token copies routed to expert e: known only after every micro-batch's forward,
-which 1F1B has not run when its first backward does. So the step first runs every micro-batch forward
-through the stages for the router statistics alone (`_router_statistics`: the timetable's vM + S - 1
-forward ticks, nothing stashed, no head, no autodiff), makes the losses and their gradient w.r.t. the
-statistics from the whole batch's sums (`_aux_cotangent`), and each backward tick seeds its chunk's
-statistics with that cotangent (the same for every micro-batch: the statistics add up) besides the
-state's: loss, gradients and router metrics equal one device's (tests/test_pipeline_moe.py). The price is
-one more chunk forward per stage and item (a third more stage FLOPs with remat none), and no memory: the
-pass keeps nothing but the sums. Per-micro-batch losses (Megatron-LM's) would not equal one device's. The
-expert kernel runs inside the vmaps over stages and batch shards; its all-to-alls are over `expert`, whose
-rows are not weight-copy shards ("rows", not "shards": jaxpar/pipeline/shards.py): the experts stay put.
-
-The code follows that order: `Ticks` is the timetable (which item each stage runs in a tick), `_Plan` what
-the step is made of before any array, `_prologue` the differentiable part before the loop, `_forward`,
-`_head` and `_recompute` (with `_stashed` and `_seed`) one batch shard of one stage, `_backward_fn` the
-stages' backward, `_router_statistics` the MoE pass, and `_warm_up`, `_steady_state` and `_cool_down` the
-three phases, each a loop of ticks over the explicit state `_Carry`.
+The code follows that order: `Ticks` (the timetable), `_Plan` (the step before any array), `_prologue` (the
+differentiable part before the loop), `_forward`, `_head`, `_recompute` (one batch shard of one stage),
+`_backward_fn`, `_router_statistics`, and `_warm_up`, `_steady_state`, `_cool_down` over the carry `_Carry`.
 """
 from __future__ import annotations
 
@@ -292,9 +229,11 @@ def _pieces_fns(layout: Layout, S: int):
 
 # ---- one batch shard of one stage: its forward, its head piece, its backward ---------------------------
 
-def _forward(chunk, ticks: Ticks, ws, ok, s, h_in, stash, x_t, t, pos):
+def _forward(work, ws, ok, s, h_in, stash, x_t, when):
     """Stage s's forward in tick t on the state it received (stage 0 in repeat 0: the embedding output
-    x_t), its input stashed for the backward: (output, stash)."""
+    x_t), its input stashed for the backward: (output, stash). `work`: (the chunk, the timetable); `when`:
+    (the tick t, the item's positions)."""
+    (chunk, ticks), (t, pos) = work, when
     _, _, r = ticks.forward_item(t, s)
     h = jnp.where((s == 0) & (r == 0), x_t, h_in)
     return chunk(ws, ok, r, h, pos), jax.lax.dynamic_update_index_in_dim(stash, h, t % ticks.stash_slots, 0)
@@ -346,9 +285,10 @@ def _backward_fn(shards: Shards, chunk, ticks: Ticks, ok) -> Callable:
     return backward
 
 
-def _stats_forward(chunk, ticks: Ticks, ws, ok, s, h_in, x_t, t, pos):
+def _stats_forward(work, ws, ok, s, h_in, x_t, when):
     """Stage s's forward in tick t for its router statistics alone: (output, the statistics [v, k, 1, n]
-    in the row of its repeat, zeros for a bubble)."""
+    in the row of its repeat, zeros for a bubble); `work` and `when` as `_forward`'s."""
+    (chunk, ticks), (t, pos) = work, when
     valid, _, r = ticks.forward_item(t, s)
     y, aux = chunk(ws, ok, r, jnp.where((s == 0) & (r == 0), x_t, h_in), pos)
     at = valid & (jnp.arange(ticks.repeats) == r)
@@ -413,14 +353,14 @@ class _Loop:
         ok = None if valid is None else 0
         chunk = (lambda *a: plan.chunk(*a)[0]) if plan.moe else plan.chunk
         return cls(tk, weights, valid, head_w, xs, ps, ls,
-                   shards.staged(functools.partial(_forward, chunk, tk), (0, ok, 0, 0, 0, None, None, 0),
-                                 (0, None, None, 0, 0, 0, None, 0)),
+                   shards.staged(functools.partial(_forward, (chunk, tk)), (0, ok, 0, 0, 0, None, (None, 0)),
+                                 (0, None, None, 0, 0, 0, (None, 0))),
                    shards.staged(functools.partial(_head, head_loss, seed), (None, 0, 0), (0, 0, 0)),
                    _backward_fn(shards, plan.chunk, tk, ok),
                    stage_shift(plan.layout.mesh, plan.layout.axes("stages")), spread, piece, stage, last,
                    plan.dtype,
-                   shards.staged(functools.partial(_stats_forward, plan.chunk, tk), (0, ok, 0, 0, None, None, 0),
-                                 (0, None, None, 0, 0, None, 0)) if plan.moe else None)
+                   shards.staged(functools.partial(_stats_forward, (plan.chunk, tk)), (0, ok, 0, 0, None, (None, 0)),
+                                 (0, None, None, 0, 0, (None, 0))) if plan.moe else None)
 
     def positions(self, item):
         """Each stage's micro-batch positions [S, N, rows, s] for its item."""
@@ -454,8 +394,8 @@ def _forward_tick(loop: _Loop, c: _Carry, t, head_on: bool) -> _Carry:
     """Every stage's forward in tick t (the head too: `head_on`), the outputs shifted one stage up."""
     tk = loop.ticks
     x_t = jax.lax.dynamic_index_in_dim(loop.xs, tk.forward_item(t, 0)[1] % tk.microbatches, 0, keepdims=False)
-    y, stash = loop.forward(loop.weights, loop.valid, loop.stage, c.fwd, c.stash, x_t, t,
-                            loop.positions(tk.forward_item(t, loop.stage)))
+    y, stash = loop.forward(loop.weights, loop.valid, loop.stage, c.fwd, c.stash, x_t,
+                            (t, loop.positions(tk.forward_item(t, loop.stage))))
     y = constrain(y, STATE)
     c = c._replace(stash=stash)
     if head_on:
@@ -533,8 +473,8 @@ def _router_statistics(loop: _Loop) -> jax.Array:
     def tick(c, t):
         fwd, acc = c
         x_t = jax.lax.dynamic_index_in_dim(loop.xs, tk.forward_item(t, 0)[1] % M, 0, keepdims=False)
-        y, aux = loop.stats_forward(loop.weights, loop.valid, loop.stage, fwd, x_t, t,
-                                    loop.positions(tk.forward_item(t, loop.stage)))
+        y, aux = loop.stats_forward(loop.weights, loop.valid, loop.stage, fwd, x_t,
+                                    (t, loop.positions(tk.forward_item(t, loop.stage))))
         return (constrain(loop.shift_up(constrain(y, STATE)), STATE), acc + aux), None
     fwd = loop.zeros().fwd
     acc = jax.eval_shape(lambda f: tick((f, 0.0), 0)[0][1], fwd)

@@ -9,37 +9,9 @@ The chain, each step with the file:line it happens at:
     spec         jaxpar/core/sharding.py `spec_for`: the axes of size > 1 that survive on this mesh, one
                  PartitionSpec for the parameter (and one for its Adam moments, by the optimizer rules);
     per device   the shard each device holds and its bytes: parameter, gradient, Adam moments;
-    collectives  what the step moves for the parameter, forward, backward and in the optimizer.
-
-The collectives follow from the layout by the textbook rules, stated once here per family:
-  * data parallelism (`data_moves`): the activations that read a weight are split over the batch and
-    sequence axes (the "batch" and "seq" rules), so its gradient is a sum over those splits. Over an
-    axis the weight is replicated on, the gradient is all-reduced (DDP; Li et al. 2020). Over an axis the
-    weight is sharded on (ZeRO-3 / FSDP: `embed` on fsdp), the shard is all-gathered before use, forward
-    and again backward, the gathered copy being freed in between, and the gradient is reduce-scattered
-    back onto the shards (Rajbhandari et al. 2020, "ZeRO", 5.3; Zhao et al. 2023, "PyTorch FSDP", 3.2).
-    jaxpar keeps two kinds of gathered copy for the backward pass instead: the norms' scales (one
-    vector each; under remat they are recomputed, so gathered again) and the weights outside the layer
-    loop (the LM head, the final norm: gathered once per step).
-    Over an axis only the optimizer rules shard (ZeRO-1), the gradient is reduce-scattered onto the
-    moments' shards and the updated parameter all-gathered after the update, which runs on the whole
-    array (every stacked layer at once). Sums are float32 (the gradients' dtype); gathers move the
-    compute dtype (a norm's scale, float32: models/layers.py reads it in float32).
-  * tensor parallelism (`tensor_moves`): a weight that reads the residual stream (`embed` first) with
-    another dim on `tensor` is column-parallel: the input gradient is a partial sum over the ranks,
-    all-reduced backward; a weight that writes it (`embed` last) is row-parallel: the output is
-    all-reduced forward (Megatron's f and g; Shoeybi et al. 2019, 3). Under sequence parallelism each
-    all-reduce becomes a reduce-scatter onto the sequence-sharded residual and the all-gather that
-    brings it back (Korthikanti et al. 2022, 4.2.2).
-  * the looked-up table (`lookup_moves`, a weight whose first dim is `vocab`): vocab-parallel rows are
-    partial sums over `tensor`, all-reduced (reduce-scattered under sequence parallelism); a table
-    sharded on its width over a batch axis is never gathered: the token ids are, and the rows go back
-    to batch sharding by an all-to-all (jaxpar.xla_workarounds.lookup).
-
-Bytes are per device per execution, the full buffer (the gathered result, the reduced or pre-scatter
-input), as jaxpar.analysis.tally counts a compiled step; `times` is executions per step. The cost
-model predicts the same collectives for all weights at once (jaxpar/cost/comm_data.py, comm_tensor.py), and
-tests/test_explain.py finds each one listed here in the compiled step's HLO.
+    collectives  what the step moves for the parameter, by the cost model's own per-weight rules
+                 (jaxpar/cost/weight_moves.py), each pointing at the function that predicts it for the
+                 whole step; tests/test_explain.py finds each one in the compiled step's HLO.
 """
 from __future__ import annotations
 
@@ -52,7 +24,6 @@ import math
 import pathlib
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
@@ -61,15 +32,15 @@ from jaxpar.core import rules as rules_module
 from jaxpar.core import sharding as sharding_module
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for
 from jaxpar.core.strategy import AXES, Strategy
-from jaxpar.cost import comm_tensor as cost_comm_tensor
-from jaxpar.cost import comm_data as cost_comm_data
-from jaxpar.cost.flops import unit_policy
+from jaxpar.cost import comm_data, comm_tensor
+from jaxpar.cost.weight_moves import Move, Reads, View, moves
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 from jaxpar.models import lm as lm_module
 from jaxpar.models.lm import LM
 
 PARAM_BYTES = 4   # float32 master weights, gradients and Adam moments
+COST_MODULES = {"comm_data": comm_data, "comm_tensor": comm_tensor}   # where the rules' step-wide forms live
 ROOT = pathlib.Path(jaxpar.__file__).resolve().parent.parent   # the checkout (or site-packages)
 STACK = ("units", "blocks", "layers")   # path parts a query may leave out: the stacked units' containers
 
@@ -214,186 +185,15 @@ def find(params: dict[str, Found], query: str, model_name: str) -> Found:
     raise ConfigError(f"no parameter {query!r} in {model_name}; {hint}")
 
 
-# ---- one collective --------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """One collective the step issues for the parameter, `times` per step; `nbytes` per execution (the
-    full buffer, as the tally counts it) of a buffer of `shape` and `dtype`; `shared`: one op serves
-    several weights (the input all-gather of every projection that reads the same activations)."""
-    phase: str
-    kind: str
-    axes: tuple[str, ...]
-    times: int
-    shape: tuple[int, ...]
-    dtype: str
-    why: str
-    where: Source
-    shared: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What sizes a step's buffers: the layout, the batch and sequence one device holds per
-    micro-batch, the model width, the compute dtype, micro-batches per step."""
-    layout: Layout
-    model: ModelConfig
-    batch: int      # sequences per device per micro-batch
-    seq: int        # tokens of each per device
-    micro: int      # micro-batches per step (gradient accumulation x pipeline micro-batches)
-
-    @property
-    def strategy(self) -> Strategy:
-        return self.layout.strategy
-
-    @property
-    def compute(self) -> str:
-        return self.strategy.options.dtype
-
-    def size(self, axes) -> int:
-        return math.prod(self.layout.mesh.shape[a] for a in axes)
-
-    def kept(self, axes) -> tuple[str, ...]:
-        return tuple(a for a in AXES if a in axes and self.layout.mesh.shape[a] > 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class View:
-    """The parameter on the mesh: logical names and the mesh axes of each dim, per layout, for one
-    layer's slice (the stacked `layers` dim dropped), and how many slices one device holds."""
-    names: tuple[str | None, ...]
-    stored: tuple[tuple[str, ...], ...]      # params rules
-    optimizer: tuple[tuple[str, ...], ...]   # optimizer rules
-    compute: tuple[tuple[str, ...], ...]     # the layout its matmuls read (params without fsdp)
-    shape: tuple[int, ...]
-    dtype: str
-    layers: int                              # stacked slices on one device (its stage's; 1 outside the stack)
-
-    def shard(self, dims: tuple[tuple[str, ...], ...], ctx: Context) -> tuple[int, ...]:
-        return tuple(n // ctx.size(axes) for n, axes in zip(self.shape, dims))
-
-    @staticmethod
-    def axes(dims) -> set[str]:
-        return {a for axes in dims for a in axes}
-
-
 def spec_dims(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
     dims = tuple(spec) + (None,) * (rank - len(spec))
     return tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in dims)
 
 
-# ---- the textbook rules, one family each -----------------------------------------------------------
-
-def data_moves(v: View, ctx: Context, found: Found) -> list[Move]:
-    """Gathers and gradient sums over the axes the reading activations split (module docstring)."""
-    lay, where = ctx.layout, definition(cost_comm_data, "fsdp_gathers")
-    reduced = definition(cost_comm_data, "data_parallel")
-    vector = v.names == ("embed",)    # a norm's scale: read by the residual stream (`res_seq`)
-    split = ctx.kept(lay.axes("batch") + lay.axes("res_seq" if vector else "seq"))
-    # a batch axis on the `experts` dim is expert parallelism: the tokens move to the weights, and each
-    # expert's gradient is its own; on another dim it is ZeRO: gathered (params rules) or scattered (optimizer)
-    experts = v.axes(d for n, d in zip(v.names, v.stored) if n == "experts")
-    held = ctx.kept(set(split) & v.axes(d for n, d in zip(v.names, v.stored) if n != "experts"))
-    zero1 = ctx.kept(set(split) & v.axes(v.optimizer) - set(held) - experts)
-    summed = tuple(a for a in split if a not in held + zero1 and a not in experts)
-    execs, out = v.layers * ctx.micro, []
-    lookup = v.names[0] == "vocab"
-    if held and not lookup:
-        gathered = v.shard(v.compute, ctx)
-        dtype = "float32" if vector else ctx.compute
-        out.append(Move("forward", "all-gather", held, execs, gathered, dtype,
-                        "the shard gathered to the layout its reads use", where))
-        # kept for the backward pass: a norm's scale (but recomputed where the unit is), the weights outside the loop
-        if found.names[0] == "layers" and (not vector or unit_policy(ctx.strategy.options.remat) != "none"):
-            out.append(Move("backward", "all-gather", held, execs, gathered, dtype,
-                            "gathered again for the backward pass (the forward's copy was freed)", where))
-        out.append(Move("backward", "reduce-scatter", held, execs, gathered, "float32",
-                        "the gradient summed over the shards' batches, each keeping its shard", reduced))
-    stored = v.shard(v.stored, ctx)
-    if zero1:   # the update runs on the whole array (every stacked layer at once)
-        whole = ((v.layers,) if found.names[0] == "layers" else ()) + stored
-        if not lookup:
-            out.append(Move("backward", "reduce-scatter", zero1, v.layers, stored, "float32",
-                            "ZeRO-1: the gradient summed and scattered onto the moments' shards", reduced))
-        out.append(Move("optimizer", "all-gather", zero1, 1, whole, "float32",
-                        "ZeRO-1: the updated parameter gathered back to every replica", reduced))
-    sequence = tuple(a for a in summed if a not in lay.axes("batch") + lay.axes("seq"))   # sequence parallelism's
-    if sequence:
-        out.append(Move("backward", "all-reduce", sequence, execs, v.shard(v.compute, ctx), "float32",
-                        "sequence parallel: the partial gradients of the ranks' sequence shards, summed in the "
-                        "layer's backward pass (Megatron's layer-norm gradient all-reduce)", reduced))
-    replicas = tuple(a for a in summed if a not in sequence)
-    if replicas:
-        out.append(Move("backward", "all-reduce", replicas, v.layers, v.shard(v.stored, ctx), "float32",
-                        "the gradient summed over the replicas, which read other tokens", reduced))
-    return out
-
-
-def tensor_moves(v: View, ctx: Context) -> list[Move]:
-    """Column- and row-parallel activations' collectives (module docstring)."""
-    lay, where = ctx.layout, definition(cost_comm_tensor, "tensor_parallel")
-    inner = [n for n in v.names if n != "experts"]
-    split = ctx.kept(v.axes(d for n, d in zip(v.names, v.stored) if n not in ("embed", "experts"))
-                     - set(lay.axes("batch")))
-    if not split or len(inner) < 2 or "embed" not in (inner[0], inner[-1]) or inner[0] == "vocab":
-        return []
-    sp = set(split) <= set(lay.axes("res_seq"))
-    x = (ctx.batch, ctx.seq, ctx.model.d_model)   # the input or output, whole over `tensor` (gathered, or pre-scatter)
-    execs = v.layers * ctx.micro
-    if inner[0] == "embed":   # column-parallel: reads the residual stream
-        if sp:
-            return [Move("forward", "all-gather", split, execs, x, ctx.compute,
-                         "sequence parallel: the input gathered over the sequence (one op for every "
-                         "projection of this input)", where, shared=True),
-                    Move("backward", "reduce-scatter", split, execs, x, ctx.compute,
-                         "column-parallel: the input gradient's partial sums, scattered onto the sequence", where)]
-        return [Move("backward", "all-reduce", split, execs, x, ctx.compute,
-                     "column-parallel: the input gradient's partial sums over the ranks' outputs", where)]
-    if sp:                    # row-parallel: writes the residual stream
-        return [Move("forward", "reduce-scatter", split, execs, x, ctx.compute,
-                     "row-parallel: the output's partial sums, scattered onto the sequence", where),
-                Move("backward", "all-gather", split, execs, x, ctx.compute,
-                     "sequence parallel: the output gradient gathered over the sequence", where)]
-    return [Move("forward", "all-reduce", split, execs, x, ctx.compute,
-                 "row-parallel: the output's partial sums over the ranks' inputs", where)]
-
-
-def lookup_moves(v: View, ctx: Context) -> list[Move]:
-    """The table looked up by token id (module docstring). Its width sharded over batch axes by the
-    params rules (ZeRO-3) or, for the gradient, the optimizer's (ZeRO-1): the ids are gathered over them
-    and the rows (ZeRO-3) or their gradient (both) go between the table's layout and batch sharding by
-    an all-to-all, which leaves the gradient sharded like the table, so it is not reduce-scattered."""
-    if v.names[0] != "vocab":
-        return []
-    lay, where = ctx.layout, definition(cost_comm_data, "embedding_lookup")
-    vocab = definition(cost_comm_tensor, "tp_vocab")
-    stored = ctx.kept(set(v.stored[1]) & set(lay.axes("batch")))
-    width = ctx.kept(set(v.stored[1] + v.optimizer[1]) & set(lay.axes("batch")))
-    rows_split = ctx.kept(set(v.stored[0]) - set(lay.axes("batch")))
-    n, d, out = ctx.size(stored), ctx.model.d_model, []
-    x = (ctx.batch, ctx.seq, d)   # the rows in batch sharding
-    if width:
-        out.append(Move("forward", "all-gather", width, ctx.micro, (ctx.batch * ctx.size(width), ctx.seq), "int32",
-                        "the token ids gathered: the table's width shards look every id up", where))
-    if rows_split:
-        # sequence parallel: the sum is scattered onto the sequence, unless the rows still have to go
-        # back to batch sharding (the table's width over batch axes): the scatter is then a slice after it
-        scatter = set(rows_split) <= set(lay.axes("res_seq")) and not stored
-        out.append(Move("forward", "reduce-scatter" if scatter else "all-reduce", rows_split, ctx.micro,
-                        (ctx.batch * n, ctx.seq, d // n), v.dtype,
-                        "vocab-parallel: each rank's rows are partial (zero outside its vocabulary), summed"
-                        + (" and scattered onto the sequence" if scatter else ""), vocab))
-        if set(rows_split) <= set(lay.axes("res_seq")):
-            out.append(Move("backward", "all-gather", rows_split, ctx.micro, x, v.dtype,
-                            "sequence parallel: the rows' gradient gathered over the sequence", vocab))
-    phases = ("forward", "backward") if stored else ("backward",) if width else ()
-    out += [Move(phase, "all-to-all", width, ctx.micro, x, v.dtype,
-                 "the rows between the table's width layout and batch sharding", where) for phase in phases]
-    return out
+def where(move: Move) -> Source:
+    """Where the cost model states the rule of `move` (its `rule`, module.name in jaxpar/cost/)."""
+    module, _, name = move.rule.partition(".")
+    return definition(COST_MODULES[module], name)
 
 
 # ---- the explanation -------------------------------------------------------------------------------
@@ -449,12 +249,10 @@ def explain(model: ModelConfig, model_name: str, strategy: Strategy, query: str,
     grad = opt_shard if strategy.zero == 1 else shard   # ZeRO-1 scatters the gradient like the moments
     nbytes = {"parameter": math.prod(shard) * PARAM_BYTES, "gradient": math.prod(grad) * PARAM_BYTES,
               "adam moments": 2 * math.prod(opt_shard) * PARAM_BYTES}
-    view, ctx = view_of(found, layout, stored, optimizer), step_context(model, layout, batch, seq)
-    moves = data_moves(view, ctx, found) + lookup_moves(view, ctx) + tensor_moves(view, ctx)
-    moves.sort(key=lambda m: ("forward", "backward", "optimizer").index(m.phase))
+    listed = moves(view_of(found, layout, stored, optimizer), reads(model, layout, batch, seq))
     return Explanation(query, model_name, strategy, found, rules, stored.spec, optimizer.spec,
                        definition(sharding_module, "spec_for"), shard, opt_shard, nbytes, batch, seq,
-                       tuple(moves), _notes(found, model, strategy))
+                       tuple(listed), _notes(found, model, strategy))
 
 
 def view_of(found: Found, layout: Layout, stored, optimizer) -> View:
@@ -464,16 +262,18 @@ def view_of(found: Found, layout: Layout, stored, optimizer) -> View:
     compute = spec_for(found.names, layout.rules("compute"), layout.mesh)
     return View(found.names[drop:], spec_dims(stored.spec, rank)[drop:], spec_dims(optimizer.spec, rank)[drop:],
                 spec_dims(compute, rank)[drop:], found.shape[drop:], found.dtype,
-                stored.shard_shape(found.shape)[0] if drop else 1)
+                stored.shard_shape(found.shape)[0] if drop else 1, stacked=bool(drop))
 
 
-def step_context(model: ModelConfig, layout: Layout, batch: int, seq: int) -> Context:
+def reads(model: ModelConfig, layout: Layout, batch: int, seq: int) -> Reads:
     """Per device and micro-batch: `batch` split over the batch axes and the micro-batches, `seq` over
-    the sequence axes."""
+    the sequence axes, with the layout's activation axes."""
     o, mesh = layout.strategy.options, layout.mesh
     micro = o.grad_accum * (o.microbatches if mesh.shape["pipeline"] > 1 else 1)
-    return Context(layout, model, batch // (micro * math.prod(mesh.shape[a] for a in layout.axes("batch"))),
-                   seq // math.prod(mesh.shape[a] for a in layout.axes("seq")), micro)
+    sizes = tuple((a, mesh.shape[a]) for a in AXES)
+    return Reads(sizes, layout.axes("batch"), layout.axes("seq"), layout.axes("res_seq"),
+                 batch // (micro * math.prod(mesh.shape[a] for a in layout.axes("batch"))),
+                 seq // math.prod(mesh.shape[a] for a in layout.axes("seq")), model.d_model, o.dtype, micro, o.remat)
 
 
 def _notes(found: Found, model: ModelConfig, strategy: Strategy) -> tuple[str, ...]:
@@ -534,7 +334,7 @@ def render(e: Explanation) -> str:
     if not e.moves:
         lines.append("   none: the parameter is not moved, nor its gradient summed, on this mesh")
     rows = [(m.phase, m.kind, _axes(m.axes), f"x{m.times}", human(m.nbytes), f"{m.dtype}{_dims(m.shape)}",
-             m.why + (" [shared]" if m.shared else ""), str(m.where)) for m in e.moves]
+             m.why + (" [shared]" if m.shared else ""), str(where(m))) for m in e.moves]
     widths = [max(len(r[i]) for r in rows) for i in range(6)] if rows else []
     for r in rows:
         lines.append("   " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)).rstrip())
@@ -564,5 +364,5 @@ def as_json(e: Explanation) -> dict:
             "shard": list(e.shard), "bytes": e.bytes, "batch": e.batch, "seq": e.seq,
             "collectives": [{"phase": m.phase, "kind": m.kind, "axes": list(m.axes), "times": m.times,
                              "bytes": m.nbytes, "shape": list(m.shape), "dtype": m.dtype, "why": m.why,
-                             "shared": m.shared, "where": str(m.where)} for m in e.moves],
+                             "shared": m.shared, "where": str(where(m))} for m in e.moves],
             "notes": list(e.notes)}

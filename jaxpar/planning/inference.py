@@ -18,7 +18,7 @@ from jaxpar.collectives import human_bytes
 from jaxpar.core import validate
 from jaxpar.cost.defaults import accelerator_defaults
 from jaxpar.cost.hardware import Hardware, load_hardware
-from jaxpar.cost.inference import PHASES, InferenceEstimate, inference_estimate
+from jaxpar.cost.inference import PHASES, InferenceEstimate, Request, inference_estimate
 from jaxpar.cost.software import JAXPAR, Software
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
@@ -43,10 +43,11 @@ def candidates(model: ModelConfig, devices: int, phase: str, max_tensor: int) ->
     return out
 
 
-def plan_inference(model: ModelConfig, hardware: Hardware | str, devices: int, phase: str, batch: int,
-                   prompt: int, generate: int, top: int = 10,
+def plan_inference(model: ModelConfig, hardware: Hardware | str, devices: int, request: Request, top: int = 10,
                    software: Software = JAXPAR) -> tuple[list[tuple[InferenceEstimate, Strategy]], int, int]:
-    """(the `top` fitting layouts, fastest first, with their estimates; candidates considered; valid)."""
+    """(the `top` fitting layouts for `request`, fastest first, with their estimates; candidates considered;
+    valid)."""
+    phase, batch, prompt, generate = request.phase, request.batch, request.prompt, request.generate
     if phase not in PHASES:
         raise ConfigError(f"phase={phase!r} is not one of {', '.join(PHASES)}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -59,7 +60,7 @@ def plan_inference(model: ModelConfig, hardware: Hardware | str, devices: int, p
         except ConfigError:
             continue
         valid += 1
-        est = inference_estimate(model, st, hw, batch, prompt, generate, phase, software)
+        est = inference_estimate(model, st, hw, request, software)
         if est.fits:
             results.append((est, st))
     results.sort(key=lambda r: (r[0].step_s, r[1].name))

@@ -126,7 +126,7 @@ def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: in
         raise ConfigError(f"{st.name}: pipeline x context is not planned (its compiled memory is not modelled yet)")
 
 
-def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,
+def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,  # many parameters: the planner's public question, each a `plan` flag
          top: int = 10, software: Software = JAXPAR, objective: str = "throughput",
          headroom: float = HBM_HEADROOM, dtype: str = "bfloat16",
          grad_dtype: str = "float32") -> tuple[list, int, int]:

@@ -341,7 +341,7 @@ def gather(tree) -> Any:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
-def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,
+def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = None, start: int = 0,  # many parameters: the loop's optional hooks, each keyword-only with a default
           stop: int | None = None, checkpointer=None, on_save=None, evaluate=None):
     """Run steps start + 1 .. stop (or tc.steps), counted from 1 as everywhere a run reports them (a
     checkpoint of step N holds the state after N steps, so a run resumed from it starts at step N + 1).
