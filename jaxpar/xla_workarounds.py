@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.core.rules import DATA_AXES
+from jaxpar.core.rules import DATA_AXES, spec_entry
 from jaxpar.core.sharding import constrain, current_layout, spec_for
 
 NAMES = ("gathered", "lookup", "top_k", "loop_variant")
@@ -96,6 +96,13 @@ def gathered(w: jax.Array, names: Sequence[str | None], dtype) -> jax.Array:
     return gather(w)
 
 
+def cast(w: jax.Array, names: Sequence[str | None], dtype) -> jax.Array:
+    """`gathered`'s plain form: `w.astype(dtype)`, gathered by the partitioner for each read (for a weight whose
+    reads all sit in one pass, which a gathered copy would only keep alive)."""
+    del names
+    return w.astype(dtype)
+
+
 # ---- lookup: an embedding lookup whose table is sharded over the batch's axes ----------------------
 
 def lookup(table: jax.Array, ids: jax.Array, names: Sequence[str | None], dtype,
@@ -133,7 +140,7 @@ def _lookup_in_table_layout(table: jax.Array, ids: jax.Array, names: Sequence[st
     last = max(batch.index(a) for a in width_axes)
     if any(batch.index(a) > last for a in kept):
         return _split_lookup(table, ids, batch, width_axes, width, acts[1])
-    kept_dim = None if not kept else kept[0] if len(kept) == 1 else kept
+    kept_dim = spec_entry(kept)
     ids = jax.lax.with_sharding_constraint(ids, NamedSharding(mesh, P(kept_dim, acts[1])))
     rows = jnp.take(table, ids, axis=0)
     return jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P(kept_dim, acts[1], width)))
@@ -158,7 +165,7 @@ def _split_lookup(table: jax.Array, ids: jax.Array, batch: tuple[str, ...], widt
     n = 1
     for k in sizes:
         n *= k
-    tail = None if not after else after[0] if len(after) == 1 else after
+    tail = spec_entry(after)
 
     def spec(gathered: tuple[str, ...], *rest) -> NamedSharding:
         return NamedSharding(mesh, P(*(None if a in gathered else a for a in lead), tail, seq, *rest))

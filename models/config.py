@@ -303,19 +303,3 @@ def parse_model(spec: str) -> ModelConfig:
             overrides[key.strip()] = value
     cfg = from_preset(name, **overrides)
     return dataclasses.replace(cfg, name=spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """How a model executes (set by the strategy's options; never changes the maths)."""
-    dtype: str = "float32"        # compute dtype; parameters stay float32
-    remat: str = "none"           # none | full | selective | offload | dots | dots_no_batch
-    attention: str = "dense"      # dense | ring | allgather: how the sequence is split (jaxpar/ops/attention.py)
-    attention_kernel: str = "dense"  # dense | auto | blockwise | cudnn | splash: what computes attention on a device
-    moe_kernel: str = "grouped"   # grouped | padded: how the routed experts compute (jaxpar/ops/moe.py)
-    ssm: str = "chunked"          # Mamba-2 SSD and conv: chunked | context (sequence split over the
-                                  # context axis: jaxpar/ops/mamba_cp.py)
-    overlap: str = "none"         # none | collective_matmul | collective_matmul_bidir: the attention and
-                                  # MLP projections as ring collective matmuls (jaxpar/ops/collective_matmul.py)
-    fsdp_prefetch: bool = False   # the layer scan gathers the next unit's weights during this unit's compute
-                                  # (jaxpar/ops/fsdp_prefetch.py)

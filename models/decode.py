@@ -39,7 +39,8 @@ from jaxpar.ops import mamba_cp
 from jaxpar.ops.attention import attention, context_attention, dense_attention, resolve_kernel
 from jaxpar.ops.ssd import causal_conv, ssd
 from jaxpar.core.sharding import constrain, current_layout
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import dtype_of
 from jaxpar.models.lm import LM
 from jaxpar.models.mamba import GROUPS, HEADS, gated_rms_norm
@@ -101,7 +102,7 @@ def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool,
     a decode step over the whole cache, whose positions are `cache_pos` [b, S]."""
     h = constrain(block.attn_norm(x), ("batch", "seq", "act_embed"))
     q, k, v = block.attn.project(h, positions)
-    kernel = block.attn.run.attention_kernel   # the prefill's kernel; a decode step's one query reads the cache densely
+    kernel = block.attn.run.core.kernel   # the prefill's kernel; a decode step's one query reads the cache densely
     if cp:  # the kernel takes the K/V heads as projected (sharded like the query heads)
         out = context_attention(q, k, v, positions, impl=cp, kernel=resolve_kernel(kernel, q.dtype), causal=True)
     copies = cache["k"].shape[2] // k.shape[2]

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.ops.collective_matmul import column_parallel, row_parallel
 from jaxpar.core.sharding import constrain
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.xla_workarounds import gathered
 
 
@@ -31,14 +31,6 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: f
 
 def dtype_of(run: RunConfig):
     return jnp.dtype(run.dtype)
-
-
-def collective_matmul(run: RunConfig) -> dict | None:
-    """The collective-matmul kernels' arguments under `overlap` (jaxpar/ops/collective_matmul.py), or
-    None when the projections are plain matmuls whose collectives XLA inserts."""
-    if run.overlap == "none":
-        return None
-    return {"bidirectional": run.overlap == "collective_matmul_bidir"}
 
 
 class RMSNorm(nnx.Module):
@@ -95,16 +87,10 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x [b, s, d] -> [b, s, d]. Under `overlap` x comes in the residual layout and the result leaves
-        in it: the up/gate projections all-gather x and the down projection reduce-scatters its sum,
-        each as a ring of permutes between partial matmuls."""
-        dt, cm = dtype_of(self.run), collective_matmul(self.run)
+        """x [b, s, d] -> [b, s, d], x in the layout the run's projections read (`Matmuls.input_names`)."""
+        dt = dtype_of(self.run)
         weights = (self.w_up[...].astype(dt),) + ((self.w_gate[...].astype(dt),) if self.gated else ())
-        if cm is None:
-            up, *gate = (x @ w for w in weights)
-        else:
-            up, *gate = column_parallel(x, weights, **cm)
+        up, *gate = self.run.matmuls.column(x, weights)
         h = jax.nn.silu(gate[0]) * up if self.gated else jax.nn.gelu(up, approximate=True)
         h = constrain(h, ("batch", "seq", "act_mlp"))
-        w_down = self.w_down[...].astype(dt)
-        return h @ w_down if cm is None else row_parallel(h, w_down, **cm)
+        return self.run.matmuls.row(h, self.w_down[...].astype(dt))

@@ -19,13 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.ops.attention import RING_NAMES
-from jaxpar.ops.blockwise_attention import RESIDUAL_NAMES
-from jaxpar.ops.fsdp_prefetch import prefetched_scan
 from jaxpar.core.sharding import constrain
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.mamba import MambaBlock
 from jaxpar.models.moe import MoEBlock, aux_loss, aux_sum
@@ -59,44 +56,6 @@ class Unit(nnx.Module):
         return x, aux
 
 
-UNIT_INPUT = "unit_input"    # checkpoint_name of each unit's input: the residual stream [b, s, d] entering it
-
-OFFLOADED = (UNIT_INPUT,)
-"""What remat = "offload" keeps, and where: each unit's input (the residual stream [batch, seq, d_model] entering
-the unit, in the compute dtype and the residual layout: sequence-sharded under sequence parallelism), one per
-unit, copied to host memory (`pinned_host`) in the forward pass and back in the backward pass; nothing else is
-saved, everything inside the unit is recomputed from that input. So the device holds what remat = "full"
-holds minus the units' inputs (which "full" keeps in device memory), the host holds units x b x s x d
-elements per device's shard, the host link carries them once each way per step, and the compute is "full"'s
-(one more forward of every unit). MaxText's remat_policy=custom with decoder_layer_input=offload
-(AI-Hypercomputer/maxtext: `checkpoint_name(x, "decoder_layer_input")` at the top of each decoder layer)
-makes the same choice. Policy: jax.checkpoint_policies.save_and_offload_only_these_names. On GPU and TPU
-the lowering annotates each saved input `pinned_host` (XLA's host offloading); the CPU lowering drops memory
-kinds (a CPU device's memory is host memory), so there the inputs stay where "full" keeps them."""
-
-_KERNEL_RESIDUALS = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES, *RING_NAMES)   # the kernels'
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _KERNEL_RESIDUALS),
-    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KERNEL_RESIDUALS),
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=OFFLOADED,
-        offload_src="device", offload_dst="pinned_host"),
-}
-KEEP_UNITS = ("none", "selective")   # policies under which the layer scan is not checkpointed: selective
-# recomputes only the attention blocks' cores, inside the block (models/transformer.py; Mamba-2 blocks keep
-# everything, as under none), none recomputes nothing
-
-
-def remat(fn, policy: str):
-    """Wrap a scan body in jax.checkpoint under the named policy ("none" and "selective" leave it alone:
-    selective's recompute is the attention core's own, models/transformer.py)."""
-    if policy in KEEP_UNITS:
-        return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
-
-
 class LM(nnx.Module):
     def __init__(self, cfg: ModelConfig, run: RunConfig = RunConfig(), *, rngs: nnx.Rngs):
         self.cfg, self.run = cfg, run
@@ -127,10 +86,7 @@ class LM(nnx.Module):
         """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks);
         `segments`: packed documents' ids, which attention keeps apart."""
         graphdef, stacked = nnx.split(self.units)
-        if self.run.fsdp_prefetch:  # (remat = "full": the prefetched scan recomputes each unit backward)
-            x, aux = prefetched_scan(lambda h, unit: nnx.merge(graphdef, unit)(h, positions, segments), x, stacked)
-        else:
-            x, aux = jax.lax.scan(unit_step(graphdef, self.run.remat, positions, segments), x, stacked)
+        x, aux = self.run.scan(unit_body(graphdef, positions, segments), x, stacked)
         if aux is None:
             return x, None
         return x, aux_sum(self.cfg, aux)
@@ -162,9 +118,9 @@ class LM(nnx.Module):
         return self.loss(x, labels, aux=aux)
 
 
-def unit_step(graphdef, policy: str, positions: jax.Array, segments: jax.Array | None = None):
-    """The scan body: merge one unit's parameter slice and apply it (rematerialised per policy).
-    Returns (x, the unit's MoE auxiliary vector or None) as (carry, per-unit output)."""
-    def step(x, unit_state):
-        return nnx.merge(graphdef, unit_state)(checkpoint_name(x, UNIT_INPUT), positions, segments)
-    return remat(step, policy)
+def unit_body(graphdef, positions: jax.Array, segments: jax.Array | None = None):
+    """The scan body: merge one unit's parameter slice and apply it. Returns (x, the unit's MoE auxiliary
+    vector or None) as (carry, per-unit output); the run's LayerScan rematerialises it."""
+    def body(x, unit_state):
+        return nnx.merge(graphdef, unit_state)(x, positions, segments)
+    return body

@@ -25,11 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.ops import mamba_cp
-from jaxpar.core.sharding import constrain, current_layout
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.core.sharding import constrain
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
-from jaxpar.ops.ssd import causal_conv, ssd
 from jaxpar.models.transformer import RESIDUAL
 
 HEADS = ("batch", "seq", "ssm_heads", None)
@@ -76,24 +75,18 @@ class MambaBlock(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         del positions  # the recurrence follows the token layout (see jaxpar.ops.mamba_cp)
         cfg, dt_ = self.cfg, dtype_of(self.run)
-        layout = current_layout() if self.run.ssm == "context" else None
-        cp = mamba_cp.context_size(layout) > 1
-
         h = constrain(self.norm(x), ("batch", "seq", "act_embed"))
         z, xs, B, C, dt = self.in_proj(h)
 
         convs = [(xs, self.conv_x[...], self.conv_x_bias[...], HEADS),
                  (B, self.conv_B[...], self.conv_B_bias[...], GROUPS),
                  (C, self.conv_C[...], self.conv_C_bias[...], GROUPS)]
-        if cp:
-            xs, B, C = mamba_cp.causal_conv_cp(convs, layout)
-        else:
-            xs, B, C = (causal_conv(u, w, b) for u, w, b, _ in convs)
+        xs, B, C = self.run.ssm.conv(convs)
         xs, B, C = (constrain(jax.nn.silu(t), names) for t, names in ((xs, HEADS), (B, GROUPS), (C, GROUPS)))
 
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
         A = -jnp.exp(self.A_log[...])
-        y = mamba_cp.ssd_cp(xs, dt, A, B, C, cfg.chunk, layout) if cp else ssd(xs, dt, A, B, C, cfg.chunk)[0]
+        y = self.run.ssm.ssd(xs, dt, A, B, C, cfg.chunk)
         y = y + xs * self.D[...].astype(dt_)[:, None]
         y = constrain(gated_rms_norm(y, z, self.gate_norm[...], cfg.ngroups, cfg.norm_eps), HEADS)
         out = jnp.einsum("bshp,hpd->bsd", y, self.w_out[...].astype(dt_))

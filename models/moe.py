@@ -35,9 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.ops.collective_matmul import PLAIN
 from jaxpar.ops.moe import moe_experts
 from jaxpar.core.sharding import constrain
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import MLP, dtype_of, param
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 from jaxpar.xla_workarounds import top_k
@@ -110,7 +112,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
         if cfg.shared_experts:  # it reads the gathered tokens the router reads: plain matmuls (no rings)
-            self.shared = MLP(cfg, dataclasses.replace(run, overlap="none"), rngs=rngs,
+            self.shared = MLP(cfg, dataclasses.replace(run, matmuls=PLAIN), rngs=rngs,
                               width=cfg.shared_experts * f, gated=True)
 
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,8 +137,8 @@ class MoEBlock(AttentionBlock):
     def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         x, h = self.attend(x, positions, segments)
-        # under `overlap` attend leaves h in the residual layout for the MLP's rings; the router and the
-        # experts read it gathered (once for both), as without the option
+        # under collective matmul attend leaves h in the residual layout for the MLP's rings; the router and
+        # the experts read it gathered (once for both), as with plain projections
         y, aux = self.moe(constrain(h, ("batch", "seq", "act_embed")))
         return constrain(x + y, RESIDUAL), aux
 

@@ -1,32 +1,24 @@
 """The LLaMA-style attention block: pre-norm GQA attention with RoPE, then a pre-norm MLP.
 
-Tensor parallelism comes from the names alone: q/k/v are column-parallel (heads on `tensor`), the
-output projection row-parallel, so XLA inserts one all-reduce (or, under sequence parallelism, a
-reduce-scatter + all-gather pair) per sub-block. Under the `overlap` option the projections call the
-collective-matmul kernels instead (jaxpar/ops/collective_matmul.py), which spell that all-gather and
-reduce-scatter out as ring steps between partial matmuls.
+    h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k)
+    x = x + softmax(q k^T / sqrt(d) + causal mask) v Wo;  x = x + MLP(RMSNorm(x))
 
-Selective recomputation (remat = "selective"; Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models"): the attention core, softmax(q k^T / sqrt(d)) v with its
-mask, is recomputed in the backward pass from q, k, v, which are saved with every other activation
-of the layer; its score and probability matrices [b, heads, s, s], the activations that grow as s^2,
-are never kept. Its output (the input of the output projection) is saved as the projection's
-input. Other recompute policies act on the whole unit (models/lm.py).
+Tensor parallelism comes from the names alone: q/k/v are column-parallel (heads on `tensor`), the output
+projection row-parallel, so XLA inserts one all-reduce (or, under sequence parallelism, a reduce-scatter +
+all-gather pair) per sub-block. How the projections and the core run (plain dots or collective matmul rings;
+the sequence split, the kernel, selective recompute) is the run's (models/run.py), chosen outside the model.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 from flax import nnx
 
-from jaxpar.ops.attention import attention, recomputed
-from jaxpar.ops.collective_matmul import column_parallel, row_parallel
 from jaxpar.core.sharding import constrain
-from jaxpar.models.config import ModelConfig, RunConfig
-from jaxpar.models.layers import MLP, RMSNorm, collective_matmul, dtype_of, param, rope
-from jaxpar.xla_workarounds import gathered
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
+from jaxpar.models.layers import MLP, RMSNorm, dtype_of, param, rope
 
 RESIDUAL = ("batch", "res_seq", "act_embed")
 
@@ -46,20 +38,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project(x, positions)
-        core = functools.partial(attention, impl=self.run.attention, kernel=self.run.attention_kernel, causal=True)
-        if self.run.remat == "selective":
-            core = recomputed(core)
-        return self.output(core(q, k, v, positions, segments))
+        return self.output(self.run.core(q, k, v, positions, segments))
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k (after
         their per-head RMSNorm under cfg.qk_norm); models/decode.py caches k and v."""
-        dt, cm = dtype_of(self.run), collective_matmul(self.run)
+        dt = dtype_of(self.run)
         weights = (self.wq[...].astype(dt), self.wk[...].astype(dt), self.wv[...].astype(dt))
-        if cm is None:
-            q, k, v = (jax.numpy.einsum("bsd,dhk->bshk", x, w) for w in weights)
-        else:  # x in the residual layout: one ring all-gathers it for the three projections
-            q, k, v = column_parallel(x, weights, **cm)
+        q, k, v = self.run.matmuls.column(x, weights)    # [b, s, d] . [d, heads, head_dim]
         if self.cfg.qk_norm:  # each head normalised over head_dim before RoPE (Qwen3's q_norm, k_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rope(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling), ("batch", "seq", "act_heads", None))
@@ -70,14 +56,9 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """The row-parallel output projection of the attention output [b, s, heads, head_dim]."""
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        wo, cm, dt = self.wo[...], collective_matmul(self.run), dtype_of(self.run)
-        # when the unit is recomputed only: without it a gathered copy would be kept for the backward
-        # pass, every layer's alive at once, which is what FSDP avoids (jaxpar/xla_workarounds.py)
-        recompute = self.run.remat not in ("none", "selective")
-        wo = gathered(wo, ("q_heads", "head_dim", "embed"), dt) if recompute else wo.astype(dt)
-        if cm is not None:  # reduce-scattered onto the residual layout in ring steps
-            return row_parallel(out, wo, **cm)
-        return jax.numpy.einsum("bshk,hkd->bsd", out, wo)
+        # read by the product and its transpose: gathered once for both where the unit is recomputed
+        wo = self.run.recomputed_weight(self.wo[...], ("q_heads", "head_dim", "embed"), dtype_of(self.run))
+        return self.run.matmuls.row(out, wo)             # [b, s, heads, head_dim] . [heads, head_dim, d]
 
 
 class AttentionBlock(nnx.Module):
@@ -94,10 +75,9 @@ class AttentionBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
 
     def attend(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """(x + Attention(norm(x)), its normed copy: the feed-forward's input). The normed copies are
-        gathered to the block's sequence layout, except under `overlap`, where the projections'
-        collective matmuls gather them (so they stay in the residual layout here)."""
-        inner = RESIDUAL if collective_matmul(self.attn.run) else ("batch", "seq", "act_embed")
+        """(x + Attention(norm(x)), its normed copy: the feed-forward's input), the normed copies in the
+        layout the projections read (`Matmuls.input_names`)."""
+        inner = self.attn.run.matmuls.input_names
         h = constrain(self.attn_norm(x), inner)
         x = constrain(x + self.attn(h, positions, segments), RESIDUAL)
         return x, constrain(self.mlp_norm(x), inner)

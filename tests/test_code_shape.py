@@ -19,6 +19,10 @@ function cut into parts that make no sense alone is worse than one long function
   <why>` comment on its `def` line (pass a record instead: a frozen dataclass of the related values).
 * Docstrings are contracts: a module's at most MAX_MODULE_DOCSTRING lines, a function's MAX_DOCSTRING
   (derivations and design stories go to docs/), and no module over MAX_MODULE_LINES lines.
+* Small helpers once: the one-liner that writes mesh axes as a PartitionSpec entry (`x[0] if len(x) == 1
+  else x`) exists once (jaxpar.core.rules.spec_entry).
+* The model reads as its equations: no branch in models/ on how the run executes (a test that reads the
+  RunConfig, `run`): the implementations are chosen once, outside it (jaxpar/training/trainer.py run_config).
 * `jaxpar/` keeps at most MAX_TOP_MODULES modules at its top level: the *.py files directly in
   jaxpar/, `__init__.py` included; everything else lives in a package named for its concept.
 * The pipeline is one package, `jaxpar/pipeline/` (an `__init__.py`, its public API), with no
@@ -77,6 +81,27 @@ def essays(source: str) -> list[tuple[str, int]]:
         if doc and doc.count("\n") + 1 > MAX_DOCSTRING:
             out.append((f.name, doc.count("\n") + 1))
     return out
+
+
+def spec_one_liners(source: str) -> list[int]:
+    """Lines of every `x[0] if len(x) == 1 else x` (a dim's mesh axes as one PartitionSpec entry)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.IfExp) and isinstance(node.body, ast.Subscript) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Call) and getattr(node.test.left.func, "id", "") == "len"
+                and ast.unparse(node.body.value) == ast.unparse(node.orelse) == ast.unparse(node.test.left.args[0])):
+            out.append(node.lineno)
+    return out
+
+
+def option_branches(source: str) -> list[int]:
+    """Lines of every branch (if, conditional expression, while) whose test reads how the run executes: a name
+    or attribute `run`."""
+    def reads_run(test: ast.AST) -> bool:
+        return any((isinstance(n, ast.Name) and n.id == "run") or (isinstance(n, ast.Attribute) and n.attr == "run")
+                   for n in ast.walk(test))
+    return [n.lineno for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.If, ast.IfExp, ast.While)) and reads_run(n.test)]
 
 
 def inner_imports(source: str) -> list[tuple[int, bool]]:
@@ -160,6 +185,13 @@ def test_parameter_and_docstring_finders_find_planted_ones():
     assert essays('"""' + "x\n" * (MAX_MODULE_DOCSTRING - 1) + 'x"""\n') == []
 
 
+def test_one_liner_and_option_branch_finders_find_planted_ones():
+    assert spec_one_liners("a = axes[0] if len(axes) == 1 else axes\nb = x[0] if len(y) == 1 else x\n") == [1]
+    planted = ("def f(self, x, run):\n    if self.run.overlap == 'none':\n        pass\n"
+               "    y = 1 if run.remat == 'full' else 2\n    z = x if self.cfg.qk_norm else 0\n")
+    assert option_branches(planted) == [2, 4]
+
+
 def test_private_use_finder_finds_planted_ones():
     mods = {"jaxpar.a", "jaxpar.b", "jaxpar.pkg", "jaxpar.pkg.c"}
     planted = ("from jaxpar.b import _hidden, shown\n"
@@ -208,6 +240,17 @@ def test_docstrings_are_contracts_and_modules_short():
     big = [f"{path} ({src.count(chr(10))} lines)" for path, src, _ in _sources().values()
            if src.count("\n") > MAX_MODULE_LINES]
     assert big == [], f"modules over {MAX_MODULE_LINES} lines (split by concept): {big}"
+
+
+def test_small_helpers_are_written_once():
+    copies = [f"{path}:{line}" for path, src, _ in _sources().values() for line in spec_one_liners(src)]
+    assert len(copies) == 1 and copies[0].startswith("jaxpar/core/rules.py"), copies
+
+
+def test_the_model_has_no_option_branch():
+    branches = [f"{path}:{line}" for path, src, _ in _sources().values() if path.startswith("models/")
+                for line in option_branches(src)]
+    assert branches == [], f"models/ branch on how the run executes (choose the implementation in run_config): {branches}"
 
 
 def test_no_private_name_crosses_a_module():

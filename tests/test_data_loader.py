@@ -13,11 +13,12 @@ from flax import nnx
 
 from jaxpar.cli.main import main
 from jaxpar.errors import ConfigError
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.core.strategy import parse_inline
 from jaxpar.models.lm import LM
 from jaxpar.training import corpus, loader
 from jaxpar.training.data import local_batch, process_indices
-from jaxpar.training.trainer import gather
+from jaxpar.training.trainer import gather, run_config
 from tests import harness
 from tests.test_data_prepare import small_tokenizer, texts
 
@@ -125,8 +126,8 @@ def test_document_masked_model_equals_each_document_alone(data, kernel, remat):
     src.document_mask = True
     batch = next(b for b in (local_batch(src, 0, [row], SEQ) for row in range(BATCH))
                  if len(np.unique(b["segments"])) > 2)
-    model = nnx.merge(*nnx.split(LM(parse_model(MODEL), RunConfig(attention_kernel=kernel, remat=remat),
-                                    rngs=nnx.Rngs(0))))
+    run = run_config(parse_inline("data=1").with_options(attention_kernel=kernel, remat=remat))
+    model = nnx.merge(*nnx.split(LM(parse_model(MODEL), run, rngs=nnx.Rngs(0))))
     run = jax.jit(lambda t, p, s: model.apply_stack_aux(model.embed(t), p, s)[0])
     packed = run(*(jnp.asarray(batch[k]) for k in ("inputs", "positions", "segments")))
     segments = batch["segments"][0]

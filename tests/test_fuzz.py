@@ -102,7 +102,8 @@ def option_cases():
         bad = "bogus" if f.metadata["choices"] and f.name != "zero" else "0" if f.name != "zero" else "2"
         # free text (pp_stages) is parsed where it is used (jaxpar.core.validate), which names the option
         free = isinstance(f.default, str) and not f.metadata["choices"]
-        yield pytest.param(set_flag(BASE["train"], flag, bad), [f.name if free else f"argument {flag}"],
+        command = "train" if "train" in f.metadata["commands"] else f.metadata["commands"][0]   # one that takes it
+        yield pytest.param(set_flag(BASE[command], flag, bad), [f.name if free else f"argument {flag}"],
                            id=f"flag{flag}={bad}")
 
 

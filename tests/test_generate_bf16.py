@@ -30,7 +30,8 @@ from jaxpar.cli import main as cli
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.cost.inference import Request, inference_estimate
 from jaxpar.errors import ConfigError
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.serving.generate import Generator
 from jaxpar.serving.hf import load_params, read_config
@@ -164,7 +165,7 @@ def test_blockwise_prefill_equals_dense():
     _, _, dense = generated("llama-tiny", "data=1", 1)
     gen = Generator(parse_model("llama-tiny"), parse_strategy("data=1").with_options(attention_kernel="blockwise"),
                     PROMPTS, NEW, devices=jax.devices()[:1])
-    assert gen.prefill_run.attention_kernel == "blockwise"
+    assert gen.prefill_run.core.kernel == "blockwise"
     got = gen.generate(gen.place_params(host_params("llama-tiny")), PROMPTS, keep_logits=True)
     np.testing.assert_array_equal(got.tokens, dense.tokens)
     np.testing.assert_allclose(got.logits, dense.logits, rtol=0, atol=1e-5)

@@ -19,7 +19,7 @@ from jaxpar.cli import main as cli
 from jaxpar.errors import ConfigError
 from jaxpar.serving.hf import load_params, read_config
 from jaxpar.models import decode
-from jaxpar.models.config import RunConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 
 CONFIG = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -22,7 +22,8 @@ from jaxpar.cli.args import hf_params
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.errors import ConfigError
 from jaxpar.models import decode
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.serving.hf import load_params, read_config
 from jaxpar.serving.hf_moe import layer_kinds, shortest_pattern

@@ -29,7 +29,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.serving.generate import Generator, Sampling, pad_prompts, sample
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.models import decode
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [4], [10, 11, 12, 13]]  # lengths 5, 3, 1, 4: left-padded to 5

@@ -19,7 +19,8 @@ from jaxpar.ops.attention import token_permutation
 from jaxpar.core.sharding import Layout, current_layout, param_shardings, use_layout
 from jaxpar.training.trainer import run_config
 from jaxpar.core.strategy import parse_inline
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.mamba import MambaBlock
 from jaxpar.core.validate import check_mamba

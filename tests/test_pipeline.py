@@ -32,7 +32,8 @@ from jaxpar.cost.comm_data import fsdp_gathers
 from jaxpar.cost.compiler import CPU
 from jaxpar.cost.shape import step_shape
 from jaxpar.errors import ConfigError
-from jaxpar.models.config import RunConfig, parse_model
+from jaxpar.models.config import parse_model
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.pipeline import pipelined_stack
 from jaxpar.training.trainer import TrainConfig, Trainer, gather

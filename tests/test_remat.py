@@ -1,6 +1,6 @@
 """The recompute policies the stacks use: remat = "selective" (the attention core recomputed, Korthikanti et
 al. 2022; models/transformer.py) and remat = "offload" (each unit's input kept in host memory, everything
-else recomputed; models/lm.py OFFLOADED). Each trains to the one-device numbers (remat none); selective
+else recomputed; jaxpar/ops/layer_scan.py OFFLOADED). Each trains to the one-device numbers (remat none); selective
 keeps no score matrix for the backward pass (XLA's memory analysis against none's); offload's program puts
 exactly the named activations in host memory (its jaxpr, and the module lowered for a GPU: the CPU lowering
 drops memory kinds, its device memory being host memory already).

@@ -17,13 +17,14 @@ from jaxpar.cli import explain
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED,
                                 check_outputs, did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
-from jaxpar.core.strategy import CHOICES, OPTION_FIELDS
+from jaxpar.core.strategy import CHOICES, GROUPS, OPTION_FIELDS, options_of, takes
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE
 from jaxpar.errors import ConfigError
 from jaxpar.training.config import SCHEDULES, OptimizerConfig, TrainConfig
 
 ANALYTIC = {"estimate": cmd_estimate, "plan": cmd_plan}  # the cost model alone: JAX is never loaded
+OPTIONS = {f.name for f in OPTION_FIELDS}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -55,12 +56,22 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:  # reported by the subcommand's parser, which knows its flags
             parser = self.commands.get(getattr(parsed, "command", None), self)
+            command = getattr(parsed, "command", "")
+            for x in extras:   # a strategy flag of other commands: say which take it
+                option = x.partition("=")[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
+                if x.startswith("--") and option in OPTIONS and (others := takes(command, option)):
+                    parser.error(f"{x.partition('=')[0]} is not an option of {command}: it shapes what "
+                                 f"{', '.join(others)} run{'s' if len(others) == 1 else ''}")
             flags = [s for a in parser._actions for s in a.option_strings]
             words = [x + did_you_mean(x.partition("=")[0], flags, "-") if x.startswith("--") else x for x in extras]
             parser.error(f"unrecognized arguments: {' '.join(words)}")
         return parsed
 
     def _check_value(self, action, value):
+        if value in getattr(action, "estimate_only", ()):
+            command = self.prog.removeprefix("jaxpar").strip()
+            raise argparse.ArgumentError(action, f"{value} is for `jaxpar estimate` of another stack; {command} takes "
+                                                 f"{', '.join(map(str, action.choices))}")
         try:
             super()._check_value(action, value)
         except argparse.ArgumentError as e:
@@ -77,21 +88,27 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: b
     p.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
 
 
-def add_strategy_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per field of jaxpar.core.strategy.Options (the one options schema), with its help and choices."""
-    g = p.add_argument_group("strategy flags (override the mesh file's [options])")
-    for f in OPTION_FIELDS:
+def add_strategy_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """One flag per field of jaxpar.core.strategy.Options that `command` reads (the one options schema), with its
+    help and choices (less the values only `estimate` takes, elsewhere), grouped by concern."""
+    groups = {name: p.add_argument_group(f"strategy flags: {name} ({what}; over the mesh file's [options])")
+              for name, what in GROUPS.items()}
+    for f in options_of(command):
         flag, choices, help_ = "--" + f.name.replace("_", "-"), f.metadata["choices"], f.metadata["help"]
+        g = groups[f.metadata["group"]]
+        if choices and command != "estimate":
+            choices = tuple(c for c in choices if c not in f.metadata["estimate_only"])
         if "default" not in help_:  # the flag's own default is None: the mesh file's value stands
             shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default or "none"
             help_ += f" (default: the mesh file's, else {shown})"
         if isinstance(f.default, bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            action = g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name == "zero" or isinstance(f.default, int):
-            g.add_argument(flag, type=integer() if choices else POSITIVE, choices=choices, metavar=None if choices else "N",
-                           help=help_)
+            action = g.add_argument(flag, type=integer() if choices else POSITIVE, choices=choices,
+                                    metavar=None if choices else "N", help=help_)
         else:
-            g.add_argument(flag, choices=choices, help=help_)
+            action = g.add_argument(flag, choices=choices, help=help_)
+        action.estimate_only = () if command == "estimate" else f.metadata["estimate_only"]
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
@@ -120,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
         add(sub)
-    add_strategy_flags(explain.add_parser(sub))
+    add_strategy_flags(explain.add_parser(sub), "explain")
     parser.commands = dict(sub.choices)
     return parser
 
@@ -174,7 +191,7 @@ def add_train(sub) -> None:
                         "its config.json")
     t.add_argument("--stop-after", type=POSITIVE, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
-    add_strategy_flags(t)
+    add_strategy_flags(t, "train")
     add_distributed_flags(t)
 
 
@@ -283,7 +300,7 @@ def add_estimate(sub) -> None:
                        "--seq tokens, or decode of one token per sequence against a cache of --seq + --gen-len - 1")
     add_software_flag(e)
     e.set_defaults(software=None, hbm_headroom=None)  # None: not given (a --run file's value, else the default)
-    add_strategy_flags(e)
+    add_strategy_flags(e, "estimate")
 
 
 def add_plan(sub) -> None:
@@ -335,7 +352,7 @@ def add_comm(sub) -> None:
                    help="the step to compile: a training step (default), or generation's prefill or decode step "
                         "(--batch prompts of --seq tokens, --gen-len new tokens)")
     c.add_argument("--gen-len", type=POSITIVE, default=16, help="new tokens per prompt (prefill/decode phases)")
-    add_strategy_flags(c)
+    add_strategy_flags(c, "comm")
     add_distributed_flags(c)
 
 
@@ -351,7 +368,7 @@ def add_compare(sub) -> None:
     cp.add_argument("--lr", type=real(0.0, open_lo=True), default=3e-3, help="with --run-steps: the peak learning rate")
     cp.add_argument("--json", type=nonempty, help="write {model, reports: [...]} as one JSON object to this file")
     cp.add_argument("--plot", type=png_path, help="write a PNG of bytes per device per step by kind and mesh axes")
-    add_strategy_flags(cp)
+    add_strategy_flags(cp, "compare")
 
 
 def add_launch(sub) -> None:
@@ -377,10 +394,10 @@ def add_generate(sub) -> None:
                                    "across tensor ranks when tensor > kv_heads), sequences over the data axes. "
                                    "Prints the new token ids, the time to first token, the per-token latency and "
                                    "tokens/s. Without --checkpoint the parameters are a fresh initialisation. "
-                                   "Of the strategy flags, --zero, --dtype (the weights' and the cache's dtype too: "
-                                   "bfloat16 converts the parameters once as they load) and --attention-kernel (the "
-                                   "prefill's) apply; the training-only ones (remat, grad-accum, microbatches, pp-*, "
-                                   "cp-layout) have no effect.")
+                                   "--dtype is the weights' and the cache's dtype too (bfloat16 converts the "
+                                   "parameters once as they load); --attention, --attention-kernel and --cp-layout "
+                                   "are the prefill's. A mesh file's training options (remat, micro-batches, "
+                                   "pipelines, overlap) do not apply.")
     add_model_mesh(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", type=token_ids, metavar="IDS",
@@ -408,7 +425,7 @@ def add_generate(sub) -> None:
                         "*.safetensors): load its weights, sharded as they load (--model hf:DIR takes the model "
                         "from its config.json)")
     g.add_argument("--json", type=nonempty, help="write the tokens and timings as one JSON object to this file")
-    add_strategy_flags(g)
+    add_strategy_flags(g, "generate")
 
 
 def add_analysis_flags(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,11 @@ import types
 
 from jaxpar.core.strategy import Strategy
 
+
+def spec_entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a dim sharded over mesh `axes`: None for none, an axis by itself, or the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
 Rules = types.MappingProxyType  # an immutable {logical name: tuple of mesh axes}
 
 BASE_RULES: dict[str, tuple[str, ...]] = {

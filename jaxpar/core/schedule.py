@@ -24,6 +24,7 @@ import functools
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import parse_int
+from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import Strategy
 
 
@@ -158,19 +159,16 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
     first = () if dims[0] is None else (dims[0],) if isinstance(dims[0], str) else tuple(dims[0])
     if stages == 1 or "pipeline" not in first or schedule_of(strategy, shape[0]).even:
         return spec
-    dims[0] = _dim(tuple(a for a in first if a != "pipeline"))
+    dims[0] = spec_entry(tuple(a for a in first if a != "pipeline"))
     for i in range(1, len(dims)):
         axes = () if dims[i] is None else (dims[i],) if isinstance(dims[i], str) else tuple(dims[i])
         n = stages
         for a in axes:
             n *= strategy.size(a)
         if shape[i] % n == 0:
-            dims[i] = _dim(axes + ("pipeline",))
+            dims[i] = spec_entry(axes + ("pipeline",))
             break
     while dims and dims[-1] is None:
         dims.pop()
     return type(spec)(*dims)  # a PartitionSpec, built from the one given: this module imports no JAX
 
-
-def _dim(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Any, Iterator, Sequence
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.core.rules import Rules, rules_for
+from jaxpar.core.rules import Rules, rules_for, spec_entry
 from jaxpar.core.schedule import stored_spec
 from jaxpar.core.strategy import Strategy
 
@@ -31,7 +32,7 @@ def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
     for name in names:
         axes = tuple(a for a in (rules[name] if name is not None else ()) if mesh.shape[a] > 1 and a not in used)
         used.update(axes)
-        dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        dims.append(spec_entry(axes))
     while dims and dims[-1] is None:
         dims.pop()
     return P(*dims)
@@ -52,10 +53,12 @@ class Layout:
         return tuple(a for a in self.rules("activations")[name] if self.mesh.shape[a] > 1)
 
     def size(self, name: str) -> int:
-        n = 1
-        for a in self.axes(name):
-            n *= self.mesh.shape[a]
-        return n
+        """Devices an activation's logical name is split over (`group` of its axes)."""
+        return self.group(self.axes(name))
+
+    def group(self, axes) -> int:
+        """Devices in a group over mesh `axes` (the product of their sizes)."""
+        return math.prod(self.mesh.shape[a] for a in axes)
 
     def activation(self, *names: str | None) -> NamedSharding:
         return NamedSharding(self.mesh, spec_for(names, self.rules("activations"), self.mesh))

@@ -38,68 +38,104 @@ def _mesh_config_dir() -> pathlib.Path:
 MESH_CONFIG_DIR = _mesh_config_dir()
 
 
-def _option(default: Any, help: str, choices: tuple | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+# The concerns an option belongs to (`--help` groups the strategy flags by them), and the commands that read it
+GROUPS = {"layout": "how the mesh is used: ZeRO stage, sequence and pipeline splits, micro-batches",
+          "kernels": "what computes each part of a step: recompute, attention and MoE kernels, collective matmul",
+          "precision": "the compute and gradient dtypes", "compiler": "XLA's scheduling of the collectives"}
+TRAINING = ("train", "comm", "compare", "estimate")   # the commands that build or price a training step
+EVERY = TRAINING + ("explain", "generate")
+
+
+def _option(default: Any, help: str, choices: tuple | None = None, *, group: str, commands: tuple = TRAINING,
+            estimate_only: tuple = ()) -> Any:
+    """An Options field: its help, choices, concern (`GROUPS`), the commands that read it, and the values only
+    `estimate` takes (another stack's, which jaxpar's program does not run)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "group": group,
+                                                        "commands": commands, "estimate_only": estimate_only})
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The one schema of strategy options: a mesh file's [options] table, the command line's strategy
-    flags (generated from these fields: jaxpar/cli/main.py), and what the run reads. To add an option, add a
-    field here and use it."""
+    """The one schema of strategy options: a mesh file's [options] table, the command line's strategy flags
+    (generated from these fields, each command offering those it reads: jaxpar/cli/main.py), and what the
+    run reads. Grouped by concern (`GROUPS`). To add an option, add a field here and use it."""
     zero: int | None = _option(None, "0 replicated data parallelism, 1 sharded optimizer state, 3 FSDP "
-                                     "(default: 3 if the mesh has fsdp > 1, else 0)", (0, 1, 3))
-    sequence_parallel: bool = _option(False, "shard the residual stream's sequence (norms, residuals) over tensor")
+                                     "(default: 3 if the mesh has fsdp > 1, else 0)", (0, 1, 3), group="layout",
+                               commands=EVERY)
+    sequence_parallel: bool = _option(False, "shard the residual stream's sequence (norms, residuals) over tensor",
+                                      group="layout", commands=TRAINING + ("explain",))
     remat: str = _option("none", "rematerialise activations in the backward pass: full keeps only each layer's "
                                  "input; selective recomputes the attention core only (Korthikanti et al. 2022); "
                                  "offload keeps the named activations in host memory; dots / dots_no_batch are "
                                  "JAX's matmul-saving policies",
-                         ("none", "full", "selective", "offload", "dots", "dots_no_batch"))
-    dtype: str = _option("float32", "compute dtype (master weights stay float32); float8 is for estimate and "
-                                    "plan of other stacks (float8 matmuls, attention in bfloat16)",
-                         ("float32", "bfloat16", "float8"))
+                         ("none", "full", "selective", "offload", "dots", "dots_no_batch"), group="kernels",
+                         commands=TRAINING + ("explain",))
+    dtype: str = _option("float32", "compute dtype (master weights stay float32); float8 is for estimate of other "
+                                    "stacks (float8 matmuls, attention in bfloat16)",
+                         ("float32", "bfloat16", "float8"), group="precision", commands=EVERY,
+                         estimate_only=("float8",))
     grad_dtype: str = _option("float32", "the dtype gradients accumulate and are reduced in: float32 (jaxpar's "
                                          "program; Megatron under bf16; FSDP2's reduce_dtype in torchtitan); "
-                                         "bfloat16 is for estimate and plan of other stacks (NeMo's "
-                                         "optim.grad_sync_dtype bf16, Megatron-Core with grad_reduce_in_fp32 off)",
-                              ("float32", "bfloat16"))
-    attention: str = _option("dense", "how attention splits the sequence: dense keeps it whole on each device, "
-                                      "ring and allgather shard it over context", ("dense", "ring", "allgather"))
+                                         "bfloat16 for other stacks' runs (NeMo's optim.grad_sync_dtype bf16, "
+                                         "Megatron-Core with grad_reduce_in_fp32 off)",
+                              ("float32", "bfloat16"), group="precision", commands=("estimate",),
+                              estimate_only=("bfloat16",))
+    attention: str = _option("dense", "how the sequence is split for attention: dense keeps it whole on each "
+                                      "device; ring and allgather split it over context (not the kernel: "
+                                      "--attention-kernel)", ("dense", "ring", "allgather"), group="layout",
+                             commands=EVERY)
     attention_kernel: str = _option("dense", "what computes attention on a device (jaxpar/ops/attention.py): dense "
                                              "keeps the score matrix for the backward pass; blockwise (pure JAX, "
                                              "online softmax, recomputed backward) keeps memory linear in the "
                                              "sequence; cudnn is cuDNN's fused flash kernel (NVIDIA GPU, bfloat16); "
                                              "splash is the Pallas splash-attention kernel (TPU; Pallas interpret "
                                              "mode elsewhere); auto: cudnn on a GPU in bfloat16, splash on a TPU, "
-                                             "else blockwise",
-                                    ("dense", "auto", "blockwise", "cudnn", "splash"))
+                                             "else blockwise (not the sequence's split: --attention)",
+                                    ("dense", "auto", "blockwise", "cudnn", "splash"), group="kernels",
+                                    commands=TRAINING + ("generate",))
     moe_kernel: str = _option("grouped", "how the routed experts compute (jaxpar/ops/moe.py): grouped sorts the "
                                          "token copies by expert and multiplies only the routed copies "
                                          "(ragged_dot; under expert parallelism a ragged all-to-all on GPU and "
                                          "TPU, a fixed-capacity bucketed all-to-all on CPU); padded fills static "
                                          "per-expert buffers (dropless: E/k times the copies)",
-                              ("grouped", "padded"))
+                              ("grouped", "padded"), group="kernels", commands=TRAINING + ("generate",))
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
-                             ("contiguous", "zigzag"))
-    microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)")
-    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"))
-    pp_repeats: int = _option(1, "circular or 1f1b schedule: layer chunks per stage (v; 1f1b: interleaved)")
-    grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step")
+                             ("contiguous", "zigzag"), group="layout", commands=TRAINING + ("generate",))
+    microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)", group="layout",
+                                commands=TRAINING + ("explain",))
+    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"), group="layout",
+                               commands=TRAINING + ("explain",))
+    pp_repeats: int = _option(1, "circular or 1f1b schedule: layer chunks per stage (v; 1f1b: interleaved)",
+                              group="layout", commands=TRAINING + ("explain",))
+    grad_accum: int = _option(1, "gradient-accumulation steps per optimizer step", group="layout",
+                              commands=TRAINING + ("explain",))
     overlap: str = _option("none", "hide tensor parallelism's collectives behind matmuls: collective_matmul "
                                    "splits the all-gather before each column-parallel projection and the "
                                    "reduce-scatter after each row-parallel one into ring steps (ppermute) "
                                    "interleaved with partial matmuls; _bidir uses both ring directions "
                                    "(needs tensor > 1 and sequence_parallel)",
-                           ("none", "collective_matmul", "collective_matmul_bidir"))
+                           ("none", "collective_matmul", "collective_matmul_bidir"), group="kernels")
     fsdp_prefetch: bool = _option(False, "FSDP: gather the next layer's weights while this layer computes, "
                                          "forward and backward (jaxpar/ops/fsdp_prefetch.py; needs zero=3 and "
-                                         "remat=full; holds two layers' gathered weights at a time)")
+                                         "remat=full; holds two layers' gathered weights at a time)", group="kernels")
     xla_preset: str = _option("none", "compiler scheduling preset (jaxpar/xla_presets.py): XLA options that let "
                                       "collectives run asynchronously behind compute on GPU or TPU; the "
-                                      "partitioning and the bytes are unchanged", XLA_PRESETS)
+                                      "partitioning and the bytes are unchanged", XLA_PRESETS, group="compiler")
+
     pp_stages: str = _option("", "pipeline: layer units per stage chunk, comma-separated in execution order "
                                  "(S values for gpipe, S*v for circular or 1f1b; default: even, or the first and last "
-                                 "chunks one unit lighter when S*v does not divide the units)")
+                                 "chunks one unit lighter when S*v does not divide the units)", group="layout",
+                             commands=TRAINING + ("explain",))
+
+def options_of(command: str) -> tuple[dataclasses.Field, ...]:
+    """The Options fields `command` reads, in schema order."""
+    return tuple(f for f in OPTION_FIELDS if command in f.metadata["commands"])
+
+
+def takes(command: str, option: str) -> tuple[str, ...]:
+    """The commands that read `option` ("" where `command` is one of them)."""
+    field = next(f for f in OPTION_FIELDS if f.name == option)
+    return () if command in field.metadata["commands"] else field.metadata["commands"]
 
 
 OPTION_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(Options)
@@ -146,19 +182,13 @@ class Strategy:
 
     @functools.cached_property
     def num_devices(self) -> int:
-        n = 1
-        for _, s in self.mesh:
-            n *= s
-        return n
+        return math.prod(s for _, s in self.mesh)
 
     def resolved(self, num_devices: int) -> "Strategy":
         """Replace a -1 axis by what fills `num_devices`; check the product."""
         sizes = dict(self.mesh)
         free = [a for a, s in sizes.items() if s == -1]
-        known = 1
-        for a, s in sizes.items():
-            if s != -1:
-                known *= s
+        known = math.prod(s for s in sizes.values() if s != -1)
         if len(free) > 1:
             raise ConfigError(f"mesh {self.name}: only one axis may be -1, got {', '.join(free)}")
         if free:
@@ -166,9 +196,7 @@ class Strategy:
                 raise ConfigError(f"mesh {self.name}: the fixed axes' product {known} does not divide "
                                   f"{num_devices} devices, so -1 for {free[0]} cannot be filled")
             sizes[free[0]] = num_devices // known
-        product = 1
-        for s in sizes.values():
-            product *= s
+        product = math.prod(sizes.values())
         if product != num_devices:
             desc = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
             raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}")

@@ -200,7 +200,7 @@ def check_fsdp_prefetch(strategy: Strategy) -> None:
 def check_remat(model: ModelConfig, strategy: Strategy) -> None:
     """remat=selective recomputes the attention core (models/transformer.py), which a model without attention
     blocks does not have; remat=offload names each layer unit's input inside the layer scan for host memory
-    (models/lm.py OFFLOADED), while a pipeline schedule saves its stage inputs itself, on the device."""
+    (jaxpar/ops/layer_scan.py OFFLOADED), while a pipeline schedule saves its stage inputs itself, on the device."""
     remat, pp = strategy.options.remat, strategy.size("pipeline")
     if remat == "selective" and not model.has_attention:
         raise ConfigError(f"remat=selective recomputes the attention core, but {model.name} (pattern={model.pattern!r}) "

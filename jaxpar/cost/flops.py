@@ -247,7 +247,7 @@ def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
 
 # The layer unit's own policy under the stacks' recompute names: `selective` (Korthikanti et al. 2022;
 # Megatron's --recompute-granularity selective) leaves the unit alone and recomputes its attention core
-# (QK^T, softmax, PV) from the saved q, k, v; `offload` (MaxText's host offload; models/lm.py OFFLOADED) saves
+# (QK^T, softmax, PV) from the saved q, k, v; `offload` (MaxText's host offload; jaxpar/ops/layer_scan.py OFFLOADED) saves
 # each unit's input in host memory and recomputes the unit as `full` does.
 UNIT_POLICY = {"selective": "none", "offload": "full"}
 

@@ -264,7 +264,7 @@ def working_bytes(inventories: tuple[tuple, tuple, tuple], st: Strategy) -> floa
 def host_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> float:
     """Bytes per device in host memory under remat `offload`: each layer unit's input, the residual stream
     [b, s, d] in the compute dtype (split over tensor under SP), copied there in the forward pass and back
-    in the backward pass (models/lm.py OFFLOADED; MaxText's decoder_layer_input offload); 0 otherwise."""
+    in the backward pass (jaxpar/ops/layer_scan.py OFFLOADED; MaxText's decoder_layer_input offload); 0 otherwise."""
     if st.options.remat != "offload":
         return 0.0
     sz, o = st.sizes, st.options

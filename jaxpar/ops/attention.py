@@ -14,6 +14,8 @@ constraints are jaxpar/core/validate.py's; docs/kernels.md has the kernels and l
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -24,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import validate
 from jaxpar.core.sharding import current_layout, use_layout
+from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import CHOICES
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
 from jaxpar.ops.splash_attention import splash_attention
@@ -35,7 +38,7 @@ RING_NAMES = ("ring_kv", "ring_stats")
 recomputation reads (`ring_attention`). A custom VJP's forward rule is rematerialised under the ambient
 checkpoint policy (as for jaxpar/ops/blockwise_attention.py RESIDUAL_NAMES): under a policy that saves dot
 outputs and not these, the folds' forward rules would be rerun from saved QK^T and PV products of every
-step of every layer. The remat policies that save dots save these too (models/lm.py). Seen on llama-tiny
+step of every layer. The remat policies that save dots save these too (jaxpar/ops/layer_scan.py). Seen on llama-tiny
 d_model=256 fsdp=2 x context=4, 2,048 tokens, remat dots (XLA:CPU's memory analysis): 289 MiB peak
 without the names, 131 with them (remat none: 138)."""
 
@@ -138,9 +141,9 @@ def context_attention(q, k, v, positions, *, impl: str, kernel: str = "dense", c
 
     ring_axes, batch_axes = layout.axes("seq"), layout.axes("batch")
     head_axes, kv_head_axes = layout.axes("act_heads"), layout.axes("act_kv_heads")
-    q_spec = P(_dim(batch_axes), _dim(ring_axes), _dim(head_axes), None)
-    kv_spec = P(_dim(batch_axes), _dim(ring_axes), _dim(kv_head_axes), None)
-    pos_spec = P(_dim(batch_axes), _dim(ring_axes))
+    q_spec = P(spec_entry(batch_axes), spec_entry(ring_axes), spec_entry(head_axes), None)
+    kv_spec = P(spec_entry(batch_axes), spec_entry(ring_axes), spec_entry(kv_head_axes), None)
+    pos_spec = P(spec_entry(batch_axes), spec_entry(ring_axes))
     # The mesh axes q differs along (check_vma tracks them); constants joining q must be cast up.
     varying = tuple(dict.fromkeys(batch_axes + ring_axes + head_axes + kv_head_axes))
     def local(q, k, v, pos):
@@ -153,11 +156,6 @@ def context_attention(q, k, v, positions, *, impl: str, kernel: str = "dense", c
     # there (the pipeline equivalence tests, tests/test_pipeline.py, check the gradients it would guard).
     return jax.shard_map(local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, pos_spec),
                          out_specs=q_spec, check_vma=layout.size("stages") == 1)(q, k, v, positions)
-
-
-def _dim(axes: tuple[str, ...]):
-    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 # ---- all-gather context parallelism ------------------------------------------------------------
@@ -275,3 +273,20 @@ def recomputed(fn):
 def _causal_update(stats, qg, k, v, q_pos, kv_pos):
     """`online_update` under the causal mask of these positions."""
     return online_update(stats, qg, k, v, block_mask(q_pos, kv_pos, causal=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCore:
+    """softmax(q k^T / sqrt(d)) v with its causal mask, as the strategy runs it, chosen once: how the sequence
+    is split (`impl`: dense | ring | allgather), the kernel on a device, and whether the core is recomputed
+    in the backward pass from q, k, v alone (`recompute`: remat "selective", Korthikanti et al. 2022: its
+    [b, heads, s, s] scores and probabilities never kept)."""
+    impl: str = "dense"
+    kernel: str = "dense"
+    recompute: bool = False
+
+    def __call__(self, q, k, v, positions, segments=None):
+        core = functools.partial(attention, impl=self.impl, kernel=self.kernel, causal=True)
+        if self.recompute:
+            core = recomputed(core)
+        return core(q, k, v, positions, segments)

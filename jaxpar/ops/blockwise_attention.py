@@ -46,7 +46,7 @@ BLOCK_K = 512   # keys per block
 RESIDUAL_NAMES = ("flash_out", "flash_lse")
 """checkpoint_names of the kernel's output and logsumexp, the residuals its backward reads beside q, k, v.
 A custom VJP's forward rule is rematerialised under the ambient checkpoint policy (JAX's custom_vjp.defremat
-docs): under a policy that saves dot outputs (models/lm.py's `dots`, `dots_no_batch`) and not these two, the
+docs): under a policy that saves dot outputs (jaxpar/ops/layer_scan.py's `dots`, `dots_no_batch`) and not these two, the
 backward pass would rerun the forward's scans from the saved dots, and so keep every block pair's QK^T and
 PV products, the s x s memory of dense attention that the kernel exists to avoid (llama3-70b, seq 8,192,
 fsdp=256 x tensor=2 under `dots`, XLA:CPU's memory analysis: 726 GiB per device that way, 64 with these

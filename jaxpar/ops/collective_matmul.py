@@ -14,6 +14,7 @@ reads the compiled step: no all-gather or reduce-scatter over `tensor` left in t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,11 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.sharding import Layout, current_layout
-
-
-def _dim(axes: tuple[str, ...]):
-    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+from jaxpar.core.rules import spec_entry
 
 
 def _perm(n: int, shift: int) -> list[tuple[int, int]]:
@@ -177,13 +174,13 @@ def column_parallel(x: jax.Array, weights, *, bidirectional: bool = False) -> tu
     if not ring:
         return tuple(_dot(x, w) for w in weights)
     n, inner = _ring_size(layout, ring), layout.axes("seq")
-    x_spec = P(None, _dim(inner + ring))
-    w_specs = tuple(P(None, _dim(ring)) for _ in weights)
-    y_specs = tuple(P(None, _dim(inner), _dim(ring)) for _ in weights)
+    x_spec = P(None, spec_entry(inner + ring))
+    w_specs = tuple(P(None, spec_entry(ring)) for _ in weights)
+    y_specs = tuple(P(None, spec_entry(inner), spec_entry(ring)) for _ in weights)
 
     def shard(x, *weights):
         weights = tuple(jax.lax.pcast(w, inner, to="varying") for w in weights) if inner else weights
-        return allgather_matmul_shard(x, weights, _dim(ring), n, bidirectional)
+        return allgather_matmul_shard(x, weights, spec_entry(ring), n, bidirectional)
 
     return jax.shard_map(shard, mesh=layout.mesh, in_specs=(x_spec, *w_specs), out_specs=y_specs,
                          axis_names=set(inner + ring), check_vma=True)(x, *weights)
@@ -200,8 +197,43 @@ def row_parallel(h: jax.Array, w: jax.Array, *, bidirectional: bool = False) -> 
 
     def shard(h, w):
         w = jax.lax.pcast(w, inner, to="varying") if inner else w
-        return matmul_reducescatter_shard(h, w, _dim(ring), n, bidirectional)
+        return matmul_reducescatter_shard(h, w, spec_entry(ring), n, bidirectional)
 
-    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(P(None, _dim(inner), _dim(ring)), P(_dim(ring))),
-                         out_specs=P(None, _dim(inner + ring)), axis_names=set(inner + ring),
+    h_spec = P(None, spec_entry(inner), spec_entry(ring))
+    return jax.shard_map(shard, mesh=layout.mesh, in_specs=(h_spec, P(spec_entry(ring))),
+                         out_specs=P(None, spec_entry(inner + ring)), axis_names=set(inner + ring),
                          check_vma=True)(h, w)
+
+
+# ---- the projections' implementation, chosen once by the strategy's `overlap` ----------------------
+
+GATHERED = ("batch", "seq", "act_embed")         # a block's normed input, gathered over the sequence
+RING_INPUT = ("batch", "res_seq", "act_embed")    # ... left in the residual stream's layout for the rings
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmuls:
+    """How a layer's projections run: plain dots, whose tensor-parallel collectives XLA's partitioner
+    inserts (`PLAIN`), or the collective-matmul rings above (`rings`, `bidirectional`), which gather their
+    input themselves (so it stays in the residual layout: `input_names`). The model calls `column` for the
+    column-parallel projections that read one input (q, k, v; gate, up) and `row` for a row-parallel one."""
+    rings: bool = False
+    bidirectional: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The logical names a block's normed input takes before its column-parallel projections."""
+        return RING_INPUT if self.rings else GATHERED
+
+    def column(self, x: jax.Array, weights) -> tuple[jax.Array, ...]:
+        """x times each weight, its trailing dims contracted with each weight's leading ones."""
+        if self.rings:
+            return column_parallel(x, weights, bidirectional=self.bidirectional)
+        return tuple(_dot(x, w) for w in weights)
+
+    def row(self, h: jax.Array, w: jax.Array) -> jax.Array:
+        """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream."""
+        return row_parallel(h, w, bidirectional=self.bidirectional) if self.rings else _dot(h, w)
+
+
+PLAIN = Matmuls()

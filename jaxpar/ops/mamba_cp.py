@@ -26,12 +26,14 @@ crosses the batch or head axes, and the kernels also run under the pipeline's
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.sharding import Layout, spec_for
+from jaxpar.core.sharding import Layout, current_layout, spec_for
 from jaxpar.ops.ssd import causal_conv, initial_state_output, segsum, ssd
 
 HEADS = ("batch", "seq", "ssm_heads", None)
@@ -166,3 +168,27 @@ def ssd_cp(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
         return fn(x, dt, A, B, C)
     y, states = fn(x, dt, A, B, C)
     return y, states[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMKernels:
+    """Mamba-2's causal conv and SSD as the strategy runs them, chosen once: chunked on each device, or
+    (`context`) with the sequence split over the layout's `seq` axes (`causal_conv_cp`, `ssd_cp`) wherever
+    the layout in force splits it."""
+    context: bool = False
+
+    def _layout(self) -> Layout | None:
+        layout = current_layout() if self.context else None
+        return layout if context_size(layout) > 1 else None
+
+    def conv(self, convs) -> tuple[jax.Array, ...]:
+        """Each (u, w, bias, names) of `convs` through its depthwise causal conv."""
+        layout = self._layout()
+        if layout is not None:
+            return causal_conv_cp(convs, layout)
+        return tuple(causal_conv(u, w, b) for u, w, b, _ in convs)
+
+    def ssd(self, x, dt, A, B, C, chunk: int) -> jax.Array:
+        """The SSD scan's output y (jaxpar.ops.ssd.ssd, from a zero state)."""
+        layout = self._layout()
+        return ssd_cp(x, dt, A, B, C, chunk, layout) if layout is not None else ssd(x, dt, A, B, C, chunk)[0]

@@ -25,6 +25,7 @@ from jaxpar.core import validate
 from jaxpar.ops.capacity import bucket_rows, group_capacity
 from jaxpar.ops.moe_grouped import Route, expert_parallel_grouped, local_grouped
 from jaxpar.core.sharding import current_layout
+from jaxpar.core.rules import spec_entry
 from jaxpar.xla_workarounds import ragged_all_to_all_runs, ragged_dot_nests
 
 
@@ -173,8 +174,9 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     validate.check_expert_parallel(experts, n)
     expert_axes, batch_axes, seq_axes = layout.axes("experts"), layout.axes("batch"), layout.axes("seq")
     tensor_axes = layout.axes("mlp")
-    tokens = P(_dim(batch_axes), _dim(seq_axes))
-    w_in, w_out = P(_dim(expert_axes), None, _dim(tensor_axes)), P(_dim(expert_axes), _dim(tensor_axes))
+    tokens = P(spec_entry(batch_axes), spec_entry(seq_axes))
+    w_in = P(spec_entry(expert_axes), None, spec_entry(tensor_axes))
+    w_out = P(spec_entry(expert_axes), spec_entry(tensor_axes))
     platform = layout.mesh.devices.flat[0].platform
     dense = getattr(layout, "in_vmap", False) and not ragged_dot_nests(platform)
     if n == 1:
@@ -183,7 +185,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
                              kernel=kernel, context_axes=seq_axes, dense=dense)
             return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
     else:
-        plan = Shard(experts, capacity, n, _dim(expert_axes), seq_axes, tensor_axes, kernel,
+        plan = Shard(experts, capacity, n, spec_entry(expert_axes), seq_axes, tensor_axes, kernel,
                      ragged_all_to_all_runs(platform), dense)
 
         def shard(x, ids, weights, w_gate, w_up, w_down):
@@ -207,8 +209,3 @@ def _varying(x: jax.Array, tensor_axes: tuple[str, ...]) -> jax.Array:
     all-reduce over `tensor` then sums the tokens' gradient [g, s, d] (a column-parallel layer's
     input gradient), not that of the E-times-larger dispatch buffers."""
     return jax.lax.pcast(x, tensor_axes, to="varying") if tensor_axes else x
-
-
-def _dim(axes: tuple[str, ...]):
-    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -43,6 +43,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.sharding import current_layout
+from jaxpar.core.rules import spec_entry
 
 LANES = 128                 # splash's key blocks are multiples of the TPU lane width
 BLOCKS = (512, 256, 128)    # the largest dividing the (padded) sequence is used for every block
@@ -62,7 +63,7 @@ def splash_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segments=
     layout = current_layout()
     if layout is None:
         return _local(q, k, v, q_segments, kv_segments, causal=causal, kv_head_axes=None)
-    batch, heads, kv_heads = (_dim(layout.axes(n)) for n in ("batch", "act_heads", "act_kv_heads"))
+    batch, heads, kv_heads = (spec_entry(layout.axes(n)) for n in ("batch", "act_heads", "act_kv_heads"))
     # K/V heads replicated while query heads are split (tensor > kv_heads): each rank slices its one.
     slice_axes = layout.axes("act_heads") if heads is not None and kv_heads is None else None
     local = functools.partial(_local, causal=causal, kv_head_axes=slice_axes)
@@ -112,8 +113,3 @@ def _kernel(heads: int, seq: int, causal: bool, interpret: bool):
                               block_q_dq=block, block_kv_dq=block)
     return splash.make_splash_mha(splash.MultiHeadMask([mask] * heads), block_sizes=sizes,
                                   head_shards=1, q_seq_shards=1, interpret=interpret)
-
-
-def _dim(axes: tuple[str, ...]):
-    """A PartitionSpec entry for a dim sharded over `axes` (None when there are none)."""
-    return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -21,11 +21,13 @@ The trainer (jaxpar/training/trainer.py) calls
   * `pipelined_loss_and_grads`: 1F1B, interleaved or not, the loss and its gradients;
   * `unit_order`, `stacked_paths`, `reorder`: the stored order of the stacked units and the
     permutation between it and layer order.
-`pipelined_stack` runs the layer stack alone (the pipeline's output without head and loss).
+`pipelined_stack` runs the layer stack alone (the pipeline's output without head and loss);
+`split_microbatches` cuts a batch into micro-batches as the schedules and gradient accumulation do.
 """
 from jaxpar.pipeline.gpipe import pipelined_loss, pipelined_stack
 from jaxpar.pipeline.one_f_one_b import pipelined_loss_and_grads
 from jaxpar.pipeline.order import reorder, stacked_paths, unit_order
+from jaxpar.pipeline.stages import split_microbatches
 
-__all__ = ["pipelined_loss", "pipelined_loss_and_grads", "pipelined_stack", "reorder", "stacked_paths",
-           "unit_order"]
+__all__ = ["pipelined_loss", "pipelined_loss_and_grads", "pipelined_stack", "reorder", "split_microbatches",
+           "stacked_paths", "unit_order"]

@@ -23,12 +23,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
+from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import Strategy
-from jaxpar.models.lm import KEEP_UNITS, REMAT_POLICIES
+from jaxpar.ops.layer_scan import KEEP_UNITS, REMAT_POLICIES
 from jaxpar.models.moe import aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL
-from jaxpar.pipeline.stages import (WEIGHTS_NAME, InStages, axis_name, merge_microbatches, split_microbatches,
-                                    stage_chunk, stage_shift, stage_weights, valid_slots)
+from jaxpar.pipeline.stages import (WEIGHTS_NAME, InStages, merge_microbatches, split_microbatches, stage_chunk,
+                                    stage_shift, stage_weights, valid_slots)
 
 
 def _iteration_policy(policy: str):
@@ -46,7 +47,7 @@ def _spread_fn(layout: Layout, names: tuple):
     holding stage 0's row spread over the stages (stage s: its [s]): one all-to-all over the stage axes
     (its transpose, one more, backward). Manual over every mesh axis: an all-to-all in a partly manual
     shard_map would first gather the batch's axes."""
-    name = axis_name(layout.axes("stages"))
+    name = spec_entry(layout.axes("stages"))
     spec = spec_for(names, layout.rules("activations"), layout.mesh)
     out_spec = P(*(tuple(spec)[:1] + tuple(spec)[2:]))
 
@@ -80,7 +81,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
         """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
         with use_layout(InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):
-            return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=axis_name(stage_axes))(
+            return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=spec_entry(stage_axes))(
                 weights, valid, repeat, h, pos)
 
     stage_work = jax.checkpoint(stage_work, policy=_iteration_policy(strategy.options.remat),
@@ -160,7 +161,7 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
 
     def head_loss(x, labels):                          # one micro-batch: its mean token loss
         return nnx.merge(graphdef, state).loss(x, labels)
-    per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=axis_name(stage_axes))(out, ls)   # [S, h]
+    per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=spec_entry(stage_axes))(out, ls)   # [S, h]
     loss = jnp.sum(per_micro * weight) / M
     if aux is None:
         return loss, None

@@ -24,17 +24,16 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpar.core.schedule import Schedule, schedule_of
 from jaxpar.core.sharding import Layout, constrain, spec_for, use_layout
+from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.moe import aux_loss, aux_sum
 from jaxpar.models.transformer import RESIDUAL
 from jaxpar.pipeline.shards import Shards, ShardedLayout
-from jaxpar.pipeline.stages import (axis_name, param_spec, stage_chunk, stage_shift, stage_weights, unit_names,
-                                    valid_slots)
+from jaxpar.pipeline.stages import param_spec, stage_chunk, stage_shift, stage_weights, unit_names, valid_slots
 
 STATE = ("stages", "shards", "rows", "res_seq", "act_embed")   # [S, N, rows, s, d]: the stage state
 LABELS = ("stages", "shards", "rows", "seq")                    # [S, N, rows, s]
@@ -210,10 +209,10 @@ def _pieces_fns(layout: Layout, S: int):
     backward); piece(labels [S, N, rows, s]) -> the labels of stage p's tokens, sharded as `seq` (the
     head's layout: under SP a `seq` shard holds `sub` = tensor residual shards, whose p-th S-ths it
     takes; no communication). Manual over every mesh axis, as jaxpar/pipeline/gpipe.py's `_spread_fn`."""
-    name = axis_name(layout.axes("stages"))
+    name = spec_entry(layout.axes("stages"))
     mesh, rules = layout.mesh, layout.rules("activations")
     state, labels = spec_for(STATE, rules, mesh), spec_for(LABELS, rules, mesh)
-    sub = int(np.prod([mesh.shape[a] for a in layout.axes("res_seq") if a not in layout.axes("seq")]))
+    sub = layout.group(a for a in layout.axes("res_seq") if a not in layout.axes("seq"))
 
     def spread(y):                                            # local [1, n, rows, s_l, d]
         y = y.reshape(y.shape[:3] + (S, y.shape[3] // S) + y.shape[4:])

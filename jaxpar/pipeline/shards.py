@@ -12,11 +12,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpar.core.rules import Rules
+from jaxpar.core.rules import Rules, spec_entry
 from jaxpar.core.sharding import Layout, constrain, use_layout
-from jaxpar.pipeline.stages import COPY_AXES, InStages, axis_name, param_spec, split_microbatches
+from jaxpar.pipeline.stages import COPY_AXES, InStages, param_spec, split_microbatches
 
 
 def _split_batch(rules, inner: bool):
@@ -59,8 +58,8 @@ class Shards:
     @classmethod
     def of(cls, layout: Layout) -> Shards:
         shard_axes = layout.axes("shards")
-        return cls(layout, int(np.prod([layout.mesh.shape[a] for a in shard_axes])),
-                   axis_name(shard_axes) if shard_axes else None,
+        return cls(layout, layout.group(shard_axes),
+                   spec_entry(shard_axes),
                    PerShard(layout.mesh, layout.strategy, layout.replicate_kv_heads))
 
     def copies(self, a, names: tuple, lead: int, lead_spec: tuple):
@@ -83,4 +82,4 @@ class Shards:
         def per_stage(*args):
             with use_layout(self.inner):
                 return jax.vmap(fn, in_axes=shard_axes_in, spmd_axis_name=self.axis)(*args)
-        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=axis_name(self.layout.axes("stages")))
+        return jax.vmap(per_stage, in_axes=stage_axes_in, spmd_axis_name=spec_entry(self.layout.axes("stages")))

@@ -15,6 +15,7 @@ slots on every stage at once, a vmap over the stage dim. This module gives them
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -26,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.schedule import Schedule
 from jaxpar.core.sharding import Layout, spec_for, use_layout
-from jaxpar.models.lm import unit_step
+from jaxpar.core.rules import spec_entry
+from jaxpar.models.lm import unit_body
+from jaxpar.ops.layer_scan import LayerScan
 
 WEIGHTS_NAME = "pipeline_stage_weights"   # checkpoint_name of the per-iteration weight slice
 COPY_AXES = ("data", "fsdp")              # the batch axes that hold one copy of the stage weights each
@@ -35,15 +38,9 @@ COPY_AXES = ("data", "fsdp")              # the batch axes that hold one copy of
 
 # ---- mesh axes and specs -------------------------------------------------------------------------------
 
-def axis_name(axes: tuple[str, ...]):
-    """The name of mesh axes `axes` as collectives and spmd_axis_name take it: one axis by itself."""
-    return axes[0] if len(axes) == 1 else axes
-
-
 def _without(dim, drop: tuple[str, ...]):
     """One PartitionSpec entry with the mesh axes `drop` removed."""
-    axes = tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+    return spec_entry(tuple(a for a in ((dim,) if isinstance(dim, str) else dim) if a not in drop))
 
 
 def param_spec(names: tuple, layout: Layout, drop: tuple[str, ...] = (), lead: tuple = (),
@@ -116,7 +113,7 @@ def _copy_axes(layout: Layout, per_shard: bool) -> tuple[tuple[str, ...], int]:
     """(the batch axes that hold one copy of the stage weights each, F = their devices); none without
     `per_shard`."""
     copies = tuple(a for a in layout.axes("batch") if a in COPY_AXES) if per_shard else ()
-    return copies, int(np.prod([layout.mesh.shape[a] for a in copies])) if copies else 1
+    return copies, layout.group(copies)
 
 
 def _shard_copies(w: jax.Array, view: jax.Array, names: tuple, copies: tuple[str, ...], F: int,
@@ -138,7 +135,7 @@ def _shard_copies(w: jax.Array, view: jax.Array, names: tuple, copies: tuple[str
         w = w.reshape((S, F) + w.shape[3:])
     else:
         w = jnp.broadcast_to(w[:, None], (S, F) + w.shape[1:])
-    spec = P(spec[0], axis_name(copies), *rest)
+    spec = P(spec[0], spec_entry(copies), *rest)
     return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, spec))
 
 
@@ -166,7 +163,7 @@ def _unit_chunk(graphdef, treedef, repeats: int, policy: str, moe: bool) -> Call
         ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if repeats > 1 else w[0] for w in ws]
         ws = checkpoint_name(ws, WEIGHTS_NAME)
         units = jax.tree.unflatten(treedef, ws)
-        step = unit_step(graphdef, policy, pos)
+        step = LayerScan(policy).step(unit_body(graphdef, pos))
         if ok is None:
             y, aux = jax.lax.scan(step, h, units)
         else:
@@ -199,12 +196,12 @@ def _per_shard_chunk(chunk: Callable, copies: tuple[str, ...], F: int, layout: L
     """`chunk` run by each of the F weight-copy shards on its rows with its own copy of the weights
     ([F, v, k, ...]); the MoE statistics per shard, [k, F, n]."""
     batch_axes = layout.axes("batch")
-    before = int(np.prod([layout.mesh.shape[a] for a in batch_axes[:batch_axes.index(copies[0])]]))
+    before = layout.group(batch_axes[:batch_axes.index(copies[0])])
     inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
 
     def sharded_chunk(ws, ok, r, h, pos):
         with use_layout(inner_layout):
-            out = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=axis_name(copies))(
+            out = jax.vmap(chunk, in_axes=(0, None, None, 0, 0), spmd_axis_name=spec_entry(copies))(
                 ws, ok, r, _fsdp_split(h, F, before), _fsdp_split(pos, F, before))
         y = _fsdp_merge((out[0] if moe else out)[None], before)[0]
         return (y, jnp.swapaxes(out[1], 0, 1)) if moe else y
@@ -243,9 +240,9 @@ def stage_chunk(model, sched: Schedule, layout: Layout, per_shard: bool = True, 
 def stage_shift(mesh, axes: tuple[str, ...]) -> Callable:
     """y[s] -> y[s+1] cyclically (the last stage's to stage 0): one collective-permute over the stage axes
     (a ppermute, whose transpose is the reverse permute: one more backward)."""
-    n = int(np.prod([mesh.shape[a] for a in axes]))
+    n = math.prod(mesh.shape[a] for a in axes)
     perm = [(i, (i + 1) % n) for i in range(n)]
-    name = axis_name(axes)
+    name = spec_entry(axes)
     return jax.shard_map(lambda y: jax.lax.ppermute(y, name, perm), mesh=mesh, in_specs=P(name),
                          out_specs=P(name), axis_names=set(axes))
 

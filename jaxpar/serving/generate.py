@@ -37,11 +37,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.core import validate
 from jaxpar.core.mesh import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.ops.attention import resolve_kernel, token_permutation
+from jaxpar.ops.attention import AttentionCore, resolve_kernel, token_permutation
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
 from jaxpar.core.strategy import Strategy
 from jaxpar.models import decode
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten
 from jaxpar.training.trainer import TrainState
@@ -163,6 +164,14 @@ def as_dtype(tree, dtype):
     return jax.tree.map(one, tree)
 
 
+def generation_run(strategy: Strategy) -> RunConfig:
+    """How the model executes in a generation step under `strategy`: its dtype, attention kernel (the
+    prefill's; a decode step reads the cache densely) and MoE kernel; plain projections, no remat (the
+    training-only options do not apply)."""
+    o = strategy.options
+    return RunConfig(dtype=o.dtype, core=AttentionCore(kernel=o.attention_kernel), moe_kernel=o.moe_kernel)
+
+
 def prompt_width(model: ModelConfig, strategy: Strategy, longest: int) -> int:
     """The padded prompt width P: the longest prompt, rounded up so that a context-parallel prefill
     splits it into equal pieces (2 per context rank under zigzag), each at least the conv halo
@@ -196,10 +205,7 @@ class Generator:
         self.model_cfg, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
         pre, dec = self.strategy.phase("prefill"), self.strategy.phase("decode")
         self.batch, self.prompt_len = len(prompts), prompt_width(model, pre, max(len(p) for p in prompts))
-        self.run = RunConfig(dtype=dec.options.dtype, attention_kernel=dec.options.attention_kernel,
-                             moe_kernel=dec.options.moe_kernel)
-        self.prefill_run = RunConfig(dtype=pre.options.dtype, attention_kernel=pre.options.attention_kernel,
-                                     moe_kernel=pre.options.moe_kernel)
+        self.run, self.prefill_run = generation_run(dec), generation_run(pre)
         self.check_prefill_kernel(prompts, devices[0].platform)
         self.weight_dtype = jnp.dtype(dec.options.dtype)   # the serving weights' dtype (module docstring)
         self.kv_copies = kv_copies(model, pre.size("tensor"), dec.size("tensor"))

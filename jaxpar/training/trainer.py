@@ -29,16 +29,22 @@ from jaxpar.core.mesh import make_mesh
 from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
 from jaxpar.core.strategy import Strategy
 from jaxpar.cost.flops import Kernels, step_flops
-from jaxpar.models.config import ModelConfig, RunConfig
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.moe import AUX_FIELDS, aux_metrics
 from jaxpar.errors import ConfigError
-from jaxpar.ops.attention import resolve_kernel, token_permutation
-from jaxpar.pipeline import pipelined_loss, pipelined_loss_and_grads, reorder, stacked_paths, unit_order
+from jaxpar.ops.attention import AttentionCore, resolve_kernel, token_permutation
+from jaxpar.ops.collective_matmul import Matmuls
+from jaxpar.ops.layer_scan import KEEP_UNITS, LayerScan
+from jaxpar.ops.mamba_cp import SSMKernels
+from jaxpar.pipeline import (pipelined_loss, pipelined_loss_and_grads, reorder, split_microbatches, stacked_paths,
+                             unit_order)
 from jaxpar.training import faults
 from jaxpar.training.config import TrainConfig
 from jaxpar.training.data import local_batch, process_indices, to_global
 from jaxpar.xla_presets import compiler_options
+from jaxpar.xla_workarounds import cast, gathered
 
 
 def make_schedule(tc: TrainConfig) -> optax.Schedule:
@@ -77,11 +83,17 @@ class TrainState(NamedTuple):
 
 
 def run_config(strategy: Strategy) -> RunConfig:
-    """How the model executes under `strategy`: the one place strategy options reach the model."""
+    """How the model executes under `strategy`: the one place strategy options reach the model, each choosing
+    an implementation (models/run.py): the projections' (plain dots or collective matmul rings, `overlap`),
+    the attention core's (`attention`, `attention_kernel`, recomputed under remat "selective"), the layer
+    scan's (`remat`, `fsdp_prefetch`), Mamba-2's kernels (split over `context`), and under a remat that
+    recomputes the unit the attention output projection gathered once for both its reads."""
     o = strategy.options
-    return RunConfig(dtype=o.dtype, remat=o.remat, attention=o.attention, attention_kernel=o.attention_kernel,
-                     ssm="context" if strategy.size("context") > 1 else "chunked", overlap=o.overlap,
-                     fsdp_prefetch=o.fsdp_prefetch, moe_kernel=o.moe_kernel)
+    recompute = o.remat not in KEEP_UNITS
+    return RunConfig(dtype=o.dtype, matmuls=Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir"),
+                     core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
+                     scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
+                     recomputed_weight=gathered if recompute else cast, moe_kernel=o.moe_kernel)
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
@@ -219,11 +231,6 @@ class Trainer:
             (loss, extra), grads = self._value_and_grad(params, batch)
             return loss, extra, grads
 
-        # Micro-batch k takes rows k, k+A, k+2A, ...: a reshape that keeps each micro-batch's
-        # rows on the devices that already hold them.
-        def split(x):
-            return jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
-
         def body(carry, micro):
             loss_sum, extra_sum, grad_sum = carry
             (loss, extra), grads = self._value_and_grad(params, micro)
@@ -232,7 +239,7 @@ class Trainer:
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         extra0 = {name: jnp.zeros((), jnp.float32) for name in self.extra_metrics}
-        (loss, extra, grads), _ = jax.lax.scan(body, (jnp.zeros(()), extra0, zeros), jax.tree.map(split, batch))
+        (loss, extra, grads), _ = jax.lax.scan(body, (jnp.zeros(()), extra0, zeros), jax.tree.map(lambda x: split_microbatches(x, accum), batch))
         return loss / accum, jax.tree.map(lambda m: m / accum, extra), jax.tree.map(lambda g: g / accum, grads)
 
     def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
