@@ -237,7 +237,7 @@ BASE = ["generate", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--pro
     ({"--model": "moe-tiny:capacity_factor=1.25"}, ["capacity_factor=1.25", "dropless"]),
     ({"--mesh": "data=2,pipeline=2,tensor=2"}, ["pipeline=2", "not implemented yet"]),
     ({"--mesh": "data=2,context=2,tensor=2"}, ["context=2", "context-parallel prefill"]),
-    (["--sequence-parallel"], ["sequence_parallel", "one token per sequence"]),
+    (["--sequence-parallel"], ["--sequence-parallel is not an option of generate", "train"]),
     ({"--model": "llama-tiny:heads=24,kv_heads=3", "--mesh": "tensor=8"},
      ["tensor=8 > kv_heads=3", "multiple of kv_heads"]),
     (["--top-k", "5"], ["--top-k 5", "--temperature 0 is greedy"]),

@@ -162,7 +162,9 @@ def test_phases_inherit_from_the_top_level(tmp_path):
                                                           "attention=dense"]),
     ("[mesh]\ntensor = 8\n[prefill.mesh]\ncontext = 2\ntensor = 4\n[prefill.options]\nattention = \"ring\"\n",
      ["prefill layout", "tensor=4 > kv_heads=2"]),
-], ids=["device-counts", "unknown-key", "bad-option", "dense-context", "cp-vs-kv-heads"])
+    ("[mesh]\ndata = 4\ntensor = 2\n[options]\nsequence_parallel = true\n", ["one token per sequence",
+                                                                             "drop --sequence-parallel"]),
+], ids=["device-counts", "unknown-key", "bad-option", "dense-context", "cp-vs-kv-heads", "sequence-parallel"])
 def test_bad_phase_layouts(tmp_path, text, words):
     path = tmp_path / "bad.toml"
     path.write_text(text)
