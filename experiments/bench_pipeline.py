@@ -82,7 +82,7 @@ class Case:
         self.times: list[float] = []
         self.step()  # warm up
         self.times.clear()
-        sched = schedule_of(tr.strategy, tr.model_cfg.units)
+        sched = schedule_of(tr.strategy, tr.model_cfg.run_units)
         piped = sched.stages > 1
         kind = sched.kind + (f" v={sched.repeats}" if sched.kind == "1f1b" and sched.repeats > 1 else "")
         self.row = {"mesh": mesh, "schedule": kind if piped else "-", "M": sched.microbatches,

@@ -162,7 +162,7 @@ def compiled_blocks(model: str, layout: str, batch: int, seq: int) -> dict:
     for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tr.abstract_params), shardings):
         keys = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         kind = ("mlp" if "/mlp/" in keys else "attention" if "/attn/" in keys else
-                "mamba2" if tr.model_cfg.pattern == "M" and keys.startswith("units/") and "/norm/" not in keys
+                "mamba2" if tr.model_cfg.pattern == "M" and keys.startswith("runs/") and "/norm/" not in keys
                 else None)
         if kind:
             local = sharding.shard_shape(leaf.shape)

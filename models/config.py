@@ -1,10 +1,13 @@
 """Model configuration: one frozen dataclass for every model family, plus named presets.
 
-A model is a stack of `layers` blocks. `pattern` says which block each layer is and is repeated
-to fill the stack: "A" is a LLaMA-style attention block (GQA attention + MLP), "M" is a Mamba-2
-block, "E" an attention block whose MLP is a mixture of experts (models/moe.py). So a transformer has
-pattern "A", a pure Mamba-2 model "M", a hybrid e.g. "MMMA", an all-MoE transformer "E", one that
-alternates dense and MoE layers "AE", and a Jamba-style hybrid "MMME".
+A model is a stack of `layers` blocks: "A" is a LLaMA-style attention block (GQA attention + MLP), "M" a
+Mamba-2 block, "E" an attention block whose MLP is a mixture of experts (models/moe.py). `pattern` says
+which block each layer is, in one of two forms:
+    a unit, repeated to fill `layers`: "A" (a transformer), "M" (Mamba-2), "MMMA" (a hybrid), "E" (all
+        MoE), "AE" (dense and MoE alternating), "MMME" (Jamba-style);
+    a block sequence, runs of `count*unit` joined by "+": "3*A+58*E" (DeepSeek-V3: 3 dense layers, then
+        58 MoE), "A+3*E" (a count of 1 may be left out); it fixes `layers`.
+Each run (`runs`) is stacked and scanned as one: a model compiles one body per run, not per layer.
 
 Spec strings (the CLI's `--model`):
     llama-tiny                          a preset
@@ -14,12 +17,66 @@ Spec strings (the CLI's `--model`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import did_you_mean, parse_int, parse_real, read_toml
+
+
+BLOCKS = {"A": "attention", "M": "Mamba-2", "E": "attention + mixture of experts"}   # the block letters
+
+
+class Run(NamedTuple):
+    """`count` repetitions of `unit` (block letters applied in order), stacked on a `layers` dim and scanned."""
+    unit: str
+    count: int
+
+    @property
+    def layers(self) -> int:
+        return len(self.unit) * self.count
+
+
+_TERM = re.compile(r"(?:(\d+)\*)?([A-Z]+)")
+
+
+@functools.cache   # the cost model reads a model's runs for every candidate it prices
+def parse_runs(pattern: str, layers: int) -> tuple[Run, ...]:
+    """The runs of `pattern` (module docstring): its unit repeated to fill `layers`, or its `count*unit`
+    terms, equal neighbours merged. ConfigError naming the term that is not one."""
+    if "*" not in pattern and "+" not in pattern:
+        return (Run(pattern, layers // max(len(pattern), 1)),)
+    runs: list[Run] = []
+    for term in pattern.split("+"):
+        match = _TERM.fullmatch(term.strip())
+        if not match or (match.group(1) is not None and int(match.group(1)) < 1):
+            raise ConfigError(f"pattern {pattern!r}: term {term!r} is not count*unit (e.g. 3*A) or a unit of the "
+                              f"block letters {', '.join(BLOCKS)}")
+        unit, count = match.group(2), int(match.group(1) or 1)
+        if runs and runs[-1].unit == unit:
+            runs[-1] = Run(unit, runs[-1].count + count)
+        else:
+            runs.append(Run(unit, count))
+    return tuple(runs)
+
+
+def is_sequence(pattern: str) -> bool:
+    """Whether `pattern` is a block sequence (it fixes `layers`) rather than a repeated unit."""
+    return "*" in pattern or "+" in pattern
+
+
+def pattern_of(kinds: str) -> str:
+    """The pattern of a per-layer string of block letters (a checkpoint's layers): its shortest repeating
+    unit when that repeats, else its runs of equal letters, e.g. "AEEE" -> "A+3*E"."""
+    unit = next(kinds[:n] for n in range(1, len(kinds) + 1) if len(kinds) % n == 0
+                and kinds[:n] * (len(kinds) // n) == kinds)
+    if len(unit) < len(kinds) or len(kinds) == 1:
+        return unit
+    return "+".join(f"{len(m.group(0))}*{m.group(1)}" if len(m.group(0)) > 1 else m.group(1)
+                    for m in re.finditer(r"([A-Z])\1*", kinds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +88,7 @@ class ModelConfig:
     max_seq: int = 256
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    pattern: str = "A"  # A = attention block, M = Mamba-2 block, E = attention + MoE; repeated to fill `layers`
+    pattern: str = "A"  # A attention, M Mamba-2, E attention + MoE: a unit repeated, or runs "3*A+58*E"
     # attention blocks (A and E)
     heads: int = 8
     kv_heads: int = 8
@@ -73,26 +130,55 @@ class ModelConfig:
                 self.rope_original_max_seq)
 
     @property
+    def runs(self) -> tuple[Run, ...]:
+        """The stacked runs, in layer order (one for a repeated unit)."""
+        return parse_runs(self.pattern, self.layers)
+
+    @property
+    def run_units(self) -> tuple[int, ...]:
+        """Scanned units per run (what a pipeline cuts into stages)."""
+        return tuple(r.count for r in self.runs)
+
+    @property
     def units(self) -> int:
-        """Number of scanned units: each unit is one repetition of `pattern`."""
-        return self.layers // len(self.pattern)
+        """Scanned units, all runs together (each a repetition of its run's unit)."""
+        return sum(self.run_units)
+
+    def layers_of(self, run: int, block: int) -> list[int]:
+        """The layer index of block `block` in each unit of run `run` (a checkpoint's layer numbering)."""
+        start = sum(r.layers for r in self.runs[:run])
+        unit = len(self.runs[run].unit)
+        return [start + u * unit + block for u in range(self.runs[run].count)]
+
+    @property
+    def layer_kinds(self) -> str:
+        """The block letter of every layer, in order ("AEEE")."""
+        return "".join(r.unit * r.count for r in self.runs)
 
     @property
     def attention_layers(self) -> int:
-        return self.units * self.pattern.count("A")
+        return self.layer_kinds.count("A")
 
     @property
     def mamba_layers(self) -> int:
-        return self.units * self.pattern.count("M")
+        return self.layer_kinds.count("M")
 
     @property
     def moe_layers(self) -> int:
-        return self.units * self.pattern.count("E")
+        return self.layer_kinds.count("E")
 
     @property
     def has_attention(self) -> bool:
         """Whether some block has attention (A and E blocks)."""
         return "A" in self.pattern or "E" in self.pattern
+
+    @property
+    def has_mamba(self) -> bool:
+        return "M" in self.pattern
+
+    @property
+    def has_moe(self) -> bool:
+        return "E" in self.pattern
 
     @property
     def moe_mlp_dim(self) -> int:
@@ -128,11 +214,16 @@ class ModelConfig:
                  f"RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                  f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
             need(self.rope_original_max_seq > 0, f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
-        need(self.pattern != "" and set(self.pattern) <= {"A", "M", "E"},
-             "pattern must be a non-empty string of 'A' (attention), 'M' (Mamba) and 'E' (attention + "
-             f"mixture of experts), got {self.pattern!r}")
-        need(self.layers % len(self.pattern) == 0,
-             f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
+        letters = "".join(r.unit for r in self.runs) if is_sequence(self.pattern) else self.pattern
+        need(letters != "" and set(letters) <= set(BLOCKS),
+             "pattern must be a non-empty unit of 'A' (attention), 'M' (Mamba) and 'E' (attention + mixture of "
+             f"experts), or runs of them as count*unit joined by '+' (3*A+58*E), got {self.pattern!r}")
+        if is_sequence(self.pattern):
+            need(sum(r.layers for r in self.runs) == self.layers,
+                 f"pattern {self.pattern!r} has {sum(r.layers for r in self.runs)} layers, but layers={self.layers}")
+        else:
+            need(self.layers % len(self.pattern) == 0,
+                 f"pattern length {len(self.pattern)} ({self.pattern!r}) does not divide layers={self.layers}")
         need(self.has_attention or not self.qk_norm,
              f"qk_norm normalises attention heads: pattern {self.pattern!r} has no A or E block")
         if self.has_attention:
@@ -142,14 +233,14 @@ class ModelConfig:
                  f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
             need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
             need(self.mlp_type in ("swiglu", "gelu"), f"mlp_type must be swiglu or gelu, got {self.mlp_type!r}")
-        if "M" in self.pattern:
+        if self.has_mamba:
             for f in ("d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"):
                 need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
             need(self.d_inner % self.ssm_head_dim == 0,
                  f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner=expand*d_model={self.d_inner}")
             need(self.ssm_heads % self.ngroups == 0,
                  f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
-        if "E" in self.pattern:
+        if self.has_moe:
             self._validate_moe(need)
 
     def _validate_moe(self, need) -> None:
@@ -265,11 +356,20 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
     return raw
 
 
+def _fields(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """A preset's fields with the `given` ones; a block sequence given as `pattern` without `layers` sets it."""
+    fields = {**base, **given}
+    pattern = given.get("pattern")
+    if isinstance(pattern, str) and is_sequence(pattern) and "layers" not in given:
+        fields["layers"] = sum(r.layers for r in parse_runs(pattern, 0))
+    return fields
+
+
 def from_preset(name: str, /, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}{did_you_mean(name, PRESETS)}; "
                           f"presets: {', '.join(PRESETS)}")
-    fields = {**PRESETS[name], **{k: _coerce(k, v, f"model {name}") for k, v in overrides.items()}}
+    fields = _fields(PRESETS[name], {k: _coerce(k, v, f"model {name}") for k, v in overrides.items()})
     cfg = ModelConfig(name=name, **fields)
     cfg.validate()
     return cfg
@@ -287,7 +387,7 @@ def parse_model(spec: str) -> ModelConfig:
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"{spec}: unknown model preset {preset!r}{did_you_mean(preset, PRESETS)}; "
                               f"presets: {', '.join(PRESETS)}")
-        fields = {**base, **{k: _coerce(k, v, spec) for k, v in data.items()}}
+        fields = _fields(base, {k: _coerce(k, v, spec) for k, v in data.items()})
         cfg = ModelConfig(name=path.stem, **fields)
         cfg.validate()
         return cfg

@@ -2,8 +2,8 @@
 
 The decode path sits beside the training forward and reuses its blocks' parameters and pieces
 (`Attention.project` / `output`, `MambaBlock.in_proj`, the conv and SSD kernels); only the state
-that carries from one step to the next is new. That state, per block of a scanned unit, stacked
-over units on `layers` like the parameters:
+that carries from one step to the next is new. That state, per block of a run's unit, stacked
+over the run's units on `layers` like the parameters (`runs`: one list of blocks per run):
 
     A block   k, v      [units, b, S, kv_cached, head_dim]   (layers, cache_batch, cache_seq, cache_kv_heads, head_dim)
     M block   conv_x    [units, b, K-1, ssm_heads, p]        the last K-1 conv inputs (the conv window)
@@ -61,27 +61,30 @@ class Slot:
 
 
 def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_copies: int = 1) -> dict:
-    """The cache as a tree of Slots: {"pos": Slot, "units": [one dict per block of the pattern]}."""
-    u, dt = cfg.units, str(dtype_of(run))
-    blocks = []
-    for kind in cfg.pattern:
-        if kind in ("A", "E"):  # attention, then a dense or a mixture-of-experts MLP
-            kv = Slot((u, batch, length, cfg.kv_heads * kv_copies, cfg.head_dim), dt, KV_NAMES)
-            blocks.append({"k": kv, "v": kv})
-        elif kind == "M":
-            k, h, p, g, n = cfg.d_conv - 1, cfg.ssm_heads, cfg.ssm_head_dim, cfg.ngroups, cfg.d_state
-            window = ("layers", "cache_batch", "conv")
-            blocks.append({"conv_x": Slot((u, batch, k, h, p), dt, window + ("ssm_heads", "head_dim")),
-                           "conv_B": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
-                           "conv_C": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
-                           "ssm": Slot((u, batch, h, p, n), "float32",
-                                       ("layers", "cache_batch", "ssm_heads", "head_dim", "ssm_state"))})
-        else:
-            raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.core.validate.check_generate refuses it)")
+    """The cache as a tree of Slots: {"pos": Slot, "runs": [per run, one dict per block of its unit]}."""
+    dt = str(dtype_of(run))
+    runs = [[_block_cache(cfg, kind, dt, (r.count, batch, length, kv_copies)) for kind in r.unit] for r in cfg.runs]
     # the slots' positions are for attention's causal mask: an attention-free stack keeps none, so its
     # decode state is the same size for any cache length
     slots = length if cfg.has_attention else 0
-    return {"pos": Slot((batch, slots), "int32", ("cache_batch", "cache_seq"), PAD_POSITION), "units": blocks}
+    return {"pos": Slot((batch, slots), "int32", ("cache_batch", "cache_seq"), PAD_POSITION), "runs": runs}
+
+
+def _block_cache(cfg: ModelConfig, kind: str, dt: str, shape: tuple[int, int, int, int]) -> dict:
+    """One block's cache Slots; `shape`: (its run's units, batch, cache length, K/V head copies)."""
+    u, batch, length, kv_copies = shape
+    if kind in ("A", "E"):  # attention, then a dense or a mixture-of-experts MLP
+        kv = Slot((u, batch, length, cfg.kv_heads * kv_copies, cfg.head_dim), dt, KV_NAMES)
+        return {"k": kv, "v": kv}
+    if kind == "M":
+        k, h, p, g, n = cfg.d_conv - 1, cfg.ssm_heads, cfg.ssm_head_dim, cfg.ngroups, cfg.d_state
+        window = ("layers", "cache_batch", "conv")
+        return {"conv_x": Slot((u, batch, k, h, p), dt, window + ("ssm_heads", "head_dim")),
+                "conv_B": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
+                "conv_C": Slot((u, batch, k, g, n), dt, window + ("ssm_groups", "ssm_state")),
+                "ssm": Slot((u, batch, h, p, n), "float32",
+                            ("layers", "cache_batch", "ssm_heads", "head_dim", "ssm_state"))}
+    raise ValueError(f"no decode path for block kind {kind!r} (jaxpar.core.validate.check_generate refuses it)")
 
 
 def is_slot(x) -> bool:
@@ -190,22 +193,30 @@ def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, ind
     valid = positions < PAD_POSITION
     cache_pos = (jax.lax.dynamic_update_slice_in_dim(cache["pos"], positions.astype(jnp.int32), index, axis=1)
                  if cfg.has_attention else cache["pos"])
-    graphdef, stacked = nnx.split(model.units)
+    def block_step(kind, block, x, c):
+        if kind == "M":
+            return mamba_block(block, x, valid, c, tail)
+        return attention_block(block, x, positions, c, cache_pos, index, prefill, impl)
 
-    def unit_step(x, unit_and_cache):
+    runs = []
+    for r, units, run_cache in zip(cfg.runs, model.runs, cache["runs"]):
+        graphdef, stacked = nnx.split(units)
+        x, new = jax.lax.scan(_unit_step(graphdef, r.unit, block_step), x, (stacked, run_cache))
+        runs.append(new)
+    return last_logits(model, x, int(where[-1])), {"pos": cache_pos, "runs": runs}
+
+
+def _unit_step(graphdef, kinds: str, block_step):
+    """The scan body over one run's units and their caches: each of the unit's blocks (`kinds`) through
+    block_step(kind, block, x, cache) -> (x, new cache)."""
+    def step(x, unit_and_cache):
         unit_state, unit_cache = unit_and_cache
-        unit = nnx.merge(graphdef, unit_state)
         new = []
-        for kind, block, c in zip(cfg.pattern, unit.blocks, unit_cache):
-            if kind == "M":
-                x, c = mamba_block(block, x, valid, c, tail)
-            else:
-                x, c = attention_block(block, x, positions, c, cache_pos, index, prefill, impl)
+        for kind, block, c in zip(kinds, nnx.merge(graphdef, unit_state).blocks, unit_cache):
+            x, c = block_step(kind, block, x, c)
             new.append(c)
         return x, new
-
-    x, units = jax.lax.scan(unit_step, x, (stacked, cache["units"]))
-    return last_logits(model, x, int(where[-1])), {"pos": cache_pos, "units": units}
+    return step
 
 
 def last_logits(model: LM, x: jax.Array, column: int = -1) -> jax.Array:

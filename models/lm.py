@@ -1,16 +1,17 @@
-"""A decoder-only language model: embedding, a scanned stack of units, final norm, LM head.
+"""A decoder-only language model: embedding, scanned runs of layer units, final norm, LM head.
 
-A *unit* is one repetition of `cfg.pattern` ("A" attention block, "M" Mamba-2 block, "E" attention +
-mixture-of-experts block). The units' parameters are stacked on a leading `layers` axis (created
-with nnx.vmap) and applied with `jax.lax.scan`, so a 126-layer model compiles one unit body; the
-pipeline splits the same stack across stages.
+The layers are `cfg.runs` (models/config.py): each run is `count` repetitions of a *unit* of blocks ("A"
+attention block, "M" Mamba-2 block, "E" attention + mixture-of-experts block), its parameters stacked on a
+leading `layers` axis (created with nnx.vmap) and applied with `jax.lax.scan`, so a 126-layer model
+compiles one unit body, and DeepSeek-V3's 3 dense + 58 MoE layers two; the pipeline splits the same
+stacks across stages.
 
 The public pieces, so that pipeline parallelism can replace the middle:
     embed(tokens) -> x          apply_stack(x, positions) -> x          loss(x, labels) -> scalar
 
 MoE blocks also return the sums their auxiliary losses and router statistics are made of (models/moe.py:
-a float32 vector per block). A unit concatenates its blocks' vectors; the scan emits one per unit as its
-per-iteration output (stacked [units, n], no carry), and `apply_stack_aux` turns them into the losses
+a float32 vector per block). A unit concatenates its blocks' vectors; each run's scan emits one per unit as
+its per-iteration output (stacked [units, n], no carry), and `apply_stack_aux` turns them into the losses
 and statistics summed over the layers (moe.aux_sum). `loss(x, labels, aux=...)`
 adds the weighted auxiliary losses.
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core.sharding import constrain
-from jaxpar.models.config import ModelConfig
+from jaxpar.models.config import ModelConfig, Run
 from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.mamba import MambaBlock
@@ -39,11 +40,11 @@ def block_class(kind: str):
 
 
 class Unit(nnx.Module):
-    """One repetition of the pattern: its blocks applied in order. Returns (x, its MoE blocks' statistics
+    """One repetition of a run's unit: its blocks applied in order. Returns (x, its MoE blocks' statistics
     vectors concatenated, or None when it has none)."""
 
-    def __init__(self, cfg: ModelConfig, run: RunConfig, *, rngs: nnx.Rngs):
-        self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in cfg.pattern])
+    def __init__(self, cfg: ModelConfig, run: RunConfig, unit: str, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([block_class(kind)(cfg, run, rngs=rngs) for kind in unit])
 
     def __call__(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array | None]:
@@ -60,13 +61,7 @@ class LM(nnx.Module):
     def __init__(self, cfg: ModelConfig, run: RunConfig = RunConfig(), *, rngs: nnx.Rngs):
         self.cfg, self.run = cfg, run
         self.embedding = param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"), std=1.0)
-
-        @nnx.split_rngs(splits=cfg.units)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_units(rngs: nnx.Rngs) -> Unit:
-            return Unit(cfg, run, rngs=rngs)
-
-        self.units = make_units(rngs)
+        self.runs = nnx.List([stacked_units(cfg, run, r, rngs) for r in cfg.runs])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), std=cfg.d_model ** -0.5)
@@ -85,11 +80,12 @@ class LM(nnx.Module):
                         ) -> tuple[jax.Array, jax.Array | None]:
         """(x, the MoE blocks' auxiliary vectors summed over every layer; None without MoE blocks);
         `segments`: packed documents' ids, which attention keeps apart."""
-        graphdef, stacked = nnx.split(self.units)
-        x, aux = self.run.scan(unit_body(graphdef, positions, segments), x, stacked)
-        if aux is None:
-            return x, None
-        return x, aux_sum(self.cfg, aux)
+        stats = []
+        for units in self.runs:
+            graphdef, stacked = nnx.split(units)
+            x, aux = self.run.scan(unit_body(graphdef, positions, segments), x, stacked)
+            stats += [] if aux is None else [aux.reshape(-1)]
+        return x, (aux_sum(self.cfg, jnp.concatenate(stats)) if stats else None)
 
     def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
              aux: jax.Array | None = None) -> jax.Array:
@@ -116,6 +112,15 @@ class LM(nnx.Module):
                  segments: jax.Array | None = None) -> jax.Array:
         x, aux = self.apply_stack_aux(self.embed(tokens), positions, segments)
         return self.loss(x, labels, aux=aux)
+
+
+def stacked_units(cfg: ModelConfig, run: RunConfig, r: Run, rngs: nnx.Rngs) -> Unit:
+    """The `r.count` units of run `r`, their parameters stacked on a leading `layers` dim."""
+    @nnx.split_rngs(splits=r.count)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_units(rngs: nnx.Rngs) -> Unit:
+        return Unit(cfg, run, r.unit, rngs=rngs)
+    return make_units(rngs)
 
 
 def unit_body(graphdef, positions: jax.Array, segments: jax.Array | None = None):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import inspect
 import json
 import math

@@ -138,7 +138,7 @@ def test_splash_under_a_layout_with_replicated_kv_heads_equals_dense():
     reading one), at S = 128 (no padding): the shard_map over batch and heads, its K/V head slice, and the
     transpose summing the replicated K/V's gradients over the ranks."""
     strategy = parse_strategy("data=2,tensor=4").resolved(8)
-    lay = model_layout(make_mesh(strategy, jax.devices()[:8]), strategy, kv_heads=2)
+    lay = model_layout(make_mesh(strategy, jax.devices()[:8]), strategy, parse_model("llama-tiny:kv_heads=2,heads=8"))
     rng = np.random.default_rng(0)
     q, k, v, w = (rng.standard_normal((2, 128, h, 8), np.float32) for h in (8, 2, 2, 8))
     pos = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (2, 128))

@@ -181,7 +181,7 @@ def test_textbook_collectives_of_the_query_projection():
     backward, its gradient reduce-scattered over fsdp and all-reduced over data, and the input gradient
     (column-parallel) all-reduced over tensor; 2 layers, float32."""
     cfg = parse_model(MODEL)
-    e = explanations("dp2-fsdp2-tp2")["units.blocks.0.attn.wq"]
+    e = explanations("dp2-fsdp2-tp2")["runs.0.blocks.0.attn.wq"]
     gathered = (cfg.d_model, cfg.heads // 2, cfg.head_dim)            # whole embed, half the heads
     x = (harness.TC.batch // 4, harness.TC.seq, cfg.d_model)           # batch over data x fsdp
     expect = {("forward", "all-gather", ("fsdp",), gathered), ("backward", "all-gather", ("fsdp",), gathered),
@@ -195,7 +195,7 @@ def test_textbook_collectives_of_the_query_projection():
 
 
 def test_chain_points_at_what_it_names():
-    e = explanations("dp2-fsdp2-tp2")["units.blocks.0.attn.wq"]
+    e = explanations("dp2-fsdp2-tp2")["runs.0.blocks.0.attn.wq"]
     assert e.param.declared.file.endswith("models/transformer.py")
     assert e.param.declared.text.startswith("self.wq = param(") and '"q_heads"' in e.param.declared.text
     embed = next(r for r in e.rules if r.name == "embed")
@@ -212,7 +212,7 @@ def test_cli(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "P(None, None, 'tensor')" in text and "models/transformer.py:" in text and "reduce-scatter" in text
     data = json.loads(out.read_text())
-    assert data["param"] == "units.blocks.0.attn.wq" and len(data["collectives"]) == 3
+    assert data["param"] == "runs.0.blocks.0.attn.wq" and len(data["collectives"]) == 3
 
     assert cli(["explain", "attn.wx", "--model", MODEL, "--mesh", "tp4-sp"]) == 2
     err = capsys.readouterr().err.strip()
@@ -221,8 +221,8 @@ def test_cli(capsys, tmp_path):
 
 def test_find_by_path_or_tail():
     params = explain.parameters(explain.abstract_model(parse_model(MODEL)))
-    for query in ("attn.wq", "wq", "layers.attn.wq", "blocks.0.attn.wq", "units.blocks.0.attn.wq"):
-        assert explain.find(params, query, MODEL).path == "units.blocks.0.attn.wq"
+    for query in ("attn.wq", "wq", "layers.attn.wq", "blocks.0.attn.wq", "runs.0.blocks.0.attn.wq"):
+        assert explain.find(params, query, MODEL).path == "runs.0.blocks.0.attn.wq"
     assert explain.find(params, "embedding", MODEL).path == "embedding"
     with pytest.raises(ConfigError, match="'scale' is ambiguous in llama-tiny: it names final_norm.scale, "):
         explain.find(params, "scale", MODEL)

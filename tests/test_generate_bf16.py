@@ -82,7 +82,7 @@ def test_bf16_decode_step_reads_half_the_parameter_bytes():
     assert parameter_bytes(bf16) / parameter_bytes(f32) == pytest.approx(0.5, abs=1e-3)
     assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
     assert bf16.bytes_per_device()["weights"] == 2 * count and f32.bytes_per_device()["weights"] == 4 * count
-    assert bf16.cache_layout["units"][0]["k"].dtype == "bfloat16"
+    assert bf16.cache_layout["runs"][0][0]["k"].dtype == "bfloat16"
     for gen in (f32, bf16):   # the serving cost model reads the weights in the generator's dtype
         est = inference_estimate(gen.model_cfg, gen.strategy, "h100-sxm", Request("decode", gen.batch, gen.prompt_len, NEW), compiler="cpu")
         assert est.weights_bytes == parameter_bytes(gen)
@@ -136,7 +136,7 @@ def test_every_source_converts_once_keeping_shardings(tmp_path):
     masters = host_params("llama-tiny")
     placed = gen.place_params(masters)
     assert_bf16_of(gen, placed, masters)
-    wq = placed["units"]["blocks"][0]["attn"]["wq"].get_value()
+    wq = placed["runs"][0]["blocks"][0]["attn"]["wq"].get_value()
     assert wq.sharding.shard_shape(wq.shape)[2] == wq.shape[2] // 4   # heads over tensor
     assert_bf16_of(gen, gen.place_params(jax.device_put(masters, gen.param_shardings)), masters)
     assert_bf16_of(gen, gen.init_params(0), masters)    # the same seed as training's initialisation

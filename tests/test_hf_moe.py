@@ -22,11 +22,11 @@ from jaxpar.cli.args import hf_params
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.errors import ConfigError
 from jaxpar.models import decode
-from jaxpar.models.config import parse_model
+from jaxpar.models.config import parse_model, pattern_of
 from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.serving.hf import load_params, read_config
-from jaxpar.serving.hf_moe import layer_kinds, shortest_pattern
+from jaxpar.serving.hf_moe import layer_kinds
 from jaxpar.training.config import TrainConfig
 from jaxpar.training.data import Synthetic
 from jaxpar.training.trainer import Trainer
@@ -52,7 +52,7 @@ def loaded(request):
 def test_configs_map_the_routing_and_the_layers(loaded):
     name, cfg, _ = loaded
     expect = {"mixtral": dict(pattern="E", experts=4, top_k=2, router_norm=True, qk_norm=False, moe_mlp_dim=32),
-              "qwen3_moe": dict(pattern="AE", experts=8, top_k=2, router_norm=False, qk_norm=True, moe_mlp_dim=16,
+              "qwen3_moe": dict(pattern="A+E", experts=8, top_k=2, router_norm=False, qk_norm=True, moe_mlp_dim=16,
                                 mlp_dim=64)}[name]
     assert {k: getattr(cfg, k) for k in expect} == expect
     assert (cfg.router, cfg.aux_loss_coef, cfg.z_loss_coef) == ("softmax", 0.02, 0.0)
@@ -100,7 +100,7 @@ def test_training_state_is_the_checkpoint_sharded_over_experts():
     state = trainer.state_from_params(hf_params(directory, cfg, trainer.abstract_params))
     for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
-    w_gate = state.params["units"]["blocks"][1]["moe"]["w_gate"]
+    w_gate = state.params["runs"][1]["blocks"][0]["moe"]["w_gate"]   # the checkpoint's layer 1: A+E
     assert w_gate.addressable_shards[0].data.shape == (1, cfg.experts // 4, cfg.d_model, cfg.moe_mlp_dim)
 
 
@@ -124,14 +124,14 @@ def test_training_starts_from_the_checkpoint(tmp_path):
     assert first["loss"] == pytest.approx(cross_entropy + cfg.aux_loss_coef * first["moe_aux_loss"], abs=1e-4)
 
 
-def test_sparse_layers_become_a_repeating_pattern():
+def test_sparse_layers_become_a_pattern():
     """transformers' rule (layer i sparse unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step
-    == 0) written as the shortest pattern that repeats."""
+    == 0) written as the shortest pattern that repeats, or as runs when none does (models/config.py)."""
     c = dict(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[])
-    assert layer_kinds(c, "qwen3_moe", 6) == "AEAEAE" and shortest_pattern("AEAEAE") == "AE"
+    assert layer_kinds(c, "qwen3_moe", 6) == "AEAEAE" and pattern_of("AEAEAE") == "AE"
     c = dict(num_experts=4, decoder_sparse_step=1, mlp_only_layers=[0])
-    assert shortest_pattern(layer_kinds(c, "qwen3_moe", 4)) == "AEEE"
-    assert shortest_pattern(layer_kinds(dict(num_experts=0), "qwen3_moe", 4)) == "A"
+    assert pattern_of(layer_kinds(c, "qwen3_moe", 4)) == "A+3*E"
+    assert pattern_of(layer_kinds(dict(num_experts=0), "qwen3_moe", 4)) == "A"
     assert layer_kinds(dict(decoder_sparse_step=3), "mixtral", 3) == "EEE"
 
 

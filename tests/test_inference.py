@@ -106,14 +106,14 @@ def test_cache_is_sharded_like_a_parameter():
     """K/V heads over tensor (one replicated head per rank when tensor > kv_heads), sequences over the
     data axes; a Mamba layer's state is the same size for any cache length."""
     gen, _, _ = generated("llama-tiny", "data=2,tensor=4")
-    k = gen.cache_layout["units"][0]["k"]                        # [units, b, S, kv_heads, head_dim]
-    assert gen.cache_shardings["units"][0]["k"].shard_shape(k.shape) == (2, 2, k.shape[2], 8 // 4, 8)
+    k = gen.cache_layout["runs"][0][0]["k"]                        # [units, b, S, kv_heads, head_dim]
+    assert gen.cache_shardings["runs"][0][0]["k"].shard_shape(k.shape) == (2, 2, k.shape[2], 8 // 4, 8)
     gen, _, _ = generated("hybrid-tiny:ngroups=8", "tensor=8")
     assert gen.kv_copies == 2
-    k = gen.cache_layout["units"][3]["k"]                        # the A of MMMA
-    assert k.shape[3] == 8 and gen.cache_shardings["units"][3]["k"].shard_shape(k.shape)[3] == 1
-    ssm = gen.cache_layout["units"][0]["ssm"]
-    assert gen.cache_shardings["units"][0]["ssm"].shard_shape(ssm.shape)[2] == 1   # 8 ssm heads / tensor 8
+    k = gen.cache_layout["runs"][0][3]["k"]                        # the A of MMMA
+    assert k.shape[3] == 8 and gen.cache_shardings["runs"][0][3]["k"].shard_shape(k.shape)[3] == 1
+    ssm = gen.cache_layout["runs"][0][0]["ssm"]
+    assert gen.cache_shardings["runs"][0][0]["ssm"].shard_shape(ssm.shape)[2] == 1   # 8 ssm heads / tensor 8
     cfg = parse_model("mamba2-tiny")
     short, long = (decode.cache_layout(cfg, RunConfig(), 4, n) for n in (16, 16384))
     assert short == long and short["pos"].shape == (4, 0)   # no slot positions without attention

@@ -63,9 +63,9 @@ def test_prefill_on_context_then_decode_on_tensor():
     # the prompt (5 tokens) is padded to 2 x context pieces, each at least the conv halo (3 tokens)
     assert gen.prompt_len == prompt_width(gen.model_cfg, gen.prefill.strategy, 5) == 12
     # the cache is born in the prefill layout and decoded in the decode layout: K/V heads over tensor=2, then 4
-    k = gen.cache_layout["units"][3]["k"]                       # [units, b, S, kv_heads, head_dim]
-    assert gen.prefill.cache["units"][3]["k"].shard_shape(k.shape)[3] == 2
-    assert gen.decode.cache["units"][3]["k"].shard_shape(k.shape)[3] == 1
+    k = gen.cache_layout["runs"][0][3]["k"]                       # [units, b, S, kv_heads, head_dim]
+    assert gen.prefill.cache["runs"][0][3]["k"].shard_shape(k.shape)[3] == 2
+    assert gen.decode.cache["runs"][0][3]["k"].shard_shape(k.shape)[3] == 1
     assert "prefill on" in gen.describe() and "decode on" in gen.describe()
 
 

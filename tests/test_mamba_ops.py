@@ -243,4 +243,4 @@ def test_mamba_models_train(name):
     loss, grads = step.lower(state).compile(FAST_COMPILE)(state)
     assert np.isfinite(float(loss)) and abs(float(loss) - np.log(cfg.vocab)) < 2.0
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
-    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["units"]))
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads["runs"]))

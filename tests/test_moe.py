@@ -223,7 +223,7 @@ def test_training_writes_router_metrics(tmp_path, capsys):
     ("moe-tiny:capacity_factor=-1", "capacity_factor must be a finite number >= 0, got -1.0"),
     ("moe-tiny:capacity_factor=inf", "capacity_factor must be a finite number >= 0, got inf"),
     ("moe-tiny:router=relu", "router must be softmax or sigmoid, got 'relu'"),
-    ("moe-tiny:pattern=AX", "pattern must be a non-empty string of 'A' (attention), 'M' (Mamba) and 'E'"),
+    ("moe-tiny:pattern=AX", "pattern must be a non-empty unit of 'A' (attention), 'M' (Mamba) and 'E'"),
 ])
 def test_model_errors(spec, message):
     with pytest.raises(ConfigError) as e:

@@ -41,7 +41,7 @@ def test_zero3_over_the_expert_group_in_a_pipeline_matches_one_device(options):
 def test_zero3_over_the_expert_group_shards_every_weight_over_it():
     """Every weight, its AdamW moments included, holds 1/8 of its elements per device."""
     tr = harness.trainer("moe-tiny", MESH, zero=3)
-    block = tr.param_shardings["units"]["blocks"][0]
+    block = tr.param_shardings["runs"][0]["blocks"][0]
     assert block["moe"]["w_gate"].get_value().spec == P(None, "expert", "data")    # [layers, experts, embed, mlp]
     assert block["moe"]["w_down"].get_value().spec == P(None, "expert", None, "data")
     assert block["attn"]["wq"].get_value().spec == P(None, ("data", "expert"))

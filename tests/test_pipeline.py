@@ -192,8 +192,8 @@ def test_circular_weights_stay_on_their_stages():
     assert sorted(op.times for op in pp if op.kind == "collective-permute") == [sched.iterations] * 2
     params = host_params(LLAMA)
     state = tr.state_from_params(params)            # stored stage-major ...
-    assert not np.array_equal(gather(state.params["units"]["blocks"][0]["attn"]["wq"][...]),
-                              params["units"]["blocks"][0]["attn"]["wq"][...])
+    assert not np.array_equal(gather(state.params["runs"][0]["blocks"][0]["attn"]["wq"][...]),
+                              params["runs"][0]["blocks"][0]["attn"]["wq"][...])
     saved = tr.stored_state(state, inverse=True)     # ... what a checkpoint holds: layer order again
     for (path, a), (_, b) in zip(harness.leaves_with_paths(params), harness.leaves_with_paths(gather(saved.params))):
         np.testing.assert_array_equal(a, b, err_msg=path)
@@ -231,7 +231,7 @@ def _fsdp_reductions(case: str):
     leaves = jax.tree_util.tree_leaves_with_path(tr.abstract_params)
     specs = [sh.spec for sh in jax.tree.leaves(tr.param_shardings)]
     hand = sum(math.prod(a.shape[1:]) * sched.repeats * sched.per_chunk * 4 for (path, a), spec in zip(leaves, specs)
-               if "units" in jax.tree_util.keystr(path)
+               if "runs" in jax.tree_util.keystr(path)
                and any("fsdp" in (d if isinstance(d, tuple) else (d,)) for d in spec if d is not None))
     assert sum(c.bytes for c in want) == pytest.approx(hand, rel=0.01)
     return sum(op.bytes for op in red), hand

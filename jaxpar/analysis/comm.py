@@ -256,7 +256,7 @@ def state_bytes_per_device(trainer, strategy: Strategy) -> int:
     """Bytes of one device's parameter + optimizer-state shards if ``trainer``'s model ran on
     ``strategy``'s mesh (an abstract mesh: no devices needed)."""
     mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    layout = model_layout(mesh, strategy, trainer.model_cfg.kv_heads, trainer.model_cfg.has_attention)
+    layout = model_layout(mesh, strategy, trainer.model_cfg)
     params = trainer.abstract_params
     opt = jax.eval_shape(trainer.optimizer.init, params)
     total = 0

@@ -107,7 +107,7 @@ def cmd_estimate(args) -> int:
     for line in defaults + zero_line:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
-        print(schedule_summary(strategy, model.units))
+        print(schedule_summary(strategy, model.run_units))
     print(format_estimate(est, planner.remat_label(strategy, est)))
     if args.json:
         with open(args.json, "w") as f:

@@ -24,7 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "device holds, and the collectives a training step issues for it, forward, "
                                    "backward and in the optimizer, with the file:line of each step.")
     p.add_argument("param", help="a parameter path, or its tail: attn.wq, mlp.w_up, embedding, "
-                                 "units.blocks.0.attn.wq")
+                                 "runs.0.blocks.0.attn.wq")
     p.add_argument("--model", required=True, help="preset (llama-tiny, llama3-8b, ...), preset:key=value,..., "
                    "a TOML path, or hf:DIR")
     p.add_argument("--mesh", required=True, help="mesh_configs name or TOML path, or inline data=2,tensor=4")

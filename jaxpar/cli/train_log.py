@@ -43,7 +43,7 @@ def header(trainer: Trainer, data: str, hardware: Hardware | None, start: int, s
              f"batch {tc.batch} sequences x {tc.seq} tokens = {tokens:,} tokens per step (global); "
              f"steps {start + 1}-{stop} of {tc.steps}, {(stop - start) * tokens:,} tokens"]
     if strategy.size("pipeline") > 1:
-        lines.append(schedule_summary(strategy, model.units))
+        lines.append(schedule_summary(strategy, model.run_units))
     lines += [f"precision float32 parameters, gradients and Adam moments; {strategy.options.dtype} compute",
               f"optimizer {tc.optimizer.describe()}",
               f"schedule {tc.describe_schedule()}",

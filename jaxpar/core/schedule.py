@@ -16,11 +16,16 @@ as the identity. By default the chunks are even (k = U / (S*v)) when S*v divides
 k = ceil(U / (S*v)) and the first and last chunks are one unit lighter, then the second and
 second-to-last, and so on, as Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7; Dubey et al.
 2024, "The Llama 3 Herd of Models", 3.3.2). `pp_stages = "2,3,3,2"` gives the split explicitly.
+
+A model of several runs (models/config.py: 3 dense units, then 58 MoE) is split the same way over all its
+units in layer order; each chunk runs its share of every run, run by run, in k_j slots of run j (the
+largest share of run j in any chunk), so the chunk's slots are sum_j k_j and the rest padding.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import parse_int
@@ -62,22 +67,45 @@ class Schedule:
     stages: int          # S, the pipeline axis size
     repeats: int         # v, chunks per stage (1 for GPipe)
     microbatches: int    # M
-    units: int           # U, stacked layer units of the model
+    runs: tuple[int, ...]         # stacked units of each run of the model, in layer order (U in all)
     split: tuple[int, ...] = ()   # units of chunk r*S + s; () = default_split
+    part: bool = False            # one run's share of a model of several runs (`for_run`): never in place
 
     def __post_init__(self):
         if not self.split:
             object.__setattr__(self, "split", default_split(self.units, self.stages * self.repeats))
 
     @property
+    def units(self) -> int:
+        """U: the model's stacked units, every run's."""
+        return sum(self.runs)
+
+    def run_split(self, j: int) -> tuple[int, ...]:
+        """Units of run j in each chunk (0 where a chunk holds none of it)."""
+        first, cuts = sum(self.runs[:j]), [0, *itertools.accumulate(self.split)]
+        return tuple(max(0, min(b, first + self.runs[j]) - max(a, first)) for a, b in zip(cuts, cuts[1:]))
+
+    def for_run(self, j: int) -> Schedule:
+        """The schedule of run j alone: its units, its share of each chunk (itself for a one-run model)."""
+        if len(self.runs) == 1:
+            return self
+        return dataclasses.replace(self, runs=(self.runs[j],), split=self.run_split(j), part=True)
+
+    @property
+    def run_slots(self) -> tuple[int, ...]:
+        """k_j: the slots of run j in every chunk (its largest share of one)."""
+        return tuple(max(self.run_split(j)) for j in range(len(self.runs)))
+
+    @property
     def per_chunk(self) -> int:
-        """k: unit slots each stage runs per visit (the largest chunk; the others padded to it)."""
-        return max(self.split)
+        """k: unit slots each stage runs per visit, every run's (one run: the largest chunk; the others
+        padded to it)."""
+        return max(self.split) if len(self.runs) == 1 else sum(self.run_slots)
 
     @property
     def even(self) -> bool:
-        """Every chunk the same size (no padding slots, weights viewed without moving them)."""
-        return len(set(self.split)) == 1
+        """One run, every chunk the same size (no padding slots, weights viewed without moving them)."""
+        return not self.part and len(self.runs) == 1 and len(set(self.split)) == 1
 
     @property
     def slots(self) -> int:
@@ -106,14 +134,16 @@ class Schedule:
         return -(-self.microbatches // self.stages)
 
 
-def schedule_of(strategy: Strategy, units: int) -> Schedule:
-    """The schedule of a resolved strategy (an explicit split is checked by jaxpar.core.validate first)."""
+def schedule_of(strategy: Strategy, runs: tuple[int, ...] | int) -> Schedule:
+    """The schedule of a resolved strategy for a model of `runs` stacked units per run (ModelConfig.run_units;
+    an int: one run). An explicit split is checked by jaxpar.core.validate first."""
     o = strategy.options
+    runs = (runs,) if isinstance(runs, int) else tuple(runs)
     repeats = o.pp_repeats if o.pp_schedule in ("circular", "1f1b") else 1
     stages = strategy.size("pipeline")
     text = getattr(o, "pp_stages", "")
-    split = parse_split(text, units, stages * repeats, o.pp_schedule) if text != "" else ()
-    return Schedule(o.pp_schedule, stages, repeats, o.microbatches, units, split)
+    split = parse_split(text, sum(runs), stages * repeats, o.pp_schedule) if text != "" else ()
+    return Schedule(o.pp_schedule, stages, repeats, o.microbatches, runs, split)
 
 
 def split_label(split: tuple[int, ...]) -> str:
@@ -129,14 +159,15 @@ def split_label(split: tuple[int, ...]) -> str:
     return "+".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
 
 
-def schedule_summary(strategy: Strategy, units: int) -> str:
+def schedule_summary(strategy: Strategy, runs: tuple[int, ...] | int) -> str:
     """One line for `jaxpar train`: schedule, split, iteration count and bubble fraction."""
-    s = schedule_of(strategy, units)
+    s = schedule_of(strategy, runs)
     if s.stages == 1:
         return "pipeline: none (pipeline=1)"
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages"
     split = split_label(s.split)
-    pad = f" (k={s.per_chunk} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
+    k = f"k={s.per_chunk}" if len(s.runs) == 1 else f"k={'+'.join(map(str, s.run_slots))} over {len(s.runs)} runs"
+    pad = f" ({k} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
     formula = "(S-1)/(M+S-1)" if s.repeats == 1 else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches
     steps = (f"{s.iterations + s.repeats * s.stages - 1} ticks, {s.iterations} forwards and {s.iterations} backwards "
@@ -146,8 +177,9 @@ def schedule_summary(strategy: Strategy, units: int) -> str:
             f"= {s.bubble:.1%}")
 
 
-def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
-    """At-rest PartitionSpec of a stacked weight [U, ...] (its `layers` dim first) under `strategy`.
+def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy, runs: tuple[int, ...] = ()):
+    """At-rest PartitionSpec of a stacked weight [U, ...] (its `layers` dim first) under `strategy`, in a model
+    of `runs` units per run (() = one run, this weight's).
 
     With an even split `layers` stays on `pipeline` (each device holds its stage's units, in place for
     the schedule). Otherwise `pipeline` moves to the first later dim it divides, with that dim's other
@@ -157,7 +189,7 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy):
     stages = strategy.size("pipeline")
     dims = list(spec) + [None] * (len(shape) - len(spec))
     first = () if dims[0] is None else (dims[0],) if isinstance(dims[0], str) else tuple(dims[0])
-    if stages == 1 or "pipeline" not in first or schedule_of(strategy, shape[0]).even:
+    if stages == 1 or "pipeline" not in first or schedule_of(strategy, runs or shape[0]).even:
         return spec
     dims[0] = spec_entry(tuple(a for a in first if a != "pipeline"))
     for i in range(1, len(dims)):

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
 from flax import nnx
@@ -23,6 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar.core.rules import Rules, rules_for, spec_entry
 from jaxpar.core.schedule import stored_spec
 from jaxpar.core.strategy import Strategy
+
+if TYPE_CHECKING:
+    from jaxpar.models.config import ModelConfig
 
 
 def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
@@ -40,10 +43,13 @@ def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh plus the three rules tables of a strategy (`replicate_kv_heads`: see rules_for)."""
+    """A mesh plus the three rules tables of a strategy (`replicate_kv_heads`: see rules_for); `runs`: the
+    model's stacked units per run (ModelConfig.run_units; () = each stacked weight its own run), which a
+    pipeline's at-rest layout of the stacked weights depends on (jaxpar/core/schedule.py stored_spec)."""
     mesh: Mesh
     strategy: Strategy
     replicate_kv_heads: bool = False
+    runs: tuple[int, ...] = ()
 
     def rules(self, purpose: str) -> Rules:
         return rules_for(self.strategy, purpose, replicate_kv_heads=self.replicate_kv_heads)
@@ -64,10 +70,11 @@ class Layout:
         return NamedSharding(self.mesh, spec_for(names, self.rules("activations"), self.mesh))
 
 
-def model_layout(mesh: Mesh, strategy: Strategy, kv_heads: int, has_attention: bool = True) -> Layout:
+def model_layout(mesh: Mesh, strategy: Strategy, model: ModelConfig) -> Layout:
     """A model's layout: K/V heads replicated across tensor ranks when tensor exceeds the model's
     kv_heads (Megatron's rule; jaxpar.core.rules.rules_for), for training and generation alike."""
-    return Layout(mesh, strategy, replicate_kv_heads=has_attention and strategy.size("tensor") > kv_heads)
+    return Layout(mesh, strategy, replicate_kv_heads=model.has_attention and strategy.size("tensor") > model.kv_heads,
+                  runs=model.run_units)
 
 
 _CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -105,7 +112,7 @@ def param_shardings(abstract_state: Any, layout: Layout, purpose: str = "params"
         names = tuple(v.get_metadata().get("out_sharding") or ()) or (None,) * len(v.shape)
         spec = spec_for(names, rules, layout.mesh)
         if names[:1] == ("layers",):  # a stacked weight: an uneven pipeline split moves `pipeline` off `layers`
-            spec = stored_spec(spec, v.shape, layout.strategy)
+            spec = stored_spec(spec, v.shape, layout.strategy, layout.runs)
         return v.replace(NamedSharding(layout.mesh, spec))
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -69,11 +69,11 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     if model.has_attention:
         _divides("tensor", tp, "heads", model.heads)
         check_kv_heads(model, tp)
-    if "A" in model.pattern:
+    if "A" in model.layer_kinds:
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
-    if "E" in model.pattern:
+    if model.has_moe:
         check_moe(model, strategy)
-    if "M" in model.pattern:
+    if model.has_mamba:
         check_mamba(model, tensor=tp, context=cp, seq=seq, cp_layout=o.cp_layout)
     if o.sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel shards the sequence over `tensor`, but the mesh has tensor=1")
@@ -374,7 +374,7 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
         raise ConfigError(f"pipeline={pp} x repeats={repeats} = {pp * repeats} stage chunks need at least "
                           f"{pp * repeats} stacked layer units, the model has {units} (layers={model.layers}, "
                           f"pattern={model.pattern!r})")
-    sched = schedule_of(strategy, units)  # parses pp_stages: ConfigError naming it
+    sched = schedule_of(strategy, model.run_units)  # parses pp_stages: ConfigError naming it
     if sched.kind == "circular" and sched.repeats > 1 and o.microbatches < pp:
         raise ConfigError(f"the circular schedule needs microbatches >= pipeline: microbatches={o.microbatches} "
                           f"< pipeline={pp} (a micro-batch must leave the last stage before stage 0 "
@@ -447,7 +447,7 @@ def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest
     model.validate()
     s, o = strategy.sizes, strategy.options
     tp, cp = s["tensor"], s["context"]
-    if "E" in model.pattern:
+    if model.has_moe:
         if model.capacity_factor > 0:
             raise ConfigError(f"generate: capacity_factor={model.capacity_factor} drops tokens by their order within "
                               "a sequence, so a one-token decode step would route differently from the full "
@@ -495,5 +495,5 @@ def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest
         _divides("tensor", tp, "heads", model.heads)
         _divides("tensor", tp, "mlp_dim", model.mlp_dim)
         check_kv_heads(model, tp)
-    if "M" in model.pattern:
+    if model.has_mamba:
         check_mamba(model, tensor=tp, context=1, seq=1)

@@ -118,16 +118,16 @@ def sharded(m: ModelConfig, st: Strategy, shape: StepShape, act: int, axes: tupl
     out = (fsdp_gathers(m, st, shape, act) + embedding_lookup(m, st, shape, act, shard)
            if zero == 3 and dense else [])
     if zero != 3:   # ZeRO-1: once per step
-        out += sites.issue(RS, shard, 1, equal_buffers(part.layers * gb, part.unit_arrays)
+        out += sites.issue(RS, shard, 1, equal_buffers(part.layers * gb, part.stack_arrays)
                            + [b * gb for b in (head, norm) if b and dense], "backward", sites.step(gb))
-    else:           # ZeRO-3: in the layer loop, which keeps a shard of each gradient alive
+    else:           # ZeRO-3: in each run's layer loop, which keeps a shard of each gradient alive
         if shape.stages > 1:   # each fsdp shard accumulates its stage's v*k unit slots, reduced once
-            slots = shape.repeats * shape.per_chunk
-            out += sites.issue(RS, shard, shape.accum, equal_buffers(part.unit * slots * gb, part.unit_arrays),
+            out += sites.issue(RS, shard, shape.accum, equal_buffers(part.slots(shape) * gb, part.stack_arrays),
                                "backward", sites.WEIGHTS)
         else:
-            out += sites.issue(RS, shard, shape.exec_layers / len(m.pattern), equal_buffers(part.unit * gb, part.unit_arrays),
-                               "backward", sites.UNIT_SCATTER if dense else sites.WEIGHTS)
+            for execs, (unit, arrays) in zip(shape.run_execs, part.runs):
+                out += sites.issue(RS, shard, execs, equal_buffers(unit * gb, arrays), "backward",
+                                   sites.UNIT_SCATTER if dense else sites.WEIGHTS)
         out += sites.issue(RS, shard, 1, [head * gb] if head and dense else [], "optimizer")
         out += sites.issue(RS, shard, 1, [norm * gb] if dense else [], "optimizer", sites.FINAL_NORM)
     if zero == 1:

@@ -30,14 +30,15 @@ def dispatch_form(st: Strategy, cc: Compiler, padded: bool = True) -> str:
 
 
 def norms_held(m: ModelConfig) -> Held:
-    """The norm weights: a pattern unit's pre-norms (their only dim is `embed`) and the final norm."""
-    unit, arrays = unit_norms(m)
-    return Held(unit=unit, unit_arrays=arrays, layers=unit * m.units, emb=float(m.d_model), emb_arrays=1)
+    """The norm weights: each run's unit's pre-norms (their only dim is `embed`) and the final norm."""
+    runs = unit_norms(m)
+    return Held(runs=runs, layers=sum(unit * n for (unit, _), n in zip(runs, m.run_units)), emb=float(m.d_model),
+                emb_arrays=1)
 
 
 def without_norms(sharded: Held, norms: Held) -> Held:
-    return Held(sharded.unit - norms.unit, sharded.unit_arrays - norms.unit_arrays, sharded.layers - norms.layers,
-                sharded.emb - norms.emb, sharded.emb_arrays - norms.emb_arrays)
+    runs = tuple((u - v, a - b) for (u, a), (v, b) in zip(sharded.runs, norms.runs))
+    return Held(runs, sharded.layers - norms.layers, sharded.emb - norms.emb, sharded.emb_arrays - norms.emb_arrays)
 
 
 def norms_whole(st: Strategy, shape: StepShape, rest: tuple[str, ...]) -> bool:
@@ -60,9 +61,11 @@ def norms_summed_whole(ops: list[tuple], m: ModelConfig, st: Strategy, shape: St
     if not norms_whole(st, shape, tuple(a for a in axes if a not in shard_axes(st))):
         return ops
     norms, gb, out = norms_held(m), grad_bytes(st), []
+    run_norms = iter(norms.runs)   # comm_data issues one unit scatter per run, in order
     for kind, group, execs, n, total, phase, role in ops:
         if role == sites.UNIT_SCATTER:
-            n, total, role = n - norms.unit_arrays, total - norms.unit * gb, sites.WEIGHTS
+            unit, arrays = next(run_norms)
+            n, total, role = n - arrays, total - unit * gb, sites.WEIGHTS
         elif role == sites.FINAL_NORM:
             out += gradient_sums(axes, norms, 1, gb)
             continue
@@ -78,18 +81,13 @@ def norms_summed_whole(ops: list[tuple], m: ModelConfig, st: Strategy, shape: St
 @dataclasses.dataclass(frozen=True, slots=True)
 class Loop:
     """The step a data-parallel part is summed in: the compiler, the layout, the step's shape, the bytes per
-    element of the activations and of ZeRO-1's parameter gather, the blocks per layer unit."""
+    element of the activations and of ZeRO-1's parameter gather. Each run of the model is a layer loop of
+    its own, of `shape.run_execs` unit executions per step."""
     cc: Compiler
     st: Strategy
     shape: StepShape
     act: int
     gather_bytes: int
-    blocks: int
-
-    @property
-    def execs(self) -> float:
-        """Unit executions per step (the layer loop's trip count)."""
-        return self.shape.exec_layers / self.blocks
 
 
 def data_parallel_in_loop(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
@@ -100,7 +98,7 @@ def data_parallel_in_loop(m: ModelConfig, st: Strategy, shape: StepShape, act: i
     AllReduceFolder the batch axes and `context` apart (`reductions`). MoE under expert > 1: the experts' sums
     over fsdp join the dense weights' op (`one_loop`)."""
     axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
-    loop = Loop(cc, st, shape, act, gather_bytes, len(m.pattern))
+    loop = Loop(cc, st, shape, act, gather_bytes)
     if m.moe_layers and st.sizes["expert"] > 1:
         experts = tuple(a for a in axes if a != "expert")
         return one_loop(loop, lower(cc, _in_loop(m, loop, axes, False), st),
@@ -116,10 +114,10 @@ def one_loop(loop: Loop, dense: list[tuple], experts: list[tuple]) -> list[tuple
     cc, st = loop.cc, loop.st
     if not (cc.combine and st.zero == 3 and st.sizes["fsdp"] > 1):
         return dense + experts
-    key = (AR, ("fsdp",), loop.execs)
+    keys = {(AR, ("fsdp",), execs) for execs in loop.shape.run_execs}
     dense, out = list(dense), []
     for op in experts:
-        i = next((i for i, d in enumerate(dense) if op[:3] == d[:3] == key and d[5] == op[5]), None)
+        i = next((i for i, d in enumerate(dense) if op[:3] == d[:3] and op[:3] in keys and d[5] == op[5]), None)
         if i is None:
             out.append(op)
         else:
@@ -134,11 +132,12 @@ def _groups(cc: Compiler, over: tuple[str, ...], experts: bool | None) -> list[t
 
 
 def loop_sums(group: tuple[str, ...], h: Held, shards: int, loop: Loop, role: str = "") -> list[tuple]:
-    """All-reduces of the gradients of the weights `h` (/ `shards`) over `group`: a unit's in the layer loop,
-    and embedding + head + final norm's after it."""
-    gb = grad_bytes(loop.st)
-    return (sites.issue(AR, group, loop.execs, equal_buffers(h.unit * gb / shards, h.unit_arrays), "backward", role)
-            + sites.issue(AR, group, 1, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward", role))
+    """All-reduces of the gradients of the weights `h` (/ `shards`) over `group`: a unit's in each run's layer
+    loop, and embedding + head + final norm's after them."""
+    gb, out = grad_bytes(loop.st), []
+    for execs, (unit, arrays) in zip(loop.shape.run_execs, h.runs):
+        out += sites.issue(AR, group, execs, equal_buffers(unit * gb / shards, arrays), "backward", role)
+    return out + sites.issue(AR, group, 1, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward", role)
 
 
 def _in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts: bool | None) -> list[tuple]:
@@ -164,15 +163,19 @@ def _sharded_in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts:
     norms = norms_held(m)
     part = without_norms(part, norms) if vectors else part
     out = (fsdp_gathers(m, st, shape, act) + embedding_lookup(m, st, shape, act, shard)) if zero == 3 and dense else []
-    execs, slots = (shape.accum, shape.repeats * shape.per_chunk) if shape.stages > 1 else (loop.execs, 1)
-    in_loop = sites.issue(RS, shard, execs, equal_buffers(part.unit * slots * gb, part.unit_arrays), "backward",
-                          sites.WEIGHTS)
-    for group in _groups(cc, axes, experts):
-        in_loop += sites.issue(AR, group, loop.execs, equal_buffers(norms.unit * gb, norms.unit_arrays) if vectors else [],
-                               "backward")
-    for group in _groups(cc, axes, experts):
-        in_loop += sites.issue(AR, group, loop.execs, equal_buffers(kept.unit * gb, kept.unit_arrays), "backward")
-    out += together(cc, lower(cc, in_loop, st))
+    if shape.stages > 1:   # the stage's v*k unit slots, every run's, reduced once per accumulation step
+        out += lower(cc, sites.issue(RS, shard, shape.accum, equal_buffers(part.slots(shape) * gb, part.stack_arrays),
+                                     "backward", sites.WEIGHTS), st)
+    for j, execs in enumerate(shape.run_execs):   # each run's layer loop
+        in_loop = [] if shape.stages > 1 else sites.issue(RS, shard, execs, equal_buffers(part.runs[j][0] * gb,
+                                                                                          part.runs[j][1]),
+                                                          "backward", sites.WEIGHTS)
+        for group in _groups(cc, axes, experts):
+            in_loop += sites.issue(AR, group, execs, equal_buffers(norms.runs[j][0] * gb, norms.runs[j][1])
+                                   if vectors else [], "backward")
+        for group in _groups(cc, axes, experts):
+            in_loop += sites.issue(AR, group, execs, equal_buffers(kept.runs[j][0] * gb, kept.runs[j][1]), "backward")
+        out += together(cc, lower(cc, in_loop, st))
     out += sites.issue(RS, shard, 1, [head * gb] if head and dense else [], "optimizer")
     out += sites.issue(RS, shard, 1, [norm * gb] if dense and not vectors else [], "optimizer", sites.FINAL_NORM)
     for group in _groups(cc, axes, experts) if vectors else ():

@@ -189,6 +189,7 @@ def work(step: Step) -> Work:
     head = shape.head_share(sh, sw.pp_head_spread)
     if own:
         fl = program_flops.chunk_recompute(fl, m, st, sh, step.global_batch, step.seq, kernels)
+        fl = program_flops.pipeline_padding(fl, m, sh, remat, step.global_batch, step.seq, kernels)
         head = program_flops.head_share(st, sh, head)
     experts = 0.0 if sw.moe_padded else fl_experts(fl) * (step.imbalance - 1.0)
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
@@ -290,7 +291,7 @@ FLOAT8_CAST_BYTES = 4  # per element: read in bf16 (2), written in float8 row- a
 
 
 def float8_operands(m: ModelConfig, t: int, rows: float) -> tuple[float, float]:
-    """(inputs, outputs): elements per token, per pattern unit, of the float8 linears' operands on one
+    """(inputs, outputs): elements per token, over the layer stack, of the float8 linears' operands on one
     tensor rank: each distinct input a layer's linears read (the normed stream once for Q, K and V, once
     for the MLP's gate and up) and each output whose gradient the backward pass reads. The routed
     experts' count `rows` copies per token; the router stays in higher precision."""
@@ -304,7 +305,8 @@ def float8_operands(m: ModelConfig, t: int, rows: float) -> tuple[float, float]:
               "M": (d + ssm, 2 * ssm + (2 * m.ngroups * m.d_state + m.ssm_heads) / t + d),
               "E": (attention_in + rows * (d + fe) + (d + shared if shared else 0.0),
                     attention_out + rows * (2 * fe + d) + (2 * shared + d if shared else 0.0))}
-    return (sum(blocks[b][0] for b in m.pattern), sum(blocks[b][1] for b in m.pattern))
+    return (sum(n * sum(blocks[b][0] for b in unit) for unit, n in m.runs),
+            sum(n * sum(blocks[b][1] for b in unit) for unit, n in m.runs))
 
 
 def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: str, rows: float) -> float:
@@ -319,13 +321,13 @@ def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: 
         return 0.0
     inputs, outputs = float8_operands(m, st.sizes["tensor"], rows)
     forwards = 2.0 if flops.unit_policy(remat) == "full" else 1.0
-    return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc * m.units / sh.stages * (forwards * inputs + outputs)
+    return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc / sh.stages * (forwards * inputs + outputs)
 
 
 def check_modelled(model: ModelConfig) -> None:
     """The analytic model counts attention, Mamba-2 and MoE blocks (every block models/ builds); kept
     as the one place a future block that it does not count is refused."""
-    unknown = set(model.pattern) - set("AME")
+    unknown = set(model.layer_kinds) - set("AME")
     if unknown:
         raise ConfigError(f"model {model.name}: the cost model does not model blocks {sorted(unknown)} "
                           f"(pattern={model.pattern!r})")

@@ -74,7 +74,8 @@ def _weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int, experts: 
         return out
     gathers = 2 * shape.accum if s == 1 else 1
     others = z.emb / s - table   # head and final norm
-    vectors = unit_norms(m)[0] * m.units / s if dense else 0.0   # the layers' norm weights: gathered once
+    norms = sum(e * n for (e, _), n in zip(unit_norms(m), m.run_units))   # the layers' norm weights: gathered once
+    vectors = norms / s if dense else 0.0
     once = shape.accum if s == 1 else 1
     out["fsdp"] = (_share(n) * (gathers * (z.layers - vectors) * act + once * vectors * act + z.layers * GRAD_BYTES
                                 + others * (shape.accum * act + GRAD_BYTES))

@@ -237,12 +237,11 @@ class StepFlops:
 
 
 def output_projection_flops(m: ModelConfig, tokens: float) -> Flops:
-    """The last matmul of a scanned unit (its last block's output projection): MLP down 2*T*f*d for
-    an attention block, out_proj 2*T*d_inner*d for a Mamba-2 block."""
-    if m.pattern[-1] == "E":  # the router weights' gradient reads the experts' outputs: nothing is dead
-        return Flops(0.0)
-    width = m.mlp_dim if m.pattern[-1] == "A" else m.d_inner
-    return Flops(2.0 * tokens * width * m.d_model)
+    """The last matmuls of the scanned units (each unit's last block's output projection, dead in its
+    recompute), all runs': MLP down 2*T*f*d for an attention block, out_proj 2*T*d_inner*d for a Mamba-2
+    block, none for a MoE block (the router weights' gradient reads the experts' outputs)."""
+    width = {"A": m.mlp_dim, "M": m.d_inner, "E": 0.0}
+    return Flops(sum(2.0 * tokens * width[unit[-1]] * m.d_model * n for unit, n in m.runs))
 
 
 # The layer unit's own policy under the stacks' recompute names: `selective` (Korthikanti et al. 2022;
@@ -302,7 +301,7 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels:
         rec = (attention_block_flops(m, batch, seq, causal) * m.attention_layers
                + mamba_block_flops(m, batch, seq) * m.mamba_layers + moe_block_flops(m, batch, seq, causal) * m.moe_layers)
         if not rerun_outputs:
-            rec = rec + output_projection_flops(m, batch * seq) * (-m.units)
+            rec = rec + output_projection_flops(m, batch * seq) * -1.0
     elif remat == "dots_no_batch":
         rec = (attention_core_flops(m, batch, seq, causal) * (m.attention_layers + m.moe_layers)
                + ssd_flops(m, batch, seq) * m.mamba_layers)

@@ -1,5 +1,5 @@
 """What one device holds of the weights, counted for the collectives that move them: elements and arrays
-per pattern unit, per stage and for embedding + final norm + head (jaxpar/cost/comm_data.py and
+per unit of each run, per stage and for embedding + final norm + head (jaxpar/cost/comm_data.py and
 program_pipeline.py reduce them; floor.py bounds them)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jaxpar.core.rules import BASE_RULES
 from jaxpar.core.strategy import AXES, Strategy
 from jaxpar.models.config import ModelConfig
 
+LAYER_BLOCK = {"A": "attention", "M": "mamba", "E": "moe"}   # the params block of each block letter
 # axes over which (non-expert) weights are replicated: the batch's and the sequence's, in mesh order
 DATA_LIKE = tuple(a for a in AXES if a in BASE_RULES["batch"] + BASE_RULES["seq"])
 
@@ -17,13 +18,27 @@ DATA_LIKE = tuple(a for a in AXES if a in BASE_RULES["batch"] + BASE_RULES["seq"
 @dataclasses.dataclass(frozen=True, slots=True)
 class Held:
     """Parameter elements per device (after the tensor and pipeline splits) and arrays of a set of
-    weights: one pattern unit (the layer stack is stacked over units, so its arrays are the unit's),
-    this stage's layer stack, and embedding + final norm + head."""
-    unit: float
-    unit_arrays: int
+    weights: one unit of each run (`runs`: (elements, arrays) per run, in layer order; a run is stacked over
+    its units, so its arrays are the unit's), this stage's layer stack, and embedding + final norm + head."""
+    runs: tuple[tuple[float, int], ...]
     layers: float
     emb: float
     emb_arrays: int
+
+    @property
+    def unit(self) -> float:
+        """Elements of a one-run model's unit (a model of several runs has one per run: `runs`)."""
+        (elements, _), = self.runs
+        return elements
+
+    @property
+    def stack_arrays(self) -> int:
+        """Arrays of the layer stack: every run's stacked arrays."""
+        return sum(n for _, n in self.runs)
+
+    def slots(self, shape) -> float:
+        """Elements of a pipeline stage's v chunks of unit slots (`shape`: a StepShape): sum_j (v k_j) x unit_j."""
+        return sum(u * (shape.repeats * k) for (u, _), k in zip(self.runs, shape.run_slots))
 
     @property
     def full(self) -> float:
@@ -31,15 +46,13 @@ class Held:
 
     @property
     def arrays(self) -> int:
-        return self.unit_arrays + self.emb_arrays
+        return self.stack_arrays + self.emb_arrays
 
 
 @per_model
 def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert: int = 1,
           experts: bool | None = None) -> Held:
-    counts = block_counts(m)
-    unit = layers = 0.0
-    unit_arrays = 0
+    per_block = {}
     emb = None
     for block in BLOCKS:
         if part == "all" and experts is None:
@@ -50,12 +63,17 @@ def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert
         if block == "embedding":
             emb = p
             continue
-        n = counts[LAYER_BLOCKS.index(block)]
-        per_unit = n // m.units if n else 0
-        unit += per_unit * p.per_device(tensor, expert)
-        unit_arrays += per_unit * p.tensors
-        layers += n * p.per_device(tensor, expert) / stages
-    return Held(unit=unit, unit_arrays=unit_arrays, layers=layers, emb=emb.per_device(tensor), emb_arrays=emb.tensors)
+        per_block[block] = p
+    runs, layers = [], 0.0
+    for r in m.runs:
+        unit, arrays = 0.0, 0
+        for block, letter in zip(LAYER_BLOCKS, "AME"):
+            unit += r.unit.count(letter) * per_block[block].per_device(tensor, expert)
+            arrays += r.unit.count(letter) * per_block[block].tensors
+        runs.append((unit, arrays))
+    for block, n in zip(LAYER_BLOCKS, block_counts(m)):
+        layers += n * per_block[block].per_device(tensor, expert) / stages
+    return Held(runs=tuple(runs), layers=layers, emb=emb.per_device(tensor), emb_arrays=emb.tensors)
 
 
 def held(m: ModelConfig, st: Strategy, part: str = "all", experts: bool | None = None) -> Held:
@@ -77,13 +95,13 @@ def norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
     return sum(w.size for w in vectors), len(vectors)
 
 
-def unit_norms(m: ModelConfig) -> tuple[int, int]:
-    """(elements, arrays) of one pattern unit's norm weights (`norm_vectors` of each of its blocks)."""
-    unit = arrays = 0
-    for kind in m.pattern:
-        elements, n = norm_vectors(m, "mamba" if kind == "M" else "moe" if kind == "E" else "attention")
-        unit, arrays = unit + elements, arrays + n
-    return unit, arrays
+def unit_norms(m: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """Per run, (elements, arrays) of one unit's norm weights (`norm_vectors` of each of its blocks)."""
+    out = []
+    for r in m.runs:
+        vectors = [norm_vectors(m, LAYER_BLOCK[kind]) for kind in r.unit]
+        out.append((sum(e for e, _ in vectors), sum(n for _, n in vectors)))
+    return tuple(out)
 
 
 def head_and_norm(m: ModelConfig, tensor: int) -> tuple[float, float]:

@@ -266,7 +266,7 @@ def format_inference(e: InferenceEstimate) -> str:
              f"  matmul {e.matmul_s * 1e3:.3f} ms ({e.matmul_flops:.3e} FLOPs/device)   HBM {e.memory_s * 1e3:.3f} ms "
              f"({human_bytes(e.hbm_bytes)}/device)   collectives {e.comm_s * 1e3:.3f} ms"]
     if e.phase == "decode":
-        lines.append(f"  critical batch (decode turns compute-bound): "
+        lines.append("  critical batch (decode turns compute-bound): "
                      + (f"{e.critical_batch:,.0f} sequences" if e.critical_batch else "never (the KV cache grows with it)"))
     if e.experts_touched is not None:
         lines.append(f"  MoE: {e.experts_touched:.2f} distinct experts touched per layer per step (uniform routing); "

@@ -14,7 +14,7 @@ from jaxpar.cost.compiler import Compiler
 from jaxpar.cost.held import Held, equal_buffers, head_and_norm, held, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, PARAM_BYTES, grad_bytes
 from jaxpar.cost.program_flops import one_f_one_b
-from jaxpar.cost.shape import StepShape
+from jaxpar.cost.shape import StepShape, chunk_layers
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -108,13 +108,14 @@ def moe_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compile
     losses over data x expert, and the embedding's over data x expert (checked: moe-tiny:layers=4 on
     pipeline=2 x expert=2 x data=2, tests/test_cost_vs_hlo.py)."""
     dense, experts = held(m, st, experts=False), held(m, st, experts=True)
-    norms, norm_arrays = unit_norms(m)
-    execs, slots = shape.exec_layers / len(m.pattern), shape.repeats * shape.per_chunk
     head, norm = head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
-    out = sites.issue(AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
-    out += sites.issue(AR, ("expert",), execs, [(dense.unit - norms) * GRAD_BYTES], "backward")
-    out += sites.issue(AR, ("data",), shape.accum, [(dense.unit + experts.unit) * slots * GRAD_BYTES], "backward")
+    out = []
+    for execs, (norms, norm_arrays), (unit, _) in zip(shape.run_execs, unit_norms(m), dense.runs):   # each run's loop
+        out += sites.issue(AR, ("expert",), execs, [norms * GRAD_BYTES] if norm_arrays else [], "backward")
+        out += sites.issue(AR, ("expert",), execs, [(unit - norms) * GRAD_BYTES], "backward")
+    slots = sum((d + e) * (shape.repeats * k) for (d, _), (e, _), k in zip(dense.runs, experts.runs, shape.run_slots))
+    out += sites.issue(AR, ("data",), shape.accum, [slots * GRAD_BYTES], "backward")
     out += sites.issue(AR, ("data", "expert"), shape.accum, [(head + norm) * GRAD_BYTES] + losses, "backward")
     return out + sites.issue(AR, ("data", "expert"), 1, [(dense.emb - head - norm) * GRAD_BYTES], "backward")
 
@@ -133,14 +134,14 @@ def replicated_copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: 
     `tensor`: the stage's slots alone, the head's and final norm's with the embedding's. Under `tensor` the head's partial sums (vocab-sharded) are reduced
     on their own, over `group` then over `pipeline` (`head_apart`: its weight gradient's dot contracts over
     both; XLA:CPU's grouping, tests/test_verify_scale.py and the catalogue's pp2-tp2-dp2)."""
-    slots = shape.repeats * shape.per_chunk
+    slots = equal_buffers(h.slots(shape) * GRAD_BYTES, h.stack_arrays)
     head, norm = head_and_norm(m, st.sizes["tensor"])
     losses = [shape.head_micro * 4] if cc.combine else []
     apart, emb = head_apart(st, shape), (h.emb - head - norm) * GRAD_BYTES
     if st.options.pp_schedule == "1f1b" and st.sizes["tensor"] > 1:   # the head's and norm's with the embedding's
-        out = sites.issue(AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays), "backward")
+        out = sites.issue(AR, group, shape.accum, slots, "backward")
         return out + sites.issue(AR, group, shape.accum, [emb + (head + norm) * GRAD_BYTES], "backward")
-    out = sites.issue(AR, group, shape.accum, equal_buffers(h.unit * slots * GRAD_BYTES, h.unit_arrays)
+    out = sites.issue(AR, group, shape.accum, slots
                + [(norm + (0.0 if apart else head)) * GRAD_BYTES] + losses + ([emb] if shape.accum > 1 else []),
                "backward")
     out += sites.issue(AR, group, shape.accum, [head * GRAD_BYTES] if apart and head else [], "backward")
@@ -154,14 +155,15 @@ def context_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, 
     norm scales in an op of their own); the head's and final norm's (with the loss) once per accumulation
     step (1F1B: per steady tick, and with the copies apart), and the embedding's apart (llama-tiny:layers=8 pipeline=2 x
     context=2 x data=2, GPipe and 1F1B, pipeline=2 x context=4: tests/test_cost_vs_hlo.py)."""
-    execs = shape.exec_layers / len(m.pattern)
-    norms, norm_arrays = unit_norms(m) if stage_copies(st, shape) else (0, 0)
+    copies = stage_copies(st, shape)
     head, norm = head_and_norm(m, st.sizes["tensor"])
-    one_f = st.options.pp_schedule == "1f1b"
-    out = sites.issue(AR, group, execs, equal_buffers((h.unit - norms) * GRAD_BYTES, h.unit_arrays - norm_arrays),
-               "backward")
-    out += sites.issue(AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
-    ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and norms else [(head + norm) * GRAD_BYTES]
+    one_f, out = st.options.pp_schedule == "1f1b", []
+    for execs, (unit, arrays), run_norms in zip(shape.run_execs, h.runs, unit_norms(m)):   # each run's loop
+        norms, norm_arrays = run_norms if copies else (0, 0)
+        out += sites.issue(AR, group, execs, equal_buffers((unit - norms) * GRAD_BYTES, arrays - norm_arrays),
+                           "backward")
+        out += sites.issue(AR, group, execs, equal_buffers(norms * GRAD_BYTES, norm_arrays), "backward")
+    ends = [head * GRAD_BYTES, norm * GRAD_BYTES] if one_f and copies else [(head + norm) * GRAD_BYTES]
     per_micro = shape.accum * (shape.micro if one_f else 1)   # 1F1B: head per tick, lookup per micro-batch
     out += [op for b in ends for op in sites.issue(AR, group, per_micro, [b], "backward")]
     return out + sites.issue(AR, group, per_micro if one_f else 1, [(h.emb - head - norm) * GRAD_BYTES], "backward")
@@ -180,11 +182,11 @@ def copies_grads(m: ModelConfig, st: Strategy, shape: StepShape, cc: Compiler, g
     data x pipeline at once (its stages' partial sums and the batch's are one reduction) and the final
     norm over data x fsdp, un-sharded, with the per-micro-batch losses (XLA:CPU's grouping, checked in
     tests/test_verify_scale.py)."""
-    f, slots = st.sizes["fsdp"], shape.repeats * shape.per_chunk
+    f = st.sizes["fsdp"]
     sharded, (head, norm) = held(m, st, "zero"), head_and_norm(m, st.sizes["tensor"])
     emb = sharded.emb - head - norm
     execs = 1 if cc.hoist else shape.accum
-    out = sites.issue(AR, group, execs, equal_buffers(sharded.unit * slots * GRAD_BYTES / f, sharded.unit_arrays)
+    out = sites.issue(AR, group, execs, equal_buffers(sharded.slots(shape) * GRAD_BYTES / f, sharded.stack_arrays)
                + [emb * GRAD_BYTES / f], "backward")
     out += sites.issue(AR, group + ("pipeline",), shape.accum, [head * GRAD_BYTES / f] if head else [], "backward")
     losses = [shape.head_micro * 4] if cc.combine else []
@@ -200,7 +202,8 @@ def expert_stats(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepShap
     for op in ops:
         if op[6] == sites.STATS:
             per = op[4]
-            out += sites.issue(AR, ("data",), shape.accum, [shape.repeats * shape.per_chunk * per], "forward")
+            slots = shape.repeats * chunk_layers(shape, m, "E")   # the stage's MoE layer slots
+            out += sites.issue(AR, ("data",), shape.accum, [slots * per], "forward")
             axes = tuple(a for a in op[1] if a != "data")
             op = (op[0], axes, *op[2:]) if axes else None
         if op:

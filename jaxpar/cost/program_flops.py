@@ -12,13 +12,16 @@ software with `jaxpar_program`.
     head            1F1B spreads each steady tick's head over the stages, 1/S of a micro-batch each, so
                     a device runs 1/S of the step's head (`head_share`); GPipe's spread is the software
                     trait `pp_head_spread` (jaxpar/cost/software.py)
+    padding         every stage runs its chunk in the same unit slots (the stages run in lockstep), so an
+                    uneven split, and a model of several runs, computes its padding slots too
+                    (jaxpar/core/schedule.py, jaxpar/pipeline/stages.py: `pipeline_padding`)
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxpar.cost import flops
-from jaxpar.cost.shape import StepShape
+from jaxpar.cost.shape import StepShape, chunk_layers
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -55,3 +58,22 @@ def head_share(st: Strategy, sh: StepShape, textbook: float) -> float:
     """shape.head_share for jaxpar's program: 1 under its 1F1B (each tick's head spread over the stages),
     else the `textbook` share."""
     return 1.0 if one_f_one_b(st, sh) else textbook
+
+
+def pipeline_padding(fl: flops.StepFlops, m: ModelConfig, sh: StepShape, remat: str, global_batch: int, seq: int,
+                     kernels: flops.Kernels) -> flops.StepFlops:
+    """`fl` plus the FLOPs of the padding slots jaxpar's pipelines run (module docstring): per block kind,
+    S x v x its slots per chunk less its layers, each a layer's forward in every pass (the layers' `remat`
+    policy: a full rerun is one pass more); hardware FLOPs, not model FLOPs."""
+    if sh.stages == 1:
+        return fl
+    block = {"A": flops.attention_block_flops(m, global_batch, seq, kernels.causal),
+             "M": flops.mamba_block_flops(m, global_batch, seq),
+             "E": flops.moe_block_flops(m, global_batch, seq, kernels.causal)}
+    layers = {"A": m.attention_layers, "M": m.mamba_layers, "E": m.moe_layers}
+    passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
+    extra = sum((sh.stages * sh.repeats * chunk_layers(sh, m, b) - layers[b]) * block[b].matmul * passes
+                for b in "AME")
+    if not extra:
+        return fl
+    return dataclasses.replace(fl, padding=fl.padding + extra, hardware=fl.hardware + extra)

@@ -34,6 +34,7 @@ from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, Memory, batch_byte
                                 state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
+from jaxpar.cost.shape import chunk_layers
 from jaxpar.ops.blockwise_attention import BLOCK_K, BLOCK_Q
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
@@ -131,13 +132,13 @@ def pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: float
     iteration's backward, its k unit slots' inventories (remat `none` inside the chunk). Checked against
     XLA's memory analysis of llama3-70b's top plans (`plan --verify`, tests/test_verify_scale.py)."""
     sz, o = st.sizes, st.options
-    sched = schedule_of(st, m.units)
+    sched = schedule_of(st, m.run_units)
     act = ACTIVATION_BYTES[o.dtype]
     if o.remat in ("full", "dots_no_batch"):
         stored = sched.iterations * tokens * m.d_model * act / (sz["tensor"] if o.sequence_parallel else 1)
     else:
         stored = per_layer * tokens * sched.iterations / sched.repeats
-    return stored + fsdp_stage_bytes(m, st), layer_transient * sched.per_chunk * len(m.pattern)
+    return stored + fsdp_stage_bytes(m, st), layer_transient * chunk_layers(sched, m)
 
 
 def one_f_one_b_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, layer_transient: float,
@@ -151,7 +152,7 @@ def one_f_one_b_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, laye
     sz = st.sizes
     act = ACTIVATION_BYTES[st.options.dtype]
     stages = sz["pipeline"]
-    sched_k = schedule_of(st, m.units).per_chunk
+    sched = schedule_of(st, m.run_units)
     tokens = b_loc / st.options.microbatches * seq / sz["context"]
     residual = m.d_model * act / (sz["tensor"] if st.options.sequence_parallel else 1)
     repeats = st.options.pp_repeats   # interleaved 1F1B: 2vS-1 slots
@@ -160,7 +161,7 @@ def one_f_one_b_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, laye
     embedding = 2 * b_loc * seq / sz["context"] * residual + tokens * m.d_model * act
     stored = (2 * stages * repeats - 1) * tokens * residual + embedding
     if st.options.remat == "none":
-        return stored + fsdp_stage_bytes(m, st), layer_transient * sched_k * len(m.pattern)
+        return stored + fsdp_stage_bytes(m, st), layer_transient * chunk_layers(sched, m)
     return stored + fsdp_stage_bytes(m, st), stage_kept / repeats + layer_transient
 
 
@@ -179,13 +180,13 @@ def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
     sz = st.sizes
     if sz["fsdp"] == 1:
         return 0.0
-    sched = schedule_of(st, m.units)
-    unit = 0.0
-    for block, n in zip(("attention", "mamba", "moe"), block_counts(m)):
-        if n:
+    sched = schedule_of(st, m.run_units)
+    slots = 0.0   # elements of a stage's v chunks of unit slots: every block's, by kind
+    for block, letter in zip(("attention", "mamba", "moe"), "AME"):
+        if n := chunk_layers(sched, m, letter):
             sharded, kept = zero_split(m, block, 3)
-            unit += n / m.units * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
-    return sched.repeats * sched.per_chunk * unit * (ACTIVATION_BYTES[st.options.dtype] + GRAD_BYTES)
+            slots += n * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
+    return sched.repeats * slots * (ACTIVATION_BYTES[st.options.dtype] + GRAD_BYTES)
 
 
 def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:

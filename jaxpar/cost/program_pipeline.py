@@ -81,13 +81,14 @@ def uneven_weights(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> 
     """An uneven split's weights are viewed as [S, v, k] per step: per weight array one all-to-all forward,
     and one for its gradient backward (moved before the fsdp gather: ZeRO-3 shards of the sharded part).
     An even split, circular included, is stored stage-major (jaxpar/pipeline/order.py): no weight moves."""
-    units = shape.per_chunk * shape.stages * shape.repeats   # unit slots, padding included
-    if units == m.units:
+    if shape.per_chunk * shape.stages * shape.repeats == m.units:   # unit slots, padding included: none
         return []
     zero3 = st.sizes["fsdp"] if st.zero == 3 else 1
     h = held(m, st)
-    unit = held(m, st, "kept").unit + held(m, st, "zero").unit / zero3 if zero3 > 1 else h.unit
-    arrays = equal_buffers(unit * units / shape.stages * act, h.unit_arrays)
+    units = ([k + z / zero3 for (k, _), (z, _) in zip(held(m, st, "kept").runs, held(m, st, "zero").runs)]
+             if zero3 > 1 else [u for u, _ in h.runs])
+    moved = sum(u * (k * shape.stages * shape.repeats) / shape.stages for u, k in zip(units, shape.run_slots))
+    arrays = equal_buffers(moved * act, h.stack_arrays)
     return sites.issue(A2A, ("pipeline",), 1, arrays, "forward") + sites.issue(A2A, ("pipeline",), 1, arrays, "backward")
 
 

@@ -12,12 +12,14 @@
     exec_*      layer executions per device per step (what loop trip counts multiply in the HLO), per
                 block kind: attention, Mamba-2, MoE (an attention half, then the experts):
                 accum x T x k x blocks per unit under a pipeline
+    run_execs   per run of the model (models/config.py runs), executions of its unit per device per step:
+                accum x units of the run, or accum x T x k_j under a pipeline
+    run_slots   per run, the unit slots of a pipeline stage's chunk, k_j (the run's units without one)
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.cost.params import block_counts
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -39,6 +41,8 @@ class StepShape:
     exec_moe: float = 0.0
     per_chunk: int = 1
     head_micro: int = 1
+    run_execs: tuple[float, ...] = ()
+    run_slots: tuple[int, ...] = ()
 
     @property
     def exec_layers(self) -> float:
@@ -49,19 +53,26 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
     sz, o = st.sizes, st.options
     stages = sz["pipeline"]
     b_loc = global_batch / (sz["data"] * sz["fsdp"] * sz["expert"])
-    na, nm, ne = block_counts(m)
     if stages > 1:
-        sched = schedule_of(st, m.units)
+        sched = schedule_of(st, m.run_units)
         v, micro, iters, k = sched.repeats, sched.microbatches, sched.iterations, sched.per_chunk
-        slots_per_unit = o.grad_accum * iters * k / m.units   # unit slots run per device, per unit of the model
+        slots = sched.run_slots
         head_micro, bubble = sched.head_microbatches, sched.bubble
     else:
         v, micro, iters, k, head_micro, bubble = 1, 1, 1, m.units, 1, 0.0
-        slots_per_unit = o.grad_accum
+        slots = m.run_units
+    execs = tuple(o.grad_accum * iters * n for n in slots)   # unit executions per device, per run
+    na, nm, ne = (sum(e * r.unit.count(b) for e, r in zip(execs, m.runs)) for b in "AME")
     return StepShape(b_loc=b_loc, mb=b_loc / (o.grad_accum * micro), s_loc=seq / sz["context"],
                      accum=o.grad_accum, stages=stages, repeats=v, micro=micro, iterations=iters,
-                     bubble=bubble, exec_attention=slots_per_unit * na, exec_mamba=slots_per_unit * nm,
-                     exec_moe=slots_per_unit * ne, per_chunk=k, head_micro=head_micro)
+                     bubble=bubble, exec_attention=na, exec_mamba=nm, exec_moe=ne, per_chunk=k,
+                     head_micro=head_micro, run_execs=execs, run_slots=slots)
+
+
+def chunk_layers(shape, m: ModelConfig, letters: str = "AME") -> int:
+    """Layers of the block kinds `letters` in a pipeline stage's chunk of unit slots, every run's: sum_j k_j
+    x those blocks of run j's unit (`shape`: a StepShape or a core.schedule.Schedule, their `run_slots`)."""
+    return sum(k * sum(r.unit.count(b) for b in letters) for k, r in zip(shape.run_slots, m.runs))
 
 
 def head_share(shape: StepShape, spread: bool) -> float:

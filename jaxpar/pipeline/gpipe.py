@@ -61,8 +61,9 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     every micro-batch; the MoE layers' AUX_FIELDS summed over the layers, None without MoE blocks).
 
     MoE: each iteration's router statistics (sums over the tokens, models/moe.py) are added, unless the
-    item is a bubble, into an accumulator [S, v, k, R, n] per stage, repeat and unit slot (a layer), so
-    after the loop it holds every layer's sums over the whole batch: the same losses as one device's."""
+    item is a bubble, into an accumulator [S, v, K, R] per stage, repeat and the slots' statistics (K: every
+    run's unit slots, each a layer's n sums, flattened), so after the loop it holds every layer's sums over
+    the whole batch: the same losses as one device's."""
     S, v, M, T = sched.stages, sched.repeats, sched.microbatches, sched.iterations
     stage_axes = layout.axes("stages")
     state_names = ("stages",) + RESIDUAL
@@ -70,7 +71,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     weights = stage_weights(model, sched, layout)
     chunk = stage_chunk(model, sched, layout, with_aux=True)
     valid = valid_slots(sched)
-    moe = "E" in model.cfg.pattern
+    moe = model.cfg.has_moe
 
     # Micro-batches [M, mb, s, d], replicated over `pipeline` like the embedding output; they seed
     # `buf` (every stage's copy, so stage 0 reads its input locally) and their positions stay put.
@@ -78,7 +79,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     ps = constrain(split_microbatches(positions, M), (None, "batch", "seq"))       # [M, mb, s]
 
     def stage_work(weights, valid, repeat, h, pos):
-        """Every stage applies its chunk of k unit slots (repeat `repeat[s]`) to h[s]."""
+        """Every stage applies its chunk of unit slots (repeat `repeat[s]`) to h[s]."""
         in_axes = (0, None if valid is None else 0, 0, 0, 0)
         with use_layout(InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):
             return jax.vmap(chunk, in_axes=in_axes, spmd_axis_name=spec_entry(stage_axes))(
@@ -89,7 +90,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
     stage = jnp.arange(S)
 
     def iteration(carry, t):
-        shifted, buf, acc = carry                # [S, mb, s, d], [S, M, mb, s, d], MoE: [S, v, k, R, n]
+        shifted, buf, acc = carry                # [S, mb, s, d], [S, M, mb, s, d], MoE: [S, v, K, R]
         item = t - stage
         # stage 0 takes micro-batch t % M from buf (the input in repeat 0, then the last stage's
         # output of the previous repeat), the others what their predecessor just produced.
@@ -102,7 +103,7 @@ def _run(model, x, positions, sched: Schedule, strategy: Strategy, layout: Layou
             y, aux = y
             real = (item >= 0) & (item < v * M)
             at = real[:, None] & (jnp.arange(v)[None, :] == repeat[:, None])          # [S, v]
-            acc = acc + jnp.where(at[:, :, None, None, None], aux[:, None], 0.0)
+            acc = acc + jnp.where(at[:, :, None, None], aux[:, None], 0.0)
         y = constrain(y, state_names)
         shifted = constrain(shift(y), state_names)
         # slot 0 now holds the last stage's output of item t-S+1: keep it in buf unless it is
@@ -132,7 +133,7 @@ def pipelined_stack(model, x: jax.Array, positions: jax.Array, strategy: Strateg
     """The model's layer stack on [B, s, d] run as a pipeline over the `pipeline` mesh axis, its output
     replicated over `pipeline` (one all-reduce): computes `model.apply_stack(x, positions)`."""
     with jax.named_scope("pipeline"):
-        buf, _ = _run(model, x, positions, schedule_of(strategy, model.cfg.units), strategy, layout)
+        buf, _ = _run(model, x, positions, schedule_of(strategy, model.cfg.run_units), strategy, layout)
         return constrain(merge_microbatches(constrain(buf[0], (None,) + RESIDUAL)), RESIDUAL)
 
 
@@ -143,7 +144,7 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
     `use_layout` with x the embedding output [B, s, d] and labels [B, s]. Returns (loss, the MoE layers'
     AUX_FIELDS summed over the layers, None without MoE blocks: models/moe.py), the loss with the MoE
     layers' auxiliary losses, as `model.loss(..., aux=...)` adds them."""
-    sched = schedule_of(strategy, model.cfg.units)
+    sched = schedule_of(strategy, model.cfg.run_units)
     S, M, h = sched.stages, sched.microbatches, sched.head_microbatches
     stage_axes = layout.axes("stages")
     with jax.named_scope("pipeline"):

@@ -111,7 +111,7 @@ class _Outside:
 
     @classmethod
     def of(cls, model, rows: int, seq: int, dtype) -> _Outside:
-        graphdef, units, rest = nnx.split(model, nnx.PathContains("units"), ...)
+        graphdef, units, rest = nnx.split(model, nnx.PathContains("runs"), ...)
         variables = jax.tree.leaves(rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
         leaves, treedef = jax.tree.flatten(rest)
         part = cls(graphdef, units, treedef, leaves, variables)
@@ -140,7 +140,7 @@ class _Outside:
 class _Plan:
     """The step's fixed parts, known before any array: the schedule and its timetable, the layouts, the
     parameters outside the stages, the compute dtype, the chunk one stage runs (with MoE blocks, `moe`:
-    it returns (y, router statistics [k, 1, n]), jaxpar/pipeline/stages.py) and the model's config."""
+    it returns (y, router statistics [K, 1]), jaxpar/pipeline/stages.py) and the model's config."""
     graphdef: Any
     layout: Layout
     sched: Schedule
@@ -154,7 +154,7 @@ class _Plan:
     @classmethod
     def of(cls, graphdef, params, batch: dict, strategy: Strategy, layout: Layout, dtype: str) -> _Plan:
         model = nnx.merge(graphdef, params)
-        sched = schedule_of(strategy, model.cfg.units)
+        sched = schedule_of(strategy, model.cfg.run_units)
         rows, seq = batch["labels"].shape[0] // sched.microbatches, batch["labels"].shape[1]
         dt = jnp.dtype(dtype)
         return cls(graphdef, layout, sched, Ticks(sched.stages, sched.microbatches, sched.repeats),
@@ -164,7 +164,7 @@ class _Plan:
 
     @property
     def moe(self) -> bool:
-        return "E" in self.cfg.pattern
+        return self.cfg.has_moe
 
     def cast(self, tree):
         """`tree` in the compute dtype."""
@@ -198,7 +198,7 @@ def _prologue(plan: _Plan, ids, params):
     weights = stage_weights(model, plan.sched, plan.layout, per_shard=False)
     stage_spec = param_spec(("stages",), plan.layout)[0]
     weights = [plan.shards.copies(w, (None, None) + n, 1, (stage_spec,)) for w, n in zip(weights, unit_names(model))]
-    leaves = jax.tree.leaves(nnx.split(model, nnx.PathContains("units"), ...)[2])
+    leaves = jax.tree.leaves(nnx.split(model, nnx.PathContains("runs"), ...)[2])
     head = [plan.shards.copies(leaves[i], plan.outside.names(i), 0, ()) for i in plan.outside.head]
     return _embedded(plan, leaves, ids), weights, head
 
@@ -259,7 +259,7 @@ def _recompute(chunk, ticks: Ticks, ws, ok, s, h, t, pos):
 
 def _seed(ticks: Ticks, s, g, g_aux, t):
     """The cotangent of stage s's chunk output in tick t: the received g, zero for a bubble; with MoE
-    blocks also its router statistics', g_aux [v, k, 1, n] in the repeat's row (`_aux_cotangent`)."""
+    blocks also its router statistics', g_aux [v, K, 1] in the repeat's row (`_aux_cotangent`)."""
     ok_b, _, r = ticks.backward_item(t, s)
     g = jnp.where(ok_b, g, jnp.zeros_like(g))
     if g_aux is None:
@@ -285,7 +285,7 @@ def _backward_fn(shards: Shards, chunk, ticks: Ticks, ok) -> Callable:
 
 
 def _stats_forward(work, ws, ok, s, h_in, x_t, when):
-    """Stage s's forward in tick t for its router statistics alone: (output, the statistics [v, k, 1, n]
+    """Stage s's forward in tick t for its router statistics alone: (output, the statistics [v, K, 1]
     in the row of its repeat, zeros for a bubble); `work` and `when` as `_forward`'s."""
     (chunk, ticks), (t, pos) = work, when
     valid, _, r = ticks.forward_item(t, s)
@@ -314,7 +314,7 @@ class _Carry(NamedTuple):
 class _Loop:
     """What every tick reads and nothing changes: the timetable, the weights, the micro-batches' embedding
     outputs, positions and labels [M, N, rows, ...], the stage-vmapped work, and with MoE blocks the
-    forward that only collects router statistics and the statistics' cotangent [S, v, k, 1, n]
+    forward that only collects router statistics and the statistics' cotangent [S, v, K, 1]
     (`_aux_cotangent`; None until it is known, and without MoE blocks)."""
     ticks: Ticks
     weights: list
@@ -463,10 +463,10 @@ def _cool_down(loop: _Loop, c: _Carry) -> _Carry:
 # ---- the router's auxiliary losses ------------------------------------------------------------------------
 
 def _router_statistics(loop: _Loop) -> jax.Array:
-    """Every MoE layer's router statistics summed over the whole batch, [S, v, k, 1, n] (per stage, repeat
-    and unit slot: a layer), from a forward pass of every micro-batch through the stages (the 1F1B
-    timetable's forwards, vM + S - 1 ticks, nothing stashed and no head): the balance loss's gradient
-    needs them before the first backward (module docstring)."""
+    """Every MoE layer's router statistics summed over the whole batch, [S, v, K, 1] (per stage, repeat
+    and unit slot, flattened: jaxpar/pipeline/stages.py), from a forward pass of every micro-batch through
+    the stages (the 1F1B timetable's forwards, vM + S - 1 ticks, nothing stashed and no head): the balance
+    loss's gradient needs them before the first backward (module docstring)."""
     tk, S, M, v = loop.ticks, loop.ticks.stages, loop.ticks.microbatches, loop.ticks.repeats
 
     def tick(c, t):
@@ -483,7 +483,7 @@ def _router_statistics(loop: _Loop) -> jax.Array:
 
 def _aux_cotangent(cfg, stats: jax.Array):
     """(the MoE layers' auxiliary loss, their AUX_FIELDS summed over the layers, the loss's gradient
-    w.r.t. the statistics [S, v, k, 1, n]) from the whole batch's statistics. The losses are functions of
+    w.r.t. the statistics [S, v, K, 1]) from the whole batch's statistics. The losses are functions of
     sums over the batch (models/moe.py), so a micro-batch's statistics take this same cotangent in every
     backward: the balance loss's E f_e / tokens per router probability, f_e the whole batch's routed
     fraction (the routed copies carry no gradient), and the z-loss's 1 / tokens."""

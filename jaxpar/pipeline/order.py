@@ -41,11 +41,12 @@ def stage_major(sched: Schedule) -> np.ndarray | None:
     return np.array([(r * S + s) * k + j for s in range(S) for r in range(v) for j in range(k)])
 
 
-def unit_order(strategy: Strategy, units: int) -> np.ndarray | None:
-    """The stored order of a model's `units` stacked units under `strategy` (None: layer order)."""
+def unit_order(strategy: Strategy, runs: tuple[int, ...] | int) -> np.ndarray | None:
+    """The stored order of a model's stacked units (`runs`: per run, ModelConfig.run_units) under
+    `strategy` (None: layer order; a model of several runs is never split evenly, so it keeps layer order)."""
     if strategy.size("pipeline") == 1:
         return None
-    return stage_major(schedule_of(strategy, units))
+    return stage_major(schedule_of(strategy, runs))
 
 
 def _key(path) -> tuple[str, ...]:

@@ -3,12 +3,12 @@ micro-batches are laid out.
 
 jaxpar/pipeline/gpipe.py (GPipe, circular) and jaxpar/pipeline/one_f_one_b.py run a stage's chunk of k unit
 slots on every stage at once, a vmap over the stage dim. This module gives them
-  * `stage_weights`: the stacked units [U, ...] viewed as [S, v, k, ...] (stage-major storage makes an
-    even split a reshape, jaxpar/pipeline/order.py; an uneven one pads with zero slots that run as the
-    identity, `valid_slots`), gathered over fsdp once per step, and copied once per data x fsdp shard
-    so that each shard's weight gradient accumulates on its own device through the schedule's loop and
-    is summed once after it (the module docstring of jaxpar/pipeline/gpipe.py says why and what it costs);
-  * `stage_chunk`: the function one stage runs on those weights, with the MoE blocks' router
+  * `stage_weights`: each run's stacked units [U_j, ...] viewed as [S, v, k_j, ...] (stage-major storage
+    makes an even split a reshape, jaxpar/pipeline/order.py; an uneven one, and every run of a model of
+    several, pads with zero slots that run as the identity, `valid_slots`), gathered over fsdp once per
+    step, and copied once per data x fsdp shard so that each shard's weight gradient accumulates on its own
+    device through the schedule's loop and is summed once after it (jaxpar/pipeline/gpipe.py);
+  * `stage_chunk`: the function one stage runs on those weights, run by run, with the MoE blocks' router
     statistics per unit slot (models/moe.py) for the schedule to accumulate;
   * the layout inside the stages' vmap (`InStages`), the cyclic shift of the stage state from one
     stage to the next (`stage_shift`), and the micro-batch split of a batch (`split_microbatches`).
@@ -75,12 +75,25 @@ class _WithoutFsdpBatch(InStages):
 
 # ---- the stage weights ---------------------------------------------------------------------------------
 
+def _run_states(model) -> list:
+    """(graphdef, stacked state) of each run's units, in layer order."""
+    return [nnx.split(units) for units in model.runs]
+
+
 def unit_names(model) -> list[tuple]:
-    """Per weight leaf of the stacked units (jax.tree order), its logical names without the `layers` dim."""
-    stacked = nnx.split(model.units)[1]
-    variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
-    return [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:]
-            for var, a in zip(variables, jax.tree.leaves(stacked), strict=True)]
+    """Per weight leaf of the stacked runs (run by run, jax.tree order in each), its logical names without
+    the `layers` dim."""
+    names = []
+    for _, stacked in _run_states(model):
+        variables = jax.tree.leaves(stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
+        names += [tuple(var.get_metadata().get("out_sharding") or (None,) * a.ndim)[1:]
+                  for var, a in zip(variables, jax.tree.leaves(stacked), strict=True)]
+    return names
+
+
+def stacked_leaves(model) -> list[jax.Array]:
+    """Every weight leaf of the stacked runs, in `unit_names` order."""
+    return [a for _, stacked in _run_states(model) for a in jax.tree.leaves(stacked)]
 
 
 def _stage_view(a: jax.Array, sched: Schedule, layout: Layout, names: tuple) -> jax.Array:
@@ -99,14 +112,16 @@ def _stage_view(a: jax.Array, sched: Schedule, layout: Layout, names: tuple) -> 
     return _constrained(a.reshape(S, v, k, *a.shape[2:]), names, layout)
 
 
-def valid_slots(sched: Schedule) -> jax.Array | None:
-    """[S, v, k] bool: slot j of stage s's chunk in repeat r holds a unit (not padding); None for an even
-    split (no padding)."""
+def valid_slots(sched: Schedule) -> tuple[jax.Array, ...] | None:
+    """Per run, [S, v, k_j] bool: slot j of stage s's chunk in repeat r holds a unit of the run (not
+    padding); None for an even split (no padding)."""
     if sched.even:
         return None
-    S, v, k = sched.stages, sched.repeats, sched.per_chunk
-    sizes = np.asarray(sched.split).reshape(v, S).T          # [S, v]
-    return jnp.asarray(np.arange(k)[None, None, :] < sizes[:, :, None])
+    S, v, masks = sched.stages, sched.repeats, []
+    for run in (sched.for_run(j) for j in range(len(sched.runs))):
+        sizes = np.asarray(run.split).reshape(v, S).T          # [S, v]
+        masks.append(jnp.asarray(np.arange(run.per_chunk)[None, None, :] < sizes[:, :, None]))
+    return tuple(masks)
 
 
 def _copy_axes(layout: Layout, per_shard: bool) -> tuple[tuple[str, ...], int]:
@@ -140,13 +155,13 @@ def _shard_copies(w: jax.Array, view: jax.Array, names: tuple, copies: tuple[str
 
 
 def stage_weights(model, sched: Schedule, layout: Layout, per_shard: bool = True) -> list[jax.Array]:
-    """Per weight leaf of the stacked units (jax.tree order), the stage view [S, v, k, ...] gathered over
+    """Per weight leaf of the stacked runs (`unit_names` order), the stage view [S, v, k_j, ...] gathered over
     fsdp here, once per step (module docstring); differentiable in the units. With F > 1 data x fsdp
     shards and `per_shard`: [S, F, v, k, ...], one gathered copy per shard. per_shard=False: no copies, for
     a caller that makes its own (jaxpar/pipeline/one_f_one_b.py)."""
-    arrays = jax.tree.leaves(nnx.split(model.units)[1])
     names = unit_names(model)
-    views = [_stage_view(a, sched, layout, n) for a, n in zip(arrays, names)]
+    run_of = [j for j, (_, stacked) in enumerate(_run_states(model)) for _ in jax.tree.leaves(stacked)]
+    views = [_stage_view(a, sched.for_run(j), layout, n) for a, j, n in zip(stacked_leaves(model), run_of, names)]
     weights = [_constrained(w, ("stages", None, None) + n, layout, gathered=True) for w, n in zip(views, names)]
     copies, F = _copy_axes(layout, per_shard)
     if F == 1:
@@ -156,25 +171,36 @@ def stage_weights(model, sched: Schedule, layout: Layout, per_shard: bool = True
 
 # ---- what one stage runs -------------------------------------------------------------------------------
 
-def _unit_chunk(graphdef, treedef, repeats: int, policy: str, moe: bool) -> Callable:
-    """chunk(ws, ok, r, h, pos): the k unit slots of repeat r (weights ws [v, k, ...], real slots ok [v, k]
-    or None) applied in turn to h [rows, s, d]; (y, aux [k, n]) with `moe`, else y."""
+def _slots(step, h, units, real):
+    """A run's unit slots applied in turn to h by the scan body `step`: (y, their per-slot outputs); `real`
+    [k] marks the slots that hold a unit (None: all), a padding slot being the identity that sees no token."""
+    if real is None:
+        return jax.lax.scan(step, h, units)
+
+    def slot(h, unit):
+        w, ok = unit
+        y, aux = step(h, w)
+        return jnp.where(ok, y, h), None if aux is None else jnp.where(ok, aux, 0.0)
+    return jax.lax.scan(slot, h, (units, real))
+
+
+def _unit_chunk(runs: list, repeats: int, policy: str, moe: bool) -> Callable:
+    """chunk(ws, ok, r, h, pos): every run's unit slots of repeat r applied in turn to h [rows, s, d]
+    (`runs`: (graphdef, treedef, leaf count) of each; weights ws, the runs' leaves [v, k_j, ...] in order;
+    real slots ok, per run [v, k_j], or None); (y, the slots' MoE statistics flattened [K]) with `moe`,
+    else y."""
     def chunk(ws, ok, r, h, pos):
         ws = [jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False) if repeats > 1 else w[0] for w in ws]
         ws = checkpoint_name(ws, WEIGHTS_NAME)
-        units = jax.tree.unflatten(treedef, ws)
-        step = LayerScan(policy).step(unit_body(graphdef, pos))
-        if ok is None:
-            y, aux = jax.lax.scan(step, h, units)
-        else:
-            ok = jax.lax.dynamic_index_in_dim(ok, r, 0, keepdims=False) if repeats > 1 else ok[0]
-
-            def slot(h, unit):                   # a padding slot is the identity and sees no token
-                w, real = unit
-                y, aux = step(h, w)
-                return jnp.where(real, y, h), None if aux is None else jnp.where(real, aux, 0.0)
-            y, aux = jax.lax.scan(slot, h, (units, ok))
-        return (y, aux) if moe else y
+        stats, start = [], 0
+        for j, (graphdef, treedef, n) in enumerate(runs):
+            units = jax.tree.unflatten(treedef, ws[start:start + n])
+            real = None if ok is None else (jax.lax.dynamic_index_in_dim(ok[j], r, 0, keepdims=False)
+                                            if repeats > 1 else ok[j][0])
+            h, aux = _slots(LayerScan(policy).step(unit_body(graphdef, pos)), h, units, real)
+            stats += [] if aux is None else [aux.reshape(-1)]
+            start += n
+        return (h, jnp.concatenate(stats)) if moe else h
     return chunk
 
 
@@ -194,7 +220,7 @@ def _fsdp_merge(a: jax.Array, before: int) -> jax.Array:
 
 def _per_shard_chunk(chunk: Callable, copies: tuple[str, ...], F: int, layout: Layout, moe: bool) -> Callable:
     """`chunk` run by each of the F weight-copy shards on its rows with its own copy of the weights
-    ([F, v, k, ...]); the MoE statistics per shard, [k, F, n]."""
+    ([F, v, k, ...]); the MoE statistics per shard, [K, F]."""
     batch_axes = layout.axes("batch")
     before = layout.group(batch_axes[:batch_axes.index(copies[0])])
     inner_layout = _WithoutFsdpBatch(layout.mesh, layout.strategy, layout.replicate_kv_heads)
@@ -218,11 +244,13 @@ def stage_chunk(model, sched: Schedule, layout: Layout, per_shard: bool = True, 
     unit's activations at a time, not the chunk's k; under "selective" the units are not rematerialised and
     their attention cores recompute themselves, models/transformer.py).
     with_aux: chunk returns (y, aux) with aux the MoE blocks' router statistics per unit slot and rows
-    shard, [k, R, n] (R = F copies, else 1; zeros in padding slots; models/moe.py: sums over the tokens,
-    to be summed over R and micro-batches), or None for a model without MoE blocks."""
-    graphdef, stacked = nnx.split(model.units)
-    moe = with_aux and "E" in model.cfg.pattern
-    chunk = _unit_chunk(graphdef, jax.tree.structure(stacked), sched.repeats, policy, moe)
+    shard, [K, R] (K: the slots' statistics flattened, run by run; R = F copies, else 1; zeros in padding
+    slots; models/moe.py: sums over the tokens, to be summed over R and micro-batches), or None for a
+    model without MoE blocks."""
+    runs = [(graphdef, jax.tree.structure(stacked), len(jax.tree.leaves(stacked)))
+            for graphdef, stacked in _run_states(model)]
+    moe = with_aux and model.cfg.has_moe
+    chunk = _unit_chunk(runs, sched.repeats, policy, moe)
     copies, F = _copy_axes(layout, per_shard)
     if F > 1:
         return _per_shard_chunk(chunk, copies, F, layout, moe)

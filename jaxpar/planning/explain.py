@@ -42,7 +42,7 @@ from jaxpar.models.lm import LM
 PARAM_BYTES = 4   # float32 master weights, gradients and Adam moments
 COST_MODULES = {"comm_data": comm_data, "comm_tensor": comm_tensor}   # where the rules' step-wide forms live
 ROOT = pathlib.Path(jaxpar.__file__).resolve().parent.parent   # the checkout (or site-packages)
-STACK = ("units", "blocks", "layers")   # path parts a query may leave out: the stacked units' containers
+STACK = ("runs", "blocks", "layers")   # path parts a query may leave out: the stacked runs' containers
 
 
 # ---- where things are written ---------------------------------------------------------------------
@@ -148,7 +148,7 @@ def abstract_model(model: ModelConfig) -> LM:
 
 
 def parameters(lm: LM) -> dict[str, Found]:
-    """Every parameter by dotted path (`units.blocks.0.attn.wq`)."""
+    """Every parameter by dotted path (`runs.0.blocks.0.attn.wq`)."""
     _, state = nnx.split(lm)
     out = {}
     leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -168,7 +168,7 @@ def _short(path: str) -> tuple[str, ...]:
 
 
 def find(params: dict[str, Found], query: str, model_name: str) -> Found:
-    """The parameter `query` names: a full path, or its tail (`attn.wq`; the stack's `units`,
+    """The parameter `query` names: a full path, or its tail (`attn.wq`; the stack's `runs`,
     `blocks`, `layers` and block numbers may be left out). ConfigError on none or several."""
     exact = [p for p in params if p == query or p.endswith("." + query)]
     if not exact:
@@ -230,7 +230,7 @@ class Explanation:
 def abstract_layout(model: ModelConfig, strategy: Strategy) -> Layout:
     """The model's layout on an abstract mesh of the strategy's sizes (no devices needed)."""
     mesh = AbstractMesh(tuple(strategy.size(a) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    return model_layout(mesh, strategy, model.kv_heads, model.has_attention)
+    return model_layout(mesh, strategy, model)
 
 
 def explain(model: ModelConfig, model_name: str, strategy: Strategy, query: str, *, batch: int, seq: int,

@@ -182,7 +182,7 @@ def prompt_width(model: ModelConfig, strategy: Strategy, longest: int) -> int:
         return longest
     pieces = cp * (2 if strategy.options.cp_layout == "zigzag" else 1)
     width = -(-longest // pieces) * pieces
-    if "M" in model.pattern:
+    if model.has_mamba:
         width = max(width, pieces * (model.d_conv - 1))
     return width
 
@@ -243,7 +243,7 @@ class Generator:
 
     def _phase(self, name: str, strategy: Strategy, devices: list) -> PhaseLayout:
         mesh = make_mesh(strategy, devices)
-        layout = model_layout(mesh, strategy, self.model_cfg.kv_heads, self.model_cfg.has_attention)
+        layout = model_layout(mesh, strategy, self.model_cfg)
         rules = layout.rules("activations")
         cache = jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.names, rules, mesh)),
                              self.cache_layout, is_leaf=decode.is_slot)

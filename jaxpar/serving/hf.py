@@ -6,11 +6,12 @@ vocab_size, max_position_embeddings, rms_norm_eps, rope_theta and rope_scaling o
 rope_parameters, tie_word_embeddings) and one or more *.safetensors files. Its mixtures of experts,
 MixtralForCausalLM and Qwen3MoeForCausalLM, add a router and experts to some layers and Qwen3-MoE a
 per-head q/k RMSNorm (jaxpar/serving/hf_moe.py). Each Linear stores its weight as [out, in] (y = x W^T);
-jaxpar's weights are [in, out] with the heads split out, stacked over the units of `pattern` (block j of
-unit u is the checkpoint's layer u * len(pattern) + j; below, pattern "A"):
+jaxpar's weights are [in, out] with the heads split out, stacked over the units of each run of `pattern`
+(block j of unit u of a run is the checkpoint's layer u * len(unit) + j after the earlier runs' layers:
+ModelConfig.layers_of; below, pattern "A"):
 
     model.embed_tokens.weight              [V, d]        -> embedding [V, d]
-    layers.i.input_layernorm.weight        [d]           -> units.blocks[0].attn_norm.scale [i]
+    layers.i.input_layernorm.weight        [d]           -> runs[0].blocks[0].attn_norm.scale [i]
     layers.i.self_attn.q_proj.weight       [h*hd, d]     -> wq [i] = W^T as [d, h, hd]   (k, v: kv heads)
     layers.i.self_attn.o_proj.weight       [d, h*hd]     -> wo [i] = W^T as [h, hd, d]
     layers.i.post_attention_layernorm      [d]           -> mlp_norm.scale [i]
@@ -113,7 +114,7 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
     return out
 
 
-# the tensor of layer i for a block's parameter (the path below ['units']['blocks'][j]): (name, jaxpar shape or
+# the tensor of layer i for a block's parameter (the path below ['runs'][r]['blocks'][j]): (name, jaxpar shape or
 # None for a vector, transposed); the MoE block's router and experts come from hf_moe.expert_tensor
 _BLOCK = {
     ("attn_norm", "scale"): ("input_layernorm.weight", None),
@@ -128,12 +129,12 @@ _BLOCK = {
     ("mlp", "w_up"): ("mlp.up_proj.weight", ("d", "f")),
     ("mlp", "w_down"): ("mlp.down_proj.weight", ("f", "d")),
 }
-_UNITS = re.compile(r"\['units'\]\['blocks'\]\[(\d+)\]((?:\['\w+'\])+)")
+_UNITS = re.compile(r"\['runs'\]\[(\d+)\]\['blocks'\]\[(\d+)\]((?:\['\w+'\])+)")
 
 
 def _leaf(cfg: ModelConfig, kind: str, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
     """The array for one parameter path of jaxpar's LM (its jax.tree_util.keystr): a whole-model tensor, or
-    a block's stacked over the units (block j of unit u is the checkpoint's layer u * len(pattern) + j)."""
+    a block's stacked over its run's units (ModelConfig.layers_of)."""
     sizes = dict(d=cfg.d_model, h=cfg.heads, kv=cfg.kv_heads, hd=cfg.head_dim, f=cfg.mlp_dim)
 
     def get(name: str) -> np.ndarray:
@@ -147,12 +148,12 @@ def _leaf(cfg: ModelConfig, kind: str, tensors: dict[str, np.ndarray], key: str)
              "['head']": lambda: get("lm_head.weight").T}
     base = key.removesuffix(".value")
     block = _UNITS.fullmatch(base)
-    member = tuple(re.findall(r"'(\w+)'", block.group(2))) if block else ()
+    member = tuple(re.findall(r"'(\w+)'", block.group(3))) if block else ()
     if base in whole:
         return whole[base]()
     if not block or (member not in _BLOCK and member[0] != "moe"):
         raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
-    layers = [u * len(cfg.pattern) + int(block.group(1)) for u in range(cfg.units)]
+    layers = cfg.layers_of(int(block.group(1)), int(block.group(2)))
     if member[0] == "moe":
         return np.stack([expert_tensor(get, kind, i, cfg.experts, member[1]) for i in layers])
     name, shape = _BLOCK[member]
@@ -166,7 +167,7 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params):
     The caller places them in its strategy's shardings (Generator.place_params, Trainer.state_from_params)."""
     import jax  # deferred: JAX stays out of `jaxpar estimate --model hf:DIR`, which reads only config.json
 
-    if "M" in cfg.pattern:
+    if cfg.has_mamba:
         raise ConfigError(f"model {cfg.name}: Hugging Face checkpoints load into attention models (A and E "
                           f"blocks), got pattern={cfg.pattern!r}")
     kind = read_json(directory).get("model_type")

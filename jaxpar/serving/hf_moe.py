@@ -17,8 +17,9 @@ has a router bias, shared experts or a z-loss; `router_aux_loss_coef` becomes au
 Qwen3-MoE also normalises each query and key head with its own RMSNorm over head_dim (q_norm, k_norm,
 before RoPE: ModelConfig.qk_norm), and its layer i is sparse when i is not in `mlp_only_layers` and
 (i + 1) % decoder_sparse_step == 0; the other layers are dense SwiGLUs of width intermediate_size (the
-LLaMA tensor names). jaxpar writes that sequence of kinds as the shortest repeating pattern of "A"
-(dense) and "E" (sparse) blocks, so every such checkpoint is representable.
+LLaMA tensor names). jaxpar writes that sequence of kinds as a pattern of "A" (dense) and "E" (sparse)
+blocks (models/config.py pattern_of: its shortest repeating unit, or its runs when none repeats), so every
+such checkpoint is representable and compiles one body per run.
 
 What jaxpar cannot run is refused with one ConfigError: sliding-window attention, router jitter noise,
 attention biases, an activation other than SiLU.
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import ConfigError
+from jaxpar.models.config import pattern_of
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -49,12 +51,6 @@ def layer_kinds(c: dict[str, Any], kind: str, layers: int) -> str:
     return "".join("E" if experts > 0 and i not in dense and (i + 1) % step == 0 else "A" for i in range(layers))
 
 
-def shortest_pattern(kinds: str) -> str:
-    """The shortest string that repeated makes `kinds` (its length divides len(kinds))."""
-    n = len(kinds)
-    return next(kinds[:p] for p in range(1, n + 1) if n % p == 0 and kinds[:p] * (n // p) == kinds)
-
-
 def _experts(c: dict[str, Any]) -> int:
     """Routed experts: num_local_experts (Mixtral, and Qwen3-MoE as transformers 5 saves it) or num_experts."""
     return int(c.get("num_local_experts", c.get("num_experts", 0)) or 0)
@@ -68,7 +64,7 @@ def moe_fields(c: dict[str, Any], kind: str, layers: int, where: str) -> dict[st
     if float(c.get("router_jitter_noise", 0.0) or 0.0):
         raise ConfigError(f"{where}: router_jitter_noise={c['router_jitter_noise']}: jaxpar's router has no "
                           "jitter (set it to 0)")
-    pattern = shortest_pattern(layer_kinds(c, kind, layers))
+    pattern = pattern_of(layer_kinds(c, kind, layers))
     fields: dict[str, Any] = dict(pattern=pattern, z_loss_coef=0.0, qk_norm=kind == "qwen3_moe",
                                   mlp_dim=int(c["intermediate_size"]))
     if "E" not in pattern:

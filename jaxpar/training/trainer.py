@@ -115,14 +115,14 @@ class Trainer:
         abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))  # nothing allocated
         self.graphdef, abstract_params = nnx.split(abstract)
         self.model_cfg, self.tc = model, tc
-        self.extra_metrics = AUX_FIELDS if "E" in model.pattern else ()  # what `_loss` reports beside the loss
+        self.extra_metrics = AUX_FIELDS if model.has_moe else ()  # what `_loss` reports beside the loss
         self.mesh = make_mesh(self.strategy, devices)
-        self.layout = model_layout(self.mesh, self.strategy, model.kv_heads, model.has_attention)
+        self.layout = model_layout(self.mesh, self.strategy, model)
         self.optimizer = make_optimizer(tc)
         self.schedule = make_schedule(tc)
         self.order = token_order(self.strategy, tc.seq)
         # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline/order.py)
-        self.unit_order = unit_order(self.strategy, model.units)
+        self.unit_order = unit_order(self.strategy, model.run_units)
         self.stacked = stacked_paths(abstract_params)
 
         self.param_shardings = param_shardings(abstract_params, self.layout)
@@ -271,7 +271,7 @@ class Trainer:
         and cuDNN's kernel here is called without them."""
         s, m = self.strategy, self.model_cfg
         kernel = resolve_kernel(s.options.attention_kernel, jnp.dtype(self.run.dtype))
-        for bad, why in (("M" in m.pattern, f"model {m.name} has Mamba layers, whose recurrence crosses documents"),
+        for bad, why in ((m.has_mamba, f"model {m.name} has Mamba layers, whose recurrence crosses documents"),
                          (s.size("pipeline") > 1, "pipeline parallelism does not pass segment ids to its stages"),
                          (s.size("context") > 1, "context-parallel attention takes no segment ids"),
                          (kernel == "cudnn", "attention_kernel cudnn is called without segment ids")):
