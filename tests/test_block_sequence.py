@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli import main as cli
-from jaxpar.core.schedule import schedule_of
+from jaxpar.core.schedule import schedule_of, schedule_summary
 from jaxpar.core.strategy import parse_strategy
 from jaxpar.cost import flops as cost_flops
 from jaxpar.cost import program_flops
@@ -205,6 +205,7 @@ def test_pipeline_padding_slots_are_priced():
     m, st = parse_model(MODEL), parse_strategy("pipeline=2,data=4").resolved(8)
     sh = step_shape(m, st, 16, 64)
     assert (sh.run_slots, sh.per_chunk) == ((1, 2), 3)
+    assert "units per chunk 2+2 = 4 (k=1+2 slots of its 2 runs per chunk, 2 padding)" in schedule_summary(st, m.run_units)
     fl = cost_flops.step_flops(m, "none", 16, 64)
     padded = program_flops.pipeline_padding(fl, m, sh, "none", 16, 64, cost_flops.Kernels())
     one_of_each = (cost_flops.attention_block_flops(m, 16, 64).matmul + cost_flops.moe_block_flops(m, 16, 64).matmul)

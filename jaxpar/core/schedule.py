@@ -166,8 +166,9 @@ def schedule_summary(strategy: Strategy, runs: tuple[int, ...] | int) -> str:
         return "pipeline: none (pipeline=1)"
     chunks = f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages"
     split = split_label(s.split)
-    k = f"k={s.per_chunk}" if len(s.runs) == 1 else f"k={'+'.join(map(str, s.run_slots))} over {len(s.runs)} runs"
-    pad = f" ({k} slots per chunk, {s.slots - s.units} padding)" if not s.even else ""
+    k = (f"k={s.per_chunk} slots" if len(s.runs) == 1
+         else f"k={'+'.join(map(str, s.run_slots))} slots of its {len(s.runs)} runs")
+    pad = f" ({k} per chunk, {s.slots - s.units} padding)" if not s.even else ""
     formula = "(S-1)/(M+S-1)" if s.repeats == 1 else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches
     steps = (f"{s.iterations + s.repeats * s.stages - 1} ticks, {s.iterations} forwards and {s.iterations} backwards "
