@@ -129,17 +129,17 @@ class ModelConfig:
         return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_max_seq)
 
-    @property
+    @functools.cached_property   # read in the cost model's hot path
     def runs(self) -> tuple[Run, ...]:
         """The stacked runs, in layer order (one for a repeated unit)."""
         return parse_runs(self.pattern, self.layers)
 
-    @property
+    @functools.cached_property
     def run_units(self) -> tuple[int, ...]:
         """Scanned units per run (what a pipeline cuts into stages)."""
         return tuple(r.count for r in self.runs)
 
-    @property
+    @functools.cached_property
     def units(self) -> int:
         """Scanned units, all runs together (each a repetition of its run's unit)."""
         return sum(self.run_units)
@@ -150,20 +150,20 @@ class ModelConfig:
         unit = len(self.runs[run].unit)
         return [start + u * unit + block for u in range(self.runs[run].count)]
 
-    @property
+    @functools.cached_property
     def layer_kinds(self) -> str:
         """The block letter of every layer, in order ("AEEE")."""
         return "".join(r.unit * r.count for r in self.runs)
 
-    @property
+    @functools.cached_property
     def attention_layers(self) -> int:
         return self.layer_kinds.count("A")
 
-    @property
+    @functools.cached_property
     def mamba_layers(self) -> int:
         return self.layer_kinds.count("M")
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
         return self.layer_kinds.count("E")
 

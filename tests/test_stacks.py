@@ -334,7 +334,7 @@ def test_plans_within_the_error_band_tie_and_plan_prints_the_band(capsys):
                   "h100-sxm", 16, 4096, SOFTWARE["megatron-core"])
     b = band_for("h100-sxm", "megatron-core")
     assert b is not None and tie_band(mc) == max(TIE_BAND, b.guide()) and b.oos_median is not None
-    assert tie_band(dataclasses.replace(mc, software="jaxpar")) == TIE_BAND
+    assert tie_band(mc._replace(software="jaxpar")) == TIE_BAND
     assert cli.main(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--software",
                      "megatron-core", "--seq", "4096", "--global-batch", "64", "--top", "3"]) == 0
     out = capsys.readouterr().out

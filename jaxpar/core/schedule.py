@@ -82,8 +82,14 @@ class Schedule:
 
     def run_split(self, j: int) -> tuple[int, ...]:
         """Units of run j in each chunk (0 where a chunk holds none of it)."""
-        first, cuts = sum(self.runs[:j]), [0, *itertools.accumulate(self.split)]
-        return tuple(max(0, min(b, first + self.runs[j]) - max(a, first)) for a, b in zip(cuts, cuts[1:]))
+        return self._run_splits[j]
+
+    @functools.cached_property   # the cost model reads it several times per estimate
+    def _run_splits(self) -> tuple[tuple[int, ...], ...]:
+        cuts, out = [0, *itertools.accumulate(self.split)], []
+        for first, n in zip(itertools.accumulate(self.runs, initial=0), self.runs):
+            out.append(tuple(max(0, min(b, first + n) - max(a, first)) for a, b in zip(cuts, cuts[1:])))
+        return tuple(out)
 
     def for_run(self, j: int) -> Schedule:
         """The schedule of run j alone: its units, its share of each chunk (itself for a one-run model)."""
@@ -91,7 +97,7 @@ class Schedule:
             return self
         return dataclasses.replace(self, runs=(self.runs[j],), split=self.run_split(j), part=True)
 
-    @property
+    @functools.cached_property
     def run_slots(self) -> tuple[int, ...]:
         """k_j: the slots of run j in every chunk (its largest share of one)."""
         return tuple(max(self.run_split(j)) for j in range(len(self.runs)))
@@ -134,11 +140,21 @@ class Schedule:
         return -(-self.microbatches // self.stages)
 
 
+_LAST: list = [None, (), None]   # the strategy, runs and schedule last asked for: a candidate asks several times
+
+
 def schedule_of(strategy: Strategy, runs: tuple[int, ...] | int) -> Schedule:
     """The schedule of a resolved strategy for a model of `runs` stacked units per run (ModelConfig.run_units;
     an int: one run). An explicit split is checked by jaxpar.core.validate first."""
-    o = strategy.options
     runs = (runs,) if isinstance(runs, int) else tuple(runs)
+    if _LAST[0] is not strategy or _LAST[1] != runs:
+        _LAST[:] = strategy, runs, _schedule_of(strategy, runs)
+    return _LAST[2]
+
+
+@functools.lru_cache(maxsize=4096)   # the cost model asks for it several times per candidate
+def _schedule_of(strategy: Strategy, runs: tuple[int, ...]) -> Schedule:
+    o = strategy.options
     repeats = o.pp_repeats if o.pp_schedule in ("circular", "1f1b") else 1
     stages = strategy.size("pipeline")
     text = getattr(o, "pp_stages", "")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from jaxpar.collectives import A2A, AG, AR, RS
 from jaxpar.cost import sites
-from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, norm_vectors
+from jaxpar.cost.held import Held, data_axes, equal_buffers, head_and_norm, held, norm_vectors
 from jaxpar.cost.memory import PARAM_BYTES, TOKEN_BYTES, grad_bytes
-from jaxpar.cost.params import zero_rules, zero_split
+from jaxpar.cost.params import per_model, zero_rules, zero_split
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -74,7 +74,7 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, gath
     of ZeRO-1's parameter gather (jaxpar gathers its float32 masters; Megatron's distributed optimizer the
     bf16 weights). Routed experts (MoE under expert > 1) are split over `expert`: their gradients are
     summed over the data-like axes but `expert`, apart from the others' (shard_map sums them at once)."""
-    axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
+    axes = data_axes(st)
     if m.moe_layers and st.sizes["expert"] > 1:
         experts = tuple(a for a in axes if a != "expert")
         return (_weights(m, st, shape, act, axes, False, gather_bytes)
@@ -82,6 +82,7 @@ def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, gath
     return _weights(m, st, shape, act, axes, None, gather_bytes)
 
 
+@per_model   # (memoised on the strategy, as held.data_axes)
 def shard_axes(st: Strategy) -> tuple[str, ...]:
     """The axes the strategy's ZeRO stage shards the weights with an `embed` dim over (ZeRO-3 by its
     params rules, ZeRO-1 by its optimizer's), of size > 1."""

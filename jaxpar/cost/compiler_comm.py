@@ -12,8 +12,9 @@ from jaxpar.collectives import AG, AR, RS
 from jaxpar.cost import sites
 from jaxpar.cost.comm_data import embedding_lookup, fsdp_gathers, gradient_sums, shard_axes
 from jaxpar.cost.compiler import Compiler, lower, reductions, together
-from jaxpar.cost.held import DATA_LIKE, Held, equal_buffers, head_and_norm, held, unit_norms
+from jaxpar.cost.held import Held, data_axes, equal_buffers, head_and_norm, held, unit_norms
 from jaxpar.cost.memory import GRAD_BYTES, grad_bytes
+from jaxpar.cost.params import per_model
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -29,16 +30,16 @@ def dispatch_form(st: Strategy, cc: Compiler, padded: bool = True) -> str:
     return "ragged" if ragged_all_to_all_runs(cc.name) else "bucketed"
 
 
+@per_model
 def norms_held(m: ModelConfig) -> Held:
     """The norm weights: each run's unit's pre-norms (their only dim is `embed`) and the final norm."""
     runs = unit_norms(m)
-    return Held(runs=runs, layers=sum(unit * n for (unit, _), n in zip(runs, m.run_units)), emb=float(m.d_model),
-                emb_arrays=1)
+    return Held.of(runs, sum(unit * n for (unit, _), n in zip(runs, m.run_units)), float(m.d_model), 1)
 
 
 def without_norms(sharded: Held, norms: Held) -> Held:
     runs = tuple((u - v, a - b) for (u, a), (v, b) in zip(sharded.runs, norms.runs))
-    return Held(runs, sharded.layers - norms.layers, sharded.emb - norms.emb, sharded.emb_arrays - norms.emb_arrays)
+    return Held.of(runs, sharded.layers - norms.layers, sharded.emb - norms.emb, sharded.emb_arrays - norms.emb_arrays)
 
 
 def norms_whole(st: Strategy, shape: StepShape, rest: tuple[str, ...]) -> bool:
@@ -57,7 +58,7 @@ def norms_summed_whole(ops: list[tuple], m: ModelConfig, st: Strategy, shape: St
     Checked on XLA:CPU: the catalogue's dp2-fsdp2-tp2, fsdp2-ep4, llama-tiny data=2,fsdp=4 and data=4,fsdp=2."""
     if st.zero != 3 or shape.stages > 1:
         return ops
-    axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
+    axes = data_axes(st)
     if not norms_whole(st, shape, tuple(a for a in axes if a not in shard_axes(st))):
         return ops
     norms, gb, out = norms_held(m), grad_bytes(st), []
@@ -97,7 +98,7 @@ def data_parallel_in_loop(m: ModelConfig, st: Strategy, shape: StepShape, act: i
     all-reduces combined per group, and the embedding's, head's and final norm's once after the loop; without
     AllReduceFolder the batch axes and `context` apart (`reductions`). MoE under expert > 1: the experts' sums
     over fsdp join the dense weights' op (`one_loop`)."""
-    axes = tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
+    axes = data_axes(st)
     loop = Loop(cc, st, shape, act, gather_bytes)
     if m.moe_layers and st.sizes["expert"] > 1:
         experts = tuple(a for a in axes if a != "expert")
@@ -188,7 +189,7 @@ def _sharded_in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts:
         out += sites.issue(AR, group, 1, equal_buffers(kept.emb * gb, kept.emb_arrays), "backward")
     apart = head if vectors and st.sizes["tensor"] > 1 else 0.0   # the head's shard on its own (XLA:CPU's grouping)
     if apart:
-        part = dataclasses.replace(part, emb=part.emb - head, emb_arrays=part.emb_arrays - 1)
+        part = part._replace(emb=part.emb - head, emb_arrays=part.emb_arrays - 1)
     shards = st.sizes["fsdp"] if zero == 3 else 1
     for group in _groups(cc, rest, experts):
         out += loop_sums(group, part, shards, loop, sites.LOOP_SHARDED if dense else "")

@@ -7,6 +7,7 @@ contract (collectives, flops_per_step, step_time_s, mfu, tokens_per_s, memory, f
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from jaxpar.cost import comm, energy, flops, memory, overlap, params, program_flops, program_memory, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
@@ -22,8 +23,7 @@ from jaxpar.models.config import ModelConfig
 HBM_HEADROOM = 0.08
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Estimate:
+class Estimate(NamedTuple):
     model: str
     strategy: str
     hardware: str
@@ -123,8 +123,7 @@ class Estimate:
 
 # ---- the stages, each over the step's records -------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
     """One training step's question as the stages read it: the model, the layout, the hardware, the stack
     (its traits under this layout and hardware: software.program_traits), the batch and sequence, how the
     step is cut up on a device (`shape`), and the most loaded expert's tokens over the mean (`imbalance`)."""
@@ -155,8 +154,7 @@ def question(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
                 shape.step_shape(model, strategy, global_batch, seq), imbalance)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Work:
+class Work(NamedTuple):
     """What a device computes in the step: the step's FLOPs (`flops`, all devices), the policy whose
     recompute the layers run (`remat`), expert rows per token (`rows`), the share of the head it runs
     (`head`), and per device on the critical path: matmul FLOPs (`matmul`), the attention cores' model
@@ -324,6 +322,7 @@ def float8_cast_bytes(m: ModelConfig, st: Strategy, sh: shape.StepShape, remat: 
     return FLOAT8_CAST_BYTES * sh.b_loc * sh.s_loc / sh.stages * (forwards * inputs + outputs)
 
 
+@params.per_model   # once per model, not per candidate
 def check_modelled(model: ModelConfig) -> None:
     """The analytic model counts attention, Mamba-2 and MoE blocks (every block models/ builds); kept
     as the one place a future block that it does not count is refused."""

@@ -27,6 +27,7 @@ so a step is 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) model FLOPs, 96*... with ful
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from jaxpar.cost.params import mamba_dims, per_model
 from jaxpar.ops.capacity import group_capacity
@@ -274,8 +275,7 @@ def every_other_matmul_flops(m: ModelConfig, tokens: float) -> Flops:
     return Flops(2.0 * tokens * m.d_model * (hkv + hq + up) * m.attention_layers)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Kernels:
+class Kernels(NamedTuple):
     """What a step's kernels compute that its FLOP count depends on: only the causal triangle of the scores
     (`causal`: a kernel that skips fully masked blocks); QK^T again in the backward pass (`rerun_qk`: ring
     attention's rematerialised folds, a fused kernel's backward); the unit's last projection in a full rerun

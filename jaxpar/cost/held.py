@@ -3,7 +3,7 @@ per unit of each run, per stage and for embedding + final norm + head (jaxpar/co
 program_pipeline.py reduce them; floor.py bounds them)."""
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 from jaxpar.cost.params import BLOCKS, LAYER_BLOCKS, block_counts, block_params, block_weights, per_model, zero_split
 from jaxpar.core.rules import BASE_RULES
@@ -15,26 +15,26 @@ LAYER_BLOCK = {"A": "attention", "M": "mamba", "E": "moe"}   # the params block 
 DATA_LIKE = tuple(a for a in AXES if a in BASE_RULES["batch"] + BASE_RULES["seq"])
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
+class Held(NamedTuple):
     """Parameter elements per device (after the tensor and pipeline splits) and arrays of a set of
     weights: one unit of each run (`runs`: (elements, arrays) per run, in layer order; a run is stacked over
-    its units, so its arrays are the unit's), this stage's layer stack, and embedding + final norm + head."""
+    its units, so its arrays are the unit's), this stage's layer stack, and embedding + final norm + head.
+    Build one with `of` (which counts the stack's arrays)."""
     runs: tuple[tuple[float, int], ...]
     layers: float
     emb: float
     emb_arrays: int
+    stack_arrays: int   # arrays of the layer stack: every run's stacked arrays
+
+    @classmethod
+    def of(cls, runs: tuple[tuple[float, int], ...], layers: float, emb: float, emb_arrays: int) -> Held:
+        return cls(runs, layers, emb, emb_arrays, sum(n for _, n in runs))
 
     @property
     def unit(self) -> float:
         """Elements of a one-run model's unit (a model of several runs has one per run: `runs`)."""
         (elements, _), = self.runs
         return elements
-
-    @property
-    def stack_arrays(self) -> int:
-        """Arrays of the layer stack: every run's stacked arrays."""
-        return sum(n for _, n in self.runs)
 
     def slots(self, shape) -> float:
         """Elements of a pipeline stage's v chunks of unit slots (`shape`: a StepShape): sum_j (v k_j) x unit_j."""
@@ -73,7 +73,13 @@ def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert
         runs.append((unit, arrays))
     for block, n in zip(LAYER_BLOCKS, block_counts(m)):
         layers += n * per_block[block].per_device(tensor, expert) / stages
-    return Held(runs=tuple(runs), layers=layers, emb=emb.per_device(tensor), emb_arrays=emb.tensors)
+    return Held.of(tuple(runs), layers, emb.per_device(tensor), emb.tensors)
+
+
+@per_model   # (memoised on the strategy: the data-parallel sites ask for it several times per estimate)
+def data_axes(st: Strategy) -> tuple[str, ...]:
+    """The data-like axes (DATA_LIKE) of size > 1, in mesh order: what replicated weights are summed over."""
+    return tuple(a for a in DATA_LIKE if st.sizes[a] > 1)
 
 
 def held(m: ModelConfig, st: Strategy, part: str = "all", experts: bool | None = None) -> Held:
@@ -95,6 +101,7 @@ def norm_vectors(m: ModelConfig, block: str) -> tuple[int, int]:
     return sum(w.size for w in vectors), len(vectors)
 
 
+@per_model
 def unit_norms(m: ModelConfig) -> tuple[tuple[int, int], ...]:
     """Per run, (elements, arrays) of one unit's norm weights (`norm_vectors` of each of its blocks)."""
     out = []

@@ -132,7 +132,7 @@ def state_bytes(m: ModelConfig, st: Strategy, traits: "Traits" = None) -> tuple[
     per parameter of the weights kept between steps, float32 gradients, its optimizer_bytes per parameter of
     the optimizer's state (jaxpar's float32 weights are the masters; a bf16 stack keeps a float32 master copy
     with the moments), sharded as `local_params` says (`traits`: Traits; None, jaxpar's)."""
-    t = traits or Traits()
+    t = traits or PROGRAM_TRAITS
     where = (t.state_over_context, t.fsdp_over_context, t.pp_end_stages)
     n = local_params(m, st, "params", *where)
     return n * t.weight_bytes, n * grad_bytes(st), local_params(m, st, "optimizer", *where) * t.optimizer_bytes
@@ -308,6 +308,9 @@ class Traits:
     def of(stack) -> "Traits":
         """The traits of `stack` (any object with these fields: a jaxpar.cost.software.Software)."""
         return Traits(**{name: getattr(stack, name) for name in Traits.__dataclass_fields__})
+
+
+PROGRAM_TRAITS = Traits()   # jaxpar's program's, the defaults (built once: the planner's hot path)
 
 
 @per_model  # memoised on the inventory's identity, as inventory_bytes

@@ -20,6 +20,10 @@ from jaxpar.models.config import ModelConfig
 
 
 
+DEPARTING = frozenset({sites.STAGE_WEIGHTS, sites.LOOKUP, sites.FINAL_NORM, sites.LOOP_SUMS, sites.LOOP_SHARDED})
+"""The string roles `data_parallel` may change (the tuple roles it reads are the ZeRO shards' sums)."""
+
+
 def shard_sums(role) -> bool:
     """Whether a site's `role` is the ZeRO shards' sums over the data axes beyond the shard group."""
     return role == sites.LOOP_SHARDED or (type(role) is tuple and role[0] == sites.SHARDED)
@@ -43,6 +47,9 @@ def data_parallel(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepSha
     out = []
     for op in ops:
         kind, axes, execs, n, total, phase, role = op
+        if type(role) is str and role not in DEPARTING:   # (the planner's hot path: most sites stand)
+            out.append(op)
+            continue
         if role == sites.STAGE_WEIGHTS:
             op = (kind, axes, execs, n, total * (PARAM_BYTES / act), phase, role)
         elif table and role == sites.LOOKUP:

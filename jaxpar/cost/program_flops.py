@@ -65,15 +65,15 @@ def pipeline_padding(fl: flops.StepFlops, m: ModelConfig, sh: StepShape, remat: 
     """`fl` plus the FLOPs of the padding slots jaxpar's pipelines run (module docstring): per block kind,
     S x v x its slots per chunk less its layers, each a layer's forward in every pass (the layers' `remat`
     policy: a full rerun is one pass more); hardware FLOPs, not model FLOPs."""
-    if sh.stages == 1:
+    if sh.stages == 1 or sh.per_chunk * sh.stages * sh.repeats == m.units:   # no padding slot
         return fl
-    block = {"A": flops.attention_block_flops(m, global_batch, seq, kernels.causal),
-             "M": flops.mamba_block_flops(m, global_batch, seq),
-             "E": flops.moe_block_flops(m, global_batch, seq, kernels.causal)}
+    block = {"A": lambda: flops.attention_block_flops(m, global_batch, seq, kernels.causal),
+             "M": lambda: flops.mamba_block_flops(m, global_batch, seq),
+             "E": lambda: flops.moe_block_flops(m, global_batch, seq, kernels.causal)}
     layers = {"A": m.attention_layers, "M": m.mamba_layers, "E": m.moe_layers}
     passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
-    extra = sum((sh.stages * sh.repeats * chunk_layers(sh, m, b) - layers[b]) * block[b].matmul * passes
-                for b in "AME")
-    if not extra:
-        return fl
+    extra = 0.0
+    for b in "AME":
+        if padding := sh.stages * sh.repeats * chunk_layers(sh, m, b) - layers[b]:
+            extra += padding * block[b]().matmul * passes
     return dataclasses.replace(fl, padding=fl.padding + extra, hardware=fl.hardware + extra)

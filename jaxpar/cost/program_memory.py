@@ -34,7 +34,7 @@ from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, Memory, batch_byte
                                 state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
-from jaxpar.cost.shape import chunk_layers
+from jaxpar.cost.shape import block_slots, chunk_layers
 from jaxpar.ops.blockwise_attention import BLOCK_K, BLOCK_Q
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
@@ -182,8 +182,8 @@ def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
         return 0.0
     sched = schedule_of(st, m.run_units)
     slots = 0.0   # elements of a stage's v chunks of unit slots: every block's, by kind
-    for block, letter in zip(("attention", "mamba", "moe"), "AME"):
-        if n := chunk_layers(sched, m, letter):
+    for block, n in zip(("attention", "mamba", "moe"), block_slots(sched.run_slots, m.runs)):
+        if n:
             sharded, kept = zero_split(m, block, 3)
             slots += n * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
     return sched.repeats * slots * (ACTIVATION_BYTES[st.options.dtype] + GRAD_BYTES)

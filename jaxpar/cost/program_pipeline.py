@@ -170,9 +170,10 @@ def tensor_parallel(ops: list[tuple], m: ModelConfig, st: Strategy, shape: StepS
     (a Mamba-2 layer's collectives once more: `rerun_mamba`) and runs its own vocab-parallel head
     (`one_f_one_b_head`, in place of comm_tensor.tp_vocab), whose ticks sum the final norm's gradient."""
     one_f, x = st.options.pp_schedule == "1f1b", comm_tensor.residual(m, shape, act)
-    out = [op for op in ops if not (one_f and op[6] in (sites.VOCAB, sites.LABEL))]
+    out = list(ops)
     if one_f:
-        out = [op[:6] + (sites.SP_LAYER_NORMS,) if op[6] == sites.SP_NORMS else op for op in out]
+        out = [op[:6] + (sites.SP_LAYER_NORMS,) if op[6] == sites.SP_NORMS else op
+               for op in ops if op[6] not in (sites.VOCAB, sites.LABEL)]
         out += one_f_one_b_head(cc, st, shape, m, act) + rerun_mamba(st, shape, x)
     if shape.exec_attention and st.options.overlap == "none":
         gathers, sums = recomputed_tp(st, shape)

@@ -18,15 +18,15 @@
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
+from typing import NamedTuple
 
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepShape:
+class StepShape(NamedTuple):
     b_loc: float
     mb: float
     s_loc: float
@@ -61,8 +61,9 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
     else:
         v, micro, iters, k, head_micro, bubble = 1, 1, 1, m.units, 1, 0.0
         slots = m.run_units
-    execs = tuple(o.grad_accum * iters * n for n in slots)   # unit executions per device, per run
-    na, nm, ne = (sum(e * r.unit.count(b) for e, r in zip(execs, m.runs)) for b in "AME")
+    per = o.grad_accum * iters
+    execs = tuple(per * n for n in slots)   # unit executions per device, per run
+    na, nm, ne = (per * n for n in block_slots(slots, m.runs))
     return StepShape(b_loc=b_loc, mb=b_loc / (o.grad_accum * micro), s_loc=seq / sz["context"],
                      accum=o.grad_accum, stages=stages, repeats=v, micro=micro, iterations=iters,
                      bubble=bubble, exec_attention=na, exec_mamba=nm, exec_moe=ne, per_chunk=k,
@@ -72,7 +73,14 @@ def step_shape(m: ModelConfig, st: Strategy, global_batch: int, seq: int) -> Ste
 def chunk_layers(shape, m: ModelConfig, letters: str = "AME") -> int:
     """Layers of the block kinds `letters` in a pipeline stage's chunk of unit slots, every run's: sum_j k_j
     x those blocks of run j's unit (`shape`: a StepShape or a core.schedule.Schedule, their `run_slots`)."""
-    return sum(k * sum(r.unit.count(b) for b in letters) for k, r in zip(shape.run_slots, m.runs))
+    counts = block_slots(shape.run_slots, m.runs)
+    return sum(counts["AME".index(b)] for b in letters)
+
+
+@functools.cache   # the planner's hot path: a few (slots, runs) per model
+def block_slots(slots: tuple[int, ...], runs: tuple) -> tuple[int, int, int]:
+    """(attention, Mamba-2, MoE) blocks in `slots[j]` units of each run j: sum_j slots_j x its unit's blocks."""
+    return tuple(sum(k * r.unit.count(b) for k, r in zip(slots, runs)) for b in "AME")
 
 
 def head_share(shape: StepShape, spread: bool) -> float:

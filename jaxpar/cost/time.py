@@ -21,9 +21,9 @@ fastest; `devices_per_node` consecutive devices share a node (unless the strateg
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 from jaxpar.collectives import A2A, AG, AR, PERMUTE, RS
 from jaxpar.cost.hardware import Hardware
@@ -33,8 +33,7 @@ from jaxpar.errors import ConfigError
 ADAMW_BYTES_PER_PARAM = 28.0  # read p, g, m, v (16) + write p, m, v (12), float32
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepTime:
+class StepTime(NamedTuple):
     compute: float       # matmul + elementwise, per device, without the bubble
     bubble: float        # idle pipeline time added to compute
     tensor: float        # tensor / sequence parallel collectives (exposed)
@@ -190,8 +189,7 @@ def compute_seconds(matmul_flops: float, hbm_bytes: float, hw: Hardware, fp8_flo
     return rest / (hw.peak_flops * eff) + fp8 + cores + hbm_bytes / hw.hbm_bw
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class GemmRun:
+class GemmRun(NamedTuple):
     """How a step's projection GEMMs run on a device (`gemm_excess`): M = `tokens` per micro-batch (the gathered
     sequence under sequence parallelism), K or N split over `tensor`, the routed experts' grouped GEMM over
     E / `expert` weights with `rows` copies per token, at `rate` FLOP/s (the calibrated matmul rate) and
@@ -246,8 +244,7 @@ def decomposed_hideable(tensor_s: float, linear_s: float, ops: tuple[tuple[int, 
     return sum(n * min(one, beside * g) for n, g in ops)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Busy:
+class Busy(NamedTuple):
     """What a device computes in one step, in seconds: `compute` (matmuls, HBM-bound work, GEMM waits; without
     the bubble), of which `attention_core` is attention-score work (what context exchanges hide under), the
     pipeline's idle fraction `bubble`, the most tensor-collective seconds the projection GEMMs can hide
@@ -259,8 +256,7 @@ class Busy:
     host: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Hiding:
+class Hiding(NamedTuple):
     """The share of each class of collective a stack issues beside independent compute (jaxpar/cost/software.py
     tp_overlap, pp_overlap, ep_overlap, dp_overlap; jaxpar's program's: jaxpar/cost/overlap.py), and the share
     of the attention core context exchanges hide under (`context`: cp_hide, 1/context where only the diagonal
