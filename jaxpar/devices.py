@@ -5,10 +5,10 @@ imports nothing from JAX, so `jaxpar estimate` and `jaxpar plan`, which use it, 
 
 With libtpu installed (the `tpu-aot` extra, for compiling to TPU topologies: jaxpar/analysis/target.py),
 JAX's backend start also tries a TPU: on a host without one it prints errors about unset TPU_* variables
-and holds libtpu's lock file for the process's life. `simulate_cpu_devices` then names the platform
-(JAX_PLATFORMS=cpu) when the user set none and the host has no accelerator device files (/dev/accel*,
-/dev/vfio/N: TPU; /dev/nvidia0: NVIDIA GPU), so that a GPU or TPU host keeps its devices. libtpu still
-describes TPU topologies to the compiler under it."""
+and holds libtpu's lock file for the process's life. `cpu_without_accelerator` (with --devices or
+without) then names the platform (JAX_PLATFORMS=cpu) when the user set none and the host has no
+accelerator device files (/dev/accel*, /dev/vfio/N: TPU; /dev/nvidia0: NVIDIA GPU), so that a GPU or TPU
+host keeps its devices. libtpu still describes TPU topologies to the compiler under it."""
 from __future__ import annotations
 
 import glob
@@ -41,7 +41,16 @@ def simulate_cpu_devices(n: int) -> None:
                               "set it before the first JAX computation (or in a fresh process)")
         return
     os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
-    if "JAX_PLATFORMS" not in os.environ and importlib.util.find_spec("libtpu") and not has_accelerator():
+    cpu_without_accelerator()
+
+
+def cpu_without_accelerator() -> None:
+    """Name the CPU platform (JAX_PLATFORMS=cpu, `cpu_without_accelerator`, also for a run without --devices) when the user set none, libtpu is installed and the host
+    has no accelerator device files, so that JAX's backend start does not try a TPU that is not there
+    (module docstring). Before the backend starts; a no-op after."""
+    if backend_started() or "JAX_PLATFORMS" in os.environ:
+        return
+    if importlib.util.find_spec("libtpu") and not has_accelerator():
         os.environ["JAX_PLATFORMS"] = "cpu"
         if "jax" in sys.modules:  # jax reads JAX_PLATFORMS when it is imported
             sys.modules["jax"].config.update("jax_platforms", "cpu")

@@ -101,8 +101,8 @@ def test_killed_mid_training_loses_at_most_k_plus_one_steps(tmp_path, reference)
 LONG = ["--steps", "100000"]  # a run that cannot end before the signal, however fast the machine
 
 
-def run_until_sigterm(args, metrics, after_steps=2):
-    """Start a 100,000-step run, SIGTERM it once the metrics file shows `after_steps` steps, and wait.
+def run_until_signal(args, metrics, after_steps=2, signum=signal.SIGTERM):
+    """Start a 100,000-step run, signal it once the metrics file shows `after_steps` steps, and wait.
     No race: the run cannot finish first; the poll's deadline only guards against a hang."""
     proc = cli([*LONG, "--metrics", str(metrics), *args], wait=False)
     deadline = time.monotonic() + 600
@@ -110,14 +110,14 @@ def run_until_sigterm(args, metrics, after_steps=2):
         assert proc.poll() is None, f"the run ended early: {proc.communicate()[1][-2000:]}"
         assert time.monotonic() < deadline, f"no {after_steps} steps in 600 s"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
 
 
 def test_sigterm_saves_at_the_end_of_the_step_and_resumes_bitwise(tmp_path):
     ckpt, m = tmp_path / "ck", tmp_path / "m.jsonl"
-    code, out, err = run_until_sigterm(["--ckpt-dir", str(ckpt)], m)
+    code, out, err = run_until_signal(["--ckpt-dir", str(ckpt)], m)
     assert code == 128 + signal.SIGTERM, err[-2000:]
     saved = int(re.search(r"preempted: checkpoint of step (\d+) saved; rerun with --resume", out).group(1))
     assert saved == len(m.read_text().splitlines()) >= 2  # the step in flight finished, and was saved
@@ -137,11 +137,24 @@ def test_sigterm_saves_at_the_end_of_the_step_and_resumes_bitwise(tmp_path):
 
 def test_sigterm_without_a_checkpoint_directory_stops_cleanly(tmp_path):
     m = tmp_path / "m.jsonl"
-    code, out, err = run_until_sigterm([], m)
+    code, out, err = run_until_signal([], m)
     assert code == 128 + signal.SIGTERM, err[-2000:]
     done = len(m.read_text().splitlines())
     assert f"preempted after step {done}: nothing was saved (no --ckpt-dir)" in out
     assert "Traceback" not in err
+
+
+def test_ctrl_c_saves_the_step_in_flight_as_sigterm_does(tmp_path):
+    """A Ctrl-C (SIGINT) is a preemption notice: the step in flight finishes and is saved, one line says
+    so on each stream, no traceback, exit 128 + SIGINT."""
+    ckpt, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    code, out, err = run_until_signal(["--ckpt-dir", str(ckpt)], m, signum=signal.SIGINT)
+    assert code == 128 + signal.SIGINT, err[-2000:]
+    saved = int(re.search(r"preempted: checkpoint of step (\d+) saved; rerun with --resume", out).group(1))
+    assert saved == len(m.read_text().splitlines()) >= 2
+    assert [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()] == [saved]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "jaxpar: Ctrl-C: stopping after the step in flight" in err
 
 
 # ---- damaged checkpoints, explicit fallback, and the directory's other states -----------------------

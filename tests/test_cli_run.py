@@ -38,17 +38,19 @@ def llama_tiny_parameters() -> int:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One 3-step run with --no-progress (a log line every 2 steps), checkpoints every 2 steps, a constant
-    learning rate and a hardware profile on CPU devices: (stdout, JSONL rows, wall-clock bounds)."""
+    """One 3-step run into files, not a terminal (so log lines every 2 steps, no progress bar's \\r
+    frames), checkpoints every 2 steps, a constant learning rate and a hardware profile on CPU devices:
+    (stdout, JSONL rows, wall-clock bounds)."""
     tmp = tmp_path_factory.mktemp("run")
     metrics = tmp / "m.jsonl"
     before = time.time()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main([*RUN, "--no-progress", "--log-every", "2", "--metrics", str(metrics), "--hardware",
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([*RUN, "--log-every", "2", "--metrics", str(metrics), "--hardware",
                          "h100-sxm", "--ckpt-dir", str(tmp / "ck"), "--ckpt-every", "2", "--schedule", "constant",
                          "--warmup", "0", "--lr", str(LR)])
     assert code == 0
+    assert "\r" not in out.getvalue() + err.getvalue()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return out.getvalue(), rows, (before, time.time()), tmp / "ck"
 

@@ -18,6 +18,7 @@ from typing import NoReturn
 import jax
 
 from jaxpar import distributed
+from jaxpar.collectives import human_bytes
 from jaxpar.analysis import comm, target
 from jaxpar.analysis.overlap import format_overlap
 from jaxpar.analysis.report import compare, format_table, plot
@@ -27,7 +28,7 @@ from jaxpar.cli.launch import launch
 from jaxpar.core.inputs import read_prompt_file
 from jaxpar.core.validate import data_parallel_size
 from jaxpar.cost.hardware import load_hardware
-from jaxpar.devices import MAX_DEVICES, backend_started, simulate_cpu_devices
+from jaxpar.devices import MAX_DEVICES, backend_started, cpu_without_accelerator, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.serving.generate import Generator, Sampling
 from jaxpar.training.checkpoint import Checkpointer
@@ -50,6 +51,8 @@ def run(args) -> int:
         args.multi_process = hasattr(args, "coordinator") and join_cluster(args)
         if getattr(args, "devices", None):
             simulate_cpu_devices(args.devices)
+        elif not args.multi_process:
+            cpu_without_accelerator()
         return COMMANDS[args.command](args)
     except Exception as e:
         if not distributed.joining():
@@ -141,12 +144,13 @@ def cmd_train(args) -> int:
 
 
 def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, start: int, ckpt, evaluate=None) -> int:
-    """Steps start + 1 .. --stop-after (or --steps), the last saved with --ckpt-dir; exit 143 on a
-    preemption notice (SIGTERM), after saving the step in flight."""
+    """Steps start + 1 .. --stop-after (or --steps), the last saved with --ckpt-dir; on a preemption
+    notice (SIGTERM, or a first Ctrl-C) the step in flight is saved and the exit status is 128 + the
+    signal's number (143, 130), as if the signal had stopped the process."""
     stop = min(args.stop_after or args.steps, args.steps)
     log.begin(start, stop)
     try:
-        with PreemptionNotice():  # SIGTERM: finish the step, save (with --ckpt-dir), exit 143
+        with PreemptionNotice():  # SIGTERM or Ctrl-C: finish the step, save (with --ckpt-dir), stop
             state = train(trainer, source, on_step=log, state=state, start=start, stop=args.stop_after,
                           checkpointer=ckpt, on_save=log.saved, evaluate=evaluate)
         if ckpt is not None:
@@ -159,7 +163,7 @@ def run_steps(args, trainer: Trainer, source, log: train_log.StepLog, state, sta
             ckpt.close()
         if log.show:
             print(f"\n{stopped}")
-        return 128 + 15  # as if terminated by SIGTERM: the scheduler sees an unfinished run
+        return 128 + stopped.signum  # as if the signal had stopped it: the scheduler sees an unfinished run
     finally:
         log.close()
         log.sinks.close()
@@ -404,8 +408,8 @@ def cmd_generate(args) -> int:
     print(f"model {model.name}: {model.layers} layers, d_model={model.d_model}, pattern={model.pattern}")
     print(f"strategy {gen.describe()}{kv}; {source}")
     held = gen.bytes_per_device()
-    print(f"weights in {gen.weight_dtype.name}: {held['weights'] / 2**20:.2f} MiB per device, cache "
-          f"{held['cache'] / 2**20:.2f} MiB per device")
+    print(f"weights in {gen.weight_dtype.name}: {human_bytes(held['weights'])} per device, cache "
+          f"{human_bytes(held['cache'])} per device")
     print(f"compiled prefill and decode in {gen.compile():.1f} s")
     result = gen.generate(params, prompts)
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens.tolist())):

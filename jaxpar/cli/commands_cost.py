@@ -92,7 +92,7 @@ def cmd_estimate(args) -> int:
         raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
                           f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
-    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, software)
+    strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, software, args.phase)
     if args.phase != "train":
         return estimate_inference(args, question, model, strategy, defaults)
     validate.check(model, strategy, batch=question.global_batch, seq=question.seq, padded_zero=True,

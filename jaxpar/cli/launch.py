@@ -6,8 +6,10 @@ Each child runs `python -m jaxpar.cli.main <command>` with D simulated CPU devic
 the run in its environment (jaxpar.distributed reads them): process 0 hosts the coordinator on a free
 local port, and the collectives between processes go over gloo (TCP). The launcher
 
-  * forwards SIGINT / SIGTERM to every child (each child is its own session, so a terminal's Ctrl-C
-    reaches them once, through here), and kills those still running `--grace` seconds later;
+  * forwards SIGTERM and a Ctrl-C to every child as SIGTERM (each child is its own session, so a
+    terminal's Ctrl-C reaches them once, through here; JAX's preemption service, which makes every
+    process save the same step, catches SIGTERM only), and kills those still running `--grace` seconds
+    later or at a second signal; it exits 128 + the first signal's number (130 for a Ctrl-C);
   * fails fast: when one child exits with an error or is killed, the others (whose next collective
     cannot complete) are stopped: SIGTERM, then SIGKILL after the grace period; the launcher exits
     non-zero, naming the process;
@@ -92,10 +94,15 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
 
     def forward(signum, _frame):
         received.append(signum)
+        if len(received) > 1:  # a second signal: stop at once, nothing more saved
+            kill_after.insert(0, 0.0)
+            print("\njaxpar launch: stopping every process at once (a second signal), nothing more saved",
+                  file=sys.stderr, flush=True)
+            return
         kill_after.append(time.monotonic() + grace_s)
-        for c in children:
+        for c in children:  # JAX's preemption service catches SIGTERM only: a Ctrl-C reaches them as one
             if c.poll() is None:
-                c.send_signal(signum)
+                c.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -179,9 +179,9 @@ def add_train(sub) -> None:
     t.add_argument("--profile-steps", type=step_range, default="2-4", metavar="A-B", help="the steps --profile "
                    "traces, counted from 1 as the bar counts; they must lie within the run")
     t.add_argument("--no-progress", action="store_true", help="no progress bar: a log line every --log-every "
-                   "steps instead (batch jobs, SLURM logs)")
-    t.add_argument("--log-every", type=POSITIVE, default=10, metavar="N", help="with --no-progress: a log line "
-                   "every N steps, and at the last")
+                   "steps instead (batch jobs, SLURM logs: the default when standard error is not a terminal)")
+    t.add_argument("--log-every", type=POSITIVE, default=10, metavar="N", help="with --no-progress (or off a "
+                   "terminal): a log line every N steps, and at the last")
     add_checkpoint_flags(t)
     t.add_argument("--overwrite-metrics", action="store_true", help="a fresh run (no --resume) replaces an existing "
                    "--metrics file and --tensorboard event files (without it, it refuses to start)")
@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C outside training's steps, or a second one inside them
+        print("\njaxpar: interrupted (Ctrl-C): stopped at once, nothing saved", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

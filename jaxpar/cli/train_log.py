@@ -1,7 +1,7 @@
 """What `jaxpar train` says while it runs: the header (what the run is), the per-step record (the metric
-sinks, the progress bar or, with --no-progress, a log line every --log-every steps), one line per
-checkpoint, the profiler trace's window, and the closing summary. docs/running.md shows a run's output
-line by line and the metrics' schema.
+sinks, the progress bar on a terminal or, with --no-progress or into a file, a log line every
+--log-every steps), one line per checkpoint, the profiler trace's window, and the closing summary.
+docs/running.md shows a run's output line by line and the metrics' schema.
 
 Steps are counted from 1 everywhere: the bar, the log lines, the JSONL `step`, the checkpoints (a
 checkpoint of step N holds the state after N steps). The step is compiled before the bar starts
@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import statistics
+import sys
 import time
 
 import jax
@@ -44,6 +45,9 @@ def header(trainer: Trainer, data: str, hardware: Hardware | None, start: int, s
              f"steps {start + 1}-{stop} of {tc.steps}, {(stop - start) * tokens:,} tokens"]
     if strategy.size("pipeline") > 1:
         lines.append(schedule_summary(strategy, model.run_units))
+    if strategy.size("expert") > 1 and not model.has_moe:
+        lines.append(f"expert={strategy.size('expert')} acts as data parallelism: {model.name} has no "
+                     "mixture-of-experts layers (the batch is split over it as over data)")
     lines += [f"precision float32 parameters, gradients and Adam moments; {strategy.options.dtype} compute",
               f"optimizer {tc.optimizer.describe()}",
               f"schedule {tc.describe_schedule()}",
@@ -98,7 +102,7 @@ class StepLog:
     def begin(self, start: int, stop: int) -> None:
         """Just before step start + 1 (the step already compiled): the bar, and a trace that starts there."""
         self.stop = stop
-        if self.show and not self.args.no_progress:
+        if self.show and not self.args.no_progress and sys.stderr.isatty():  # a log file gets log lines, not \r frames
             self.bar = tqdm(total=self.trainer.tc.steps, initial=start, unit="step", dynamic_ncols=True)
         if self.args.profile and self.args.profile_steps[0] == start + 1:
             self._trace(True)

@@ -199,7 +199,9 @@ class Strategy:
         product = math.prod(sizes.values())
         if product != num_devices:
             desc = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
-            raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}")
+            simulate = f" (on CPU, --devices {product} simulates {product} devices)" if product > num_devices else ""
+            raise ConfigError(f"mesh {self.name}: axis product {product} ({desc}) != device count {num_devices}"
+                              + simulate)
         check_dcn(self.name, tuple(sizes.items()), self.dcn)
         return dataclasses.replace(self, mesh=tuple(sizes.items()),
                                    phases=tuple((p, st.resolved(num_devices)) for p, st in self.phases))

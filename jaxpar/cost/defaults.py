@@ -30,13 +30,16 @@ DEFAULTS = Options()
 
 
 def accelerator_defaults(st: Strategy, global_batch: int, given: set[str],
-                         software: Software = JAXPAR) -> tuple[Strategy, list[str]]:
+                         software: Software = JAXPAR, phase: str = "train") -> tuple[Strategy, list[str]]:
     """(`st` with the defaults above applied where neither `given` flags nor its mesh file set them,
-    one line per default applied)."""
+    one line per default applied). A prefill or decode `phase` takes the dtype alone: the others are
+    the stack's training recipes (a decode step has one token per sequence to shard)."""
     o, notes, changes = st.options, [], {}
     if "dtype" not in given and o.dtype == DEFAULTS.dtype:
         changes["dtype"] = "bfloat16"
         notes.append("dtype = bfloat16 (accelerator compute; --dtype float32 to change)")
+    if phase != "train":
+        return (st.with_options(**changes) if changes else st), notes
     stages = st.size("pipeline")
     if stages > 1 and "microbatches" not in given and o.microbatches == DEFAULTS.microbatches:
         local = global_batch // max(1, st.size("data") * st.size("fsdp") * st.size("expert") * o.grad_accum)

@@ -63,7 +63,10 @@ class InferenceEstimate:
 
     @property
     def bound(self) -> str:
-        return "compute" if self.matmul_s >= self.memory_s else "memory bandwidth"
+        """The step's largest term: matmuls, HBM traffic or the collectives (added after the larger of
+        the two, `step_s`)."""
+        terms = {"compute": self.matmul_s, "memory bandwidth": self.memory_s, "collective": self.comm_s}
+        return max(terms, key=terms.get)
 
     @property
     def tokens_per_s(self) -> float:

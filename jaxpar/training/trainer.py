@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Any, NamedTuple
@@ -380,49 +381,60 @@ def train(trainer: Trainer, source, *, on_step=None, state: TrainState | None = 
             if checkpointer is not None:
                 checkpointer.maybe_save(step, state, trainer, force=True)
                 checkpointer.wait()
-            raise Preempted(step, saved=checkpointer is not None)
+            raise Preempted(step, checkpointer is not None, PreemptionNotice.received or signal.SIGTERM)
         faults.after_step(step)
     return state
 
 
 class Preempted(Exception):
-    """Training stopped at a preemption notice after `step` completed steps (checkpointed if `saved`)."""
+    """Training stopped at a preemption notice after `step` completed steps (checkpointed if `saved`);
+    `signum` is the notice's signal (SIGTERM from a scheduler or the launcher, SIGINT: a Ctrl-C)."""
 
-    def __init__(self, step: int, saved: bool = True):
+    def __init__(self, step: int, saved: bool = True, signum: int = signal.SIGTERM):
         super().__init__(f"preempted: checkpoint of step {step} saved; rerun with --resume to continue" if saved
                          else f"preempted after step {step}: nothing was saved (no --ckpt-dir)")
         self.step = step
         self.saved = saved
+        self.signum = signum
 
 
 class PreemptionNotice:
-    """`with PreemptionNotice():` around training turns SIGTERM into a notice that `preempted` reads
-    after each step, in a single-process run (the previous handler is restored on exit). A multi-process
-    run needs nothing here: jax.distributed's preemption service already catches SIGTERM."""
-    _received = False
+    """`with PreemptionNotice():` around training turns SIGTERM and a first Ctrl-C (SIGINT) into a notice
+    that `preempted` reads after each step, in a single-process run; a second Ctrl-C raises
+    KeyboardInterrupt at once (the previous handlers are restored on exit). A multi-process run needs
+    nothing here: jax.distributed's preemption service catches SIGTERM, and `jaxpar launch` forwards a
+    Ctrl-C to its processes as SIGTERM."""
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    received: int | None = None  # the notice's signal
 
     def __enter__(self):
         self.installed = jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
-        PreemptionNotice._received = False
+        PreemptionNotice.received = None
         if self.installed:
-            self.previous = signal.signal(signal.SIGTERM, PreemptionNotice._notice)
+            self.previous = {s: signal.signal(s, PreemptionNotice._notice) for s in self.SIGNALS}
         return self
 
     @staticmethod
     def _notice(signum, frame) -> None:
-        PreemptionNotice._received = True
+        if signum == signal.SIGINT:
+            if PreemptionNotice.received is not None:
+                raise KeyboardInterrupt
+            print("\njaxpar: Ctrl-C: stopping after the step in flight (saved with --ckpt-dir); "
+                  "Ctrl-C again stops at once, without saving", file=sys.stderr, flush=True)
+        PreemptionNotice.received = signum
 
     def __exit__(self, *exc) -> None:
         if self.installed:  # None: the previous handler was not set from Python; the default is closest
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
-        PreemptionNotice._received = False
+            for s, handler in self.previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        PreemptionNotice.received = None
 
 
 def preempted(step: int) -> bool:
     """Whether a preemption notice (SIGTERM to any process: SLURM, a TPU maintenance event, `jaxpar
-    launch` forwarding a signal) has reached every process by this step. JAX's preemption sync
-    manager agrees on the step across processes, so all of them save the same checkpoint and stop.
-    In one process, the notice is a SIGTERM caught by `PreemptionNotice`."""
+    launch` forwarding a signal or a Ctrl-C) has reached every process by this step. JAX's preemption
+    sync manager agrees on the step across processes, so all of them save the same checkpoint and stop.
+    In one process, the notice is a SIGTERM or a first Ctrl-C caught by `PreemptionNotice`."""
     if jax.process_count() == 1:
-        return PreemptionNotice._received
+        return PreemptionNotice.received is not None
     return multihost_utils.reached_preemption_sync_point(step)

@@ -1,0 +1,93 @@
+"""The console's everyday behaviour: Ctrl-C, a run without --devices on a host with libtpu, the docs'
+decode estimate under a training recipe's stack, the decode step's bottleneck label, an expert axis on a
+dense model in the run's header.
+
+The real-signal runs (a Ctrl-C to `train` and to `launch`) are in test_checkpoint_cli.py and
+test_multiprocess.py; here the second Ctrl-C, which must land inside a step, is delivered in process."""
+import importlib.util
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import pytest
+
+from jaxpar.cli import main as cli
+from jaxpar.cli.train_log import header
+from jaxpar.cost.hardware import load_hardware
+from jaxpar.cost.inference import Request, inference_estimate
+from jaxpar.core.strategy import parse_strategy
+from jaxpar.models.config import parse_model
+from jaxpar.training.trainer import PreemptionNotice, TrainConfig, Trainer, preempted
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+main_thread_only = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                                      reason="signal handlers are installed from the main thread only")
+
+
+@main_thread_only
+def test_a_first_ctrl_c_is_a_notice_and_a_second_stops_at_once(capsys):
+    before = signal.getsignal(signal.SIGINT)
+    with PreemptionNotice():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preempted(1) and PreemptionNotice.received == signal.SIGINT
+        assert "Ctrl-C again stops at once" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before and not preempted(1)
+
+
+def test_an_interrupt_outside_the_steps_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.ANALYTIC, "estimate", interrupted)
+    assert cli.main(["estimate", "--model", "llama-tiny", "--mesh", "dp8"]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxpar: interrupted (Ctrl-C): stopped at once, nothing saved"
+
+
+def test_a_device_count_mismatch_names_the_flag_and_no_backend_noise():
+    """With libtpu installed and no accelerator here, a run without --devices starts the CPU backend
+    alone: its one line of output is jaxpar's, naming --devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "train", "--model", "llama-tiny", "--mesh", "dp8",
+                          "--steps", "1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "jaxpar: error: mesh dp8: axis product 8 (data=8) != device count 1 (on CPU, --devices 8 simulates 8 devices)"]
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: nothing else would print here")
+
+
+def test_the_docs_decode_estimate_under_megatron_core_runs(capsys):
+    """docs/serving.md's command: Megatron-Core's training recipe (sequence parallelism wherever tensor > 1)
+    is not applied to a decode step, which has one token per sequence."""
+    assert cli.main(["estimate", "--model", "llama3-70b", "--mesh", "tensor=8", "--hardware", "h100-sxm",
+                     "--phase", "decode", "--global-batch", "32", "--seq", "1024", "--gen-len", "256",
+                     "--software", "megatron-core"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel" not in out and "llama3-70b decode on 8 x h100-sxm" in out
+
+
+@pytest.mark.parametrize("phase, model, mesh, batch, bound", [
+    ("decode", "llama3-70b", "tensor=8", 32, "collective"),  # 8.1 ms of all-reduces beside 5.8 ms of HBM
+    ("decode", "llama3-8b", "data=8", 64, "memory bandwidth"),
+    ("prefill", "llama3-8b", "data=8", 8, "compute")])
+def test_the_inference_label_is_the_steps_largest_term(phase, model, mesh, batch, bound):
+    est = inference_estimate(parse_model(model), parse_strategy(mesh).with_options(dtype="bfloat16"),
+                             load_hardware("h100-sxm"), Request(phase, batch, 1024, 256))
+    terms = {"compute": est.matmul_s, "memory bandwidth": est.memory_s, "collective": est.comm_s}
+    assert max(terms.values()) == terms[bound] and est.bound == bound
+
+
+def test_an_expert_axis_on_a_dense_model_is_stated_as_data_parallelism():
+    def said(model):
+        trainer = Trainer(parse_model(model), parse_strategy("data=2,expert=4"), TrainConfig(batch=8, seq=16),
+                          devices=jax.devices()[:8])
+        return [line for line in header(trainer, "synthetic", None, 0, 1) if line.startswith("expert=")]
+    assert said("llama-tiny") == ["expert=4 acts as data parallelism: llama-tiny has no mixture-of-experts layers "
+                                  "(the batch is split over it as over data)"]
+    assert said("moe-tiny") == []
