@@ -8,7 +8,8 @@ configurations/s on one core). On a shared machine read the best block, as timei
 factorisation of 512 devices over data x fsdp x pipeline x tensor with a few option variants, for a
 transformer and a Mamba-2 model. "Single configuration, cold" is the first estimate of a model the cost
 model has not seen (its per-model memos empty): what `jaxpar estimate` pays once; a planner pays it once
-per model and then the warm per-estimate figure for every candidate. Writes the figures to
+per model and then the warm per-estimate figure for every candidate. Beside them, a whole `jaxpar --help`
+and `jaxpar estimate` process's wall time (goal: --help under 0.5 s). Writes the figures to
 experiments/results/bench_estimate.md (or --out DIR).
 
 --quick: the same path with --n 500 (10 blocks of 50 estimates, 500 with to_json()) and 5 cold
@@ -20,6 +21,7 @@ import argparse
 import itertools
 import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -55,6 +57,27 @@ def python_speed() -> float:
             sum(range(1000))
         best = min(best, (time.perf_counter() - t0) / 200 * 1e6)
     return best
+
+
+START_UP = (("jaxpar --help", ["--help"]),
+            ("jaxpar estimate (llama3-8b, fsdp8, h100-sxm)", ["estimate", "--model", "llama3-8b", "--mesh", "fsdp8",
+                                                               "--hardware", "h100-sxm"]))
+
+
+def start_up(tries: int = 3) -> list[str]:
+    """The wall time of a whole `jaxpar` process for --help and one estimate (best of `tries`): its
+    imports, which load no JAX (tests/test_console.py), and the answer. Goal: --help under 0.5 s."""
+    rows = ["", "| process (best of %d) | wall s |" % tries, "|---|---:|"]
+    for name, argv in START_UP:
+        walls = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "jaxpar.cli.main", *argv], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL)
+            walls.append(time.perf_counter() - t0)
+        print(f"{name}: {min(walls):.2f} s wall (best of {tries})")
+        rows.append(f"| {name} | {min(walls):.2f} |")
+    return rows
 
 
 def main() -> None:
@@ -112,6 +135,7 @@ def main() -> None:
                        ("best block", best), ("median block", median),
                        (f"with to_json() ({n_json} estimates)", with_json)):
         lines.append(f"| {name} | {secs * 1e6:.1f} | {1 / secs:,.0f} |")
+    lines += start_up()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_estimate.md").write_text("\n".join(lines) + "\n")
     print(f"\nwritten to {args.out / 'bench_estimate.md'}")

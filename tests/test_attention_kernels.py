@@ -25,7 +25,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
 from jaxpar.core.mesh import make_mesh
 from jaxpar.core.sharding import model_layout, use_layout
-from jaxpar.ops.attention import context_attention, dense_attention, resolve_kernel, token_permutation
+from jaxpar.core.strategy import resolve_kernel
+from jaxpar.ops.attention import context_attention, dense_attention, token_permutation
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention
 from jaxpar.ops.splash_attention import splash_attention
 from jaxpar.training.trainer import TrainConfig, Trainer

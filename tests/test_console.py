@@ -91,3 +91,36 @@ def test_an_expert_axis_on_a_dense_model_is_stated_as_data_parallelism():
     assert said("llama-tiny") == ["expert=4 acts as data parallelism: llama-tiny has no mixture-of-experts layers "
                                   "(the batch is split over it as over data)"]
     assert said("moe-tiny") == []
+
+
+def test_estimate_plan_and_help_load_no_jax():
+    """The analytic commands answer without JAX (the cost model reads the compiler's and the kernels' facts
+    as data: Compiler.ragged_all_to_all, ops/tiles.py, core.strategy.resolve_kernel), so they start fast."""
+    script = ("import contextlib, io, sys\nfrom jaxpar.cli import main\n"
+              "for argv in (['estimate', '--model', 'moe-tiny', '--mesh', 'ep8', '--hardware', 'h100-sxm', '--seq', '256',"
+              " '--attention-kernel', 'auto'], ['plan', '--model', 'llama3-8b', '--devices', '8', '--hardware',"
+              " 'h100-sxm', '--top', '1']):\n"
+              "    with contextlib.redirect_stdout(io.StringIO()):\n        assert main.main(argv) == 0, argv\n"
+              "print(sorted(m for m in ('jax', 'flax', 'jaxlib') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:] + out.stdout
+
+
+def test_the_wall_time_counts_from_the_process_start():
+    """`train`'s summary counts the interpreter's start and the imports: the process's age, read from /proc,
+    includes a sleep before jaxpar was imported."""
+    script = "import time\ntime.sleep(0.5)\nfrom jaxpar.cli.main import process_age\nprint(process_age())"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if not pathlib.Path("/proc/self/stat").exists():
+        pytest.skip("no /proc here: the wall time counts from the command's start")
+    assert 0.5 <= float(out.stdout) < 30, out.stderr
+
+
+def test_a_warmup_longer_than_the_run_is_refused_or_stated(capsys):
+    """Given, it is one line naming both flags; the default's 10 steps on a shorter run are said in the header."""
+    assert cli.main(["train", "--model", "llama-tiny", "--mesh", "dp8", "--steps", "5", "--warmup", "6"]) == 2
+    assert capsys.readouterr().err.strip() == ("jaxpar: error: --warmup 6 is longer than the run (--steps 5): the "
+                                               "learning rate would never reach --lr 0.003; give --warmup <= 5")
+    assert TrainConfig(steps=3).describe_schedule().startswith(
+        "lr 0.003 peak, 10 warmup steps (longer than the 3-step run: the peak is never reached), then cosine")
+    assert TrainConfig(steps=20).describe_schedule().startswith("lr 0.003 peak, 10 warmup steps, then cosine")

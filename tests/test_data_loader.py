@@ -169,6 +169,25 @@ def train_losses(data, tmp, name: str, mesh: str, *extra: str) -> dict[int, floa
     return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
 
 
+def test_eval_of_a_checkpoint_on_another_mesh_is_the_runs_own_eval_loss(data, tmp_path, capsys):
+    """`jaxpar eval` reads the model from the checkpoint and restores it read-only onto fsdp8: its held-out
+    loss is the one `train --eval-every` logged at that step on dp8 (float32 resharding: 1e-5)."""
+    ck, out = tmp_path / "ck", tmp_path / "eval.json"
+    train_losses(data, tmp_path, "run", "dp8", "--ckpt-dir", str(ck), "--eval-every", "6", "--eval-batches", "2")
+    logged = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()][-1]
+    capsys.readouterr()
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in ck.rglob("*"))
+    assert main(["eval", "--ckpt-dir", str(ck), "--data", str(data), "--mesh", "fsdp8", "--batch", str(BATCH),
+                 "--seq", str(SEQ), "--eval-batches", "2", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["step"] == logged["step"] == 6 and got["model"] == MODEL
+    assert got["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
+    assert f"step 6: eval_loss {got['eval_loss']:.4f}" in capsys.readouterr().out
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in ck.rglob("*")) == before  # read-only
+    assert main(["eval", "--ckpt-dir", str(tmp_path / "none"), "--data", str(data)]) == 2
+    assert f"--ckpt-dir {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mesh", ["dp8", pytest.param("fsdp8", marks=pytest.mark.slow)])
 def test_stopped_run_on_text_resumes_bitwise(data, tmp_path, mesh):
     """A run on prepared text stopped after step 3 and resumed (on dp8, or restored onto fsdp8) continues

@@ -187,7 +187,7 @@ def test_raw_token_files_state_their_width_and_ids_are_checked(tmp_path):
             local_batch(TokenFile(str(tmp_path / "t.u16.bin"), vocab=200), step, range(4), 64)
 
 
-def test_text_prompts_use_the_data_directory_tokenizer(prepared, capsys):
+def test_text_prompts_use_the_data_directory_tokenizer(prepared, capsys, tmp_path):
     data, _ = prepared
     tok = tokenizers.load(str(data))
     assert tok.decode(tok.encode("def f3(x):")) == "def f3(x):"
@@ -196,3 +196,8 @@ def test_text_prompts_use_the_data_directory_tokenizer(prepared, capsys):
     err = one_line_error(["generate", "--model", "llama-tiny", "--mesh", "dp8", "--prompt", "1,2",
                           "--tokenizer", str(data)], capsys)
     assert "--tokenizer" in err and "is for --prompt-text" in err
+    out = tmp_path / "g.json"
+    assert main(["generate", "--model", "llama-tiny", "--mesh", "tensor=8", "--prompt-text", "def f", "--tokenizer",
+                 str(data), "--max-new-tokens", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["text"] == [{"prompt": "def f", "continuation": tok.decode(report["tokens"][0])}]

@@ -79,6 +79,8 @@ def check_bench_estimate(out: pathlib.Path, stdout: str) -> None:
         us = number(r["us per estimate"])
         assert us > 0 and number(r["configurations/s"]) == pytest.approx(1e6 / us, rel=1e-2, abs=1), r
     assert number(rows["best block"]["us per estimate"]) <= number(rows["median block"]["us per estimate"])
+    walls = {r["process (best of 3)"]: number(r["wall s"]) for r in table(text, "process (best of 3)")}
+    assert set(walls) == {"jaxpar --help", "jaxpar estimate (llama3-8b, fsdp8, h100-sxm)"} and min(walls.values()) > 0
 
 
 def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:

@@ -223,6 +223,18 @@ def test_restore_trained_parameters(tmp_path):
         gen.restore_params(str(tmp_path))
 
 
+def test_generate_reads_the_model_from_the_checkpoint(tmp_path, capsys):
+    """Without --model, generate takes the model the --checkpoint was written for; with neither, one line."""
+    saved_training_state(tmp_path / "ck")
+    assert cli.main(["generate", "--mesh", "data=2,tensor=4", "--checkpoint", str(tmp_path / "ck"), "--prompt", "1,2,3",
+                     "--prompt", "4", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model llama-tiny: 2 layers" in out and "restored" in out and "of step 7" in out
+    assert cli.main(["generate", "--mesh", "data=2,tensor=4", "--prompt", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("jaxpar: error: generate needs --model M, or --checkpoint DIR "
+                                               "(a `train --ckpt-dir`, whose model it reads)")
+
+
 # ---- bad input -------------------------------------------------------------------------------------
 
 BASE = ["generate", "--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--prompt", "1,2,3", "--prompt", "4"]

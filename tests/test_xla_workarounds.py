@@ -18,6 +18,7 @@ from jaxpar import xla_workarounds
 from jaxpar.analysis import comm
 from jaxpar.analysis.tally import collective_ops
 from jaxpar.core.strategy import parse_strategy
+from jaxpar.cost.compiler import COMPILERS
 from jaxpar.models.config import parse_model
 from jaxpar.training.data import Synthetic
 from jaxpar.training.trainer import TrainConfig, Trainer, TrainState
@@ -150,3 +151,9 @@ def test_disabled_names_only_known_workarounds():
     with xla_workarounds.disabled("lookup"):
         assert not xla_workarounds.active("lookup") and xla_workarounds.active("gathered")
     assert xla_workarounds.active("lookup")
+
+
+def test_the_cost_models_compilers_know_which_backends_run_ragged_all_to_all():
+    """The cost model's Compiler records hold this module's rule as data (so that it imports no JAX)."""
+    assert {name: c.ragged_all_to_all for name, c in COMPILERS.items()} == {
+        name: xla_workarounds.ragged_all_to_all_runs(name) for name in COMPILERS} == {"gpu": True, "tpu": True, "cpu": False}

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import time
 import traceback
 from typing import NoReturn
@@ -30,8 +31,9 @@ from jaxpar.core.validate import data_parallel_size
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.devices import MAX_DEVICES, backend_started, cpu_without_accelerator, simulate_cpu_devices
 from jaxpar.errors import ConfigError
+from jaxpar.models.config import ModelConfig
 from jaxpar.serving.generate import Generator, Sampling
-from jaxpar.training.checkpoint import Checkpointer
+from jaxpar.training.checkpoint import Checkpointer, restore_params, saved_meta
 from jaxpar.training import corpus
 from jaxpar.training import tokenizer as tokenizers
 from jaxpar.training.data import make_source
@@ -40,7 +42,7 @@ from jaxpar.training import metrics
 from jaxpar.training.metrics import Sinks
 from jaxpar.training.config import OptimizerConfig, TrainConfig
 from jaxpar.training.tokenizer import Tokenizer
-from jaxpar.training.trainer import Preempted, PreemptionNotice, Trainer, train
+from jaxpar.training.trainer import Preempted, PreemptionNotice, Trainer, TrainState, train
 
 
 def run(args) -> int:
@@ -87,12 +89,15 @@ def train_config(args) -> TrainConfig:
     """The run's TrainConfig from the train flags, the optimizer's settings in their own config."""
     optimizer = OptimizerConfig(b1=args.b1, b2=args.b2, weight_decay=args.weight_decay, clip=args.clip,
                                 schedule=args.schedule, min_lr_ratio=args.min_lr_ratio)
+    if args.warmup is not None and args.warmup > args.steps:
+        raise ConfigError(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate "
+                          f"would never reach --lr {args.lr:g}; give --warmup <= {args.steps}")
+    warmup = TrainConfig.warmup if args.warmup is None else args.warmup
     return TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, seed=args.seed, lr=args.lr,
-                       warmup=args.warmup, optimizer=optimizer)
+                       warmup=warmup, optimizer=optimizer)
 
 
 def cmd_train(args) -> int:
-    began = time.perf_counter()
     check_checkpoint_flags(args)
     if distributed.is_main():  # a fresh run overwrites no metrics unasked (paths checked writable by cli.main)
         metrics.check(args.metrics, args.tensorboard, resume=args.resume, overwrite=args.overwrite_metrics)
@@ -139,7 +144,7 @@ def cmd_train(args) -> int:
     evaluate = evaluator(args, trainer, held_out, log, stop) if held_out is not None else None
     code = run_steps(args, trainer, source, log, state, start, ckpt, evaluate)
     if main and code == 0:
-        print(log.summary(time.perf_counter() - began, compile_s, init_s))
+        print(log.summary(time.perf_counter() - args.began, compile_s, init_s))  # from the process's start
     return code
 
 
@@ -205,6 +210,32 @@ def evaluator(args, trainer: Trainer, held_out: PreparedSource, log: train_log.S
                 f"step {step}: eval_loss {fields['eval_loss']:.4f}  eval_ppl {fields['eval_ppl']:.2f}")
         return fields
     return evaluate
+
+
+def cmd_eval(args) -> int:
+    """`jaxpar eval`: a checkpoint's held-out loss on --mesh, its model read from the checkpoint, over the
+    first --eval-batches batches of --data's validation split (the batches `train --eval-every` reads)."""
+    meta, step = saved_meta(args.ckpt_dir, args.ckpt_step, "--ckpt-dir")
+    model = ModelConfig(**meta["model"])
+    data = Dataset(args.data, model.vocab)
+    if not data.tokens("val"):
+        raise ConfigError(f"--data {data.root} has no validation split (prepared with --val-fraction 0)")
+    strategy = strategy_from_args(args)
+    if strategy.num_devices < 1:
+        strategy = strategy.resolved(jax.device_count())
+    trainer = Trainer(model, strategy, TrainConfig(batch=args.batch, seq=args.seq, seed=meta.get("seed", 0)))
+    params, message = restore_params(trainer, args.ckpt_dir, step)
+    held = PreparedSource(data, "val", 0, args.batch, shuffle=False)
+    fields = trainer.evaluate(TrainState(params, None, None), held, args.eval_batches)
+    result = {"step": step, "model": model.name, "strategy": strategy.describe(), "batches": args.eval_batches,
+              "batch": args.batch, "seq": args.seq, **fields}
+    if distributed.is_main():
+        print(message)
+        print(f"step {step}: eval_loss {fields['eval_loss']:.4f}  eval_ppl {fields['eval_ppl']:.2f}  "
+              f"({args.eval_batches} batches of {args.batch} x {args.seq} tokens from {data.root}'s validation split)")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 def check_checkpoint_flags(args) -> None:
@@ -382,8 +413,18 @@ def text_prompts(args) -> tuple[list[list[int]], Tokenizer | None]:
     return prompts, tok
 
 
+def generation_model(args):
+    """--model, else the model a --checkpoint was written for (its metadata)."""
+    if args.model is not None:
+        return model_from(args.model)
+    if args.checkpoint is None:
+        raise ConfigError("generate needs --model M, or --checkpoint DIR (a `train --ckpt-dir`, whose model it reads)")
+    meta, _ = saved_meta(args.checkpoint, args.checkpoint_step)
+    return ModelConfig(**meta["model"])
+
+
 def cmd_generate(args) -> int:
-    model = model_from(args.model)
+    model = generation_model(args)
     strategy = strategy_from_args(args)
     prompts, tok = text_prompts(args)
     if args.checkpoint_step is not None and args.checkpoint is None:
@@ -429,6 +470,9 @@ def cmd_generate(args) -> int:
                   "max_new_tokens": args.max_new_tokens, "sampling": dataclasses.asdict(sampling),
                   "kv_head_copies": gen.kv_copies, "params": source, "weights_dtype": gen.weight_dtype.name,
                   "bytes_per_device": held, **result.to_json()}
+        if tok is not None:  # --prompt-text: the prompts and their continuations as text too
+            report["text"] = [{"prompt": tok.decode(p), "continuation": tok.decode(new)}
+                              for p, new in zip(prompts, result.tokens.tolist())]
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
@@ -438,5 +482,5 @@ def cmd_launch(args) -> int:
     return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)
 
 
-COMMANDS = {"train": cmd_train, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
             "launch": cmd_launch, "data": cmd_data}

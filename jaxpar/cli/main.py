@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import signal
 import sys
+import time
 
 import jaxpar
 from jaxpar.cli import explain
@@ -78,9 +80,12 @@ class Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, e.message + did_you_mean(str(value), action.choices)) from None
 
 
-def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: bool = True) -> None:
-    p.add_argument("--model", required=required, help="preset (llama-tiny, llama3-8b, ...), preset:key=value,..., a TOML "
-                   "path, or hf:DIR (a Hugging Face LLaMA, Mistral, Mixtral or Qwen3-MoE checkpoint's config.json)")
+def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: bool = True,
+                   model_default: str | None = None) -> None:
+    """--model and --mesh (or --meshes) and --devices; `model_default`: what stands for an omitted --model."""
+    p.add_argument("--model", required=required and model_default is None, help="preset (llama-tiny, llama3-8b, "
+                   "...), preset:key=value,..., a TOML path, or hf:DIR (a Hugging Face LLaMA, Mistral, Mixtral or "
+                   "Qwen3-MoE checkpoint's config.json)" + (f" (default: {model_default})" if model_default else ""))
     if meshes:
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:
@@ -135,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_train, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
+    for add in (add_train, add_eval, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
         add(sub)
     add_strategy_flags(explain.add_parser(sub), "explain")
     parser.commands = dict(sub.choices)
@@ -195,6 +200,28 @@ def add_train(sub) -> None:
     add_distributed_flags(t)
 
 
+def add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="the held-out loss of a training checkpoint, on any mesh",
+                       description="Restore a `train --ckpt-dir` checkpoint's parameters (its model read from it; "
+                                   "read-only, so a run may still be writing the directory) onto --mesh and print "
+                                   "the mean loss of --eval-batches batches of the validation split of --data, as "
+                                   "`train --eval-every` computes it.")
+    e.add_argument("--ckpt-dir", required=True, type=nonempty, metavar="DIR", help="a `train --ckpt-dir` directory")
+    e.add_argument("--ckpt-step", type=NON_NEGATIVE, metavar="N", help="evaluate step N (default: the newest)")
+    e.add_argument("--data", required=True, type=nonempty, metavar="DIR",
+                   help="a `jaxpar data` directory whose validation split to evaluate on")
+    e.add_argument("--mesh", default="data=-1", help="mesh_configs name or TOML path, or inline data=2,tensor=4 "
+                   "(default data=-1: data parallelism over every device)")
+    e.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
+    e.add_argument("--batch", type=POSITIVE, default=TrainConfig.batch, help="sequences per batch (global)")
+    e.add_argument("--seq", type=POSITIVE, default=TrainConfig.seq, help="tokens per sequence")
+    e.add_argument("--eval-batches", type=POSITIVE, default=4, metavar="K", help="batches to average (the first K "
+                   "of the validation split, in its own order)")
+    e.add_argument("--json", type=nonempty, help="write the step, loss and perplexity as one JSON object to this file")
+    add_strategy_flags(e, "eval")
+    add_distributed_flags(e)
+
+
 def add_eval_flags(t) -> None:
     """Held-out evaluation and document masking, for prepared data (`jaxpar data`)."""
     t.add_argument("--eval-data", type=nonempty, metavar="DIR", help="a `jaxpar data` directory whose validation "
@@ -235,8 +262,8 @@ def add_optimizer_flags(p: argparse.ArgumentParser, tc: TrainConfig) -> None:
     o = OptimizerConfig()
     g = p.add_argument_group("optimizer (AdamW after global-norm clipping) and learning-rate schedule")
     g.add_argument("--lr", type=real(0.0, open_lo=True), default=tc.lr, help="peak learning rate")
-    g.add_argument("--warmup", type=NON_NEGATIVE, default=tc.warmup, help="steps of linear warmup from 0 to "
-                   "--lr (0: none)")
+    g.add_argument("--warmup", type=NON_NEGATIVE, help=f"steps of linear warmup from 0 to --lr (0: none; at most "
+                   f"--steps; default {tc.warmup}, the header says when that is longer than the run)")
     g.add_argument("--schedule", choices=SCHEDULES, default=o.schedule, help="after warmup: cosine or linear "
                    "decay to --min-lr-ratio x --lr over the run, or constant at --lr")
     g.add_argument("--min-lr-ratio", type=real(0.0, 1.0), default=o.min_lr_ratio, metavar="R",
@@ -398,7 +425,7 @@ def add_generate(sub) -> None:
                                    "parameters once as they load); --attention, --attention-kernel and --cp-layout "
                                    "are the prefill's. A mesh file's training options (remat, micro-batches, "
                                    "pipelines, overlap) do not apply.")
-    add_model_mesh(g)
+    add_model_mesh(g, model_default="with --checkpoint, the model it was written for")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", type=token_ids, metavar="IDS",
                      help="one prompt as comma-separated token ids (1,2,3); repeat for a batch")
@@ -424,7 +451,8 @@ def add_generate(sub) -> None:
                    help="a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE) directory (config.json + "
                         "*.safetensors): load its weights, sharded as they load (--model hf:DIR takes the model "
                         "from its config.json)")
-    g.add_argument("--json", type=nonempty, help="write the tokens and timings as one JSON object to this file")
+    g.add_argument("--json", type=nonempty, help="write the tokens and timings (with --prompt-text, the decoded "
+                   "text too) as one JSON object to this file")
     add_strategy_flags(g, "generate")
 
 
@@ -440,11 +468,25 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
 
 
 
+def process_age() -> float:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat against /proc/uptime,
+    in clock ticks), so that `train`'s wall time counts the interpreter's start and the imports; 0 where
+    /proc is not there."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            return max(0.0, float(uptime.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
+    began = time.perf_counter() - (process_age() if argv is None else 0.0)  # a call from Python: from the call
     if argv is None and hasattr(signal, "SIGPIPE"):  # `jaxpar estimate ... | head`: stop quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         args = build_parser().parse_args(argv)
+        args.began = began
         check_outputs(args)  # every file a command will write, before it runs
         if args.command in ANALYTIC:
             return ANALYTIC[args.command](args)

@@ -159,7 +159,7 @@ class StepLog:
 
     def summary(self, wall_s: float, compile_s: float, init_s: float) -> str:
         """The closing line: the last loss, the median step time (not the last), the tokens seen and the
-        wall time since the command started, with its compilation and initialisation."""
+        wall time since the process started (imports included), with its compilation and initialisation."""
         median = statistics.median(self.times)
         tc = self.trainer.tc
         return (f"final loss {self.last['loss']:.4f} at step {self.last['step']}; median step {median * 1e3:.1f} ms "

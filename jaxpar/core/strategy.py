@@ -43,7 +43,8 @@ GROUPS = {"layout": "how the mesh is used: ZeRO stage, sequence and pipeline spl
           "kernels": "what computes each part of a step: recompute, attention and MoE kernels, collective matmul",
           "precision": "the compute and gradient dtypes", "compiler": "XLA's scheduling of the collectives"}
 TRAINING = ("train", "comm", "compare", "estimate")   # the commands that build or price a training step
-EVERY = TRAINING + ("explain", "generate")
+FORWARD = ("generate", "eval")                         # the commands that run the model forward only
+EVERY = TRAINING + ("explain",) + FORWARD
 
 
 def _option(default: Any, help: str, choices: tuple | None = None, *, group: str, commands: tuple = TRAINING,
@@ -92,15 +93,15 @@ class Options:
                                              "mode elsewhere); auto: cudnn on a GPU in bfloat16, splash on a TPU, "
                                              "else blockwise (not the sequence's split: --attention)",
                                     ("dense", "auto", "blockwise", "cudnn", "splash"), group="kernels",
-                                    commands=TRAINING + ("generate",))
+                                    commands=TRAINING + FORWARD)
     moe_kernel: str = _option("grouped", "how the routed experts compute (jaxpar/ops/moe.py): grouped sorts the "
                                          "token copies by expert and multiplies only the routed copies "
                                          "(ragged_dot; under expert parallelism a ragged all-to-all on GPU and "
                                          "TPU, a fixed-capacity bucketed all-to-all on CPU); padded fills static "
                                          "per-expert buffers (dropless: E/k times the copies)",
-                              ("grouped", "padded"), group="kernels", commands=TRAINING + ("generate",))
+                              ("grouped", "padded"), group="kernels", commands=TRAINING + FORWARD)
     cp_layout: str = _option("contiguous", "token layout under context parallelism (zigzag balances causal work)",
-                             ("contiguous", "zigzag"), group="layout", commands=TRAINING + ("generate",))
+                             ("contiguous", "zigzag"), group="layout", commands=TRAINING + FORWARD)
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)", group="layout",
                                 commands=TRAINING + ("explain",))
     pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"), group="layout",
@@ -126,6 +127,22 @@ class Options:
                                  "(S values for gpipe, S*v for circular or 1f1b; default: even, or the first and last "
                                  "chunks one unit lighter when S*v does not divide the units)", group="layout",
                              commands=TRAINING + ("explain",))
+
+def resolve_kernel(kernel: str, dtype: Any = "float32", platform: str | None = None) -> str:
+    """The kernel `attention_kernel = auto` stands for on `platform` (cpu | gpu | tpu; default this process's
+    backend): cudnn on a GPU in a 16-bit dtype (the only ones cuDNN's flash kernel takes), splash on a TPU,
+    blockwise elsewhere. Any other name is itself. The run asks it (jaxpar/ops/attention.py) and so does the
+    cost model for the hardware it prices (cost.software), which gives the platform and so loads no JAX."""
+    if kernel != "auto":
+        return kernel
+    if platform is None:
+        import jax  # deferred: the process's backend, asked only by a run (the cost model names its platform)
+        platform = jax.default_backend()
+    if platform == "tpu":
+        return "splash"
+    sixteen_bit = str(getattr(getattr(dtype, "dtype", dtype), "name", dtype)) in ("bfloat16", "float16")
+    return "cudnn" if platform == "gpu" and sixteen_bit else "blockwise"
+
 
 def options_of(command: str) -> tuple[dataclasses.Field, ...]:
     """The Options fields `command` reads, in schema order."""

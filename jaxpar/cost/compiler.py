@@ -43,6 +43,9 @@ class Compiler:
     #                               flat buffer (PyTorch FSDP's FlatParameter, FSDP2's per-group all-gather)
     buckets: bool = False         # the program's (Software.grad_buckets): a step's one-off reductions and gathers
     #                               in buckets of max(40M, 1M x ranks) parameters (Megatron-Core's DDP)
+    ragged_all_to_all: bool = True  # the backend compiles jax.lax.ragged_all_to_all (XLA:CPU does not: the
+    #                               grouped MoE kernel's buckets; xla_workarounds.ragged_all_to_all_runs, held equal
+    #                               by tests/test_xla_workarounds.py, so that the cost model imports no JAX)
 
     @functools.cache
     def issuing(self, flat_weights: bool, buckets: bool) -> Compiler:
@@ -54,7 +57,7 @@ class Compiler:
 GPU = Compiler("gpu")
 TPU = Compiler("tpu")
 CPU = Compiler("cpu", reduce_scatter=False, reassociate=False, combine=True, hoist=False, fold=False,
-               promote_bf16=True)
+               promote_bf16=True, ragged_all_to_all=False)
 COMPILERS = {c.name: c for c in (GPU, TPU, CPU)}
 
 # What XLA:TPU (libtpu 0.0.52) makes of a jaxpar step that `TPU` does not predict (llama-tiny on a v5e 2x4

@@ -18,16 +18,15 @@ from jaxpar.cost.params import per_model
 from jaxpar.cost.shape import StepShape
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
-from jaxpar.xla_workarounds import ragged_all_to_all_runs
 
 
 def dispatch_form(st: Strategy, cc: Compiler, padded: bool = True) -> str:
     """How MoE token copies travel under expert parallelism (comm_expert.dispatch_bytes): padded (static
     buffers: a stack that pads, `Software.moe_padded`, under moe_kernel = padded), else the grouped kernel's
-    ragged all-to-all, or bucketed where the backend has none (jaxpar.xla_workarounds.ragged_all_to_all_runs)."""
+    ragged all-to-all, or bucketed where the backend has none (Compiler.ragged_all_to_all)."""
     if padded and st.options.moe_kernel == "padded":
         return "padded"
-    return "ragged" if ragged_all_to_all_runs(cc.name) else "bucketed"
+    return "ragged" if cc.ragged_all_to_all else "bucketed"
 
 
 @per_model

@@ -35,7 +35,7 @@ from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, Memory, batch_byte
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
 from jaxpar.cost.shape import block_slots, chunk_layers
-from jaxpar.ops.blockwise_attention import BLOCK_K, BLOCK_Q
+from jaxpar.ops.tiles import BLOCK_K, BLOCK_Q
 from jaxpar.core.schedule import schedule_of
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig

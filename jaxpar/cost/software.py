@@ -14,10 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxpar.core.strategy import AXES, Strategy
+from jaxpar.core.strategy import AXES, Strategy, resolve_kernel
 from jaxpar.cost.params import per_model
 from jaxpar.errors import ConfigError
-from jaxpar.ops.attention import resolve_kernel
 
 
 def trait(default, help: str):
@@ -227,7 +226,7 @@ def check_runs(st: Strategy, software: Software) -> None:
 
 def program_kernel(st: Strategy, platform: str) -> str:
     """The attention kernel jaxpar's program runs for `st` on a `platform` (cpu | gpu | tpu) device: the
-    strategy's `attention_kernel`, `auto` resolved as the run resolves it (jaxpar.ops.attention.resolve_kernel)."""
+    strategy's `attention_kernel`, `auto` resolved as the run resolves it (jaxpar.core.strategy.resolve_kernel)."""
     return resolve_kernel(st.options.attention_kernel, st.options.dtype, platform)
 
 

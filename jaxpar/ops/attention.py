@@ -6,7 +6,7 @@ dispatches on how the sequence is split over `context` (dense | ring | allgather
 computes softmax(q k^T) v on a device: dense (the [hq, s, s] float32 scores kept for the backward: the
 reference), blockwise (online softmax, recomputed backward: jaxpar/ops/blockwise_attention.py), cudnn
 (cuDNN's fused flash kernel), splash (the Pallas splash kernel: jaxpar/ops/splash_attention.py), auto
-(`resolve_kernel`). Context parallelism, in `jax.shard_map`: `ring_attention` (K/V blocks around the
+(jaxpar.core.strategy.resolve_kernel). Context parallelism, in `jax.shard_map`: `ring_attention` (K/V blocks around the
 context ring, folded into a running softmax: one block of scores per device; Liu et al. 2023) and
 `allgather_attention` (K/V of the whole sequence gathered, queries local: Llama 3). Positions travel with
 K/V, so the kernels are right for any token layout (`token_permutation`: contiguous or zigzag). The
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core import validate
 from jaxpar.core.sharding import current_layout, use_layout
 from jaxpar.core.rules import spec_entry
-from jaxpar.core.strategy import CHOICES
+from jaxpar.core.strategy import CHOICES, resolve_kernel
 from jaxpar.ops.blockwise_attention import MASKED, blockwise_attention, block_mask, empty_stats, online_update
 from jaxpar.ops.splash_attention import splash_attention
 from jaxpar.xla_workarounds import loop_variant
@@ -72,18 +72,6 @@ def cudnn_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
 
 KERNELS = {"dense": dense_attention, "blockwise": blockwise_attention, "cudnn": cudnn_attention,
            "splash": splash_attention}
-
-
-def resolve_kernel(kernel: str, dtype=jnp.float32, platform: str | None = None) -> str:
-    """The kernel `auto` stands for on `platform` (cpu | gpu | tpu; default this process's backend): cudnn on
-    a GPU in a 16-bit dtype (the only ones cuDNN's flash kernel takes), splash on a TPU, blockwise elsewhere.
-    Any other name is itself. The cost model asks it for the hardware it prices (cost.software)."""
-    if kernel != "auto":
-        return kernel
-    backend = platform or jax.default_backend()
-    if backend == "tpu":
-        return "splash"
-    return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "blockwise"
 
 
 def attention(q, k, v, positions, segments=None, *, impl: str = "dense", kernel: str = "dense",

@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.ops.tiles import BLOCK_K, BLOCK_Q
 from jaxpar.xla_workarounds import loop_variant
 
 MASKED = -1e30  # a large finite negative: fully masked rows stay finite (no NaN from -inf - -inf)
-BLOCK_Q = 512   # query rows per block: big enough to keep the matmuls efficient on CPU, small against long sequences
-BLOCK_K = 512   # keys per block
 
 RESIDUAL_NAMES = ("flash_out", "flash_lse")
 """checkpoint_names of the kernel's output and logsumexp, the residuals its backward reads beside q, k, v.

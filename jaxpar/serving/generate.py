@@ -37,9 +37,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.core import validate
 from jaxpar.core.mesh import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.ops.attention import AttentionCore, resolve_kernel, token_permutation
+from jaxpar.ops.attention import AttentionCore, token_permutation
 from jaxpar.core.sharding import Layout, model_layout, param_shardings, spec_for, use_layout
-from jaxpar.core.strategy import Strategy
+from jaxpar.core.strategy import Strategy, resolve_kernel
 from jaxpar.models import decode
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.run import RunConfig

@@ -400,37 +400,19 @@ def check_model(saved: dict, current: dict, step: int) -> None:
                               f"{key}={saved.get(key)!r} in the checkpoint, {key}={current.get(key)!r} now")
 
 
-def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: int | None = None):
+def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: int | None = None,
+                   flag: str = "--checkpoint"):
     """Some arrays of a training checkpoint, read straight into `target`'s shardings (jax.ShapeDtypeStruct
     per flat key, e.g. only the parameters for `jaxpar generate`: the optimizer state stays on disk).
     Returns (flat arrays, step, message). Read-only: nothing in `directory` is created or changed.
     ConfigError for a directory jaxpar did not write, one without checkpoints, or a checkpoint of
-    another model (`model`: the current ModelConfig as a dict); DamagedCheckpoint as `restore`."""
-    path = pathlib.Path(directory).resolve()
-    if not path.is_dir():
-        raise ConfigError(f"--checkpoint {path}: no such directory")
+    another model (`model`: the current ModelConfig as a dict), each naming `flag`; DamagedCheckpoint as
+    `restore`."""
+    path, manager = _read_only(directory, flag)
     try:
-        ok = json.loads((path / MARKER).read_text()).get("format") == FORMAT["format"]
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(f"--checkpoint {path} was not written by jaxpar (no {MARKER})")
-    quiet_failed_reads()
-    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
-                                    item_names=("state", "meta"))
-    try:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise ConfigError(f"--checkpoint {path} holds no complete checkpoint")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise ConfigError(f"--checkpoint {path}: no complete checkpoint of step {step}; it holds {_listing(steps)}")
+        meta, step = _meta(manager, path, step, flag)
         where = f"checkpoint step {step} in {path}"
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
-            raise DamagedCheckpoint(f"{where} cannot be read: its metadata: {read_error(e, [], path / str(step))}") from None
-        check_model(check_meta(meta, where).get("model", {}), model, step)
+        check_model(meta.get("model", {}), model, step)
         restore = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                          partial_restore=True)
         try:
@@ -442,6 +424,63 @@ def restore_arrays(directory: str, model: dict, target: dict[str, Any], step: in
     if "checksums" in meta:
         verify(flat, meta["checksums"], where)
     return flat, step, f"restored {len(flat)} arrays of step {step} from {path} (written under {meta.get('strategy')})"
+
+
+def restore_params(trainer, directory: str, step: int | None = None) -> tuple[Any, str]:
+    """(parameters, message) of a training checkpoint in `trainer`'s shardings and stored order, read-only
+    (the optimizer state stays on disk, and a run may still be writing the directory): what `jaxpar eval`
+    evaluates."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          trainer.abstract_state().params, trainer.param_shardings)
+    template = type(trainer.abstract_state())(target, None, None)  # the state's tree, only its params read
+    flat, _, message = restore_arrays(directory, dataclasses.asdict(trainer.model_cfg), flatten(template), step,
+                                      "--ckpt-dir")
+    params = unflatten(template, flat).params
+    if trainer.unit_order is not None:  # checkpoints hold layer order (Trainer.stored_state)
+        params = jax.jit(trainer.reorder, out_shardings=trainer.param_shardings)(params)
+    return params, message
+
+
+def saved_meta(directory: str, step: int | None = None, flag: str = "--checkpoint") -> tuple[dict, int]:
+    """(metadata, step) of a training checkpoint (newest step unless given): the model it was written for,
+    its strategy, devices and seed, so that `eval` needs no --model. Read-only."""
+    path, manager = _read_only(directory, flag)
+    try:
+        return _meta(manager, path, step, flag)
+    finally:
+        manager.close()
+
+
+def _read_only(directory: str, flag: str) -> tuple[pathlib.Path, "ocp.CheckpointManager"]:
+    """A checkpoint manager that creates nothing, on a directory jaxpar wrote (else ConfigError)."""
+    path = pathlib.Path(directory).resolve()
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory")
+    try:
+        ok = json.loads((path / MARKER).read_text()).get("format") == FORMAT["format"]
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{flag} {path} was not written by jaxpar (no {MARKER})")
+    quiet_failed_reads()
+    return path, ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
+                                       item_names=("state", "meta"))
+
+
+def _meta(manager, path: pathlib.Path, step: int | None, flag: str) -> tuple[dict, int]:
+    """(checked metadata, step) of checkpoint `step` (newest if None) through an open manager."""
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise ConfigError(f"{flag} {path} holds no complete checkpoint")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ConfigError(f"{flag} {path}: no complete checkpoint of step {step}; it holds {_listing(steps)}")
+    where = f"checkpoint step {step} in {path}"
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
+        raise DamagedCheckpoint(f"{where} cannot be read: its metadata: {read_error(e, [], path / str(step))}") from None
+    return check_meta(meta, where), step
 
 
 # ---- the directory lock: one run writes a --ckpt-dir at a time ------------------------------------

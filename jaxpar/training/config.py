@@ -53,7 +53,8 @@ class TrainConfig:
     def describe_schedule(self) -> str:
         """The learning-rate schedule in one line for the run's header."""
         o = self.optimizer
-        warmup = f"{self.warmup} warmup steps, then " if self.warmup else "no warmup, "
+        longer = f" (longer than the {self.steps}-step run: the peak is never reached)" if self.warmup > self.steps else ""
+        warmup = f"{self.warmup} warmup steps{longer}, then " if self.warmup else "no warmup, "
         after = ("constant" if o.schedule == "constant" else
                  f"{o.schedule} decay to {self.lr * o.min_lr_ratio:.3g} ({o.min_lr_ratio:g} x peak) over the run")
         return f"lr {self.lr:g} peak, {warmup}{after}"

@@ -28,14 +28,14 @@ from jaxpar.core import validate
 from jaxpar.core.inputs import check_host_memory
 from jaxpar.core.mesh import make_mesh
 from jaxpar.core.sharding import model_layout, optimizer_shardings, param_shardings, use_layout
-from jaxpar.core.strategy import Strategy
+from jaxpar.core.strategy import Strategy, resolve_kernel
 from jaxpar.cost.flops import Kernels, step_flops
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.models.moe import AUX_FIELDS, aux_metrics
 from jaxpar.errors import ConfigError
-from jaxpar.ops.attention import AttentionCore, resolve_kernel, token_permutation
+from jaxpar.ops.attention import AttentionCore, token_permutation
 from jaxpar.ops.collective_matmul import Matmuls
 from jaxpar.ops.layer_scan import KEEP_UNITS, LayerScan
 from jaxpar.ops.mamba_cp import SSMKernels
