@@ -291,7 +291,7 @@ def test_compilers_differ_only_where_stated():
     assert ("reduce-scatter", ("tensor",), "forward") in gpu
     assert not any(k[0] == "reduce-scatter" for k in cpu)
     assert dataclasses.replace(CPU, name="gpu", reduce_scatter=True, reassociate=True, combine=False,
-                               hoist=True, fold=True, promote_bf16=False) == GPU
+                               hoist=True, fold=True, promote_bf16=False, ragged_all_to_all=True) == GPU
 
 
 # ---- the communication floor (jaxpar/cost/floor.py) -----------------------------------------------
