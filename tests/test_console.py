@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from jaxpar.cli import main as cli
+from jaxpar.cli.streams import unglued
 from jaxpar.cli.train_log import header
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.inference import Request, inference_estimate
@@ -124,3 +125,14 @@ def test_a_warmup_longer_than_the_run_is_refused_or_stated(capsys):
     assert TrainConfig(steps=3).describe_schedule().startswith(
         "lr 0.003 peak, 10 warmup steps (longer than the 3-step run: the peak is never reached), then cosine")
     assert TrainConfig(steps=20).describe_schedule().startswith("lr 0.003 peak, 10 warmup steps, then cosine")
+
+
+def test_the_launcher_drops_gloos_connection_notices_even_two_to_a_line():
+    notice = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    one, two = notice.format(1), notice.format(0)
+    glued = one[:30] + two + one[30:] + "\n"  # two C++ threads writing at once
+    assert unglued(glued) is None and unglued(two + "\n") is None
+    assert unglued("step 1/4  loss 5.9896\n") == "step 1/4  loss 5.9896\n"
+    assert unglued(f"W1202 a warning {two}\n") == "W1202 a warning \n"
+    assert unglued("[Gloo] Rank \n") is None and unglued(two[12:] + "\n") is None  # a notice cut in two
+    assert unglued("3\n") == "3\n"  # too short to tell: kept

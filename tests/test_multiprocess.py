@@ -66,6 +66,9 @@ def single_process(mesh: str):
 
 # ---- the launched runs -------------------------------------------------------------------------
 
+LINE_STARTS = ("model ", "strategy ", "batch ", "precision ", "optimizer ", "schedule ", "data ", "mfu ", "compiling ",
+               "initialising ", "step ", "checkpoint ", "final loss ")  # process 0's lines, each whole
+
 @pytest.mark.parametrize("mesh", ["dp2-tp4", pytest.param("fsdp8", marks=pytest.mark.slow),
                                   pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_two_processes_match_one(mesh, tmp_path):
@@ -80,6 +83,7 @@ def test_two_processes_match_one(mesh, tmp_path):
                  *TRAIN, "--mesh", mesh, "--metrics", str(tmp_path / "m.jsonl"), *ckpt)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("final loss") == 1  # logs from process 0 only
+    assert "[Gloo]" not in out.stderr and all(line.startswith(LINE_STARTS) for line in out.stdout.splitlines())
     got = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     want, state = single_process(mesh)
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -19,7 +19,10 @@ local port, and the collectives between processes go over gloo (TCP). The launch
     but their last words, `jaxpar: error: ...`, are held; when a child fails, the launcher prints the
     first such line (bad input, exit 2: that one line, naming the process) and drops whatever the
     others print while they are stopped (the pages of C++ frames a coordination service prints when
-    its peers vanish).
+    its peers vanish);
+  * passes the children's output through whole lines only: each child's own lines on a descriptor of
+    their own (jaxpar.cli.streams.separate_streams: the runtime's C++ output goes to standard error), and
+    Gloo's connection notices dropped (`unglued`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import threading
 import time
 
 from jaxpar import distributed
+from jaxpar.cli.streams import CHILD, clean_lines
 from jaxpar.devices import MAX_DEVICES, with_device_count
 from jaxpar.errors import ConfigError
 
@@ -50,6 +54,8 @@ def child_env(base: dict, coordinator: str, processes: int, process_id: int, dev
     env = dict(base)
     env.update({distributed.ENV_COORDINATOR: coordinator, distributed.ENV_NUM_PROCESSES: str(processes),
                 distributed.ENV_PROCESS_ID: str(process_id), "JAX_PLATFORMS": "cpu",
+                "PYTHONUNBUFFERED": "1",  # each line reaches the Relay as it is printed
+                CHILD: "1",  # separate_streams: the runtime's C++ standard output apart from jaxpar's lines
                 distributed.ENV_HOST: f"launch-host-{process_id}",  # each process plays a host
                 "XLA_FLAGS": with_device_count(base.get("XLA_FLAGS", ""), devices)})
     return env
@@ -86,7 +92,7 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
     coordinator = f"127.0.0.1:{free_port()}"
     children = [subprocess.Popen([sys.executable, "-m", "jaxpar.cli.main", *command], start_new_session=True,
                                  env=child_env(os.environ, coordinator, processes, i, devices_per_process),
-                                 preexec_fn=die_with_parent, stderr=subprocess.PIPE)
+                                 preexec_fn=die_with_parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 for i in range(processes)]
     relay = Relay(children)
     received: list[int] = []     # signals forwarded to the children
@@ -129,12 +135,12 @@ def launch(processes: int, devices_per_process: int, command: list[str], grace_s
 
 
 ERROR = "jaxpar: error: "  # how a child's last line starts when it stops on an error (jaxpar.cli)
-
-
 class Relay:
-    """The children's standard error, copied to the launcher's line by line by one thread per child,
-    except their `jaxpar: error:` lines, held for `report_failure`. After `failed`, nothing more is
-    copied (the others are being stopped, and what they print then is the failure seen from their side)."""
+    """The children's standard output and error, copied to the launcher's whole line by whole line (one
+    thread per stream, one lock: no child's line lands inside another's), except their `jaxpar: error:`
+    lines, held for `report_failure`, and Gloo's connection notices (`unglued`). After `failed`, no more
+    standard error is copied (the others are being stopped, and what they print then is the failure
+    seen from their side)."""
 
     def __init__(self, children: list[subprocess.Popen]):
         self.lock = threading.Lock()
@@ -142,12 +148,18 @@ class Relay:
         self.quiet = False
         self.threads = [threading.Thread(target=self._copy, args=(i, c.stderr), daemon=True)
                         for i, c in enumerate(children)]
-        for t in self.threads:
+        self.outputs = [threading.Thread(target=self._copy_out, args=(c.stdout,), daemon=True) for c in children]
+        for t in self.threads + self.outputs:
             t.start()
 
+    def _copy_out(self, stream) -> None:
+        for line in clean_lines(stream):
+            with self.lock:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
     def _copy(self, process: int, stream) -> None:
-        for raw in stream:
-            line = raw.decode(errors="replace")
+        for line in clean_lines(stream):
             with self.lock:
                 if line.startswith(ERROR):
                     self.errors.append((time.monotonic(), process, line.rstrip("\n")))
@@ -174,7 +186,7 @@ class Relay:
 
     def finish(self) -> None:
         """Every child has exited: copy the rest and the held lines (a run stopped by a signal)."""
-        for t in self.threads:
+        for t in self.threads + self.outputs:
             t.join(timeout=5.0)
         for _, _, line in sorted(self.errors):
             print(line, file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ import time
 
 import jaxpar
 from jaxpar.cli import explain
+from jaxpar.cli.streams import separate_streams
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED,
                                 check_outputs, did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
@@ -484,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter() - (process_age() if argv is None else 0.0)  # a call from Python: from the call
     if argv is None and hasattr(signal, "SIGPIPE"):  # `jaxpar estimate ... | head`: stop quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if argv is None:
+        separate_streams()  # a process `jaxpar launch` started: its lines apart from the runtime's
     try:
         args = build_parser().parse_args(argv)
         args.began = began
