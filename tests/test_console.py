@@ -7,6 +7,7 @@ test_multiprocess.py; here the second Ctrl-C, which must land inside a step, is 
 import importlib.util
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -136,3 +137,29 @@ def test_the_launcher_drops_gloos_connection_notices_even_two_to_a_line():
     assert unglued(f"W1202 a warning {two}\n") == "W1202 a warning \n"
     assert unglued("[Gloo] Rank \n") is None and unglued(two[12:] + "\n") is None  # a notice cut in two
     assert unglued("3\n") == "3\n"  # too short to tell: kept
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_help_explains_every_stack(command, capsys):
+    """Every --software choice (aliases too) has its line in --help, and no line names a stack not there."""
+    from jaxpar.cost.software import SOFTWARE, STACKS  # noqa: PLC0415  the one test that reads them
+    assert set(STACKS) == set(SOFTWARE)
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(capsys.readouterr().out.split()))  # argparse wraps at hyphens
+    for name, what in STACKS.items():
+        assert f"{name}: {' '.join(what.split())}" in text, name
+
+
+def test_plan_with_nothing_that_fits_exits_2_naming_the_binding_constraint(capsys):
+    """Memory: the least a valid layout needs, beside the limit; divisibility: the commonest refusal."""
+    assert cli.main(["plan", "--model", "llama3-405b", "--devices", "8", "--hardware", "h100-sxm", "--seq", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    need, layout = re.fullmatch(r"jaxpar: error: nothing fits: memory: the \d+ valid layouts need at least ([\d.]+) GiB "
+                                r"per device \((\w+)\), over the 73.3 GiB limit; more devices, a smaller batch or a "
+                                r"shorter sequence", err).groups()
+    assert float(need) > 405e9 * 16 / 8 / 2**30  # more than the weights and Adam state alone, split 8 ways
+    assert cli.main(["plan", "--model", "llama-tiny", "--devices", "3", "--hardware", "h100-sxm", "--seq", "64",
+                     "--global-batch", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "the most common reason (6 of them): batch=2 is not divisible by the data-parallel size data=3 (3)")

@@ -170,8 +170,9 @@ def train_losses(data, tmp, name: str, mesh: str, *extra: str) -> dict[int, floa
 
 
 def test_eval_of_a_checkpoint_on_another_mesh_is_the_runs_own_eval_loss(data, tmp_path, capsys):
-    """`jaxpar eval` reads the model from the checkpoint and restores it read-only onto fsdp8: its held-out
-    loss is the one `train --eval-every` logged at that step on dp8 (float32 resharding: 1e-5)."""
+    """`jaxpar eval` reads the model (and, without --data, the data directory) from the checkpoint and
+    restores it read-only onto fsdp8: its held-out loss is the one `train --eval-every` logged at that step
+    on dp8 (float32 resharding: 1e-5); generate takes the model and the tokenizer from the checkpoint."""
     ck, out = tmp_path / "ck", tmp_path / "eval.json"
     train_losses(data, tmp_path, "run", "dp8", "--ckpt-dir", str(ck), "--eval-every", "6", "--eval-batches", "2")
     logged = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()][-1]
@@ -184,6 +185,13 @@ def test_eval_of_a_checkpoint_on_another_mesh_is_the_runs_own_eval_loss(data, tm
     assert got["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
     assert f"step 6: eval_loss {got['eval_loss']:.4f}" in capsys.readouterr().out
     assert sorted((str(p), p.stat().st_mtime_ns) for p in ck.rglob("*")) == before  # read-only
+    assert main(["eval", "--ckpt-dir", str(ck), "--mesh", "dp8", "--batch", str(BATCH), "--seq", str(SEQ),
+                 "--eval-batches", "2", "--json", str(out)]) == 0  # --data: the run's own, from the checkpoint
+    assert json.loads(out.read_text())["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ck), "--mesh", "tensor=8", "--prompt-text", "def f",
+                 "--max-new-tokens", "2", "--json", str(out)]) == 0  # model and tokenizer from the checkpoint
+    assert json.loads(out.read_text())["text"][0]["prompt"] == "def f"
     assert main(["eval", "--ckpt-dir", str(tmp_path / "none"), "--data", str(data)]) == 2
     assert f"--ckpt-dir {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
 

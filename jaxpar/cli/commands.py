@@ -112,7 +112,8 @@ def cmd_train(args) -> int:
     hardware = load_hardware(args.hardware) if args.hardware else None
     stop = min(args.stop_after or args.steps, args.steps)
     train_log.check_profile_steps(args, 0, stop)
-    ckpt = open_checkpoints(args, main) if args.ckpt_dir is not None else None
+    data = str(source.data.root.resolve()) if isinstance(source, PreparedSource) else None
+    ckpt = open_checkpoints(args, main, data) if args.ckpt_dir is not None else None
     state, start = resume(args, ckpt, trainer, stop, main) if args.resume else (None, 0)
     if start >= stop:
         limit = f"--steps {args.steps}" if stop == args.steps else f"--stop-after {args.stop_after}"
@@ -217,7 +218,9 @@ def cmd_eval(args) -> int:
     first --eval-batches batches of --data's validation split (the batches `train --eval-every` reads)."""
     meta, step = saved_meta(args.ckpt_dir, args.ckpt_step, "--ckpt-dir")
     model = ModelConfig(**meta["model"])
-    data = Dataset(args.data, model.vocab)
+    if args.data is None and "data" not in meta:
+        raise ConfigError(f"--ckpt-dir {args.ckpt_dir}: its run trained on no `jaxpar data` directory; give --data DIR")
+    data = Dataset(args.data or meta["data"], model.vocab)
     if not data.tokens("val"):
         raise ConfigError(f"--data {data.root} has no validation split (prepared with --val-fraction 0)")
     strategy = strategy_from_args(args)
@@ -252,10 +255,11 @@ def check_checkpoint_flags(args) -> None:
         raise ConfigError(f"--resume-step {resume_step} needs --resume")
 
 
-def open_checkpoints(args, main: bool) -> Checkpointer:
-    """--ckpt-dir's checkpointer. A fresh run (no --resume) refuses a directory that holds checkpoints,
-    so that no run overwrites another's by accident; --overwrite-ckpt deletes them first."""
-    ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep)
+def open_checkpoints(args, main: bool, data: str | None = None) -> Checkpointer:
+    """--ckpt-dir's checkpointer (recording `data`, the run's `jaxpar data` directory). A fresh run (no
+    --resume) refuses a directory that holds checkpoints, so that no run overwrites another's by accident;
+    --overwrite-ckpt deletes them first."""
+    ckpt = Checkpointer(args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, data=data)
     if not args.resume and (found := ckpt.steps()):
         if not getattr(args, "overwrite_ckpt", False):
             raise ConfigError(f"--ckpt-dir {ckpt.dir} already holds checkpoints of steps "
@@ -398,15 +402,17 @@ def cmd_data(args) -> int:
 
 def text_prompts(args) -> tuple[list[list[int]], Tokenizer | None]:
     """The prompts as token ids, and for --prompt-text the tokenizer that encodes them and decodes the
-    continuation (--tokenizer: a tokenizer.json, an HF directory, or a `jaxpar data` directory)."""
+    continuation (--tokenizer: a tokenizer.json, an HF directory, or a `jaxpar data` directory; else that
+    of the `jaxpar data` directory the --checkpoint's run trained on)."""
     if args.prompt_text is None:
         if args.tokenizer is not None:
             raise ConfigError(f"--tokenizer {args.tokenizer} is for --prompt-text; --prompt and --prompt-file are ids")
         return (args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)), None
-    if args.tokenizer is None:
+    tokenizer = args.tokenizer or (args.checkpoint and saved_meta(args.checkpoint, args.checkpoint_step)[0].get("data"))
+    if not tokenizer:
         raise ConfigError("--prompt-text needs --tokenizer (a tokenizer.json, an HF directory holding one, or the "
-                          "`jaxpar data` directory the model was trained on)")
-    tok = tokenizers.load(args.tokenizer)
+                          "`jaxpar data` directory the model was trained on; a --checkpoint of a run on one names it)")
+    tok = tokenizers.load(tokenizer)
     prompts = [tok.encode(text) for text in args.prompt_text]
     if empty := [text for text, ids in zip(args.prompt_text, prompts) if not ids]:
         raise ConfigError(f"--prompt-text {empty[0]!r} encodes to no tokens")

@@ -143,9 +143,13 @@ def cmd_plan(args) -> int:
                         args.hbm_headroom)
     model = model_from(args.model)
     print(question.header(model, load_hardware(args.hardware)))
+    misses = planner.Misses()
     results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,
                                               args.top, SOFTWARE[args.software], args.objective, args.hbm_headroom,
-                                              getattr(args, "dtype", "bfloat16"), getattr(args, "grad_dtype", "float32"))
+                                              getattr(args, "dtype", "bfloat16"), getattr(args, "grad_dtype", "float32"),
+                                              misses)
+    if not results:
+        raise ConfigError(planner.nothing_fits(misses, considered, valid))
     print(planner.format_plan(results, considered, valid, args.software, args.objective))
     if note := planner.scores_note(model, results, SOFTWARE[args.software], args.global_batch, args.seq):
         print(note)

@@ -22,7 +22,7 @@ from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED,
                                 check_outputs, did_you_mean, integer, nonempty, png_path, real, step_range, token_ids)
 from jaxpar.core.strategy import CHOICES, GROUPS, OPTION_FIELDS, options_of, takes
 from jaxpar.cost.estimate import HBM_HEADROOM
-from jaxpar.cost.software import SOFTWARE
+from jaxpar.cost.software import SOFTWARE, STACKS
 from jaxpar.errors import ConfigError
 from jaxpar.training.config import SCHEDULES, OptimizerConfig, TrainConfig
 
@@ -131,10 +131,9 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_software_flag(p) -> None:
-    p.add_argument("--software", choices=sorted(SOFTWARE), default="jaxpar",
-                   help="whose implementation to cost (jaxpar/cost/software.py): jaxpar's own program (default), "
-                        "megatron-lm (Megatron-LM 2021-22: no overlap), megatron-core (fused attention, TP/DP/PP "
-                        "communication overlapped, distributed optimizer's bf16 gathers)")
+    p.add_argument("--software", choices=sorted(SOFTWARE), default="jaxpar", metavar="STACK",
+                   help="whose implementation to cost (jaxpar/cost/software.py): "
+                        + "; ".join(f"{name}: {what}" for name, what in STACKS.items()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,8 +208,8 @@ def add_eval(sub) -> None:
                                    "`train --eval-every` computes it.")
     e.add_argument("--ckpt-dir", required=True, type=nonempty, metavar="DIR", help="a `train --ckpt-dir` directory")
     e.add_argument("--ckpt-step", type=NON_NEGATIVE, metavar="N", help="evaluate step N (default: the newest)")
-    e.add_argument("--data", required=True, type=nonempty, metavar="DIR",
-                   help="a `jaxpar data` directory whose validation split to evaluate on")
+    e.add_argument("--data", type=nonempty, metavar="DIR", help="a `jaxpar data` directory whose validation split "
+                   "to evaluate on (default: the one the checkpoint's run trained on)")
     e.add_argument("--mesh", default="data=-1", help="mesh_configs name or TOML path, or inline data=2,tensor=4 "
                    "(default data=-1: data parallelism over every device)")
     e.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")

@@ -186,6 +186,16 @@ SOFTWARE = {s.name: s for s in (JAXPAR, MEGATRON, MEGATRON_CORE, TORCHTITAN, MAX
 # Stacks that run one of the presets above under another name (NeMo and Megatron-Bridge train with Megatron-Core).
 ALIASES = {"nemo": "megatron-core", "megatron-bridge": "megatron-core"}
 SOFTWARE |= {alias: SOFTWARE[name] for alias, name in ALIASES.items()}
+# What each --software choice costs, in one line each (`--help`; the traits and their sources above)
+STACKS = {"jaxpar": "jaxpar's own program (default): dense attention, no communication overlap",
+          "megatron-lm": "Megatron-LM as in the 2021-22 papers: dropout, 1F1B, no overlap",
+          "megatron-core": "fused attention; TP, data and pipeline communication overlapped; the "
+                           "distributed optimizer's bf16 gathers",
+          "nemo": "NeMo trains with Megatron-Core: its preset",
+          "megatron-bridge": "Megatron-Bridge trains with Megatron-Core: its preset",
+          "torchtitan": "FSDP2, SDPA flash attention, async TP, float8 linears with float8 gathers",
+          "maxtext": "XLA with splash or cuDNN attention, the residual stream sharded over tensor",
+          "llm-foundry": "PyTorch FSDP, FlashAttention-2, no TP or PP"}
 
 
 def refusal(st: Strategy, software: Software) -> str:

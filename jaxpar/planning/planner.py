@@ -17,6 +17,7 @@ pipeline x context is not searched for jaxpar's own program (`check_plannable` s
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -129,12 +130,12 @@ def check_plannable(model: ModelConfig, st: Strategy, global_batch: int, seq: in
 def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, global_batch: int,  # many parameters: the planner's public question, each a `plan` flag
          top: int = 10, software: Software = JAXPAR, objective: str = "throughput",
          headroom: float = HBM_HEADROOM, dtype: str = "bfloat16",
-         grad_dtype: str = "float32") -> tuple[list, int, int]:
+         grad_dtype: str = "float32", misses: Misses | None = None) -> tuple[list, int, int]:
     """(best estimates, candidates considered, candidates that were valid), each estimate for `software`,
     ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power]), ties
     by memory headroom and simplicity (`rank`). A plan fits within HBM less the `headroom` share
     (jaxpar.cost.estimate.HBM_HEADROOM). Every candidate computes in `dtype` and reduces its gradients in
-    `grad_dtype`."""
+    `grad_dtype`. `misses`, if given, collects why candidates failed (`nothing_fits`)."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -160,13 +161,37 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
             st = Strategy(name=name, mesh=tuple((a, sizes[a]) for a in AXES), options=options)
             try:
                 check_plannable(model, st, global_batch, seq, software.jaxpar_program)
-            except ConfigError:
+            except ConfigError as e:
+                if misses is not None:
+                    misses.refused[str(e)] += 1
                 continue
             valid += 1
             est = estimate(model, st, hw, global_batch, seq, software, headroom=headroom)
             if est.fits:
                 results.append((est, st))
+            elif misses is not None and (misses.least is None or est.memory.total < misses.least[0].memory.total):
+                misses.least = (est, st)
     return rank(results, objective)[:top], considered, valid
+
+
+@dataclasses.dataclass
+class Misses:
+    """Why `plan`'s candidates failed: each refusal's text with its count, and the valid plan that needs
+    the least memory (which still did not fit)."""
+    refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    least: tuple | None = None  # (estimate, strategy)
+
+
+def nothing_fits(misses: Misses, considered: int, valid: int) -> str:
+    """The one line `plan` answers with when no candidate fits: the binding constraint, with its values."""
+    if valid == 0:
+        reason, count = misses.refused.most_common(1)[0] if misses.refused else ("no layout", 0)
+        return (f"nothing fits: none of the {considered} candidate layouts is valid (divisibility or batch); the most "
+                f"common reason ({count} of them): {reason}")
+    est, st = misses.least
+    return (f"nothing fits: memory: the {valid} valid layouts need at least {est.memory.total / 2**30:.1f} GiB per "
+            f"device ({st.name}), over the {est.usable_bytes / 2**30:.1f} GiB limit; more devices, a smaller "
+            "batch or a shorter sequence")
 
 
 # Plans whose scores (step time, or joules per token) differ by less than this share are ties: the analytic

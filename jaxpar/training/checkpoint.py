@@ -137,9 +137,12 @@ def setting_up(name: str) -> bool:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, every: int, keep: int = 3):
+    def __init__(self, directory: str, every: int, keep: int = 3, data: str | None = None):
+        """`data`: the `jaxpar data` directory the run trains on, recorded in each checkpoint's metadata
+        (so that `eval` and `generate --prompt-text` find its validation split and tokenizer)."""
         self.dir = pathlib.Path(directory).resolve()
         self.every = every
+        self.data = data
         self.lock = DirectoryLock(self.dir) if jax.process_index() == 0 else None
         quiet_orbax()
         self._check_directory()
@@ -210,6 +213,8 @@ class Checkpointer:
         meta = {"step": step, "seed": trainer.tc.seed, "model": dataclasses.asdict(trainer.model_cfg),
                 "strategy": trainer.strategy.describe(), "devices": trainer.mesh.size,
                 "checksums": checksums(flat)}  # every process takes part (one all-gather)
+        if self.data is not None:
+            meta["data"] = self.data
         self._pending = step
         try:
             saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),

@@ -121,7 +121,8 @@ def verify(flat: dict[str, Any], saved: dict[str, dict[str, int]], where: str) -
 
 # ---- the `meta` item -----------------------------------------------------------------------------
 
-META_TYPES = {"step": int, "seed": int, "model": dict, "strategy": str, "devices": int, "checksums": dict}
+META_TYPES = {"step": int, "seed": int, "model": dict, "strategy": str, "devices": int, "checksums": dict,
+              "data": str}
 _KIND = {int: "an integer", str: "a string", dict: "a table"}
 
 
