@@ -5,6 +5,7 @@ dense model in the run's header.
 The real-signal runs (a Ctrl-C to `train` and to `launch`) are in test_checkpoint_cli.py and
 test_multiprocess.py; here the second Ctrl-C, which must land inside a step, is delivered in process."""
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -163,3 +164,11 @@ def test_plan_with_nothing_that_fits_exits_2_naming_the_binding_constraint(capsy
                      "--global-batch", "2"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "the most common reason (6 of them): batch=2 is not divisible by the data-parallel size data=3 (3)")
+
+
+def test_comm_says_when_xla_cpu_widens_bfloat16_collectives(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert cli.main(["comm", "--model", "llama-tiny", "--mesh", "data=4,tensor=2", "--devices", "8",
+                     "--dtype", "bfloat16", "--batch", "8", "--seq", "16", "--json", str(out)]) == 0
+    assert "note: XLA:CPU runs bfloat16 collectives in float32" in capsys.readouterr().out
+    assert json.loads(out.read_text())["bf16_collectives_in_float32"] is True

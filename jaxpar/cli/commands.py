@@ -338,6 +338,11 @@ def cmd_comm(args) -> int:
         print(analysis_shape(args, tc))
     print(format_table(report))
     print(format_overlap(report["overlap"]))
+    report["bf16_collectives_in_float32"] = widened = args.target == "cpu" and strategy.options.dtype == "bfloat16"
+    if widened:
+        print("note: XLA:CPU runs bfloat16 collectives in float32 (its float normalization; the cost model's "
+              "Compiler.promote_bf16): their bytes above are twice what XLA:GPU and XLA:TPU move, which "
+              "`jaxpar estimate` prices")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
