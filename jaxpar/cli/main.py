@@ -91,6 +91,10 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: b
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:
         p.add_argument("--mesh", required=required, help="mesh_configs name or TOML path, or inline data=2,tensor=4")
+    add_devices(p)
+
+
+def add_devices(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
 
 
@@ -212,7 +216,7 @@ def add_eval(sub) -> None:
                    "to evaluate on (default: the one the checkpoint's run trained on)")
     e.add_argument("--mesh", default="data=-1", help="mesh_configs name or TOML path, or inline data=2,tensor=4 "
                    "(default data=-1: data parallelism over every device)")
-    e.add_argument("--devices", type=POSITIVE, metavar="N", help="simulate N CPU devices (default: all devices JAX sees)")
+    add_devices(e)
     e.add_argument("--batch", type=POSITIVE, default=TrainConfig.batch, help="sequences per batch (global)")
     e.add_argument("--seq", type=POSITIVE, default=TrainConfig.seq, help="tokens per sequence")
     e.add_argument("--eval-batches", type=POSITIVE, default=4, metavar="K", help="batches to average (the first K "
