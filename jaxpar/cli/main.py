@@ -168,8 +168,7 @@ def add_train(sub) -> None:
     add_model_mesh(t)
     tc = TrainConfig()
     t.add_argument("--steps", type=POSITIVE, default=50, help="optimizer steps; the learning-rate schedule spans them")
-    t.add_argument("--batch", type=POSITIVE, default=tc.batch, help="global batch, in sequences (all devices)")
-    t.add_argument("--seq", type=POSITIVE, default=tc.seq, help="tokens per sequence")
+    add_batch_seq(t)
     t.add_argument("--seed", type=SEED, default=tc.seed, help=f"seed of the parameters and the synthetic data, "
                    f"0 <= seed <= {MAX_SEED}")
     t.add_argument("--data", type=nonempty, default="synthetic", help="'synthetic' (a bigram rule with 10%% noise: "
@@ -204,6 +203,12 @@ def add_train(sub) -> None:
     add_distributed_flags(t)
 
 
+def add_batch_seq(p: argparse.ArgumentParser) -> None:
+    """The step's shape as `train` takes it (defaults: TrainConfig's), for train and eval."""
+    p.add_argument("--batch", type=POSITIVE, default=TrainConfig.batch, help="global batch, in sequences (all devices)")
+    p.add_argument("--seq", type=POSITIVE, default=TrainConfig.seq, help="tokens per sequence")
+
+
 def add_eval(sub) -> None:
     e = sub.add_parser("eval", help="the held-out loss of a training checkpoint, on any mesh",
                        description="Restore a `train --ckpt-dir` checkpoint's parameters (its model read from it; "
@@ -217,8 +222,7 @@ def add_eval(sub) -> None:
     e.add_argument("--mesh", default="data=-1", help="mesh_configs name or TOML path, or inline data=2,tensor=4 "
                    "(default data=-1: data parallelism over every device)")
     add_devices(e)
-    e.add_argument("--batch", type=POSITIVE, default=TrainConfig.batch, help="sequences per batch (global)")
-    e.add_argument("--seq", type=POSITIVE, default=TrainConfig.seq, help="tokens per sequence")
+    add_batch_seq(e)
     e.add_argument("--eval-batches", type=POSITIVE, default=4, metavar="K", help="batches to average (the first K "
                    "of the validation split, in its own order)")
     e.add_argument("--json", type=nonempty, help="write the step, loss and perplexity as one JSON object to this file")
