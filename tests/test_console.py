@@ -172,3 +172,16 @@ def test_comm_says_when_xla_cpu_widens_bfloat16_collectives(tmp_path, capsys):
                      "--dtype", "bfloat16", "--batch", "8", "--seq", "16", "--json", str(out)]) == 0
     assert "note: XLA:CPU runs bfloat16 collectives in float32" in capsys.readouterr().out
     assert json.loads(out.read_text())["bf16_collectives_in_float32"] is True
+
+
+def test_comm_compare_estimate_and_explain_share_one_default_question():
+    """Without --batch/--seq (--global-batch): 256 sequences x min(4096, max_seq), the batch rounded up to
+    what the layout's step splits (a hand count: data=512 needs 512), each printed as the default."""
+    from jaxpar.cli import commands
+    from jaxpar.cli.commands_cost import question_from
+    args = cli.build_parser().parse_args(["comm", "--model", "llama-tiny", "--mesh", "data=512", "--abstract"])
+    tc = commands.analysis_config(args, parse_model("llama-tiny"), [parse_strategy("data=512")])
+    assert (tc.batch, tc.seq) == (512, 256) and "not given: the default question" in commands.analysis_shape(args, tc)
+    est = cli.build_parser().parse_args(["estimate", "--model", "llama3-8b", "--mesh", "fsdp8", "--hardware", "h100-sxm"])
+    question, _ = question_from(est)
+    assert (question.global_batch, question.seq) == (256, 4096)

@@ -80,7 +80,21 @@ def check_bench_estimate(out: pathlib.Path, stdout: str) -> None:
         assert us > 0 and number(r["configurations/s"]) == pytest.approx(1e6 / us, rel=1e-2, abs=1), r
     assert number(rows["best block"]["us per estimate"]) <= number(rows["median block"]["us per estimate"])
     walls = {r["process (best of 3)"]: number(r["wall s"]) for r in table(text, "process (best of 3)")}
-    assert set(walls) == {"jaxpar --help", "jaxpar estimate (llama3-8b, fsdp8, h100-sxm)"} and min(walls.values()) > 0
+    assert set(walls) == {"jaxpar estimate (llama3-8b, fsdp8, h100-sxm)"} and min(walls.values()) > 0
+
+
+def check_bench_startup(out: pathlib.Path, stdout: str) -> None:
+    """The closing line's phases add up to its wall (the rest is what they leave), which the process's own
+    wall, measured outside it, bounds."""
+    text = read_results(out, "bench_startup", figure=False)
+    (row,) = table(text, "tree")
+    phases = [number(row[k]) for k in ("imports", "compile", "initialisation", "steps", "the rest")]
+    assert all(t >= 0 for t in phases) and min(phases[:3]) > 0, row
+    assert sum(phases) == pytest.approx(number(row["printed wall"]), abs=0.3), row  # each rounded to 0.1 s
+    assert number(row["printed wall"]) <= number(row["process wall"]) + 0.1, row
+    assert number(row["imports + initialisation / compile"]) == pytest.approx(
+        (phases[0] + phases[2]) / phases[1], abs=0.01), row
+    assert number(table(text, "process (best of 3)")[0]["wall s"]) > 0
 
 
 def check_bench_mamba(out: pathlib.Path, stdout: str) -> None:
@@ -235,6 +249,7 @@ CHECKS = {
     "bench_moe": check_bench_moe,
     "bench_overlap": check_bench_overlap,
     "bench_pipeline": check_bench_pipeline,
+    "bench_startup": check_bench_startup,
     "soak": check_soak,
 }
 
@@ -242,7 +257,8 @@ CHECKS = {
 
 # The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
 # (CI runs it after `make test`), `make bench` runs them in full.
-SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline", "soak"}
+SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline", "bench_startup",
+        "soak"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)])

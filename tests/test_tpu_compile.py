@@ -169,7 +169,7 @@ def test_comm_compiles_llama3_70b_for_a_256_chip_v5p_slice(tmp_path):
     asynchronous collective-permute rings (windowed einsums) with a matmul in flight."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "comm", "--model", "llama3-70b", "--mesh",
-                          "fsdp=32,tensor=8", "--target", "tpu-v5p:8x8x4", "--abstract", "--json",
+                          "fsdp=32,tensor=8", "--target", "tpu-v5p:8x8x4", "--batch", "32", "--seq", "2048", "--abstract", "--json",
                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     print(f"comm llama3-70b on v5p 8x8x4: {time.perf_counter() - t0:.0f} s")

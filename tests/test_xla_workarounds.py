@@ -144,6 +144,22 @@ def test_loop_variant_keeps_no_score_block_per_layer_in_ring_attention():
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
 
+def test_the_initializer_compiled_quickly_writes_the_same_bits():
+    """compile_initializer's XLA:CPU options against XLA's default level (2, expensive passes on) for the
+    same lowered initialiser; level 0, which the suite's XLA_FLAGS choose for speed, changes the truncated
+    normals' bits (9 of llama-tiny's 39 arrays), and is caught here."""
+    tr = Trainer(parse_model("llama-tiny"), parse_strategy("fsdp=2,tensor=2"), TC, devices=jax.devices()[:4])
+    lowered = tr.lower_init()
+    default = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+    quick = jax.tree.leaves(lowered.compile(compiler_options=xla_workarounds.INITIALIZER_CPU_OPTIONS)())
+    plain = jax.tree.leaves(lowered.compile(compiler_options=default)())
+    assert len(quick) == len(plain) > 30
+    for a, b in zip(quick, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    level0 = jax.tree.leaves(lowered.compile(compiler_options={**default, "xla_backend_optimization_level": 0})())
+    assert any(not np.array_equal(a, b) for a, b in zip(level0, plain))  # the check can fail
+
+
 def test_disabled_names_only_known_workarounds():
     with pytest.raises(ValueError, match="unknown"):
         with xla_workarounds.disabled("gatherd"):

@@ -27,11 +27,12 @@ from jaxpar.cli import train_log
 from jaxpar.cli.args import hf_params, model_from, strategy_from_args
 from jaxpar.cli.launch import launch
 from jaxpar.core.inputs import read_prompt_file
-from jaxpar.core.validate import data_parallel_size
+from jaxpar.core.validate import data_parallel_size, sequences_per_step
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.devices import MAX_DEVICES, backend_started, cpu_without_accelerator, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
+from jaxpar.planning.question import DEFAULT_SHAPE, default_batch, default_seq
 from jaxpar.serving.generate import Generator, Sampling
 from jaxpar.training.checkpoint import Checkpointer, restore_params, saved_meta
 from jaxpar.training import corpus
@@ -145,7 +146,8 @@ def cmd_train(args) -> int:
     evaluate = evaluator(args, trainer, held_out, log, stop) if held_out is not None else None
     code = run_steps(args, trainer, source, log, state, start, ckpt, evaluate)
     if main and code == 0:
-        print(log.summary(time.perf_counter() - args.began, compile_s, init_s))  # from the process's start
+        wall, imports = time.perf_counter() - args.began, args.imported - args.began  # from the process's start
+        print(log.summary(train_log.Phases(wall, imports, compile_s, init_s)))
     return code
 
 
@@ -303,22 +305,19 @@ def analysis_devices(args, strategies) -> int:
 
 
 def analysis_config(args, model, strategies, **extra):
-    """TrainConfig for analysis: --batch/--seq, or defaults valid for every strategy."""
-
-    def per_step(s) -> int:
-        o = s.options
-        return data_parallel_size(s.resolved(args.devices) if s.num_devices < 1 else s) * o.grad_accum * (
-            o.microbatches if s.size("pipeline") > 1 else 1)
-
-    batch = args.batch or math.lcm(*(per_step(s) for s in strategies))
-    return TrainConfig(batch=batch, seq=args.seq or min(model.max_seq, 2048), **extra)
+    """TrainConfig for analysis: --batch/--seq, or the default question's (planning/question.py), the batch
+    rounded up to a multiple every strategy's step can split."""
+    multiple = math.lcm(*(sequences_per_step(s.resolved(args.devices) if s.num_devices < 1 else s) for s in strategies))
+    batch = args.batch or default_batch(multiple)
+    return TrainConfig(batch=batch, seq=args.seq or default_seq(model.max_seq), **extra)
 
 
 def analysis_shape(args, tc) -> str:
     """The step `comm` and `compare` compiled: its batch and sequence, and whether they were defaults."""
     unset = [flag for flag, value in (("--batch", args.batch), ("--seq", args.seq)) if value is None]
     return (f"batch {tc.batch} sequences x seq {tc.seq} = {tc.batch * tc.seq:,} tokens per step"
-            + (f" ({' and '.join(unset)}: this command's defaults, not train's)" if unset else ""))
+            + (f" ({' and '.join(unset)} not given: the default question of estimate, plan, comm and compare, "
+               f"{DEFAULT_SHAPE})" if unset else ""))
 
 
 def cmd_comm(args) -> int:
@@ -350,11 +349,11 @@ def cmd_comm(args) -> int:
 
 
 def comm_generation(args, model, strategy, devices) -> dict:
-    """`comm --phase prefill|decode`: one generation step of --batch prompts of --seq tokens (defaults:
-    one per data-parallel rank, 128 tokens) and --gen-len new tokens, compiled and tallied."""
+    """`comm --phase prefill|decode`: one generation step of --batch prompts of --seq tokens (defaults: the
+    default question's, the prompt short enough that --gen-len new tokens fit max_seq), compiled and tallied."""
     strategy = strategy.resolved(len(devices)) if strategy.num_devices < 1 else strategy
-    batch = args.batch or data_parallel_size(strategy)
-    prompt = args.seq or min(128, model.max_seq - args.gen_len)
+    batch = args.batch or default_batch(data_parallel_size(strategy))
+    prompt = args.seq or min(default_seq(model.max_seq), model.max_seq - args.gen_len)
     gen = Generator(model, strategy, [[0] * prompt] * batch, args.gen_len, devices=devices[:strategy.num_devices])
     t0 = time.perf_counter()
     steps = dict(zip(("prefill", "decode"), gen.compiled_steps()))

@@ -5,6 +5,7 @@ that compile or train.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from jaxpar.cli.args import model_from, strategy_from_args
@@ -22,10 +23,9 @@ from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.planning import planner
 from jaxpar.planning.inference import format_inference_plan, plan_inference as search
-from jaxpar.planning.question import Question, read_run
+from jaxpar.planning.question import DEFAULT_SHAPE, Question, default_batch, default_seq, read_run
 
 
-DEFAULT_SEQ, DEFAULT_GLOBAL_BATCH = 4096, 256
 RUN_FLAGS = {"model": "--model", "hardware": "--hardware", "software": "--software", "devices": "--devices",
              "seq": "--seq", "global_batch": "--global-batch", "hbm_headroom": "--hbm-headroom"}
 
@@ -50,16 +50,17 @@ def check_global_batch(batch: int, what: str) -> int:
 
 
 def question_from(args) -> tuple[Question, str]:
-    """`estimate`'s question and mesh: --run FILE's, or the flags'. Beside --run, a flag that sets one of
-    the run file's fields must agree with it (a run file is the whole question; edit it, or ask without it);
-    the strategy flags apply over its mesh file as over --mesh."""
+    """`estimate`'s question and mesh: --run FILE's, or the flags' (DEFAULT_SHAPE where --seq or
+    --global-batch is not given). Beside --run, a flag that sets one of the run file's fields must agree
+    with it (a run file is the whole question; edit it, or ask without it); the strategy flags apply over
+    its mesh file as over --mesh."""
     if args.run is None:
         missing = [flag for flag, value in (("--model", args.model), ("--mesh", args.mesh),
                                             ("--hardware", args.hardware)) if value is None]
         if missing:
             raise ConfigError(f"estimate: the following arguments are required: {', '.join(missing)} (or --run FILE)")
-        seq = args.seq or DEFAULT_SEQ
-        batch = global_batch_from(args, seq) or DEFAULT_GLOBAL_BATCH
+        seq = args.seq or default_seq(model_from(args.model).max_seq)
+        batch = global_batch_from(args, seq) or default_batch()
         headroom = HBM_HEADROOM if args.hbm_headroom is None else args.hbm_headroom
         return Question(args.model, args.hardware, args.software or "jaxpar", args.devices or 0, seq, batch,
                         headroom), args.mesh
@@ -78,6 +79,13 @@ def question_from(args) -> tuple[Question, str]:
     return question, mesh
 
 
+def shape_defaults(args) -> list[str]:
+    """The line saying that the question's sequence and batch are the default question's, if they are."""
+    batch = args.global_batch if args.global_batch is not None else getattr(args, "global_batch_tokens", None)
+    unset = [flag for flag, value in (("--seq", args.seq), ("--global-batch", batch)) if value is None]
+    return [f"{' and '.join(unset)} not given: the default question, {DEFAULT_SHAPE}"] if unset and not args.run else []
+
+
 def cmd_estimate(args) -> int:
     question, mesh = question_from(args)
     model, software = model_from(question.model), SOFTWARE[question.software]
@@ -91,6 +99,8 @@ def cmd_estimate(args) -> int:
     elif question.devices and strategy.num_devices != question.devices:
         raise ConfigError(f"--devices {question.devices} contradicts mesh {strategy.describe()}, which has "
                           f"{strategy.num_devices} devices; drop --devices, or give the mesh a -1 axis to fill them")
+    if not args.run and global_batch_from(args, question.seq) is None:  # the default, a multiple the layout splits
+        question = dataclasses.replace(question, global_batch=default_batch(validate.sequences_per_step(strategy)))
     given = {f.name for f in OPTION_FIELDS if getattr(args, f.name, None) is not None}
     strategy, defaults = accelerator_defaults(strategy, question.global_batch, given, software, args.phase)
     if args.phase != "train":
@@ -104,7 +114,7 @@ def cmd_estimate(args) -> int:
         print(f"run file {args.run}: the question of plan mesh file {mesh}")
     zero, zero_line = priced_zero(strategy, software)
     print(f"software {question.software}; options {strategy.describe_options(zero)}")
-    for line in defaults + zero_line:
+    for line in shape_defaults(args) + defaults + zero_line:
         print(f"  default: {line}")
     if strategy.size("pipeline") > 1:
         print(schedule_summary(strategy, model.run_units))
@@ -124,7 +134,7 @@ def estimate_inference(args, question: Question, model, strategy, defaults) -> i
     validate.check_generation(model, strategy, batch, seq, args.gen_len, args.phase)
     est = inference_estimate(model, strategy, question.hardware, Request(args.phase, batch, seq, args.gen_len), software)
     print(f"software {question.software}; options {strategy.describe_options()}")
-    for line in defaults:
+    for line in shape_defaults(args) + defaults:
         print(f"  default: {line}")
     print(format_inference(est))
     if args.json:
@@ -136,12 +146,13 @@ def estimate_inference(args, question: Question, model, strategy, defaults) -> i
 def cmd_plan(args) -> int:
     if args.target != "cpu" and not args.verify:
         raise ConfigError(f"plan --target {args.target} is the compiler of --verify: add --verify")
+    model = model_from(args.model)
+    args.seq = args.seq or default_seq(model.max_seq)
     args.global_batch = global_batch_from(args, args.seq)
     if getattr(args, "phase", "train") != "train":
         return plan_inference(args)
     question = Question(args.model, args.hardware, args.software, args.devices, args.seq, args.global_batch,
                         args.hbm_headroom)
-    model = model_from(args.model)
     print(question.header(model, load_hardware(args.hardware)))
     misses = planner.Misses()
     results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from jaxpar.cli.args import model_from, strategy_from_args
 from jaxpar.core import validate
 from jaxpar.core.inputs import POSITIVE, nonempty
 from jaxpar.errors import ConfigError
+from jaxpar.planning.question import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ, default_batch, default_seq
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -29,9 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "a TOML path, or hf:DIR")
     p.add_argument("--mesh", required=True, help="mesh_configs name or TOML path, or inline data=2,tensor=4")
     p.add_argument("--devices", type=POSITIVE, metavar="N", help="fills a -1 mesh axis (nothing is simulated)")
-    p.add_argument("--batch", type=POSITIVE, help="global batch in sequences (default: one sequence per "
-                   "data-parallel rank and micro-batch)")
-    p.add_argument("--seq", type=POSITIVE, help="sequence length (default: the model's max_seq, at most 2048)")
+    p.add_argument("--batch", type=POSITIVE, help=f"global batch in sequences (default {DEFAULT_GLOBAL_BATCH}, as "
+                   "estimate's, rounded up to a multiple of the sequences one step needs)")
+    p.add_argument("--seq", type=POSITIVE, help=f"sequence length (default {DEFAULT_SEQ}, at most the model's max_seq)")
     p.add_argument("--json", type=nonempty, help="also write the explanation as one JSON object to this file")
     return p
 
@@ -45,10 +45,8 @@ def cmd_explain(args) -> int:
         if not args.devices:
             raise ConfigError(f"mesh {strategy.name} has a -1 axis; give --devices N to fill it")
         strategy = strategy.resolved(args.devices)
-    o = strategy.options
-    shards = math.prod(strategy.size(a) for a in ("data", "fsdp", "expert"))
-    batch = args.batch or shards * o.grad_accum * (o.microbatches if strategy.size("pipeline") > 1 else 1)
-    seq = args.seq or min(model.max_seq, 2048)
+    batch = args.batch or default_batch(validate.sequences_per_step(strategy))
+    seq = args.seq or default_seq(model.max_seq)
     validate.check(model, strategy, batch=batch, seq=seq)
     e = explain.explain(model, args.model, strategy, args.param, batch=batch, seq=seq)
     print(explain.render(e))

@@ -24,6 +24,7 @@ from jaxpar.core.strategy import CHOICES, GROUPS, OPTION_FIELDS, options_of, tak
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.software import SOFTWARE, STACKS
 from jaxpar.errors import ConfigError
+from jaxpar.planning.question import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ
 from jaxpar.training.config import SCHEDULES, OptimizerConfig, TrainConfig
 
 ANALYTIC = {"estimate": cmd_estimate, "plan": cmd_plan}  # the cost model alone: JAX is never loaded
@@ -305,7 +306,7 @@ def add_global_batch(p, default: int | None) -> None:
     """--global-batch (sequences) or --global-batch-tokens (a multiple of --seq), not both."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--global-batch", type=integer(1, MAX_GLOBAL_BATCH), default=default, metavar="N",
-                   help="sequences per optimizer step (default 256)")
+                   help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     g.add_argument("--global-batch-tokens", type=POSITIVE, metavar="T",
                    help="the global batch in tokens (4194304 for a 4M-token batch); must be a multiple of --seq")
 
@@ -327,7 +328,7 @@ def add_estimate(sub) -> None:
                    "the model, hardware, software, devices, seq and global batch of a plan, and its mesh file")
     e.add_argument("--hardware", help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path (required "
                    "without --run)")
-    e.add_argument("--seq", type=POSITIVE, help="tokens per sequence (default 4096)")
+    e.add_argument("--seq", type=POSITIVE, help=f"tokens per sequence (default {DEFAULT_SEQ}, at most the model's max_seq)")
     add_global_batch(e, None)
     add_hbm_headroom(e)
     e.add_argument("--json", type=nonempty, help="write the estimate as one JSON object to this file")
@@ -344,8 +345,8 @@ def add_plan(sub) -> None:
     pl.add_argument("--hardware", required=True, help="profile name (h100-sxm, a100-80gb, tpu-v5p, ...) or TOML path")
     pl.add_argument("--devices", type=integer(1, MAX_CLUSTER_DEVICES), required=True, metavar="N",
                     help="devices in the cluster (nothing is simulated)")
-    pl.add_argument("--seq", type=POSITIVE, default=4096, help="tokens per sequence (default 4096)")
-    add_global_batch(pl, 256)
+    pl.add_argument("--seq", type=POSITIVE, help=f"tokens per sequence (default {DEFAULT_SEQ}, at most the model's max_seq)")
+    add_global_batch(pl, DEFAULT_GLOBAL_BATCH)
     add_hbm_headroom(pl)
     pl.set_defaults(hbm_headroom=HBM_HEADROOM)
     pl.add_argument("--top", type=POSITIVE, default=10, help="plans to list (default 10)")
@@ -469,9 +470,11 @@ def add_analysis_flags(p: argparse.ArgumentParser) -> None:
                    help="the compiler: cpu (default: XLA:CPU on simulated devices) or a TPU topology, e.g. "
                         "tpu-v5e:2x4, tpu-v5p:8x8x4, compiled by XLA:TPU ahead of time on this host (needs "
                         "the tpu-aot extra: libtpu; nothing runs on it)")
-    p.add_argument("--batch", type=POSITIVE, help="global batch in sequences (default: the smallest valid one, "
-                   "one sequence per data-parallel rank and micro-batch)")
-    p.add_argument("--seq", type=POSITIVE, help="sequence length (default: the model's max_seq, at most 2048)")
+    p.add_argument("--batch", type=POSITIVE, help=f"global batch in sequences (default {DEFAULT_GLOBAL_BATCH}, as "
+                   "estimate's, rounded up to a multiple of the sequences one step needs: one per data-parallel "
+                   "rank, accumulation step and micro-batch)")
+    p.add_argument("--seq", type=POSITIVE, help=f"sequence length (default {DEFAULT_SEQ}, as estimate's, at most the "
+                   "model's max_seq)")
 
 
 
@@ -503,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explain":
             return explain.cmd_explain(args)
         from jaxpar.cli import commands  # deferred: JAX, Flax and the trainer load only for the commands that use them
+        args.imported = time.perf_counter()
         return commands.run(args)
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import math
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 from tqdm import tqdm
@@ -23,6 +24,25 @@ from jaxpar.cost.hardware import Hardware
 from jaxpar.errors import ConfigError
 from jaxpar.training.metrics import Sinks
 from jaxpar.training.trainer import Trainer
+
+
+class Phases(NamedTuple):
+    """Where a run's wall time went, in seconds: since the process started (`wall`), until the trainer's
+    modules were imported (`imports`: the interpreter, JAX, Flax), compiling the step, initialising the
+    state (0 when restored or loaded)."""
+    wall: float
+    imports: float
+    compile: float
+    init: float
+
+    def split(self, steps: float) -> str:
+        """'wall W s (imports, compile, initialisation, steps, the rest)': the rest is the set-up between
+        them, evaluation and checkpoints; `steps`: the steps' own times summed."""
+        parts = [("imports", self.imports), ("compile", self.compile), ("initialisation", self.init),
+                 ("steps", steps)]
+        rest = self.wall - sum(t for _, t in parts)
+        shown = ", ".join(f"{name} {t:.1f} s" for name, t in parts if t or name != "initialisation")
+        return f"wall {self.wall:.1f} s ({shown}, the rest {max(rest, 0.0):.1f} s)"
 
 
 def mfu_is_nominal(trainer: Trainer) -> bool:
@@ -157,12 +177,11 @@ class StepLog:
         if self.bar is not None:
             self.bar.close()
 
-    def summary(self, wall_s: float, compile_s: float, init_s: float) -> str:
+    def summary(self, phases: Phases) -> str:
         """The closing line: the last loss, the median step time (not the last), the tokens seen and the
-        wall time since the process started (imports included), with its compilation and initialisation."""
+        wall time since the process started, split into its phases (`Phases`)."""
         median = statistics.median(self.times)
         tc = self.trainer.tc
         return (f"final loss {self.last['loss']:.4f} at step {self.last['step']}; median step {median * 1e3:.1f} ms "
                 f"({tc.batch * tc.seq / median:,.0f} tokens/s) over {len(self.times)} steps; "
-                f"{self.last['tokens']:,} tokens seen; wall {wall_s:.1f} s (compile {compile_s:.1f} s"
-                + (f", initialisation {init_s:.1f} s)" if init_s else ")"))
+                f"{self.last['tokens']:,} tokens seen; {phases.split(sum(self.times))}")

@@ -34,6 +34,13 @@ def data_parallel_size(strategy: Strategy) -> int:
     return n
 
 
+def sequences_per_step(strategy: Strategy) -> int:
+    """What a global batch must be a multiple of: one sequence per data-parallel rank, accumulation step
+    and (with a pipeline) micro-batch. `strategy` must be resolved."""
+    o = strategy.options
+    return data_parallel_size(strategy) * o.grad_accum * (o.microbatches if strategy.size("pipeline") > 1 else 1)
+
+
 def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padded_zero: bool = False,
           program: bool = True) -> None:
     """Raise ConfigError for the first violated constraint. `strategy` must be resolved.
@@ -56,8 +63,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         raise ConfigError(f"batch={batch} must be >= 1")
     dp = data_parallel_size(strategy)
     dp_desc = "x".join(f"{a}={s[a]}" for a in DATA_AXES if s[a] > 1) or "data"
-    per_step = o.grad_accum * (o.microbatches if pp > 1 else 1)
-    if batch % (dp * per_step):
+    if batch % sequences_per_step(strategy):
         extra = f" x grad_accum={o.grad_accum}" if o.grad_accum > 1 else ""
         extra += f" x microbatches={o.microbatches}" if pp > 1 and o.microbatches > 1 else ""
         raise ConfigError(f"batch={batch} is not divisible by the data-parallel size {dp_desc} ({dp}){extra}")

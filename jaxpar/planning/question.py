@@ -32,6 +32,10 @@ from jaxpar.cost.hardware import Hardware
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 
+# The question estimate, plan, comm and compare ask unless --seq / --batch (--global-batch) say otherwise
+DEFAULT_SEQ, DEFAULT_GLOBAL_BATCH = 4096, 256
+DEFAULT_SHAPE = (f"{DEFAULT_GLOBAL_BATCH} sequences x {DEFAULT_SEQ:,} tokens, the sequence at most the model's "
+                 "max_seq, the batch rounded up to what the layout needs per step")
 HF = "hf:"   # a --model naming a Hugging Face checkpoint's directory (jaxpar/serving/hf.py)
 FIELDS = ("model", "hardware", "software", "devices", "seq", "global_batch", "hbm_headroom")
 
@@ -67,6 +71,17 @@ class Question:
             value = getattr(self, name)
             lines.append(f"{name} = {value!r}" if not isinstance(value, str) else f'{name} = "{value}"')
         return "\n".join(lines) + "\n"
+
+
+def default_seq(max_seq: int) -> int:
+    """--seq when not given: DEFAULT_SEQ, cut to a model's `max_seq`."""
+    return min(DEFAULT_SEQ, max_seq)
+
+
+def default_batch(multiple: int = 1) -> int:
+    """The global batch when not given: DEFAULT_GLOBAL_BATCH sequences, rounded up to a `multiple` (the
+    sequences one step of a layout needs: one per data-parallel rank, accumulation step and micro-batch)."""
+    return -(-DEFAULT_GLOBAL_BATCH // multiple) * multiple
 
 
 def portable(spec: str) -> str:

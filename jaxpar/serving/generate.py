@@ -46,6 +46,7 @@ from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
 from jaxpar.training.checkpoint import flatten, restore_arrays, unflatten
 from jaxpar.training.trainer import TrainState
+from jaxpar.xla_workarounds import compile_initializer
 
 
 INDEX_MASKED = ("cudnn", "splash")  # attention kernels whose causal mask compares indices (jaxpar/ops/attention.py)
@@ -282,8 +283,9 @@ class Generator:
     def init_params(self, seed: int = 0):
         """Freshly initialised parameters (as training initialises them), born sharded, in the serving dtype."""
         model, run, dt = self.model_cfg, self.run, self.weight_dtype
-        return jax.jit(lambda: as_dtype(nnx.state(LM(model, run, rngs=nnx.Rngs(seed))), dt),
-                       out_shardings=self.param_shardings)()
+        lowered = jax.jit(lambda: as_dtype(nnx.state(LM(model, run, rngs=nnx.Rngs(seed))), dt),
+                          out_shardings=self.param_shardings).lower()
+        return compile_initializer(lowered, self.mesh.devices.flat[0].platform)()
 
     def place_params(self, params):
         """Given parameters (host or device arrays, an nnx.State; float32 masters or already in the serving

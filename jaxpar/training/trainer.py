@@ -45,7 +45,7 @@ from jaxpar.training import faults
 from jaxpar.training.config import TrainConfig
 from jaxpar.training.data import local_batch, process_indices, to_global
 from jaxpar.xla_presets import compiler_options
-from jaxpar.xla_workarounds import cast, gathered
+from jaxpar.xla_workarounds import cast, compile_initializer, gathered
 
 
 def make_schedule(tc: TrainConfig) -> optax.Schedule:
@@ -172,14 +172,20 @@ class Trainer:
 
     # ---- state --------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
-        """Parameters and optimizer state created directly in their shards (never a full replica)."""
+        """Parameters and optimizer state created directly in their shards (never a full replica), by one
+        compiled function (compiled as `xla_workarounds.compile_initializer` says)."""
+        return compile_initializer(self.lower_init(), self.mesh.devices.flat[0].platform)()
+
+    def lower_init(self) -> jax.stages.Lowered:
+        """The initialiser of `init_state`, lowered: the parameters from seed --seed, the optimizer's
+        state of them and step 0, each output in its shards."""
         model, run, seed = self.model_cfg, self.run, self.tc.seed
 
         def init():
             params = self.reorder(nnx.state(LM(model, run, rngs=nnx.Rngs(seed))))
             return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        return jax.jit(init, out_shardings=self.state_shardings).lower()
 
     def state_from_params(self, params) -> TrainState:
         """A fresh train state around given parameters (host or device arrays), placed in this
