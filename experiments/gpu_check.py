@@ -30,11 +30,11 @@ runs the dry run):
 The predictions are `jaxpar.cost.estimate` and `inference_estimate` for hardware profile `h100-sxm`
 (software `jaxpar`), the same calls `jaxpar estimate` makes (jaxpar/cli/commands_cost.py).
 
-MFU convention (PaLM, Chowdhery et al. 2022, appendix B): model FLOPs per token = 6 N + 12 L s d_attn,
-N the parameters that multiply (all but the input embedding's lookup table), L the attention layers,
-d_attn = heads x head_dim, s the sequence: the attention term counts the full s x s (non-causal), as
-jaxpar's dense kernel computes it; `mfu_causal` counts half of it (6 L s d_attn), the work a causal
-kernel does. Both over the profile's dense bf16 peak (989 TFLOP/s for h100-sxm).
+MFU convention (jaxpar.cost.flops.MODEL_FLOPS_CONVENTION, the one every command uses): model FLOPs per
+token = 6 N + 6 L s d_attn, N the parameters that multiply (the matrices but the input embedding's lookup table),
+L the attention layers, d_attn = heads x head_dim, s the sequence: the causal half of the s x s scores
+(PaLM's appendix B counts the full s x s, 12 L s d_attn), over the profile's dense bf16 peak (989
+TFLOP/s for h100-sxm).
 
 Peak memory: `peak_bytes_in_use` of the device is the process's high-water mark (it cannot be reset
 between rows), so each row also gives XLA's memory analysis of its own compiled step.
@@ -266,17 +266,18 @@ def print_header(report: dict) -> None:
 
 # ---- section: training step ----------------------------------------------------------------------
 
-def model_flops_per_token(m, seq: int, n_matmul: float) -> tuple[float, float]:
-    """(6N + 12 L s d_attn, 6N + 6 L s d_attn): the convention's non-causal and causal FLOPs per token."""
-    attn = m.attention_layers * seq * m.heads * m.head_dim
-    return 6.0 * n_matmul + 12.0 * attn, 6.0 * n_matmul + 6.0 * attn
+def model_flops_per_token(m, seq: int, n_matmul: float) -> float:
+    """6N + 6 L s d_attn: the convention's FLOPs per token (the causal half of the scores)."""
+    return 6.0 * n_matmul + 6.0 * m.attention_layers * seq * m.heads * m.head_dim
 
 
 def parameter_counts(m, abstract_params) -> tuple[int, float]:
-    """(all parameters, those that multiply: all but the input embedding's table, a lookup, unless the
-    head shares it)."""
-    total = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract_params))
-    return total, float(total - (0 if m.tie_embeddings else m.vocab * m.d_model))
+    """(all parameters, those that multiply: the matrices but the input embedding's table, a lookup,
+    unless the head shares it; the norms' scales are elementwise)."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    scales = sum(math.prod(a.shape) for path, a in leaves if "norm" in jax.tree_util.keystr(path).lower())
+    total = sum(math.prod(a.shape) for _, a in leaves)
+    return total, float(total - scales - (0 if m.tie_embeddings else m.vocab * m.d_model))
 
 
 def strategy_for(**options):
@@ -338,11 +339,11 @@ def train_row(spec: str, batch: int, seq: int, options: tuple, warmup: int, step
 
     peak = load_hardware(HARDWARE).peak_flops
     params, n_matmul = parameter_counts(m, tr.abstract_params)
-    per_token, per_token_causal = model_flops_per_token(m, seq, n_matmul)
+    per_token = model_flops_per_token(m, seq, n_matmul)
     tokens = batch * seq
     return {"model": spec, "params": params, "batch": batch, "seq": seq, "options": dict(options),
             "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "mfu": per_token * tokens / (step_s * peak), "mfu_causal": per_token_causal * tokens / (step_s * peak),
+            "mfu": per_token * tokens / (step_s * peak),
             "loss": loss, "peak_bytes_in_use": device_stat("peak_bytes_in_use"), "xla_memory": xla_memory(compiled),
             "predicted": guarded("prediction", lambda: predicted_train(m, tr.strategy, batch, seq, per_token),
                                  quiet=True)}
@@ -378,8 +379,7 @@ def print_train(row: dict) -> None:
     predicted = prediction_text(p, lambda: f"predicted {ms(p['step_s'])}, MFU {p['mfu']:.1%}, "
                                            f"memory {size(p['memory_bytes'])}")
     print(f"  {row['label']} ({row['params'] / 1e6:.1f}M params) batch {row['batch']} x seq {row['seq']}, {options}: "
-          f"step {ms(row['step_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%} (causal "
-          f"{row['mfu_causal']:.1%}), peak in use {size(row['peak_bytes_in_use'])}, XLA {size(x.get('total'))} (temp "
+          f"step {ms(row['step_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, peak in use {size(row['peak_bytes_in_use'])}, XLA {size(x.get('total'))} (temp "
           f"{size(x.get('temp'))}), compile {row['compile_s']:.1f} s, loss {row['loss']:.3f} | {predicted}", flush=True)
 
 
@@ -572,9 +572,9 @@ SECTIONS: dict[str, Callable[[Plan, Clock], dict]] = {
 
 
 def convention(peak_flops: float) -> str:
-    return (f"MFU = (6 N + 12 L s d_attn) x tokens / (step time x {peak_flops / 1e12:.0f} TFLOP/s): N the parameters "
-            "that multiply (not the embedding lookup), attention counted non-causal (the full s x s, as the "
-            "dense kernel computes it); mfu_causal counts half the attention term. Predictions: jaxpar.cost, "
+    return (f"MFU = (6 N + 6 L s d_attn) x tokens / (step time x {peak_flops / 1e12:.0f} TFLOP/s): N the parameters "
+            "that multiply (not the embedding lookup), attention over the causal half of the s x s scores "
+            "(jaxpar.cost.flops.MODEL_FLOPS_CONVENTION). Predictions: jaxpar.cost, "
             f"hardware {HARDWARE}, software jaxpar")
 
 

@@ -7,12 +7,11 @@ Question. For a dense transformer (Llama 3.1 8B and 70B), a state-space model (M
 mixture of experts (Mixtral 8x7B), which layout should one rent at each (cluster size, sequence
 length), and what MFU does it reach?
 
-Method. `jaxpar plan` itself (jaxpar.planning.planner.plan, ranked by tokens/s, plans within the cost model's
-band ranked by free memory and simplicity; its search space is in its docstring: data, fsdp, pipeline,
+Method. `jaxpar plan` itself (jaxpar.planning.planner.plan, fastest first, plans within the cost model's
+band marked as ties; its search space is in its docstring: data, fsdp, pipeline,
 context, expert for MoE models, tensor inside a node, ZeRO 0/1/3, remat, micro-batches, GPipe / 1F1B /
 interleaved) for every cell: devices in {8, 64, 512, 4,096} x sequence length in {4k, 16k, 64k, 128k}
-(Mixtral's max_seq is 32k: its longest column is 32k). Each cell shows plan's first layout and its MFU, the
-fastest layout's MFU beside it, and how the cell compares with the smallest cluster where that sequence
+(Mixtral's max_seq is 32k: its longest column is 32k). Each cell shows plan's first layout (the fastest) and its MFU, and how the cell compares with the smallest cluster where that sequence
 fits (`versus`, within the band: a tie, or a gap). An empty cell means nothing fits (or the batch has
 fewer sequences than any valid layout needs).
 
@@ -52,8 +51,7 @@ PUBLISHED_SCALING = ((8192, 430), (16384, 400))
 
 
 def cell(name: str, devices: int, seq: int) -> dict:
-    """plan's first layout (the fastest, or a tie with it within the band holding more free memory) and the
-    fastest's MFU; where the step's time goes: the exposed communication share and the data-parallel
+    """plan's first layout (the fastest) and its MFU; where the step's time goes: the exposed communication share and the data-parallel
     collectives' hidden share."""
     m = parse_model(name)
     seq = min(seq, m.max_seq)
@@ -68,8 +66,7 @@ def cell(name: str, devices: int, seq: int) -> dict:
         exposed = t.tensor + t.context + t.pipeline + t.expert + t.data
         out |= {"mfu": est.mfu, "layout": layout(st), "remat": st.options.remat, "gib": est.memory.total / 2**30,
                 "tokens_per_s": est.tokens_per_s, "dominant": est.dominant, "exposed": exposed / t.total,
-                "dp_hidden": 1 - t.data / t.data_total if t.data_total else None, "est": est,
-                "fastest": max(e.mfu for e, _ in results)}
+                "dp_hidden": 1 - t.data / t.data_total if t.data_total else None, "est": est}
     return out
 
 
@@ -135,7 +132,7 @@ def main() -> None:
             bar.update()
     compare(cells)
     body = head(cells) + [*md_table(["model", "devices", "seq", "MFU", "plan's layout", "remat", "GiB/device",
-                                     "fastest MFU", "vs smallest cluster", "exposed comm", "DP comm hidden",
+                                     "vs smallest cluster", "exposed comm", "DP comm hidden",
                                      "dominant term"], [row(c) for c in cells]),
                           "", f"{len(work)} cells in {time.perf_counter() - t0:.1f} s"]
     finish(args, STEM, "Study (f): where MFU is won", body, lambda plt: figure(plt, cells, models, devices))
@@ -144,10 +141,10 @@ def main() -> None:
 def row(c: dict) -> list:
     if "mfu" not in c:
         return [c["model"].split(":")[0], c["devices"], f"{c['seq']:,}", "-", c.get("why", "nothing fits"),
-                *[""] * 7]
+                *[""] * 6]
     hidden = "-" if c["dp_hidden"] is None else pct(c["dp_hidden"])
     return [c["model"].split(":")[0], c["devices"], f"{c['seq']:,}", pct(c["mfu"]), c["layout"], c["remat"],
-            f"{c['gib']:.1f}", pct(c["fastest"]), "-" if c["base"] == c["devices"] else f"{c['versus']} vs {c['base']:,}",
+            f"{c['gib']:.1f}", "-" if c["base"] == c["devices"] else f"{c['versus']} vs {c['base']:,}",
             pct(c["exposed"]), hidden, c["dominant"]]
 
 
@@ -159,9 +156,8 @@ def head(cells: list[dict]) -> list[str]:
             f"Tokens per step: {TOKENS // 2**20}M ({TOKENS:,}; global batch = {TOKENS:,} / seq sequences), Llama 3's "
             "published batch (Dubey et al. 2024, table 4), one optimiser-step size for every cell.", "",
             mfu_convention(est) + ".", "",
-            f"`jaxpar plan --software megatron-core --hardware h100-sxm` per cell: `plan's layout` is its first (the "
-            f"fastest, or one tying with it within ±{BAND:.1%} that holds more free memory), `fastest MFU` the fastest "
-            "plan's; `vs smallest cluster`: the cell against the smallest cluster where the model fits at that length, "
+            f"`jaxpar plan --software megatron-core --hardware h100-sxm` per cell: `plan's layout` is its first, the "
+            "fastest; `vs smallest cluster`: the cell against the smallest cluster where the model fits at that length, "
             "a tie within the band or the gap; `exposed comm`: collective time not hidden under compute, share of the "
             "step; `DP comm hidden`: share of the data-parallel collectives hidden. `-`: nothing fits.", "",
             f"What the model prices at scale (h100-sxm): per collective {HW.alpha_intra * 1e6:.1f} µs per step over "

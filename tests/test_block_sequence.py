@@ -175,7 +175,7 @@ def test_each_run_compiles_one_body():
 def test_deepseek_v3_sequence_counts_by_hand():
     """DeepSeek-V3's 3 dense layers (SwiGLU 18432) and 58 MoE layers (256 routed experts of 2048, 1 shared,
     top-8), attention as jaxpar's GQA of 128 x 128 heads: the parameters (and the abstract model's) and
-    the step's model FLOPs equal the count from the config, and full remat's rerun drops each dense unit's
+    the step's FLOPs equal the count from the config (model FLOPs the causal half of the scores), and full remat's rerun drops each dense unit's
     dead MLP output projection (the MoE units have none: the router's gradient reads the experts')."""
     m = parse_model("deepseek-v3-moe:pattern=3*A+58*E")
     d, h, f, fe, e, k, v = 7168, 128 * 128, 18432, 2048, 256, 8, 129280
@@ -192,7 +192,8 @@ def test_deepseek_v3_sequence_counts_by_hand():
                + 58 * (qkvo + scores + 2 * t * d * e + 6 * t * k * d * fe + 2 * t * k * d + 6 * t * d * fe)
                + 2 * t * d * v)
     step = cost_flops.step_flops(m, "none", batch, seq)
-    assert step.model == pytest.approx(3 * forward, rel=1e-12)
+    assert step.hardware == pytest.approx(3 * forward, rel=1e-12)            # the dense kernel: every score
+    assert step.model == pytest.approx(3 * (forward - 61 * scores / 2), rel=1e-12)  # MFU: the causal half
     rerun = cost_flops.step_flops(m, "full", batch, seq, cost_flops.Kernels(rerun_outputs=False))
     assert rerun.recompute == pytest.approx(forward - 2 * t * d * v - 3 * 2 * t * f * d, rel=1e-12)
     with pytest.raises(ConfigError, match="has 61 layers"):

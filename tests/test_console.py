@@ -160,6 +160,11 @@ def test_plan_with_nothing_that_fits_exits_2_naming_the_binding_constraint(capsy
                                 r"per device \((\w+)\), over the 73.3 GiB limit; more devices, a smaller batch or a "
                                 r"shorter sequence", err).groups()
     assert float(need) > 405e9 * 16 / 8 / 2**30  # more than the weights and Adam state alone, split 8 ways
+    # 7 devices: memory binds the few valid layouts, divisibility the rest, and the line says both
+    assert cli.main(["plan", "--model", "llama3-8b", "--devices", "7", "--hardware", "h100-sxm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(r"nothing fits: memory: the 3 valid layouts .*; 63 of 66 candidates were not valid \(the most "
+                     r"common reason, \d+ of them: \w+=7 does not divide", err) and len(err.splitlines()) == 1, err
     assert cli.main(["plan", "--model", "llama-tiny", "--devices", "3", "--hardware", "h100-sxm", "--seq", "64",
                      "--global-batch", "2"]) == 2
     assert capsys.readouterr().err.strip().endswith(
@@ -185,3 +190,28 @@ def test_comm_compare_estimate_and_explain_share_one_default_question():
     est = cli.build_parser().parse_args(["estimate", "--model", "llama3-8b", "--mesh", "fsdp8", "--hardware", "h100-sxm"])
     question, _ = question_from(est)
     assert (question.global_batch, question.seq) == (256, 4096)
+
+
+def test_one_step_has_one_model_flop_count_in_estimate_plan_and_the_guide(tmp_path, monkeypatch):
+    """llama3.1-70b, 4,096 x 4,096 tokens: `estimate` under jaxpar's dense kernel and under megatron-core's
+    causal one, `plan`'s top pick and the guide's MFU map (experiments/study_mfu_map.py) count the same
+    model FLOPs, the hand count with the causal half of the scores (flops.MODEL_FLOPS_CONVENTION)."""
+    d, layers, hq, hkv, f, vocab, s, batch = 8192, 80, 64 * 128, 8 * 128, 28672, 128256, 4096, 4096
+    per_token = 2 * (layers * (d * (hq + 2 * hkv) + hq * d + 3 * d * f + s * hq) + d * vocab)  # causal: 2 s hq
+    hand = 3 * per_token * batch * s
+    counted = {}
+    for software in ("jaxpar", "megatron-core"):
+        out = tmp_path / f"{software}.json"
+        assert cli.main(["estimate", "--model", "llama3.1-70b", "--mesh", "fsdp=64", "--hardware", "h100-sxm",
+                         "--global-batch", str(batch), "--seq", str(s), "--software", software, "--json", str(out)]) == 0
+        counted[f"estimate {software}"] = json.loads(out.read_text())["flops_per_step"]
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "llama3.1-70b", "--devices", "64", "--hardware", "h100-sxm", "--top", "1",
+                     "--global-batch", str(batch), "--seq", str(s), "--software", "megatron-core", "--json", str(out)]) == 0
+    counted["plan"] = json.loads(out.read_text())["plans"][0]["flops_per_step"]
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "experiments"))
+    spec = importlib.util.spec_from_file_location("study_mfu_map", pathlib.Path(__file__).parents[1] / "experiments/study_mfu_map.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    counted["guide"] = study.cell("llama3.1-70b", 64, s)["est"].flops.model
+    assert all(v == pytest.approx(hand, rel=1e-12) for v in counted.values()), (hand, counted)

@@ -28,12 +28,16 @@ def test_tiny_forward_by_hand():
 
 
 def test_step_flops_is_6NT_plus_attention():
-    """Model FLOPs = 6 * (matmul params) * tokens + 3 * 4*b*s^2*hq per layer (Kaplan et al. 2020)."""
+    """Model FLOPs = 6 * (matmul params) * tokens + 3 * 4*b*s^2*hq / 2 per layer (Kaplan et al. 2020, the
+    causal half: MODEL_FLOPS_CONVENTION) whatever the kernel; a dense kernel's hardware FLOPs count the
+    full scores, a causal kernel's the half."""
     n_matmul = 2 * 36864 + 256 * 64                                   # layers + LM head (embedding is a gather)
     expected = 6 * n_matmul * T + 2 * 3 * 4 * B * S * S * 64
     f = flops.step_flops(TINY, "none", B, S)
-    assert f.model == expected == 37_748_736
-    assert f.hardware == f.model
+    assert f.hardware == expected == 37_748_736
+    assert f.model == expected - 2 * 3 * 2 * B * S * S * 64
+    causal = flops.step_flops(TINY, "none", B, S, flops.Kernels(causal=True))
+    assert causal.model == causal.hardware == f.model
     layer_fwd = flops.attention_block_flops(TINY, B, S).matmul
     assert flops.step_flops(TINY, "full", B, S).hardware == expected + 2 * layer_fwd
     assert flops.step_flops(TINY, "dots", B, S).hardware == expected
@@ -75,7 +79,7 @@ def test_hybrid_pattern_counts_each_kind():
     f = flops.step_flops(m, "none", 2, 16)
     by = {name: mm for name, mm, _ in f.by_block}
     attention = by["attention qkvo"] + by["attention scores"] + by["mlp"]
-    assert attention == pytest.approx(3 * flops.attention_block_flops(m, 2, 16).matmul)
+    assert attention == pytest.approx(3 * flops.attention_block_flops(m, 2, 16, causal=True).matmul)
     assert by["mamba mixer"] == pytest.approx(3 * 3 * flops.mamba_block_flops(m, 2, 16).matmul)
 
 
@@ -92,8 +96,9 @@ def test_flops_by_part_sum_to_the_step_and_match_a_hand_count():
     b, s = 4, 32
     t = b * s
     parts = {name: (mm, other) for name, mm, other in step_flops(m, "none", b, s, flops.Kernels(causal=False)).by_block}
+    assert sum(mm for mm, _ in parts.values()) == step_flops(m, "none", b, s).model
     assert parts["attention qkvo"][0] == 3 * 2 * (2 * t * 64 * (128 + 2 * 64) + 2 * t * 128 * 64)
-    assert parts["attention scores"][0] == 3 * 2 * (4 * b * s * s * 128)
+    assert parts["attention scores"][0] == 3 * 2 * (4 * b * s * s * 128) / 2     # the causal half, any kernel
     assert parts["mlp"][0] == 3 * 2 * (6 * t * 64 * 128)
     assert parts["embedding+head"][0] == 3 * 2 * t * 64 * 256
     assert parts["norms"] == (0.0, 3 * 4 * t * 64 * (2 * 2 + 1))  # 2 per layer + the final one

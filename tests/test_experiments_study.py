@@ -180,8 +180,7 @@ def check_study_long_context(out: pathlib.Path, stdout: str) -> None:
 
 def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
     """At 4k tokens llama3.1-8b needs no CP (the fastest layout without a context axis ties with the fastest
-    plan within the band, asked of the planner itself; its fastest layouts tie, the planner listing the one with
-    the most free memory first, never slower than the fastest by more than the band); at 128k on
+    plan within the band, asked of the planner itself; the cell's layout is the plan's first, its fastest); at 128k on
     16 GPUs it is CP, which wins back, beyond the band, what 8 GPUs lose to recompute at 128k; each cell's
     comparison with the smallest cluster is a tie or a gap by the band jaxpar.cost.band holds."""
     from jaxpar.cost.band import band_for
@@ -198,11 +197,12 @@ def check_study_mfu_map(out: pathlib.Path, stdout: str) -> None:
         fastest = max(e.tokens_per_s for e, _ in plans)
         no_cp = max(e.tokens_per_s for e, st in plans if st.size("context") == 1)
         assert no_cp >= fastest / (1 + share), (devices, no_cp, fastest)
+        assert plans[0][0].tokens_per_s == fastest     # the plan's first layout is its fastest
+        assert cells[(str(devices), "4,096")]["MFU"] == f"{100 * plans[0][0].mfu:.1f}%"
     long_big, long_small = cells[("16", "131,072")], cells[("8", "131,072")]
     assert "CP" in long_big["plan's layout"], long_big
     assert number(long_big["MFU"]) > number(long_small["MFU"]) * (1 + share), (long_big, long_small)
     for (devices, seq), c in cells.items():
-        assert number(c["fastest MFU"]) * (1 - share) - 0.001 <= number(c["MFU"]) <= number(c["fastest MFU"]), c
         if c["vs smallest cluster"] != "-":
             base = cells[(c["vs smallest cluster"].rsplit(" vs ", 1)[1].replace(",", ""), seq)]
             versus_holds(c["vs smallest cluster"], number(c["MFU"]), number(base["MFU"]), share)

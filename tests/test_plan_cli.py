@@ -80,31 +80,36 @@ def fake(step_s: float, gib: float, mesh: str):
     return est, parse_inline(mesh)
 
 
-def test_ties_are_ordered_by_headroom_then_fewer_axes():
-    """Synthetic plans against a hand-made order: A, B, C within 0.5% of A's step time (C as free as B with
-    fewer axes); D is 1% behind A, E within the band of D with more free memory; F far behind."""
+def test_ties_are_marked_and_the_ranking_stays_fastest_first():
+    """Synthetic plans against a hand-made order: A, C, B within 0.5% of A's step time; D 1% behind A, E within
+    the band of D; F far behind: listed by step time, whatever their free memory; two plans of one step time
+    by the most free memory, then fewer axes (G as fast as A, less free: after it; H as A, fewer axes: before it)."""
     a, b, c = fake(1.000, 40, "data=2,fsdp=2,tensor=2"), fake(1.004, 20, "data=2,fsdp=2,tensor=2"), fake(1.003, 20, "fsdp=4,tensor=2")
     d, e, f = fake(1.010, 10, "fsdp=8"), fake(1.012, 5, "data=8"), fake(1.2, 1, "data=8")
     ranked = planner.rank([f, e, d, c, b, a])
-    assert [est.name for est, _ in ranked] == [x[0].name for x in (c, b, a, e, d, f)]
+    assert [est.name for est, _ in ranked] == [x[0].name for x in (a, c, b, d, e, f)]
     assert planner.tie_spans(ranked) == [(0, 2)] * 3 + [(3, 4)] * 2 + [(5, 5)]
     assert planner.TIE_BAND == planner.tie_band(a[0]) == 0.005
+    g, h = fake(1.000, 50, "data=2,fsdp=2,tensor=2"), fake(1.000, 40, "fsdp=8")
+    assert planner.rank([g, a, h]) == [h, a, g]
 
 
 def test_a_plan_marks_its_ties_and_says_ahead_only_outside_the_band(capsys):
-    """A real search with tied plans: each tie group listed by free memory, marked `tie #i-#j`, explained
+    """A real search with tied plans: listed fastest first, each tie group marked `tie #i-#j`, explained
     below the table; `ms/step ahead` only where the next group is more than the band behind."""
     model = parse_model("llama3-8b")
     results, considered, valid = planner.plan(model, "h100-sxm", 8, 4096, 64, top=8)
     spans = planner.tie_spans(results)
     assert any(last > first for first, last in spans)
+    times = [r[0].step_time_s for r in results]
+    assert times == sorted(times)
     text = planner.format_plan(results, considered, valid).splitlines()
+    assert "fastest first;" in text[0] and "headroom" not in text[0]
     rows = text[2:2 + len(results)]
     for i, ((first, last), row) in enumerate(zip(spans, rows)):
         if last > first:
             assert row.endswith(f"tie #{first + 1}-#{last + 1}")
-            free = [r[0].usable_bytes - r[0].memory.total for r in results[first:last + 1]]
-            assert free == sorted(free, reverse=True)
+            assert times[last] <= times[first] * (1 + planner.TIE_BAND)
         elif "ahead" in row:
             nxt = min(r[0].step_time_s for r in results[last + 1:])
             assert nxt > results[i][0].step_time_s * (1 + planner.TIE_BAND)

@@ -139,6 +139,47 @@ def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
     assert by["bytes over data"].compiled == sum(c["bytes"] for c in report["collectives"])
 
 
+@pytest.fixture(scope="module")
+def zero1_tensor_verify():
+    """verify_plan of llama-tiny on data=4 x tensor=2 with ZeRO-1, SP and 4 micro-batches (16 x 64 tokens): the
+    smallest step that shows both named gaps of jaxpar.planning.verify.GAPS."""
+    import jax
+    from jaxpar.planning.verify import verify_plan
+    st = parse_inline("data=4,tensor=2").with_options(zero=1, sequence_parallel=True, dtype="bfloat16", grad_accum=4)
+    checks, report = verify_plan(parse_model("llama-tiny"), st, 16, 64, jax.devices()[:8])
+    return {c.what: c for c in checks}, report
+
+
+def test_verify_names_xla_s_involuntary_rematerialization(zero1_tensor_verify):
+    """XLA warns of an involuntary full rematerialization and all-gathers a backward activation over data: the
+    gap is those all-gathers, and the prediction holds against the rest (it would not against all of it)."""
+    by, report = zero1_tensor_verify
+    data = by["bytes over data"]
+    remat = sum(c["bytes"] for c in report["collectives"] if c["kind"] == "all-gather" and c["phase"] == "backward"
+                and c["axes"] == ["data"])
+    assert data.gaps == (("involuntary-remat", remat),) and remat > 0
+    assert abs(data.predicted / data.compiled - 1) > 0.05 and not data.flagged
+
+
+def test_verify_names_the_embedding_lookup_s_index_relayout(zero1_tensor_verify):
+    """The token ids permuted across data x tensor for the lookup: 4 bytes per token of a data rank's batch
+    (16 x 64 / 4), none predicted."""
+    by, _ = zero1_tensor_verify
+    ids = by["bytes over data,tensor"]
+    assert ids.predicted == 0 and ids.gaps == (("gather-indices", 4 * 16 * 64 / 4),) and not ids.flagged
+    assert not any(c.flagged for c in by.values())
+
+
+def test_plan_verify_fails_on_a_figure_no_gap_accounts_for(monkeypatch, capsys):
+    """`plan --verify` exits 1 when a figure is over the tolerance (here 0: every difference) and says so."""
+    from jaxpar.cli import main as cli
+    from jaxpar.planning import verify
+    monkeypatch.setattr(verify, "TOLERANCE", 0.0)
+    assert cli.main(["plan", "--model", "llama-tiny", "--hardware", "h100-sxm", "--devices", "8", "--top", "1",
+                     "--seq", "64", "--global-batch", "16", "--verify"]) == 1
+    assert "verify: FAILED:" in capsys.readouterr().out
+
+
 def test_a_fused_kernel_takes_the_scores_out_of_jaxpars_plans():
     """llama3-8b on 64 H100 at 4k. The planner plans jaxpar's program with the kernel a run picks there
     (attention_kernel auto: cuDNN's flash kernel in bfloat16), so no estimate carries an s x s term: the

@@ -2,13 +2,14 @@
 
 ``analyze(trainer)`` compiles the trainer's step from shapes alone (no arrays) and returns the ``comm`` JSON
 object of docs/design.md: {"model", "mesh", "devices", "collectives": [{"kind", "axes", "count", "bytes",
-"wire_bytes", "phase"}], "totals", "flops_per_device", "memory": {"argument", "output", "temp", "peak"},
+"wire_bytes", "phase"}], "totals", "flops_per_device", "matmul_flops_per_device", "memory": {"argument", "output", "temp", "peak"},
 "compile_seconds", "warnings"}, plus ``"reduced_from"`` for a mesh too big to compile.
 
     collectives   jaxpar.analysis.tally.tally_compiled: kind x mesh axes x phase, per device per step,
                   loop trip counts included (XLA:CPU forms no reduce-scatter and does not reassociate
                   all-reduces; its combiner merges independent ones: listed in ``warnings``)
-    FLOPs         XLA's cost_analysis() plus (runs - 1) x FLOPs of every dot run more than once per step
+    FLOPs         XLA's cost_analysis() plus (runs - 1) x FLOPs of every dot or convolution run more than
+                  once per step; the matmuls alone beside it (`matmul_flops_per_device`)
     memory        compiled.memory_analysis(): peak = argument + output - alias + temp
     big meshes    above DEVICE_LIMIT (2048) devices the outermost data axes are shrunk (the batch with
                   them, per-device shapes unchanged), and each collective over a shrunk axis rescaled
@@ -22,6 +23,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -78,7 +80,7 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
     text = compiled.as_text()
     tally = tally_compiled(compiled, mesh)
     positions = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
-    flops, flops_note = flops_per_device(compiled, text)
+    flops = flops_per_device(compiled, text)
     tpu = is_tpu_target(list(mesh.devices.flat))
     return {
         "model": model_name,
@@ -86,11 +88,12 @@ def analyze_compiled(compiled, mesh, model_name: str, compile_seconds: float) ->
         "devices": int(mesh.size),
         "collectives": [_as_dict(c) for c in tally],
         "totals": totals(tally),
-        "flops_per_device": flops,
+        "flops_per_device": flops.total,
+        "matmul_flops_per_device": flops.matmul,
         "memory": memory_per_device(compiled),
         "compile_seconds": round(compile_seconds, 3),
         "overlap": overlap_report(text, mesh.axis_names, positions),
-        "warnings": list(tally.warnings) + [flops_note] + ([] if tpu else _scatter_like_notes(text, mesh)),
+        "warnings": list(tally.warnings) + [flops.note] + ([] if tpu else _scatter_like_notes(text, mesh)),
         "compiler": f"XLA:TPU ({mesh.devices.flat[0].device_kind})" if tpu else "XLA:CPU",
     }
 
@@ -108,17 +111,24 @@ def memory_per_device(compiled) -> dict:
     return {"argument": argument, "output": output, "temp": temp, "peak": argument + output - alias + temp}
 
 
-def flops_per_device(compiled, text: str | None = None) -> tuple[float, str]:
-    """XLA's FLOPs per device with loop-body dots multiplied by their trip counts, and a note."""
+class CompiledFlops(NamedTuple):
+    total: float    # XLA's cost analysis, with the loops' matmuls run their trip counts
+    matmul: float   # dots and convolutions (XLA:TPU writes most dots as convolutions), loops included
+    note: str
+
+
+def flops_per_device(compiled, text: str | None = None) -> CompiledFlops:
+    """XLA's FLOPs per device with loop-body matmuls multiplied by their trip counts, the matmuls alone
+    (jaxpar.analysis.patterns.dot_flops: what the cost model's hardware FLOPs count), and a note."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla = float(cost.get("flops", 0.0))
     per_step, counted_once = dot_flops(compiled.as_text() if text is None else text)
     extra = per_step - counted_once
     note = (f"flops_per_device: XLA's cost_analysis counts each loop body once ({xla:.4g} FLOPs); "
-            f"dots inside loops multiplied by their trip counts add {extra:.4g} "
-            f"(non-dot ops inside loops stay counted once)")
-    return xla + extra, note
+            f"dots and convolutions inside loops multiplied by their trip counts add {extra:.4g} "
+            f"(non-matmul ops inside loops stay counted once)")
+    return CompiledFlops(xla + extra, per_step, note)
 
 
 def _moe_notes(tally, trainer) -> list[str]:

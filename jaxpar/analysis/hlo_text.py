@@ -144,12 +144,12 @@ class _Call(NamedTuple):
     note: str | None  # why ``times`` may be inexact
 
 
-def _calls(instr: Instruction, module: Module | None = None) -> list[_Call]:
-    """The computations an instruction runs, with how often."""
+def _calls(instr: Instruction, module: Module | None = None, loops: bool = True) -> list[_Call]:
+    """The computations an instruction runs, with how often (`loops` False: each loop body once)."""
     if instr.opcode in ("async-update", "async-done"):
         return []  # the matching async-start already ran the wrapped computation
-    trip = None
-    if instr.opcode == "while":
+    trip = None if loops else 1
+    if instr.opcode == "while" and loops:
         trip = _trip_count(instr)
         trip = _counted_loop_trips(instr, module) if trip is None and module else trip
     calls = []
@@ -218,11 +218,11 @@ def _constant(instr: Instruction | None, by_name: dict) -> int | None:
     return int(match[1]) if match else None
 
 
-def executed_instructions(module: Module) -> Iterator[tuple[Instruction, int, set[str]]]:
-    """Each instruction reachable from ENTRY, with its runs per step (loop trip counts applied) and
-    notes on why that count may be inexact."""
+def executed_instructions(module: Module, loops: bool = True) -> Iterator[tuple[Instruction, int, set[str]]]:
+    """Each instruction reachable from ENTRY, with its runs per step (loop trip counts applied; `loops` False:
+    each loop body run once, as XLA's cost analysis counts) and notes on why that count may be inexact."""
     computations, entry = module
-    calls = {name: [c for instr in instrs for c in _calls(instr, module)] for name, instrs in computations.items()}
+    calls = {name: [c for instr in instrs for c in _calls(instr, module, loops)] for name, instrs in computations.items()}
     callers: dict[str, set[str]] = {entry: set()}
     pending = [entry]
     while pending:

@@ -1,8 +1,8 @@
 """Two readings of compiled HLO besides the collective tally (jaxpar.analysis.tally), used by `jaxpar comm`.
 
 ``dot_flops``
-    FLOPs of every ``dot`` per step, loop trip counts included, and as XLA's cost analysis counts
-    them (each loop body once): 2 x result elements x contracted elements.
+    FLOPs of every ``dot`` and ``convolution`` per step, loop trip counts included, and as XLA's cost
+    analysis counts them (each loop body once).
 ``scatter_like_all_reduces``
     All-reduces whose every result is only dynamic-sliced to this device's 1/n afterwards: the
     reduce-scatters that XLA:CPU does not form (it has no ReduceScatterCreator pass).
@@ -23,35 +23,69 @@ from jaxpar.collectives import UNMATCHED_AXES, Collective, wire_factor
 
 
 def dot_flops(hlo_text: str) -> tuple[float, float]:
-    """FLOPs of every ``dot`` per step (trip counts included) and as counted with each loop body
-    run once (XLA's cost analysis view): 2 x result elements x contracted elements."""
+    """FLOPs of every ``dot`` and ``convolution`` per step (trip counts included) and as counted with each
+    loop body run once (XLA's cost analysis view). XLA:TPU writes most dots as convolutions."""
     module = parse_module(hlo_text)
     shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
-    once = {name: [_without_trip_count(i) for i in instrs] for name, instrs in module.computations.items()}
-    return _sum_dot_flops(module, shapes), _sum_dot_flops(Module(once, module.entry), shapes)
+    return _sum_dot_flops(module, shapes, True), _sum_dot_flops(module, shapes, False)
 
 
-def _without_trip_count(instr):
-    if instr.opcode != "while":
-        return instr
-    return dataclasses.replace(instr, text=re.sub(r'"known_trip_count":\{"n":"\d+"\}',
-                                                  '"known_trip_count":{"n":"1"}', instr.text))
-
-
-def _sum_dot_flops(module: Module, shapes: dict[str, str]) -> float:
+def _sum_dot_flops(module: Module, shapes: dict[str, str], loops: bool) -> float:
     total = 0.0
-    for instr, times, _ in executed_instructions(module):
+    for instr, times, _ in executed_instructions(module, loops):
         if instr.opcode == "dot" and times:
             total += times * one_dot_flops(instr, shapes)
+        elif instr.opcode == "convolution" and times:
+            total += times * convolution_flops(instr, shapes)
     return total
 
 
 def one_dot_flops(instr, shapes: dict[str, str]) -> float:
+    """2 x result elements x contracted elements."""
     lhs = instr.operands[0]
     lhs_dims = dims(shapes[lhs])
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.text)
     contracted = math.prod(lhs_dims[int(d)] for d in contracting[1].split(",") if d) if contracting else 1
     return 2.0 * math.prod(dims(instr.shape)) * contracted
+
+
+def convolution_flops(instr, shapes: dict[str, str]) -> float:
+    """2 x multiply-adds of a convolution as XLA's HloCostAnalysis counts them: input features per group x
+    output features x batch per group x, per spatial dimension, the (output, kernel) position pairs that
+    land on an input element (padding, stride and base dilation applied)."""
+    lhs, out = dims(shapes[instr.operands[0]]), dims(instr.shape)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.text)
+    lhs_labels, out_labels = labels[1], labels[3]
+    window = re.search(r"window=\{([^}]*)\}", instr.text)
+    fields = dict(f.split("=", 1) for f in window[1].split()) if window else {}
+    spatial = sorted(c for c in lhs_labels if c.isdigit())
+    per_dim = {k: v.split("x") for k, v in fields.items()}
+    positions = 1
+    for n, d in enumerate(spatial):
+        get = lambda key, default: per_dim[key][n] if key in per_dim else default  # noqa: E731
+        low = int(get("pad", "0_0").split("_")[0])
+        positions *= _valid_positions(int(get("size", "1")), out[out_labels.index(d)], lhs[lhs_labels.index(d)],
+                                      int(get("stride", "1")), low, int(get("rhs_dilate", "1")), int(get("lhs_dilate", "1")))
+    groups = re.search(r"feature_group_count=(\d+)", instr.text)
+    batch_groups = re.search(r"batch_group_count=(\d+)", instr.text)
+    features = lhs[lhs_labels.index("f")] // (int(groups[1]) if groups else 1)
+    batch = lhs[lhs_labels.index("b")] // (int(batch_groups[1]) if batch_groups else 1)
+    return 2.0 * features * out[out_labels.index("f")] * batch * positions
+
+
+def _valid_positions(kernel: int, outputs: int, inputs: int, stride: int, pad_low: int, dilation: int,
+                     base_dilation: int) -> int:
+    """The (output, kernel) index pairs of one spatial dimension whose input index is a real element."""
+    count = 0
+    for k in range(kernel):
+        first = k * dilation - pad_low                      # the dilated input index of output 0
+        if base_dilation == 1:                              # 0 <= o * stride + first < inputs
+            lo, hi = max(0, -(first // stride)), min(outputs - 1, (inputs - 1 - first) // stride)
+            count += max(0, hi - lo + 1)
+        else:
+            count += sum(1 for o in range(outputs) if (u := o * stride + first) % base_dilation == 0
+                         and 0 <= u // base_dilation < inputs)
+    return count
 
 
 def dims(shape: str) -> list[int]:

@@ -44,7 +44,8 @@ def format_table(report: dict) -> str:
     lines += ["-" * len(head),
               f"{'total':<47}{t['count']:>7}{human_bytes(t['bytes']):>14}{human_bytes(t['wire_bytes']):>14}", ""]
     m = report["memory"]
-    lines.append(f"FLOPs per device  {human_flops(report['flops_per_device'])}")
+    lines.append(f"FLOPs per device  {human_flops(report['flops_per_device'])} "
+                 f"(matmuls {human_flops(report['matmul_flops_per_device'])})")
     lines.append("memory per device " + ", ".join(f"{k} {human_bytes(m[k])}" for k in ("argument", "output", "temp", "peak")))
     lines.append(f"compile           {report['compile_seconds']:.1f} s")
     if report.get("warnings"):
@@ -79,6 +80,7 @@ def compare(reports: Sequence[dict]) -> str:
     row("collective instances", (str(r["totals"]["count"]) for r in reports))
     row("devices", (str(r["devices"]) for r in reports))
     row("FLOPs per device", (human_flops(r["flops_per_device"]) for r in reports))
+    row("matmul FLOPs per device", (human_flops(r["matmul_flops_per_device"]) for r in reports))
     row("peak memory per device", (human_bytes(r["memory"]["peak"]) for r in reports))
     row("compile seconds", (f"{r['compile_seconds']:.1f}" for r in reports))
     if any("run" in r for r in reports):

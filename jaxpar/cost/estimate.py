@@ -42,7 +42,7 @@ class Estimate(NamedTuple):
     power: tuple[float, float] = (0.0, 0.0)             # the profile's (tdp_w, idle_w)
     headroom: float = 0.0                               # share of HBM kept free before a plan "fits"
     family: str = ""                                    # the hardware's calibration family (jaxpar/cost/band.py)
-    causal: bool = False                                # model FLOPs count the causal triangle of the scores
+    causal: bool = False                                # the kernels compute only the causal triangle
     host_memory: float = 0.0                            # the profile's host DRAM per device (0: unknown)
 
     @property

@@ -5,9 +5,11 @@ Conventions (Narayanan et al. 2021, appendix; Kaplan et al. 2020; scaling book "
   (one matmul for the input gradient, one for the weight gradient), so training = 3 x forward.
 - `matmul` FLOPs are what MFU counts (model FLOPs utilisation, Chowdhery et al. 2022); `other` holds
   rough elementwise counts (softmax, norms, activations, conv) reported for completeness only.
-- Attention scores: QK^T and PV each cost 2*b*s*s_kv*hq. Counted in full (the Megatron formula's
-  s/(6h) term, and what dense masked attention computes); `causal=True` halves them, which is what a
-  causal kernel that skips fully masked blocks does.
+- Attention scores: QK^T and PV each cost 2*b*s*s_kv*hq. What a kernel computes (hardware FLOPs, and the
+  time): in full under dense masked attention (the Megatron formula's s/(6h) term); `causal=True` halves
+  them, which is what a causal kernel that skips fully masked blocks does. Model FLOPs (the MFU numerator)
+  always count the causal half, whatever the kernel computes: one convention for every command and stack
+  (the design guide's, Megatron-Bridge's flop_utils; MODEL_FLOPS_CONVENTION).
 - Recompute (HFU, hardware FLOPs): remat `none` and `dots` add nothing (`dots` saves every matmul
   output; only elementwise work is redone); `dots_no_batch` saves matmuls without batch dims, so the
   batched dots -- attention QK^T and PV, the Mamba-2 SSD einsums -- run again (Korthikanti et al. 2022's
@@ -34,6 +36,9 @@ from jaxpar.ops.capacity import group_capacity
 from jaxpar.models.config import ModelConfig
 
 TRAIN_FACTOR = 3.0  # forward + backward (2x forward) for matmuls
+# What MFU's numerator counts, in every command, stack and study (module docstring; docs/cost_model.md
+# "One MFU convention" says what each source's own convention counts).
+MODEL_FLOPS_CONVENTION = "6 x parameters x tokens + attention over the causal half of the s x s scores; no recompute"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,11 +232,11 @@ def head_flops(m: ModelConfig, tokens: float) -> Flops:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepFlops:
-    model: float        # forward + backward matmul FLOPs of the step: the MFU numerator
-    hardware: float     # model + recomputed matmul FLOPs: the HFU numerator
+    model: float        # forward + backward matmul FLOPs, the causal half of the scores: the MFU numerator
+    hardware: float     # what the kernels compute, recompute and padding included: the HFU numerator
     elementwise: float  # non-matmul FLOPs (forward + backward + recompute), not in MFU/HFU
-    layers: float       # model FLOPs of all layers (the part the pipeline splits)
-    head: float         # model FLOPs of embedding + head (not split by the pipeline axis)
+    layers: float       # forward + backward FLOPs the layers' kernels compute (the part the pipeline splits)
+    head: float         # forward + backward FLOPs of embedding + head (not split by the pipeline axis)
     recompute: float    # recomputed matmul FLOPs
     padding: float      # expert matmul FLOPs on empty buffer rows (jaxpar's static MoE dispatch), in `hardware`
     by_block: tuple[tuple[str, float, float], ...]  # (part, model matmul FLOPs, elementwise FLOPs)
@@ -320,14 +325,15 @@ def recompute_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels:
 @per_model  # a planner varies the strategy, not these arguments
 def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kernels = Kernels()) -> StepFlops:
     """FLOPs of one optimizer step over `batch` sequences of length `seq` (all devices together) under `remat`,
-    as `kernels` compute them (`Kernels`): the expert rows beyond the k copies count as `padding` (hardware
-    FLOPs, not model FLOPs)."""
+    as `kernels` compute them (`Kernels`: hardware FLOPs; the expert rows beyond the k copies count as
+    `padding`), and as MFU counts them (`model`, `by_block`: MODEL_FLOPS_CONVENTION, the causal half)."""
     tokens, causal, rows = batch * seq, kernels.causal, kernels.rows
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
     moe = moe_block_flops(m, batch, seq, causal) * m.moe_layers
     head = head_flops(m, tokens) + embedding_flops(m, tokens)
     rec = recompute_flops(m, remat, batch, seq, kernels)
+    masked = 0.0 if causal else attention_core_flops(m, batch, seq, True).matmul * (m.attention_layers + m.moe_layers)
     pad = 0.0
     if m.moe_layers and rows is not None:
         excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers
@@ -335,7 +341,7 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kern
     fwd = attn + mamba + moe + head
     t, a, k, e = tokens, m.attention_layers, m.mamba_layers, m.moe_layers
     parts = (("attention qkvo", attention_projection_flops(m, t) * (a + e)),
-             ("attention scores", attention_core_flops(m, batch, seq, causal) * (a + e)),
+             ("attention scores", attention_core_flops(m, batch, seq, True) * (a + e)),
              ("mlp", mlp_flops(m, t) * a),
              ("moe router", router_flops(m, t) * e),
              ("moe experts", expert_flops(m, t) * e),
@@ -344,7 +350,7 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kern
              ("norms", rmsnorm_flops(m.d_model, t) * (2 * (a + e) + k + 1)),
              ("embedding+head", head + rmsnorm_flops(m.d_model, t) * -1))
     blocks = tuple((name, f.matmul * TRAIN_FACTOR, f.other * TRAIN_FACTOR) for name, f in parts)
-    return StepFlops(model=fwd.matmul * TRAIN_FACTOR,
+    return StepFlops(model=(fwd.matmul - masked) * TRAIN_FACTOR,
                      hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul + pad,
                      elementwise=fwd.other * TRAIN_FACTOR + rec.other,
                      layers=(attn.matmul + mamba.matmul + moe.matmul) * TRAIN_FACTOR,

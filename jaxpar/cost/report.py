@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jaxpar.collectives import human_bytes
-from jaxpar.cost import band
+from jaxpar.cost import band, flops
 from jaxpar.cost.estimate import Estimate
 
 
@@ -15,10 +15,11 @@ def _secs(x: float) -> str:
 
 
 def mfu_convention(est: Estimate) -> str:
-    """What MFU counts (sources differ: PaLM's appendix B counts the full s x s, Megatron-Bridge the causal half)."""
-    scores = "the causal half of the s x s scores" if est.causal else "the full s x s scores"
-    return (f"MFU = model FLOPs (6 x parameters x tokens + attention over {scores}; no recompute) / "
-            f"(step time x devices x bf16 peak); HFU adds the recompute")
+    """What MFU and HFU count: model FLOPs by one convention (flops.MODEL_FLOPS_CONVENTION) whatever the
+    stack's kernel computes; hardware FLOPs as the kernel computes them (the full scores under a dense one)."""
+    kernel = "the causal half" if est.causal else "the full s x s scores (a dense kernel)"
+    return (f"MFU = model FLOPs ({flops.MODEL_FLOPS_CONVENTION}) / (step time x devices x bf16 peak); "
+            f"HFU counts what the kernels compute: {kernel}, and the recompute")
 
 
 def format_estimate(est: Estimate, recomputed: str = "") -> str:

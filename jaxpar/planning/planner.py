@@ -132,8 +132,8 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
          headroom: float = HBM_HEADROOM, dtype: str = "bfloat16",
          grad_dtype: str = "float32", misses: Misses | None = None) -> tuple[list, int, int]:
     """(best estimates, candidates considered, candidates that were valid), each estimate for `software`,
-    ranked by tokens/s (`throughput`) or by joules per token (`energy`: needs the profile's [power]), ties
-    by memory headroom and simplicity (`rank`). A plan fits within HBM less the `headroom` share
+    ranked by step time (`throughput`) or by joules per token (`energy`: needs the profile's [power]), best
+    first, ties marked and not reordered (`rank`, `tie_spans`). A plan fits within HBM less the `headroom` share
     (jaxpar.cost.estimate.HBM_HEADROOM). Every candidate computes in `dtype` and reduces its gradients in
     `grad_dtype`. `misses`, if given, collects why candidates failed (`nothing_fits`)."""
     if objective not in OBJECTIVES:
@@ -189,14 +189,20 @@ def nothing_fits(misses: Misses, considered: int, valid: int) -> str:
         return (f"nothing fits: none of the {considered} candidate layouts is valid (divisibility or batch); the most "
                 f"common reason ({count} of them): {reason}")
     est, st = misses.least
-    return (f"nothing fits: memory: the {valid} valid layouts need at least {est.memory.total / 2**30:.1f} GiB per "
+    line = (f"nothing fits: memory: the {valid} valid layouts need at least {est.memory.total / 2**30:.1f} GiB per "
             f"device ({st.name}), over the {est.usable_bytes / 2**30:.1f} GiB limit; more devices, a smaller "
             "batch or a shorter sequence")
+    if misses.refused and valid * 2 < considered:   # divisibility bound the search first
+        reason, count = misses.refused.most_common(1)[0]
+        line += (f"; {considered - valid} of {considered} candidates were not valid (the most common reason, "
+                 f"{count} of them: {reason})")
+    return line
 
 
 # Plans whose scores (step time, or joules per token) differ by less than this share are ties: the analytic
-# model is not that precise, so among them the plan with more free memory and fewer mesh axes is the safer
-# rent. `tie_band` is the one place that reads it, where no published run calibrates the stack and hardware.
+# model is not that precise, so the plan says so (`tie #i-#j`) and leaves the ranking fastest first; the
+# `free` column shows which of them has more headroom. `tie_band` is the one place that reads it, where no
+# published run calibrates the stack and hardware.
 TIE_BAND = 0.005
 
 
@@ -219,29 +225,21 @@ def axes_used(st: Strategy) -> int:
 
 
 def rank(results: list, objective: str = "throughput") -> list:
-    """(estimate, strategy) pairs best first. Ties -- every plan within `tie_band` of the best score not yet
-    placed -- are listed by memory headroom (the most free memory first), then by fewer mesh axes > 1."""
-    left = sorted(results, key=lambda r: (score(r[0], objective), -r[0].tokens_per_s))
-    ranked = []
-    while left:
-        limit = score(left[0][0], objective) * (1.0 + tie_band(left[0][0]))
-        tied = [r for r in left if score(r[0], objective) <= limit]
-        ranked += sorted(tied, key=lambda r: (r[0].memory.total - r[0].usable_bytes, axes_used(r[1]),
-                                              score(r[0], objective)))
-        left = left[len(tied):]
-    return ranked
+    """(estimate, strategy) pairs best score first, as the header says; equal scores by the most free memory,
+    then by fewer mesh axes > 1. A tie (`tie_spans`) is marked, never reordered."""
+    return sorted(results, key=lambda r: (score(r[0], objective), r[0].memory.total - r[0].usable_bytes,
+                                          axes_used(r[1])))
 
 
 def tie_spans(results: list, objective: str = "throughput") -> list[tuple[int, int]]:
     """For each row of a `rank`ed list, the (first, last) rows of its tie group (itself alone when untied):
-    the rows within `tie_band` of the best score from the group's first row on."""
+    the rows within `tie_band` of the score of the group's first row, the best of them."""
     spans: list[tuple[int, int]] = []
     while len(spans) < len(results):
-        first = len(spans)
-        best = min(results[first:], key=lambda r: score(r[0], objective))[0]
-        last = first
-        while last + 1 < len(results) and score(results[last + 1][0], objective) <= score(best, objective) * (
-                1.0 + tie_band(best)):
+        first = last = len(spans)
+        best = results[first][0]
+        limit = score(best, objective) * (1.0 + tie_band(best))
+        while last + 1 < len(results) and score(results[last + 1][0], objective) <= limit:
             last += 1
         spans += [(first, last)] * (last - first + 1)
     return spans
@@ -324,8 +322,7 @@ def row_why(results: list, spans: list[tuple[int, int]], i: int, objective: str)
         return f"tie #{first + 1}-#{last + 1}"
     if last + 1 >= len(results):
         return ""
-    following = results[last + 1:spans[last + 1][1] + 1]
-    return why(results[i][0], min(following, key=lambda r: score(r[0], objective))[0])
+    return why(results[i][0], results[last + 1][0])
 
 
 def format_plan(results, considered: int, valid: int, software: str = "jaxpar", objective: str = "throughput") -> str:
@@ -334,7 +331,7 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
     width = max([len("strategy"), *map(len, names)])
     order = "fewest joules per token first" if objective == "energy" else "fastest first"
     fit = (f"fit in {1 - results[0][0].headroom:.0%} of HBM" if results else "fit in memory")
-    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown ({fit}, {order}, ties by headroom; "
+    lines = [f"{considered} candidates, {valid} valid, {len(results)} shown ({fit}, {order}; "
              f"software {software})",
              f"{'#':>3}  {'strategy':<{width}} {'tokens/s':>12} {'MFU':>6} {'mem/dev':>9} {'free':>8} {'J/token':>9} "
              f"{'dominant':>14}  why"]
@@ -349,8 +346,8 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
         lines.append("nothing fits: more devices, a smaller batch or a shorter sequence")
     if any(a < b for a, b in spans):
         what = "joules per token" if objective == "energy" else "step times"
-        lines.append(f"tie: {what} within {tie_band(results[0][0]):.1%} of the group's best (the cost model is not that precise), "
-                     "listed by free memory below the fit limit (`free`, most first), then by fewer mesh axes")
+        lines.append(f"tie: {what} within {tie_band(results[0][0]):.1%} of the group's first, the best of them (the cost "
+                     "model is not that precise); still listed best first: `free` says which has more headroom")
     if any("+" in n.split("remat=", 1)[1].split(",", 1)[0] for n in names):
         lines.append(RECOMPUTE_NOTE)
     if results:
