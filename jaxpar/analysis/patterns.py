@@ -12,7 +12,6 @@ Both walk the module with jaxpar.analysis.hlo_text's reader: ``parse_module`` an
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Sequence
