@@ -66,7 +66,9 @@ def test_the_header_says_what_the_run_is(run):
     assert "optimizer AdamW (b1 0.9, b2 0.95, weight decay 0.1), global-norm clip 1" in lines
     assert f"schedule lr {LR:g} peak, no warmup, constant" in lines
     assert any(line.startswith("data SYNTHETIC tokens") for line in lines)
-    assert any(line.startswith("mfu nominal, CPU devices (against 8 x h100-sxm") for line in lines)
+    mfu = next(line for line in lines if line.startswith("mfu nominal, CPU devices (against 8 x h100-sxm"))
+    assert mfu.endswith("; model FLOPs = 6 x parameters x tokens + attention over the causal half of the s x s "
+                        "scores; no recompute")
     compiled = re.compile(r"compiling the training step \.\.\. \d+\.\d s")
     compiling = [i for i, line in enumerate(lines) if compiled.fullmatch(line)]
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))

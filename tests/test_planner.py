@@ -1,5 +1,9 @@
 """The planner ranks only valid strategies that fit, and what it ranks first beats hand-picked ones and
 the published runs' layouts."""
+import subprocess
+import sys
+import unittest.mock
+
 import pytest
 
 from jaxpar.cost import MEGATRON_CORE, estimate
@@ -141,24 +145,35 @@ def test_verify_compiles_a_plan_and_compares_bytes_per_axis_group():
 
 @pytest.fixture(scope="module")
 def zero1_tensor_verify():
-    """verify_plan of llama-tiny on data=4 x tensor=2 with ZeRO-1, SP and 4 micro-batches (16 x 64 tokens): the
+    """verify_plan of llama-tiny on data=4 x tensor=2 with ZeRO-1, SP and 4 micro-batches (16 x 64 tokens), its
+    lookup's gradient left to the partitioner (the plain take, its rows constrained to the batch layout: the
+    form before jaxpar.xla_workarounds' ZeRO-1 custom VJP, which jaxpar's program no longer compiles): the
     smallest step that shows both named gaps of jaxpar.planning.verify.GAPS."""
     import jax
+    import jax.numpy as jnp
+    from jaxpar import xla_workarounds
     from jaxpar.planning.verify import verify_plan
     st = parse_inline("data=4,tensor=2").with_options(zero=1, sequence_parallel=True, dtype="bfloat16", grad_accum=4)
-    checks, report = verify_plan(parse_model("llama-tiny"), st, 16, 64, jax.devices()[:8])
+    plain = lambda table, ids, names, dtype, layout: jnp.take(table, ids, axis=0).astype(dtype)  # noqa: E731
+    with unittest.mock.patch.object(xla_workarounds, "_lookup_scattering_gradient", plain):
+        checks, report = verify_plan(parse_model("llama-tiny"), st, 16, 64, jax.devices()[:8])
     return {c.what: c for c in checks}, report
 
 
 def test_verify_names_xla_s_involuntary_rematerialization(zero1_tensor_verify):
     """XLA warns of an involuntary full rematerialization and all-gathers a backward activation over data: the
-    gap is those all-gathers, and the prediction holds against the rest (it would not against all of it)."""
+    gap is those all-gathers, and the prediction holds against the rest (it would not against all of it).
+    This form of the lookup has none of the ZeRO-1 all-to-all the model predicts for jaxpar's program: its
+    bytes (4 micro-batches' [4, 64, 64] float32 rows' gradient, over data) are taken off the prediction."""
     by, report = zero1_tensor_verify
     data = by["bytes over data"]
     remat = sum(c["bytes"] for c in report["collectives"] if c["kind"] == "all-gather" and c["phase"] == "backward"
                 and c["axes"] == ["data"])
     assert data.gaps == (("involuntary-remat", remat),) and remat > 0
-    assert abs(data.predicted / data.compiled - 1) > 0.05 and not data.flagged
+    assert not any(c["kind"] == "all-to-all" for c in report["collectives"])
+    lookup_all_to_all = 4 * (16 // 4 // 4) * 64 * 64 * 4
+    assert abs((data.predicted - lookup_all_to_all) / (data.compiled - remat) - 1) < 0.05
+    assert abs(data.predicted / data.compiled - 1) > 0.05
 
 
 def test_verify_names_the_embedding_lookup_s_index_relayout(zero1_tensor_verify):
@@ -167,7 +182,7 @@ def test_verify_names_the_embedding_lookup_s_index_relayout(zero1_tensor_verify)
     by, _ = zero1_tensor_verify
     ids = by["bytes over data,tensor"]
     assert ids.predicted == 0 and ids.gaps == (("gather-indices", 4 * 16 * 64 / 4),) and not ids.flagged
-    assert not any(c.flagged for c in by.values())
+    assert not by["bytes over tensor"].flagged
 
 
 def test_plan_verify_fails_on_a_figure_no_gap_accounts_for(monkeypatch, capsys):
@@ -178,6 +193,21 @@ def test_plan_verify_fails_on_a_figure_no_gap_accounts_for(monkeypatch, capsys):
     assert cli.main(["plan", "--model", "llama-tiny", "--hardware", "h100-sxm", "--devices", "8", "--top", "1",
                      "--seq", "64", "--global-batch", "16", "--verify"]) == 1
     assert "verify: FAILED:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, devices", [("llama3-8b", 8), ("llama3-70b", 64)])
+def test_plan_verify_holds_its_top_pick_within_5_percent(model, devices):
+    """The planner's own pick for 8 and 64 H100s, compiled on as many simulated devices (a fresh process: this
+    one has 8): every figure within 5%, no named gap needed (llama3-8b: data4-tensor2 ZeRO-1 with 64
+    micro-batches; llama3-70b: fsdp2-pipeline16-tensor2 under 1F1B; docs/cost-model.md has before and after)."""
+    run = subprocess.run([sys.executable, "-m", "jaxpar.cli.main", "plan", "--model", model, "--devices",
+                          str(devices), "--hardware", "h100-sxm", "--top", "1", "--verify"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "verify: every figure within 5%, after the named gaps" in run.stdout
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("    bytes over", "    memory per device"))]
+    assert len(rows) >= 3 and not any("over 5%" in r or "gap" in r for r in rows), "\n".join(rows)
 
 
 def test_a_fused_kernel_takes_the_scores_out_of_jaxpars_plans():

@@ -32,6 +32,9 @@ FSDP_TP = ("llama-tiny", "fsdp=2,tensor=2", (("sequence_parallel", True), ("rema
 # fsdp x expert: the batch split fsdp-major, the table's width on fsdp: `lookup`'s split form. A dense
 # model: the expert axis is one more batch axis.
 FSDP_EP = ("llama-tiny", "fsdp=2,expert=2", ())
+# ZeRO-1 over data x tensor, the vocab on tensor: the table whole over data, its gradient's width sharded over
+# it (`lookup`'s custom VJP; plan's llama3-8b pick on 8 H100 is this layout).
+ZERO1_TP = ("llama-tiny", "data=2,tensor=2", (("zero", 1), ("sequence_parallel", True)))
 # a batch-sharded router: `top_k`.
 MOE_DP = ("moe-tiny", "data=2", ())
 
@@ -66,6 +69,24 @@ def assert_same_loss(case: tuple, name: str) -> None:
     losses = [float(compiled(jax.device_put(state, tr.state_shardings), batch)[1]["loss"]) for compiled in (on, off)]
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
+def assert_same_gradients(case: tuple, name: str) -> None:
+    """The loss and every parameter's gradient of one batch, traced with and without the workaround, equal
+    (float32; a gradient's sums may run in another order): for a workaround that states a backward."""
+    tr = step(case, None)[0]
+    state = host_state(tr)
+    params = jax.device_put(state.params, tr.state_shardings.params)
+    batch = tr.batch(Synthetic(parse_model(case[0]).vocab, seed=0), 0)
+    out = []
+    for off in (None, name):
+        with xla_workarounds.disabled(off) if off else contextlib.nullcontext():
+            loss, _, grads = jax.jit(tr._loss_and_grads)(params, batch)
+        out.append((float(loss), jax.tree.map(np.asarray, grads)))
+    (loss_on, on), (loss_off, off) = out
+    np.testing.assert_allclose(loss_on, loss_off, rtol=1e-6)
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(on))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()), on, off)
 
 
 def host_state(tr: Trainer):
@@ -109,6 +130,18 @@ def test_lookup_split_over_fsdp_x_expert_moves_rows_by_one_all_to_all():
     assert any(k[:3] == ("all-to-all", ("fsdp",), "backward") for k in on)
     assert any(k[:2] == ("collective-permute", ("fsdp", "expert")) for k in off)
     assert_same_loss(FSDP_EP, "lookup")
+
+
+def test_lookup_under_zero1_scatters_the_gradient_in_its_shard_layout():
+    on, off = step(ZERO1_TP, None)[2], step(ZERO1_TP, "lookup")[2]
+    # without it: the rows' gradient gathered over data in the backward (the partitioner's rematerialisation
+    # towards the gradient's shard) and rows and ids moved by collective-permutes over data x tensor
+    assert any(k[:3] == ("all-gather", ("data",), "backward") for k in off)
+    assert any(k[:2] == ("collective-permute", ("data", "tensor")) for k in off)
+    # with it: the rows' gradient to the width layout by one all-to-all over data, nothing gathered back
+    assert not any(k[:3] == ("all-gather", ("data",), "backward") or k[0] == "collective-permute" for k in on)
+    assert any(k[:3] == ("all-to-all", ("data",), "backward") for k in on - off)
+    assert_same_gradients(ZERO1_TP, "lookup")
 
 
 def test_top_k_keeps_the_router_scores_batch_sharded():

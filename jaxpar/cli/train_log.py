@@ -20,6 +20,7 @@ import jax
 from tqdm import tqdm
 
 from jaxpar.core.schedule import schedule_summary
+from jaxpar.cost.flops import MODEL_FLOPS_CONVENTION
 from jaxpar.cost.hardware import Hardware
 from jaxpar.errors import ConfigError
 from jaxpar.training.metrics import Sinks
@@ -79,6 +80,7 @@ def header(trainer: Trainer, data: str, hardware: Hardware | None, start: int, s
         peak = f"{trainer.mesh.size} x {hardware.name} at {hardware.peak_flops / 1e12:,.0f} TFLOP/s each"
         lines.append(f"mfu nominal, CPU devices (against {peak}; in the metrics with mfu_nominal=true, "
                      "not on the bar)" if mfu_is_nominal(trainer) else f"mfu against {peak}")
+        lines[-1] += f"; model FLOPs = {MODEL_FLOPS_CONVENTION}"
     return lines
 
 

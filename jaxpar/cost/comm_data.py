@@ -63,7 +63,8 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> li
             arrays = equal_buffers(sharded.per_device(t, e_axis) * act - elements * act, sharded.moved - n)
         out += sites.issue(AG, ("fsdp",), e, arrays, "backward", sites.WEIGHTS)
     head, norm = head_and_norm(m, t)
-    return out + sites.issue(AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward")
+    return out + sites.issue(AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward",
+                             sites.HEAD_GATHER)
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, gather_bytes: int = PARAM_BYTES

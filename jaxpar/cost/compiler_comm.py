@@ -89,13 +89,21 @@ class Loop:
     act: int
     gather_bytes: int
 
+    @property
+    def after_layers(self) -> int:
+        """How often per step the sums after the layer loop (embedding, head, final norm) are issued: once
+        per micro-batch. The accumulation loop's carry is the gradient in the parameters' layout, so each
+        micro-batch's partial sums are summed inside it, as the layers' are (XLA:CPU: llama-tiny under
+        data=8 and data=4 x tensor=2, ZeRO-0 and 1, 4 micro-batches). A pipeline's schedule: once."""
+        return self.shape.accum if self.shape.stages == 1 else 1
+
 
 def data_parallel_in_loop(m: ModelConfig, st: Strategy, shape: StepShape, act: int, cc: Compiler,
                           gather_bytes: int) -> list[tuple]:
     """comm_data.data_parallel as a backend that leaves the gradient sums in the layer loop issues it: per
     unit execution the unit's gradients, their ZeRO shards' reduce-scatters and their replicated weights'
-    all-reduces combined per group, and the embedding's, head's and final norm's once after the loop; without
-    AllReduceFolder the batch axes and `context` apart (`reductions`). MoE under expert > 1: the experts' sums
+    all-reduces combined per group, and the embedding's, head's and final norm's after the loop, per
+    micro-batch (`Loop.after_layers`); without AllReduceFolder the batch axes and `context` apart (`reductions`). MoE under expert > 1: the experts' sums
     over fsdp join the dense weights' op (`one_loop`)."""
     axes = data_axes(st)
     loop = Loop(cc, st, shape, act, gather_bytes)
@@ -137,7 +145,8 @@ def loop_sums(group: tuple[str, ...], h: Held, shards: int, loop: Loop, role: st
     gb, out = grad_bytes(loop.st), []
     for execs, (unit, arrays) in zip(loop.shape.run_execs, h.runs):
         out += sites.issue(AR, group, execs, equal_buffers(unit * gb / shards, arrays), "backward", role)
-    return out + sites.issue(AR, group, 1, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward", role)
+    return out + sites.issue(AR, group, loop.after_layers, equal_buffers(h.emb * gb / shards, h.emb_arrays), "backward",
+                             role)
 
 
 def _in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts: bool | None) -> list[tuple]:
@@ -162,7 +171,8 @@ def _sharded_in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts:
     vectors = dense and norms_whole(st, shape, rest)
     norms = norms_held(m)
     part = without_norms(part, norms) if vectors else part
-    out = (fsdp_gathers(m, st, shape, act) + embedding_lookup(m, st, shape, act, shard)) if zero == 3 and dense else []
+    out = (hoisted(fsdp_gathers(m, st, shape, act), shape) + embedding_lookup(m, st, shape, act, shard)
+           if zero == 3 and dense else [])
     if shape.stages > 1:   # the stage's v*k unit slots, every run's, reduced once per accumulation step
         out += lower(cc, sites.issue(RS, shard, shape.accum, equal_buffers(part.slots(shape) * gb, part.stack_arrays),
                                      "backward", sites.WEIGHTS), st)
@@ -176,31 +186,43 @@ def _sharded_in_loop(m: ModelConfig, loop: Loop, axes: tuple[str, ...], experts:
         for group in _groups(cc, axes, experts):
             in_loop += sites.issue(AR, group, execs, equal_buffers(kept.runs[j][0] * gb, kept.runs[j][1]), "backward")
         out += together(cc, lower(cc, in_loop, st))
-    out += sites.issue(RS, shard, 1, [head * gb] if head and dense else [], "optimizer")
-    out += sites.issue(RS, shard, 1, [norm * gb] if dense and not vectors else [], "optimizer", sites.FINAL_NORM)
+    per = loop.after_layers
+    after = (sites.issue(RS, shard, per, [head * gb] if head and dense else [], "optimizer")
+             + sites.issue(RS, shard, per, [norm * gb] if dense and not vectors else [], "optimizer", sites.FINAL_NORM))
+    out += together(cc, lower(cc, after, st)) if per > 1 else after   # in the accumulation loop: combined
     for group in _groups(cc, axes, experts) if vectors else ():
-        out += sites.issue(AR, group, 1, [norm * gb], "backward")
+        out += sites.issue(AR, group, per, [norm * gb], "backward")
     if zero == 1:
         out += embedding_lookup(m, st, shape, act, shard) if dense else []
         out += sites.issue(AG, shard, 1, equal_buffers(part.full * loop.gather_bytes, part.arrays), "optimizer",
                            sites.step(loop.gather_bytes))
     for group in _groups(cc, axes, experts):
-        out += sites.issue(AR, group, 1, equal_buffers(kept.emb * gb, kept.emb_arrays), "backward")
+        out += sites.issue(AR, group, per, equal_buffers(kept.emb * gb, kept.emb_arrays), "backward")
     apart = head if vectors and st.sizes["tensor"] > 1 else 0.0   # the head's shard on its own (XLA:CPU's grouping)
     if apart:
         part = part._replace(emb=part.emb - head, emb_arrays=part.emb_arrays - 1)
     shards = st.sizes["fsdp"] if zero == 3 else 1
     for group in _groups(cc, rest, experts):
         out += loop_sums(group, part, shards, loop, sites.LOOP_SHARDED if dense else "")
-        out += sites.issue(AR, group, 1, [apart * gb / st.sizes["fsdp"]] if apart else [], "backward")
+        out += sites.issue(AR, group, per, [apart * gb / st.sizes["fsdp"]] if apart else [], "backward")
     return out
+
+
+def hoisted(ops: list[tuple], shape: StepShape) -> list[tuple]:
+    """`ops` with the head's and final norm's FSDP gather (sites.HEAD_GATHER) once per step outside a pipeline:
+    it reads parameters no micro-batch changes, and XLA's while-loop invariant code motion hoists it out of the
+    accumulation loop (XLA:CPU: llama-tiny data=2 x fsdp=4, 2 micro-batches; the layers' gathers sit in the
+    layer loop, whose index they read, and stay)."""
+    if shape.stages > 1:
+        return ops
+    return [(op[0], op[1], 1, *op[3:]) if op[6] == sites.HEAD_GATHER else op for op in ops]
 
 
 def sp_norms_in_loop(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool = True) -> list[tuple]:
     """comm_tensor.sp_norms where the sums stay in the layer loop: per layer execution each block's norm
-    gradients (an attention or MoE block's two, a Mamba-2 block's one), and the final norm's after the loop
-    (with the combiner, together with the label-logit sum of the head's tokens: a pipeline stage's head
-    micro-batches'; `final` False: the final norm's sum is elsewhere, 1F1B's per tick)."""
+    gradients (an attention or MoE block's two, a Mamba-2 block's one), and the final norm's after the loop,
+    per micro-batch (with the combiner, together with the label-logit sum of the head's tokens: a pipeline
+    stage's head micro-batches'; `final` False: the final norm's sum is elsewhere, 1F1B's per tick)."""
     ax, d = ("tensor",), m.d_model
     tokens = shape.b_loc / shape.accum * shape.s_loc
     if shape.stages > 1:
@@ -208,7 +230,8 @@ def sp_norms_in_loop(cc: Compiler, m: ModelConfig, shape: StepShape, final: bool
     out = sites.issue(AR, ax, shape.exec_attention + shape.exec_moe, [d * GRAD_BYTES] * 2, "backward")
     out += sites.issue(AR, ax, shape.exec_mamba, [d * GRAD_BYTES], "backward")
     last = [d * GRAD_BYTES] + ([tokens * 4] if cc.combine else [])
-    return out + (sites.issue(AR, ax, 1, last, "optimizer") if final else [])
+    per = shape.accum if shape.stages == 1 else 1   # per micro-batch, as compiler_comm.Loop.after_layers
+    return out + (sites.issue(AR, ax, per, last, "optimizer") if final else [])
 
 
 def norms_in_loop(ops: list[tuple], cc: Compiler, m: ModelConfig, shape: StepShape) -> list[tuple]:

@@ -29,8 +29,9 @@ Each adjustment once, with what it is and where it is checked against XLA's memo
 from __future__ import annotations
 
 from jaxpar.cost.flops import expert_rows, unit_policy
+from jaxpar.cost.held import head_and_norm
 from jaxpar.cost.inventory_jax import BOOL, F32, jax_attention_inventory, jax_mamba_inventory, jax_moe_inventory
-from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
+from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, PARAM_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
                                 state_bytes,
                                 step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
@@ -160,9 +161,19 @@ def one_f_one_b_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int, laye
     # micro-batch's lookup partial sums at a time (jaxpar/pipeline/one_f_one_b.py looks micro-batches up in turn)
     embedding = 2 * b_loc * seq / sz["context"] * residual + tokens * m.d_model * act
     stored = (2 * stages * repeats - 1) * tokens * residual + embedding
+    stored += fsdp_stage_bytes(m, st) + fsdp_outside_bytes(m, st)
     if st.options.remat == "none":
-        return stored + fsdp_stage_bytes(m, st), layer_transient * chunk_layers(sched, m)
-    return stored + fsdp_stage_bytes(m, st), stage_kept / repeats + layer_transient
+        return stored, layer_transient * chunk_layers(sched, m)
+    return stored, stage_kept / repeats + layer_transient
+
+
+def fsdp_outside_bytes(m: ModelConfig, st: Strategy) -> float:
+    """With FSDP inside jaxpar's 1F1B: the embedding table and the LM head (its tensor shard) gathered whole
+    over fsdp before the loop for every tick's lookup and head (jaxpar/pipeline/one_f_one_b.py `_prologue`),
+    in float32 as the gather moves the stored parameter; alive the whole loop."""
+    if st.sizes["fsdp"] == 1:
+        return 0.0
+    return (m.vocab * m.d_model / st.sizes["tensor"] + head_and_norm(m, st.sizes["tensor"])[0]) * PARAM_BYTES
 
 
 def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: int) -> float:
@@ -176,7 +187,12 @@ def pipeline_embedding_bytes(m: ModelConfig, st: Strategy, b_loc: float, seq: in
 
 def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
     """With FSDP inside a jaxpar pipeline's stages: each device's gathered copy of its stage's v*k unit slots
-    (compute dtype, its tensor shard) and its float32 gradient accumulator, alive the whole step."""
+    (its tensor shard) in float32, as the all-gather moves the stored parameter and the cast to the compute
+    dtype follows it (jaxpar/cost/program_comm.py), and its float32 gradient accumulator, alive the whole
+    loop. The accumulator is the gradient the ZeRO-3 shard (memory.state_bytes' `grads`) is cut from after
+    the loop, so only what it holds beyond that shard is counted here. XLA:CPU's buffers at the peak of
+    llama3-70b fsdp2 x pipeline16 x tensor2 (1F1B v=5): the MLP's gathered float32 [5, 8192, 14336] arrays
+    beside as many float32 accumulators, no shard yet."""
     sz = st.sizes
     if sz["fsdp"] == 1:
         return 0.0
@@ -186,7 +202,7 @@ def fsdp_stage_bytes(m: ModelConfig, st: Strategy) -> float:
         if n:
             sharded, kept = zero_split(m, block, 3)
             slots += n * (sharded.per_device(sz["tensor"], sz["expert"]) + kept.per_device(sz["tensor"], sz["expert"]))
-    return sched.repeats * slots * (ACTIVATION_BYTES[st.options.dtype] + GRAD_BYTES)
+    return sched.repeats * slots * (PARAM_BYTES + GRAD_BYTES * (1 - 1 / sz["fsdp"]))
 
 
 def fsdp_experts_bytes(m: ModelConfig, st: Strategy) -> float:

@@ -14,6 +14,7 @@ WEIGHTS = "weights"              # a block's FSDP gather or scatter, one op per 
 UNIT_SCATTER = "unit scatter"    # ZeRO-3's reduce-scatter of a unit's gradients in the layer loop (weights too)
 STAGE_WEIGHTS = "stage weights"  # a pipeline stage's FSDP gather, once per accumulation step (weights too)
 FINAL_NORM = "final norm"        # the final norm's gradient reduce-scatter (ZeRO-3)
+HEAD_GATHER = "head gather"      # the head's and final norm's FSDP gather, once per micro-batch (ZeRO-3)
 HAND = "hand"                    # a hand-written reduce-scatter (psum_scatter): one on every backend
 VOCAB = "vocab"                  # the vocab-parallel embedding's and head's sums
 LABEL = "label"                  # the vocab-parallel head's label-logit sum, which only the loss value reads
