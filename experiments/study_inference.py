@@ -27,12 +27,12 @@ from __future__ import annotations
 import pathlib
 import statistics
 import sys
-import tomllib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from _study import ROOT, arguments, band_line, finish, md_table, progress  # noqa: E402
 
+from jaxpar.cost import published  # noqa: E402
 from jaxpar.cost.defaults import accelerator_defaults  # noqa: E402
 from jaxpar.cost.hardware import load_hardware  # noqa: E402
 from jaxpar.cost.inference import Request, cache_bytes, inference_estimate  # noqa: E402
@@ -46,7 +46,6 @@ SETUPS = {("llama3-70b", "h100-sxm"): ("tensor=8", "data=2,tensor=4"),
           ("llama3-8b", "tpu-v5e"): ("tensor=8", "data=2,tensor=4", "data=4,tensor=2")}
 SOFTWARE = {"h100-sxm": MEGATRON_CORE, "tpu-v5e": MAXTEXT}
 PROMPT, GENERATE = 2048, 256
-PUBLISHED = ROOT.parent / "shared" / "reference" / "published_runs_stacks.toml"
 TRTLLM = "trtllm_v0_14_perf_overview"
 NAMES = {"llama3_1_8b": "llama3-8b", "llama3_1_70b": "llama3-70b"}  # Llama 3.1 has Llama 3's shapes
 
@@ -118,10 +117,8 @@ def kv_cache(contexts: list[int]) -> list[dict]:
 
 
 def published_rows() -> list[dict]:
-    """TensorRT-LLM's rows (shared/reference/published_runs_stacks.toml), [] where the file is absent."""
-    if not PUBLISHED.exists():
-        return []
-    src = next(s for s in tomllib.loads(PUBLISHED.read_text())["source"] if s["id"] == TRTLLM)
+    """TensorRT-LLM's rows (jaxpar/cost/published/, as they arrived in published_runs_stacks.toml)."""
+    src = published.source(TRTLLM)
     return [dict(zip(src["columns"], r)) for r in src["rows"]]
 
 
@@ -240,9 +237,6 @@ def report(rows, kv, trt, own) -> list[str]:
 
 
 def trt_section(trt) -> list[str]:
-    if not trt:
-        return ["## (3) TensorRT-LLM's published throughput", "",
-                f"published runs not found ({PUBLISHED.name} beside the repository): section skipped.", ""]
     errs = [abs(r["error"]) for r in trt]
     return ["## (3) Against TensorRT-LLM's published maximum-load throughput (H100 SXM, FP16 engines, v0.14)", "",
             *md_table(["model", "TP", "input/output tokens", "largest batch that fits (model)", "bound",

@@ -18,10 +18,11 @@ every sweep, Llama 3 405B's published batch (Dubey et al. 2024, "The Llama 3 Her
 
 Band. Every comparison uses the cost model's out-of-sample error band for megatron-core on the H100
 family (jaxpar/cost/bands.toml, experiments/study_stacks.py): rungs or layouts closer than the band are
-ties. No published megatron-core run calibrates a TPU, so the tpu-v5p curves rank by the model alone.
+ties. The tpu-v5p curves are priced with the stack that runs there, MaxText (megatron-core is a CUDA program:
+its preset prices no TPU), under MaxText's band on TPU v5p where published runs calibrate one.
 
-Assumptions. Software megatron-core (fused attention; TP, DP and PP communication overlapped with
-compute: jaxpar/cost/software.py). Tensor <= 8 on H100 (one NVLink node) and <= 16 on TPU v5p; data and
+Assumptions. Software megatron-core on H100 (fused attention; TP, DP and PP communication overlapped with
+compute: jaxpar/cost/software.py), maxtext on TPU v5p. Tensor <= 8 on H100 (one NVLink node) and <= 16 on TPU v5p; data and
 fsdp are not combined (no HSDP); pipeline <= 32 stages, context <= 32; pipeline x context where the planner
 ranks it for megatron-core (jaxpar.planning.planner.check_plannable).
 
@@ -55,7 +56,7 @@ from _study import OKABE_ITO, SHORT, arguments, band, band_line, finish, layout,
 
 from jaxpar.core import validate
 from jaxpar.core.strategy import AXES, parse_inline
-from jaxpar.cost import MEGATRON_CORE, estimate, load_hardware
+from jaxpar.cost import MEGATRON_CORE, SOFTWARE, estimate, load_hardware
 from jaxpar.cost.report import mfu_convention
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import parse_model
@@ -67,9 +68,10 @@ RUNGS = ("DP", "+ZeRO", "+TP", "+PP", "+CP")
 SWEEPS = (("h100-sxm", 8192, 2048), ("h100-sxm", 131072, 128), ("tpu-v5p", 8192, 2048))
 MODELS = {8192: ("llama3-8b", "llama3-70b", "llama3-405b"), 131072: ("llama3.1-8b", "llama3.1-70b", "llama3.1-405b")}
 MAX_TENSOR = {"h100-sxm": 8, "tpu-v5p": 16}
+STACK = {"h100-sxm": "megatron-core", "tpu-v5p": "maxtext"}   # the stack each machine runs (Software.platforms)
 PEAK_H100 = 989e12
 BAND = band("h100-sxm", "megatron-core")   # the share within which two H100 figures tie
-TIE_FALLBACK = 0.01                         # where no published run calibrates the pair (tpu-v5p): 1%
+TIE_FALLBACK = 0.01                         # where no published run calibrates the pair: 1%
 # Dubey et al. 2024, table 4 (Llama 3 405B on H100): (seq, GPUs, mesh, TFLOP/s per GPU)
 PUBLISHED = ((8192, 8192, dict(tensor=8, pipeline=16, data=64), 430e12),
              (8192, 16384, dict(tensor=8, pipeline=16, data=128), 400e12),
@@ -93,7 +95,7 @@ def keep(sizes) -> bool:
 def ladder(name: str, hw_name: str, seq: int, batch: int, devices: int) -> dict:
     """Cumulative best per rung: rung r's entry is the best of rungs 0..r ('OOM' or 'batch' if none)."""
     hw, model = load_hardware(hw_name), parse_model(name)
-    found = search(model, hw, devices, seq, batch, MEGATRON_CORE, keep=keep, key=rung,
+    found = search(model, hw, devices, seq, batch, SOFTWARE[STACK[hw_name]], keep=keep, key=rung,
                    max_tensor=min(MAX_TENSOR[hw_name], devices))
     out, best, valid = [], None, 0
     for r in range(len(RUNGS)):
@@ -206,8 +208,8 @@ def first(rows, test) -> int | None:
 
 
 def tie_share(hw: str) -> float:
-    """The band of megatron-core on `hw`'s family (experiments/_study.py), 1% where none calibrates it."""
-    return band(hw, "megatron-core") or TIE_FALLBACK
+    """The band of the stack `hw` runs on its family (experiments/_study.py), 1% where none calibrates it."""
+    return band(hw, STACK[hw]) or TIE_FALLBACK
 
 
 def summary(r) -> list:
@@ -332,7 +334,8 @@ def head(results) -> list[str]:
     """The results file's conventions: the band, tokens per step, MFU, what the table's words mean."""
     est = next(r["rungs"][-1][0] for r in results if not isinstance(r["rungs"][-1], str))
     return [band_line("h100-sxm", "megatron-core"), "",
-            "tpu-v5p: " + band_line("tpu-v5p", "megatron-core") + f" `wins from` there uses {TIE_FALLBACK:.0%}.", "",
+            "tpu-v5p: " + band_line("tpu-v5p", STACK["tpu-v5p"]) + f" `wins from` there uses {TIE_FALLBACK:.0%} "
+            "where no run calibrates it.", "",
             f"Tokens per step: {TOKENS // 2**20}M in every sweep ({TOKENS:,}: 2,048 sequences of 8,192 or 128 of "
             "131,072), Llama 3 405B's published batch (Dubey et al. 2024, table 4), so that its published runs "
             "sit on the same axes.", "", mfu_convention(est) + "; the published MFU is table 4's TFLOP/s per GPU "
@@ -340,7 +343,7 @@ def head(results) -> list[str]:
             "MFU of the best fitting layout allowed up to each rung (rungs are nested: `+TP` may also use ZeRO). "
             "`OOM`: valid layouts exist on these rungs, none fits in memory (the memory wall); `batch`: none is valid, "
             "the batch has too few sequences for that many data-parallel ranks (the batch wall). `wins from`: the "
-            "first rung whose tokens/s ties the best within the band. Software megatron-core.", ""]
+            "first rung whose tokens/s ties the best within the band. Software megatron-core on H100, maxtext on TPU v5p.", ""]
 
 
 if __name__ == "__main__":

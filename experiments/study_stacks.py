@@ -1,6 +1,7 @@
 """How well the cost model predicts published runs of other stacks, per source, in and out of sample.
 
-Reads shared/reference/published_runs_stacks.toml beside the repository (torchtitan, MaxText on TPU and
+Reads the published runs of other stacks kept in the repository (jaxpar/cost/published.py, the collection
+published_runs_stacks: torchtitan, MaxText on TPU and
 GPU, llm-foundry, NeMo and Megatron-Bridge runs: model shapes, layouts, precision, recompute and the
 throughput each published) and asks `jaxpar.cost.estimate` each training row's question with the row's
 own stack preset (jaxpar/cost/software.py) on its hardware profile. Each source's rows are read by one
@@ -47,13 +48,14 @@ from _study import FIGURES, OKABE_ITO, pyplot  # noqa: E402
 from jaxpar.core import validate  # noqa: E402
 from jaxpar.core.strategy import Strategy, parse_inline  # noqa: E402
 from jaxpar.cost import SOFTWARE, estimate, load_hardware  # noqa: E402
-from jaxpar.cost.band import Band, band_for, to_toml  # noqa: E402
+from jaxpar.cost.band import Band, RegimeBand, band_for, quantile_band, regime, to_toml  # noqa: E402
+from jaxpar.cost import published  # noqa: E402
 from jaxpar.cost.defaults import stack_defaults  # noqa: E402
 from jaxpar.cost.software import check_runs  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.models.config import ModelConfig  # noqa: E402
 
-REFERENCE = ROOT.parent / "shared/reference/published_runs_stacks.toml"
+COLLECTION = "published_runs_stacks"   # jaxpar/cost/published/, as it arrived in ../shared/reference/
 RESULTS = ROOT / "experiments/results/study_stacks.md"
 BANDS = ROOT / "jaxpar/cost/bands.toml"
 GRID = [round(0.30 + 0.02 * i, 2) for i in range(31)]   # matmul_efficiency 0.30 .. 0.90
@@ -221,9 +223,10 @@ READERS = {"torchtitan_h100_2024": torchtitan, "torchtitan_asynctp_h100_2025": t
            "megatron_bridge_2511": megatron}
 
 
-def read_rows(path: pathlib.Path = REFERENCE) -> tuple[list[Row], list[str]]:
-    """(the training rows, the sources not read: serving rows and any source without a reader)."""
-    data = tomllib.loads(path.read_text())
+def read_rows(path: pathlib.Path | None = None) -> tuple[list[Row], list[str]]:
+    """(the training rows, the sources not read: serving rows and any source without a reader) of the
+    collection in the repository, or of the file `path` (new rows before scripts/import_published.py)."""
+    data = published.load(COLLECTION) if path is None else tomllib.loads(path.read_text())
     rows, skipped = [], []
     for src in data["source"]:
         reader = READERS.get(src["id"])
@@ -365,6 +368,39 @@ def error_bands(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str
                  r(max(outs[f, sw])) if (f, sw) in outs else None) for (f, sw), e in sorted(ins.items())]
 
 
+def row_regime(row: Row, st: Strategy) -> str:
+    """The row's regime (jaxpar.cost.band.regime): its stack, family, precision and scale flags."""
+    return regime(SOFTWARE[row.software].name, family(row.hardware), st.options.dtype, st.sizes,
+                  bool(row.model.moe_layers))
+
+
+def regime_bands(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str]]) -> list[RegimeBand]:
+    """Per regime, over its rows predicted out of sample (a family no other source covers is left out): the
+    10th to 90th percentile of predicted / published - 1 where at least 8 runs fall in it, and its coverage:
+    the share of its runs inside the band that the other sources' runs of the regime give (where >= 8)."""
+    errs: dict[str, list[tuple[str, float]]] = {}
+    for i, (row, st) in enumerate(ok):
+        if "no other source" not in loso[i][1]:
+            errs.setdefault(row_regime(row, st), []).append((row.source, loso[i][0] / row.published - 1))
+    out = []
+    for name, runs in sorted(errs.items()):
+        band = quantile_band([e for _, e in runs]) or (None, None)
+        held = [(e, quantile_band([f for s, f in runs if s != src])) for src, e in runs]
+        inside = [b[0] <= e <= b[1] for e, b in held if b]
+        out.append(RegimeBand(name, len(runs), *band, round(sum(inside) / len(inside), 4) if inside else None))
+    return out
+
+
+def regime_summary(regimes: list[RegimeBand]) -> list[str]:
+    """Per regime: its runs, its band (or none) and the coverage of held-out sources' runs."""
+    lines = ["| regime | runs | 10th percentile | 90th percentile | held-out runs inside |", "|---|---:|---:|---:|---:|"]
+    for r in regimes:
+        band = ("no calibrating run", "") if r.low is None else (f"{r.low:+.1%}", f"{r.high:+.1%}")
+        lines.append(f"| {r.regime} | {r.count} | {band[0]} | {band[1]} | "
+                     f"{'-' if r.coverage is None else f'{r.coverage:.0%}'} |")
+    return lines
+
+
 def stack_summary(bands: list[Band]) -> list[str]:
     """Per (stack, hardware family): runs, median and worst |error| in sample and out of sample (`-` where no
     other source covers the family), the figures jaxpar/cost/bands.toml records and the guide calls ties within."""
@@ -466,9 +502,9 @@ HEAD = ["Each published training run predicted in its own layout, with its own s
 
 def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analysed=None) -> str:
     ok, refused, loso = analysed or analyse(rows)
-    bands = error_bands(ok, loso)
+    bands, regimes = error_bands(ok, loso), regime_bands(ok, loso)
     if write_bands:
-        BANDS.write_text(to_toml(bands))
+        BANDS.write_text(to_toml(bands, regimes))
     lines = ["# Published runs of other stacks against the cost model", "",
              "mode: full (the study has one mode); written by `python experiments/study_stacks.py`", "", *HEAD,
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
@@ -490,6 +526,10 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analy
     lines += ["", "In sample (the committed profiles):", "", *summary(ins), "",
               "Out of sample (leave one source out):", "", *summary(outs, alone), "",
               "## Per stack and hardware family: the error bands (jaxpar/cost/bands.toml)", "", *stack_summary(bands), "",
+              "## Per regime: the bands `estimate` prints (jaxpar/cost/bands.toml)", "",
+              "Out of sample: the 10th to 90th percentile of predicted / published - 1 over a regime's runs where at "
+              f"least 8 fall in it, else no calibrating run; `held-out runs inside`: the share of its runs inside "
+              "the band its other sources' runs give (where those are 8 or more).", "", *regime_summary(regimes), "",
               *memory_table(memory_check(ok))]
     lines += [f"{len(ok)} rows predicted, {not_fit} of them predicted not to fit in HBM; "
               f"{len(refused)} not expressible:", ""]
@@ -500,13 +540,11 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analy
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reference", type=pathlib.Path, default=REFERENCE)
+    p.add_argument("--reference", type=pathlib.Path, default=None,
+                   help="a file of published runs to read instead of the repository's (jaxpar/cost/published.py)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--write-bands", action="store_true", help=f"write the residuals (in and out of sample) to {BANDS.relative_to(ROOT)}")
     args = p.parse_args(argv)
-    if not args.reference.exists():   # `make experiments` runs every study: this one says it has nothing to read
-        print(f"study_stacks: skipped: the published runs are not at {args.reference} (--reference PATH)")
-        return 0
     rows, skipped = read_rows(args.reference)
     analysed = analyse(rows)
     text = report(rows, skipped, write_bands=args.write_bands, analysed=analysed)

@@ -15,7 +15,7 @@ analytic model's tokens/s. Bytes per link tier: each predicted collective's ring
 split as jaxpar/cost/time.py prices it: a group with k members per node over m nodes moves
 (k-1)/k of its buffer over NVLink and (m-1)/(m k) over InfiniBand (twice both for an all-reduce); a
 permute crosses one tier. Published overlay: the Megatron-Core H100 rows
-(shared/reference/published_runs_h100.toml) at their own TP x PP, each beside the other splits of its
+(jaxpar/cost/published/: published_runs_h100) at their own TP x PP, each beside the other splits of its
 model-parallel size, mapped as tests/test_cost_published.py maps them (GPT, untied embeddings,
 distributed optimizer, SP, no recompute, micro-batch 1, interleaved with one layer per chunk, MFU by
 Megatron's formula).
@@ -33,12 +33,11 @@ Writes experiments/results/study_tp_vs_pp.md and .png.
 from __future__ import annotations
 
 import pathlib
-import tomllib
 
 from _study import OKABE_ITO, ROOT, arguments, band, band_line, finish, md_table, pct, progress, search, versus
 
 from jaxpar.core import validate
-from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware
+from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware, published
 from jaxpar.cost.report import mfu_convention
 from jaxpar.cost.time import axis_span
 from jaxpar.errors import ConfigError
@@ -50,7 +49,6 @@ HW = load_hardware("h100-sxm")
 MODEL = ModelConfig(name="gpt-175b-h128", layers=96, d_model=12288, heads=128, kv_heads=128, head_dim=96,
                     mlp_dim=49152, mlp_type="gelu", vocab=51200, max_seq=2048, tie_embeddings=True)
 SEQ, MP = 2048, 64
-REFERENCE = ROOT.parent / "shared" / "reference" / "published_runs_h100.toml"
 QUICK = dict(tensor="8,16,32", batches="128")
 FOCUS = 128  # sequences per step the findings and panel (2) use (module docstring)
 BAND = band("h100-sxm", "megatron-core")
@@ -92,10 +90,8 @@ def sweep(tensors: list[int], batches: list[int], bar) -> list[dict]:
 
 def published_rows() -> list[dict]:
     """Each Megatron-Core H100 row at every TP x PP of its model-parallel size (TP dividing the heads);
-    none when the reference file is not beside the repository (a bare clone)."""
-    if not REFERENCE.exists():
-        return []
-    src = tomllib.loads(REFERENCE.read_text())["source"][0]
+    the rows as they arrived in published_runs_h100.toml (jaxpar/cost/published/)."""
+    src = published.source("megatron_core_h100")
     out = []
     for raw in src["rows"]:
         r = dict(zip(src["columns"], raw))
@@ -257,7 +253,6 @@ def main() -> None:
                        for (sw, b), r in best.items()]), "",
             *findings(rows), "",
             "## Published Megatron-Core H100 rows beside the other splits of their TP x PP", "",
-            *([] if pub else [f"(not available: {REFERENCE} not found)"]),
             *md_table(["row", "TP x PP", "predicted MFU", "published MFU", "error", "fits", "GiB/device"],
                       [[p["model"], f"{p['tp']}x{p['pp']}", "refused" if p["mfu"] is None else pct(p["mfu"]),
                         pct(p["published"]) if p["published"] else "",

@@ -114,3 +114,57 @@ def test_offload_keeps_the_unit_inputs_on_the_host_and_selective_recomputes_the_
     core = 4 * 16 * 4096 ** 2 * m.heads * m.head_dim * m.layers
     mega = {r: estimate(m, st.with_options(remat=r), "h100-sxm", 16, 4096, software=MEGATRON_CORE) for r in ("none", "selective")}
     assert mega["selective"].flops.recompute - mega["none"].flops.recompute == pytest.approx(core / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("software", ["megatron-lm", "megatron-core", "nemo", "megatron-bridge", "torchtitan",
+                                      "llm-foundry"])
+def test_a_gpu_stack_prices_no_tpu(software, capsys):
+    """A stack's preset prices only hardware it runs on (Software.platforms): CUDA stacks on a TPU are refused in
+    one line naming the stacks that run there, by estimate, plan and the serving estimate alike."""
+    from jaxpar.cli import main as cli
+    from jaxpar.cost import SOFTWARE
+    from jaxpar.cost.inference import Request, inference_estimate
+    from jaxpar.planning.planner import plan
+    m, st = from_preset("llama3-8b"), parse_inline("fsdp=8").resolved(8)
+    line = f"software {SOFTWARE[software].name} runs on GPUs, not on tpu-v5p (TPU): --software jaxpar or maxtext"
+    for call in (lambda: estimate(m, st, "tpu-v5p", 64, 4096, SOFTWARE[software]),
+                 lambda: plan(m, "tpu-v5p", 8, 4096, 64, software=SOFTWARE[software]),
+                 lambda: inference_estimate(m, st, "tpu-v5p", Request("decode", 8, 512, 128), SOFTWARE[software])):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value) == line
+    assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", "fsdp=8", "--hardware", "tpu-v5p",
+                     "--software", software]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"jaxpar: error: {line}"
+    assert estimate(m, st, "h100-sxm", 64, 4096, SOFTWARE[software]).tokens_per_s > 0   # on its own hardware
+
+
+def test_the_tpu_stacks_price_a_tpu():
+    from jaxpar.cost import SOFTWARE
+    m, st = from_preset("llama3-8b"), parse_inline("fsdp=8").resolved(8)
+    assert all(estimate(m, st, "tpu-v5p", 64, 4096, SOFTWARE[s]).tokens_per_s > 0 for s in ("jaxpar", "maxtext"))
+
+
+def test_the_estimate_names_its_regime_and_says_where_no_run_calibrates_it(capsys, tmp_path):
+    """`estimate` prints its layout's regime (stack, family, precision, PP >= 16, CP >= 8, MoE, > 1,024 devices)
+    with its band, or that no run calibrates it; `--json` carries it as `band` (null where uncalibrated)."""
+    import json
+    from jaxpar.cli import main as cli
+    from jaxpar.cost import band
+    assert band.regime("megatron-core", "h100-sxm", "float8", {"pipeline": 16, "context": 8, "data": 16}, True) == \
+        "megatron-core h100-sxm fp8 PP>=16 CP>=8 MoE >1024 devices"
+    assert band.regime("jaxpar", "tpu-v5p", "bfloat16", {"fsdp": 8}, False) == "jaxpar tpu-v5p bf16"
+    calibrated = band.regime_band("torchtitan h100-sxm fp8")
+    cases = (("torchtitan", "h100-96gb-500w", "float8", "fsdp=8", calibrated),
+             ("megatron-core", "h100-sxm", "float8", "data=2,pipeline=16", None))
+    for software, hw, dtype, mesh, want in cases:
+        out = tmp_path / f"{software}.json"
+        assert cli.main(["estimate", "--model", "llama3-8b", "--mesh", mesh, "--hardware", hw, "--software", software,
+                         "--dtype", dtype, "--global-batch", "64", "--json", str(out)]) == 0
+        text = capsys.readouterr().out
+        got = json.loads(out.read_text())["band"]
+        if want is None:
+            assert got is None and "regime megatron-core h100-sxm fp8 PP>=16: no calibrating run" in text
+        else:
+            assert got == {"regime": "torchtitan h100-sxm fp8", "low": want.low, "high": want.high, "count": want.count}
+            assert f"regime torchtitan h100-sxm fp8: {want.low:+.1%} to {want.high:+.1%}" in text

@@ -1,5 +1,5 @@
-"""The analytic model against published Megatron-LM runs (shared/reference/published_runs.toml, A100;
-published_runs_h100.toml, H100).
+"""The analytic model against published Megatron-LM runs (jaxpar/cost/published/: the collections
+published_runs, A100, and published_runs_h100, H100).
 
 One set of calibration constants per hardware type (jaxpar/cost/hardware/a100-80gb.toml, h100-sxm.toml)
 must predict every row within TOLERANCE. Mapping of Megatron semantics onto jaxpar's axes, the same for every row:
@@ -20,18 +20,14 @@ must predict every row within TOLERANCE. Mapping of Megatron semantics onto jaxp
 """
 from __future__ import annotations
 
-import pathlib
-import tomllib
-
 import pytest
 
-from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware
+from jaxpar.cost import MEGATRON, MEGATRON_CORE, estimate, load_hardware, published
 from jaxpar.core.strategy import parse_inline
 from jaxpar.models.config import ModelConfig
 
 TOLERANCE = 0.15
-REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared/reference/published_runs.toml"
-REFERENCE_H100 = REFERENCE.with_name("published_runs_h100.toml")
+REFERENCE, REFERENCE_H100 = "published_runs", "published_runs_h100"   # collections of jaxpar/cost/published/
 
 
 def gpt(name: str, heads: int, hidden: int, layers: int, vocab: int, seq: int, tied: bool = True) -> ModelConfig:
@@ -64,7 +60,7 @@ def megatron_strategy(tp: int, pp: int, gpus: int, layers: int, global_batch: in
 
 def cases() -> list[tuple[str, str, float, float]]:
     """(row label, quantity, predicted, reported) for every reported figure of every row."""
-    data = tomllib.loads(REFERENCE.read_text())
+    data = published.load(REFERENCE)
     hw_name = {s["hardware"] for s in data["source"]}
     assert len(hw_name) == 1
     hw = load_hardware(hw_name.pop())
@@ -97,7 +93,7 @@ def cases() -> list[tuple[str, str, float, float]]:
 
 def h100_cases() -> list[tuple[str, str, float, float]]:
     """(row label, "MFU %", predicted, reported) for the Megatron-Core H100 rows (module docstring)."""
-    data = tomllib.loads(REFERENCE_H100.read_text())
+    data = published.load(REFERENCE_H100)
     out = []
     for src in data["source"]:
         hw, seq, vocab = load_hardware(src["hardware"]), src["seq"], src["vocab"]
@@ -122,15 +118,11 @@ def table(rows: list[tuple[str, str, float, float]]) -> str:
 
 @pytest.fixture(scope="module")
 def predictions():
-    if not REFERENCE.exists():
-        pytest.skip(f"published runs reference not found at {REFERENCE}")
     return cases()
 
 
 @pytest.fixture(scope="module")
 def h100_predictions():
-    if not REFERENCE_H100.exists():
-        pytest.skip(f"published runs reference not found at {REFERENCE_H100}")
     return h100_cases()
 
 

@@ -46,14 +46,11 @@ def test_best_plan_fits_and_beats_hand_picked_strategies():
 def reference_rows():
     """(label, model, published strategy, hardware, software, batch, seq) per row of both reference files,
     mapped as tests/test_cost_published.py maps them."""
-    import tomllib
-    from jaxpar.cost import MEGATRON, MEGATRON_CORE
+    from jaxpar.cost import MEGATRON, MEGATRON_CORE, published
     from tests.test_cost_published import REFERENCE, REFERENCE_H100, gpt, megatron_strategy
     rows = []
-    for path, software, zero, remat in ((REFERENCE, MEGATRON, 0, "full"), (REFERENCE_H100, MEGATRON_CORE, 1, "none")):
-        if not path.exists():
-            continue
-        for src in tomllib.loads(path.read_text())["source"]:
+    for collection, software, zero, remat in ((REFERENCE, MEGATRON, 0, "full"), (REFERENCE_H100, MEGATRON_CORE, 1, "none")):
+        for src in published.load(collection)["source"]:
             for raw in src["rows"]:
                 r = dict(zip(src["columns"], raw))
                 label = f"{src['id']} " + (f"{r['params_b']}B" if "params_b" in r else r["model"])
@@ -70,8 +67,7 @@ def _row_param(row):
     return pytest.param(row, id=row[0], marks=marks)
 
 
-@pytest.mark.parametrize("row", [_row_param(r) for r in reference_rows()] or
-                         [pytest.param(None, marks=pytest.mark.skip(reason="no shared/reference beside the repo"))])
+@pytest.mark.parametrize("row", [_row_param(r) for r in reference_rows()])
 def test_the_planner_finds_the_published_layout_or_a_faster_one(row):
     """On each published run's model, cluster, sequence and batch (with that run's software), the
     published layout (data, pipeline, tensor sizes) ranks in the planner's top 10, or the planner's top

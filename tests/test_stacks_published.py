@@ -1,17 +1,17 @@
-"""The published runs of other stacks (../shared/reference/published_runs_stacks.toml) read by
+"""The published runs of other stacks (jaxpar/cost/published/: the published_runs_stacks collection) read by
 experiments/study_stacks.py and predicted with their own stack's preset, and the planner beside them
-(experiments/study_plan_check.py). Skipped where the reference is not beside the repository."""
+(experiments/study_plan_check.py)."""
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 import statistics
 import sys
-import tomllib
 
 import pytest
 
 from jaxpar.cost import SOFTWARE, estimate, load_hardware
+from jaxpar.cost import published as published_runs
 from jaxpar.cost.band import band_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,8 +35,6 @@ def study():
 @pytest.fixture(scope="module")
 def published():
     s = study()
-    if not s.REFERENCE.exists():
-        pytest.skip(f"published runs reference not found at {s.REFERENCE}")
     return s, *s.read_rows()
 
 
@@ -44,7 +42,7 @@ def test_every_published_training_row_is_read_and_expressible_or_names_its_featu
     """Every training row of the reference is read by its source's reader; a row is refused only for an
     architecture the cost model does not represent, with the feature named, never by jaxpar's own rules."""
     s, rows, skipped = published
-    data = tomllib.loads(s.REFERENCE.read_text())
+    data = published_runs.load(s.COLLECTION)
     training = sum(len(src["rows"]) for src in data["source"] if src["kind"] == "training")
     assert len(rows) == training
     ok, refused = s.predictions(rows)
@@ -92,7 +90,7 @@ def test_torchtitans_memory_lies_below_its_published_peak_and_near_it(published,
     60% and 100% of it on every row, and the study's memory table lists each row."""
     s = published[0]
     ok, _, _ = analysed
-    src = next(x for x in tomllib.loads(s.REFERENCE.read_text())["source"] if x["id"] == "torchtitan_h100_2024")
+    src = published_runs.source("torchtitan_h100_2024")
     memory_gib = [dict(zip(src["columns"], r))["memory_gib"] for r in src["rows"]]
     checked = s.memory_check(ok)
     assert [row.memory_gib for row, _ in checked] == memory_gib
@@ -165,6 +163,32 @@ def test_the_per_stack_summary_states_the_bands_that_bands_toml_holds(published,
     default = [abs(p["predicted"] / p["published"] - 1) for p in s.points(ok, loso)
                if (p["stack"], p["family"]) == ("megatron-core", "h100-sxm")]
     assert statistics.median(default) == pytest.approx(band_for("h100-sxm", "megatron-core").oos_median, abs=5e-5)
+
+
+def test_the_regime_bands_are_the_held_out_errors_deciles_and_bands_toml_holds_them(published, analysed):
+    """Per regime (jaxpar.cost.band.regime) the out-of-sample errors of its rows: the 10th and 90th percentile
+    (numpy's linear interpolation, an independent computation) where 8 or more fall in it, else no calibrating
+    run; each as bands.toml holds it; the coverage of held-out sources printed in the study's table."""
+    import numpy as np
+    from jaxpar.cost.band import regime_bands
+    s = published[0]
+    ok, _, loso = analysed
+    errs: dict[str, list[tuple[str, float]]] = {}
+    for i, (row, st) in enumerate(ok):
+        if "no other source" not in loso[i][1]:
+            errs.setdefault(s.row_regime(row, st), []).append((row.source, loso[i][0] / row.published - 1))
+    held = regime_bands()
+    assert set(held) == set(errs) and sum(r.count for r in held.values()) == sum(map(len, errs.values()))
+    for name, runs in errs.items():
+        e = [x for _, x in runs]
+        if len(e) >= 8:
+            assert (held[name].low, held[name].high) == pytest.approx(tuple(np.percentile(e, [10, 90])), abs=5e-5)
+            assert sum(held[name].low <= x <= held[name].high for x in e) / len(e) >= 0.7   # the deciles hold 80%
+        else:
+            assert held[name].low is None and held[name].to_json() is None
+    table = "\n".join(s.regime_summary(list(held.values())))
+    assert all(f"| {name} | {len(runs)} |" in table for name, runs in errs.items())
+    assert "torchtitan h100-sxm fp8" in held and held["torchtitan h100-sxm fp8"].coverage is not None
 
 
 def test_the_figure_plots_every_predicted_row_and_marks_those_predicted_not_to_fit(published, analysed):

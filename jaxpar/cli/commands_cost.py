@@ -18,7 +18,7 @@ from jaxpar.cost.defaults import accelerator_defaults, priced_zero
 from jaxpar.cost.estimate import HBM_HEADROOM
 from jaxpar.cost.hardware import load_hardware
 from jaxpar.cost.inference import Request, format_inference, inference_estimate
-from jaxpar.cost.software import check_runs
+from jaxpar.cost.software import check_platform, check_runs
 from jaxpar.devices import MAX_DEVICES, simulate_cpu_devices
 from jaxpar.errors import ConfigError
 from jaxpar.planning import planner
@@ -89,6 +89,7 @@ def shape_defaults(args) -> list[str]:
 def cmd_estimate(args) -> int:
     question, mesh = question_from(args)
     model, software = model_from(question.model), SOFTWARE[question.software]
+    check_platform(software, load_hardware(question.hardware))   # first: no other refusal of a stack that is not there
     strategy = strategy_from_args(args, mesh)
     if strategy.num_devices < 1:
         if not question.devices:
@@ -153,6 +154,7 @@ def cmd_plan(args) -> int:
         return plan_inference(args)
     question = Question(args.model, args.hardware, args.software, args.devices, args.seq, args.global_batch,
                         args.hbm_headroom)
+    check_platform(SOFTWARE[args.software], load_hardware(args.hardware))
     print(question.header(model, load_hardware(args.hardware)))
     misses = planner.Misses()
     results, considered, valid = planner.plan(model, args.hardware, args.devices, args.seq, args.global_batch,

@@ -1,22 +1,26 @@
-"""The cost model's error band: how far its predictions fell from published runs of one stack on one
-hardware family.
+"""The cost model's error bands: how far its predictions fell from published runs.
 
-experiments/study_stacks.py predicts every published training run of shared/reference/
-published_runs_stacks.toml with its own stack's preset (jaxpar/cost/software.py) on its hardware
-profile, and writes the residuals per (hardware family, stack) to jaxpar/cost/bands.toml: the number of
-runs, the median and the worst absolute error of tokens/s per device, in sample (the committed constants)
-and out of sample (each source predicted with the constants fitted on the other sources of its hardware
-family: experiments/study_stacks.py's leave-one-source-out). `estimate` and `plan` print the in-sample band of
-the pair they price beside every figure ("±x% over N published runs"); a pair with no published run says so.
-The design guide (experiments/README.md) quotes the out-of-sample band, the one that says how far a run not
-in the calibration may fall. A band is a record of past predictions, not a guarantee: runs of other models,
-scales and stacks may fall outside it.
+experiments/study_stacks.py predicts every published training run of the published_runs_stacks collection
+(jaxpar/cost/published.py: the data in the repository) with its own stack's preset (jaxpar/cost/software.py)
+on its hardware profile, in sample (the committed constants) and out of sample (each source predicted with
+the constants fitted on the other sources of its hardware family: leave one source out), and writes to
+jaxpar/cost/bands.toml (`--write-bands`):
+  per (hardware family, stack)   runs, median and worst |error| of tokens/s per device, in and out of sample
+                                 (the guide's ties: `Band.guide`);
+  per regime                     the stack, family, precision, PP >= 16, CP >= 8, MoE and > 1,024 devices of a
+                                 layout (`regime`): the 10th to 90th percentile of its runs' signed
+                                 out-of-sample errors where at least 8 runs fall in it, else "no calibrating
+                                 run"; and the share of its runs inside the band the other sources' runs give.
+`estimate` prints its layout's regime band (and `--json` carries it as `band`), `plan` the pair's. A band is a
+record of past predictions, not a guarantee: runs of other models, scales and stacks may fall outside it.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import pathlib
+import statistics
 
 from jaxpar.core.inputs import read_toml
 
@@ -45,6 +49,67 @@ class Band:
                 f"{self.software} run{'s' if self.runs != 1 else ''} on {self.family}{oos}")
 
 
+# ---- regimes: where the out-of-sample errors of like layouts lie ----------------------------------------
+
+REGIME_MIN_RUNS = 8            # fewer published runs in a regime: "no calibrating run"
+REGIME_QUANTILES = (0.1, 0.9)  # the band: the 10th to the 90th percentile of the regime's out-of-sample errors
+PRECISION = {"float8": "fp8", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def regime(software: str, family: str, dtype: str, sizes: dict[str, int], moe: bool) -> str:
+    """The regime a layout's error is banded in, as one name: the stack, the hardware family and the compute
+    precision, and each of pipeline >= 16 stages, context >= 8, a mixture of experts and more than 1,024
+    devices that holds ("megatron-core h100-sxm fp8 PP>=16")."""
+    flags = [("PP>=16", sizes.get("pipeline", 1) >= 16), ("CP>=8", sizes.get("context", 1) >= 8), ("MoE", moe),
+             (">1024 devices", math.prod(sizes.values()) > 1024)]
+    return " ".join([software, family, PRECISION.get(dtype, dtype)] + [name for name, holds in flags if holds])
+
+
+@dataclasses.dataclass(frozen=True)
+class RegimeBand:
+    regime: str
+    count: int                     # published runs in the regime, each predicted out of sample
+    low: float | None = None       # the 10th and 90th percentile of predicted / published - 1 (None: < 8 runs)
+    high: float | None = None
+    coverage: float | None = None  # share of the runs inside the band the other sources' runs give (None: too few)
+
+    def to_json(self) -> dict | None:
+        """`estimate --json`'s `band`: the regime's interval and count, or None where no run calibrates it."""
+        if self.low is None:
+            return None
+        return {"regime": self.regime, "low": self.low, "high": self.high, "count": self.count}
+
+    def describe(self) -> str:
+        if self.low is None:
+            return (f"regime {self.regime}: no calibrating run ({self.count} published run"
+                    f"{'s' if self.count != 1 else ''} in it, fewer than {REGIME_MIN_RUNS})")
+        return (f"regime {self.regime}: {self.low:+.1%} to {self.high:+.1%} (10th to 90th percentile of "
+                f"{self.count} published runs' errors, out of sample; jaxpar/cost/band.py)")
+
+
+def quantile_band(errors: list[float]) -> tuple[float, float] | None:
+    """(10th, 90th percentile) of `errors`, or None below REGIME_MIN_RUNS."""
+    if len(errors) < REGIME_MIN_RUNS:
+        return None
+    deciles = statistics.quantiles(errors, n=10, method="inclusive")
+    return round(deciles[0], 4), round(deciles[-1], 4)
+
+
+@functools.cache
+def regime_bands() -> dict[str, RegimeBand]:
+    """{regime: RegimeBand} from bands.toml's [[regime]] tables."""
+    if not BANDS.exists():
+        return {}
+    rows = read_toml(BANDS, "bands").get("regime", [])
+    return {r["regime"]: RegimeBand(r["regime"], int(r["count"]), r.get("low"), r.get("high"), r.get("coverage"))
+            for r in rows}
+
+
+def regime_band(name: str) -> RegimeBand:
+    """The band of regime `name`: its record, or a count of 0 where no published run falls in it."""
+    return regime_bands().get(name, RegimeBand(name, 0))
+
+
 @functools.cache
 def bands() -> dict[tuple[str, str], Band]:
     """{(family, software): Band} from bands.toml (empty when the file is absent)."""
@@ -70,12 +135,15 @@ def describe(family: str, software: str) -> str:
     return f"error band: {b.describe()} (jaxpar/cost/band.py)"
 
 
-def to_toml(rows: list[Band]) -> str:
-    """bands.toml's text for `rows` (experiments/study_stacks.py writes it)."""
+def to_toml(rows: list[Band], regimes: list[RegimeBand] = ()) -> str:
+    """bands.toml's text for `rows` and `regimes` (experiments/study_stacks.py writes it)."""
     head = ("# Written by experiments/study_stacks.py --write-bands: the cost model's residuals on the published\n"
-            "# runs of shared/reference/published_runs_stacks.toml, per hardware family and stack (jaxpar/cost/band.py).\n")
+            "# runs of jaxpar/cost/published/ (published_runs_stacks), per hardware family and stack (jaxpar/cost/band.py).\n")
     def oos(b: Band) -> str:
         return "" if b.oos_median is None else f"oos_median = {b.oos_median:.4f}\noos_worst = {b.oos_worst:.4f}\n"
     body = "".join(f'\n[[band]]\nfamily = "{b.family}"\nsoftware = "{b.software}"\nruns = {b.runs}\n'
                    f"median = {b.median:.4f}\nworst = {b.worst:.4f}\n{oos(b)}" for b in rows)
-    return head + body
+    def fields(r: RegimeBand) -> str:
+        return "".join(f"{k} = {getattr(r, k):.4f}\n" for k in ("low", "high", "coverage") if getattr(r, k) is not None)
+    regimes_text = "".join(f'\n[[regime]]\nregime = "{r.regime}"\ncount = {r.count}\n{fields(r)}' for r in regimes)
+    return head + body + regimes_text

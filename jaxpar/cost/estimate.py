@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxpar.cost import comm, energy, flops, memory, overlap, params, program_flops, program_memory, shape, time
+from jaxpar.cost import band, comm, energy, flops, memory, overlap, params, program_flops, program_memory, shape, time
 from jaxpar.cost.hardware import Hardware, load_hardware
-from jaxpar.cost.software import JAXPAR, Software, program_kernel, program_traits
+from jaxpar.cost.software import JAXPAR, Software, check_platform, program_kernel, program_traits
 from jaxpar.errors import ConfigError
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -44,6 +44,7 @@ class Estimate(NamedTuple):
     family: str = ""                                    # the hardware's calibration family (jaxpar/cost/band.py)
     causal: bool = False                                # the kernels compute only the causal triangle
     host_memory: float = 0.0                            # the profile's host DRAM per device (0: unknown)
+    regime: str = ""                                    # the layout's error regime (jaxpar/cost/band.py)
 
     @property
     def energy(self) -> energy.Energy | None:
@@ -118,6 +119,7 @@ class Estimate(NamedTuple):
             "host_memory": self.host_memory, "host_fits": self.host_fits,
             "time_breakdown_s": self.time.terms(), "dominant": self.dominant,
             "energy": dataclasses.asdict(self.energy) if self.energy else None,
+            "band": band.regime_band(self.regime).to_json(),
         }
 
 
@@ -148,6 +150,7 @@ def question(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
     check_modelled(model)
     check_modelled_layout(model, strategy)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    check_platform(software, hw)
     if strategy.num_devices < 1:
         raise ConfigError(f"mesh {strategy.name}: resolve the -1 axis (Strategy.resolved) before estimating")
     return Step(model, strategy, hw, program_traits(software, strategy, hw.platform), global_batch, seq,
@@ -257,7 +260,8 @@ def estimate(model: ModelConfig, strategy: Strategy, hardware: Hardware | str, g
                     devices=step.devices, global_batch=global_batch, seq=seq, mesh=strategy.mesh, predicted=predicted,
                     flops=w.flops, time=t, memory=mem, hbm_bytes=hw.hbm_bytes, peak_flops=hw.peak_flops, busy=busy,
                     power=(hw.tdp_w, hw.idle_w), headroom=headroom, family=hw.family, causal=step.software.causal,
-                    host_memory=hw.host_memory)
+                    host_memory=hw.host_memory, regime=band.regime(step.software.name, hw.family, strategy.options.dtype,
+                                                                   strategy.sizes, bool(model.moe_layers)))
 
 
 # ---- the terms the stages read ------------------------------------------------------------------------

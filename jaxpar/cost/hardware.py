@@ -1,7 +1,7 @@
 """Hardware profiles: what one accelerator and its links can do, plus the calibration constants.
 
 A profile is a TOML file in `jaxpar/cost/hardware/` (or any path). Datasheet numbers come from the
-`[hardware]` table of shared/reference/published_runs.toml (vendor datasheets as summarised in the
+`[hardware]` table of jaxpar/cost/published/hardware.toml (vendor datasheets as summarised in the
 JAX scaling book, "How to Scale Your Model"). The `[calibration]` table holds the few constants that
 turn peak numbers into achieved ones; they are fitted once per device type, never per run:
 

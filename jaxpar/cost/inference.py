@@ -24,7 +24,7 @@ from jaxpar.cost.compiler import COMPILERS, Compiler, activation_bytes, lower
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost.memory import ACTIVATION_BYTES
 from jaxpar.cost.shape import step_shape
-from jaxpar.cost.software import JAXPAR, Software
+from jaxpar.cost.software import JAXPAR, Software, check_platform
 from jaxpar.cost.time import comm_seconds
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
@@ -224,6 +224,7 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, r
     states what generation supports."""
     phase, batch, prompt, generate = request.phase, request.batch, request.prompt, request.generate
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    check_platform(software, hw)
     cc = COMPILERS[compiler] if isinstance(compiler, str) else compiler
     sz, n = st.sizes, st.num_devices
     slots = prompt + generate - 1

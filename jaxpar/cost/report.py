@@ -30,7 +30,8 @@ def format_estimate(est: Estimate, recomputed: str = "") -> str:
              f"{est.global_batch:,} sequences x seq {est.seq:,} = {est.global_batch * est.seq:,} tokens",
              f"  step {_secs(est.step_time_s)}   {est.tokens_per_s:,.0f} tokens/s   "
              f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   dominant: {est.dominant}",
-             f"  {mfu_convention(est)}", f"  {band.describe(est.family, est.software)}", "", "time per step:"]
+             f"  {mfu_convention(est)}", f"  {band.describe(est.family, est.software)}",
+             f"  {band.regime_band(est.regime).describe()}", "", "time per step:"]
     total = est.step_time_s
     for name, t in est.time.terms().items():
         if t > 0:

@@ -27,6 +27,9 @@ def trait(default, help: str):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Software:
     name: str = trait("jaxpar", "the stack's name (`--software`)")
+    platforms: tuple[str, ...] = trait(("gpu", "tpu"), "the hardware platforms the stack runs on: its preset "
+                                       "prices no other (a stack's traits on hardware it never ran on are "
+                                       "nobody's program, and no published run calibrates them)")
     jaxpar_program: bool = trait(True, "the step is jaxpar's own JAX program as XLA compiles it: its program's "
                                        "adjustments apply (inventory_jax, program_memory, program_comm, program_pipeline, overlap)")
     dropout: bool = trait(False, "dropout masks and dropped copies join the activation inventory (Megatron GPT: "
@@ -125,7 +128,7 @@ def describe(software: Software) -> list[str]:
 JAXPAR = Software()
 # Megatron-LM as in its published GPT runs (Narayanan et al. 2021; Korthikanti et al. 2022): dropout,
 # 1F1B, scatter/gather between stages, the distributed optimizer's bf16 gathers, routed MoE dispatch
-MEGATRON = Software(name="megatron-lm", jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
+MEGATRON = Software(name="megatron-lm", platforms=("gpu",), jaxpar_program=False, dropout=True, causal=False, pp_scatter_gather=True,
                     pp_1f1b=True, rerun_outputs=True, moe_padded=False,
                     param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False, pp_end_stages=True, weight_bytes=2,
                     optimizer_bytes=12, fsdp_pipeline=False, zeros=(0, 1),
@@ -147,7 +150,7 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # loss on the last stage, activation checkpointing of whole blocks (which reruns the output projection),
 # async TP as collective matmul, float8 linears with float8 FSDP gathers (torchao), context parallelism
 # by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
-TORCHTITAN = Software(name="torchtitan", jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
+TORCHTITAN = Software(name="torchtitan", platforms=("gpu",), jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
                       pp_1f1b=True, sac_every_other_mm=True, loss_logit_bytes=12, pp_fsdp_gathered=True,
                       remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",), zeros=(0, 3),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
@@ -178,7 +181,7 @@ MAXTEXT = Software(name="maxtext", jaxpar_program=False, causal=True, fused_atte
 # MosaicML llm-foundry (scripts/train/benchmarking/README.md): PyTorch FSDP FULL_SHARD (or SHARD_GRAD_OP),
 # Composer's mixed precision DEFAULT (bf16 parameter gathers, float32 gradient reduction), flash attention
 # (causal), forward/backward prefetch, full-layer activation checkpointing; no TP or PP.
-LLM_FOUNDRY = Software(name="llm-foundry", jaxpar_program=False, causal=True, fused_attention=True,
+LLM_FOUNDRY = Software(name="llm-foundry", platforms=("gpu",), jaxpar_program=False, causal=True, fused_attention=True,
                        rerun_outputs=True, param_gather_bytes=2, serve_weight_bytes=2, pp_head_spread=False,
                        dp_overlap=1.0, attention_kernel="flash2", axes=("data", "fsdp"), remats=("none", "full"), flat_params=True,
                        pp_schedules=(), pp_interleaved=(), sources="llm-foundry benchmarking README; Composer FSDP docs (mixed_precision)")
@@ -226,6 +229,15 @@ def mesh_refusal(software: Software, sizes: dict[str, int]) -> str:
     if not software.fsdp_pipeline and sizes["fsdp"] > 1 and sizes["pipeline"] > 1:
         return f"its FSDP does not shard pipeline stages (fsdp={sizes['fsdp']} x pipeline={sizes['pipeline']})"
     return ""
+
+
+def check_platform(software: Software, hardware) -> None:
+    """Refused in one line: a stack's preset on hardware it does not run on (`Software.platforms`: Megatron,
+    torchtitan and llm-foundry are CUDA programs; on a TPU the stacks that run are jaxpar and MaxText)."""
+    if hardware.platform not in software.platforms:
+        stacks = [name for name, s in SOFTWARE.items() if hardware.platform in s.platforms and name not in ALIASES]
+        raise ConfigError(f"software {software.name} runs on {' and '.join(p.upper() for p in software.platforms)}s, "
+                          f"not on {hardware.name} ({hardware.platform.upper()}): --software {' or '.join(stacks)}")
 
 
 def check_runs(st: Strategy, software: Software) -> None:

@@ -30,7 +30,7 @@ from jaxpar.cost.defaults import priced_zero
 from jaxpar.cost.hardware import Hardware, load_hardware
 from jaxpar.cost import band
 from jaxpar.cost.report import mfu_convention
-from jaxpar.cost.software import JAXPAR, SOFTWARE, Software, mesh_refusal
+from jaxpar.cost.software import JAXPAR, SOFTWARE, Software, check_platform, mesh_refusal
 from jaxpar.errors import ConfigError
 from jaxpar.planning.question import Question, written
 from jaxpar.core.strategy import AXES, OPTION_FIELDS, Options, Strategy, toml_value
@@ -143,6 +143,7 @@ def plan(model: ModelConfig, hardware: Hardware | str, devices: int, seq: int, g
         raise ConfigError(f"--objective energy needs a power model: hardware {hw.name} has no [power] table "
                           "(tdp_w, idle_w; see jaxpar/cost/energy.py)")
     check_modelled(model)
+    check_platform(software, hw)
     if software.jaxpar_program:
         validate.check_program_dtype(dtype, grad_dtype)
     if dtype == "float8":
@@ -351,7 +352,8 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
     if any("+" in n.split("remat=", 1)[1].split(",", 1)[0] for n in names):
         lines.append(RECOMPUTE_NOTE)
     if results:
-        lines += [mfu_convention(results[0][0]), band.describe(results[0][0].family, software)]
+        lines += [mfu_convention(results[0][0]), band.describe(results[0][0].family, software),
+                  f"#1's {band.regime_band(results[0][0].regime).describe()}"]
     return "\n".join(lines)
 
 
