@@ -10,9 +10,11 @@ import pathlib
 COST = pathlib.Path(__file__).resolve().parent.parent / "jaxpar" / "cost"
 TEXTBOOK = ("hardware", "params", "flops", "shape", "memory", "held", "floor", "time", "energy", "sites",
             "comm_data", "comm_tensor", "comm_context", "comm_pipeline", "comm_expert", "weight_moves")
-# the implementation layer, and the modules over both layers (estimate, inference, the recipe comm)
+# the implementation layer, and the modules over both layers (estimate, inference, the recipe comm, the
+# published runs and the bands read from them)
 IMPLEMENTATION = ("software", "compiler", "compiler_comm", "inventory_jax", "program_memory", "program_flops",
-                  "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference", "band")
+                  "program_comm", "program_pipeline", "comm", "overlap", "estimate", "inference", "band",
+                  "published")
 # parameter names that carry a compiler, a stack or jaxpar's program into a function: none in the textbook
 PROGRAM_FLAGS = {"cc", "compiler", "software", "own", "piped", "one_f", "rerun_chunk", "jaxpar_program",
                  "departures", "copies", "label_phase", "hoist", "combine", "program"}

@@ -26,7 +26,7 @@ The implementation: what a stack, XLA and jaxpar's program make of the textbook,
                compiled HLO: tests/test_cost_vs_hlo.py)
     overlap    which of them jaxpar's overlap options hide
 Then estimate (shape -> FLOPs -> collectives -> memory -> time) -> report; inference (prefill and decode);
-defaults. tests/test_cost_layers.py keeps the textbook free of the implementation's imports and flags.
+defaults; band (the estimate's error per regime, from the published runs `published` reads). tests/test_cost_layers.py keeps the textbook free of the implementation's imports and flags.
 """
 from jaxpar.cost.estimate import Estimate, estimate
 from jaxpar.cost.hardware import Hardware, known_profiles, load_hardware
