@@ -48,7 +48,8 @@ from _study import FIGURES, OKABE_ITO, pyplot  # noqa: E402
 from jaxpar.core import validate  # noqa: E402
 from jaxpar.core.strategy import Strategy, parse_inline  # noqa: E402
 from jaxpar.cost import SOFTWARE, estimate, load_hardware  # noqa: E402
-from jaxpar.cost.band import Band, RegimeBand, band_for, quantile_band, regime, to_toml  # noqa: E402
+from jaxpar.cost.band import (REGIME_MIN_RUNS, Band, PairedBand, RegimeBand, band_for, paired_errors, quantile_band, regime,  # noqa: E402
+                              to_toml)
 from jaxpar.cost import published  # noqa: E402
 from jaxpar.cost.defaults import stack_defaults  # noqa: E402
 from jaxpar.cost.software import check_runs  # noqa: E402
@@ -391,6 +392,34 @@ def regime_bands(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, st
     return out
 
 
+def layout_pairs(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str]]) -> list[tuple[int, int]]:
+    """(i, j) of every two rows of one source, model, hardware, sequence length and precision that differ in
+    layout or scale, each predicted out of sample (a family no other source covers is left out)."""
+    def key(row: Row, st: Strategy):
+        return row.source, row.model.name, row.hardware, row.seq, st.options.dtype
+    usable = [i for i in range(len(ok)) if "no other source" not in loso[i][1]]
+    return [(i, j) for n, i in enumerate(usable) for j in usable[n + 1:]
+            if key(*ok[i]) == key(*ok[j]) and (ok[i][1].sizes, ok[i][0].global_batch) != (ok[j][1].sizes, ok[j][0].global_batch)]
+
+
+def paired_band(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str]]) -> PairedBand:
+    """The band of the error of two layouts' ratio (jaxpar.cost.band.paired_errors) over `layout_pairs`."""
+    pairs = layout_pairs(ok, loso)
+    errors = paired_errors([(loso[i][0], loso[j][0], ok[i][0].published, ok[j][0].published) for i, j in pairs])
+    band = (quantile_band(errors) if len(pairs) >= REGIME_MIN_RUNS else None) or (None, None)
+    return PairedBand(len(pairs), len({ok[i][0].source for i, _ in pairs}), *band)
+
+
+def pair_table(ok: list[tuple[Row, Strategy]], loso: dict[int, tuple[float, str]]) -> list[str]:
+    """Each layout pair: its two runs, the published and the predicted ratio of their speeds, the error."""
+    lines = ["| source | run a | run b | published a / b | predicted a / b | error |", "|---|---|---|---:|---:|---:|"]
+    for i, j in layout_pairs(ok, loso):
+        (a, _), (b, _) = ok[i], ok[j]
+        pub, pred = a.published / b.published, loso[i][0] / loso[j][0]
+        lines.append(f"| {a.source} | {a.label} | {b.label} | {pub:.3f} | {pred:.3f} | {pred / pub - 1:+.1%} |")
+    return lines
+
+
 def regime_summary(regimes: list[RegimeBand]) -> list[str]:
     """Per regime: its runs, its band (or none) and the coverage of held-out sources' runs."""
     lines = ["| regime | runs | 10th percentile | 90th percentile | held-out runs inside |", "|---|---:|---:|---:|---:|"]
@@ -502,9 +531,9 @@ HEAD = ["Each published training run predicted in its own layout, with its own s
 
 def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analysed=None) -> str:
     ok, refused, loso = analysed or analyse(rows)
-    bands, regimes = error_bands(ok, loso), regime_bands(ok, loso)
+    bands, regimes, paired = error_bands(ok, loso), regime_bands(ok, loso), paired_band(ok, loso)
     if write_bands:
-        BANDS.write_text(to_toml(bands, regimes))
+        BANDS.write_text(to_toml(bands, regimes, paired))
     lines = ["# Published runs of other stacks against the cost model", "",
              "mode: full (the study has one mode); written by `python experiments/study_stacks.py`", "", *HEAD,
              "| source | run | hardware | stack | published tok/s/dev | in sample | error | out of sample | error | "
@@ -530,6 +559,11 @@ def report(rows: list[Row], skipped: list[str], write_bands: bool = False, analy
               "Out of sample: the 10th to 90th percentile of predicted / published - 1 over a regime's runs where at "
               f"least 8 fall in it, else no calibrating run; `held-out runs inside`: the share of its runs inside "
               "the band its other sources' runs give (where those are 8 or more).", "", *regime_summary(regimes), "",
+              "## Pairs: how well the model tells two published layouts apart (jaxpar/cost/bands.toml [paired])", "",
+              "Two runs of one source, model, machine type, sequence length and precision in different layouts or at "
+              "different scales, each predicted out of sample; the error is predicted a / b over published a / b, "
+              "less 1. `plan` ties plans within the band (both orders of each pair: symmetric in the log).", "",
+              *pair_table(ok, loso), "", paired.describe(), "",
               *memory_table(memory_check(ok))]
     lines += [f"{len(ok)} rows predicted, {not_fit} of them predicted not to fit in HBM; "
               f"{len(refused)} not expressible:", ""]

@@ -10,8 +10,12 @@ jaxpar/cost/bands.toml (`--write-bands`):
   per regime                     the stack, family, precision, PP >= 16, CP >= 8, MoE and > 1,024 devices of a
                                  layout (`regime`): the 10th to 90th percentile of its runs' signed
                                  out-of-sample errors where at least 8 runs fall in it, else "no calibrating
-                                 run"; and the share of its runs inside the band the other sources' runs give.
-`estimate` prints its layout's regime band (and `--json` carries it as `band`), `plan` the pair's. A band is a
+                                 run"; and the share of its runs inside the band the other sources' runs give;
+  paired                         the error of a *difference*: over pairs of published layouts of one model on one
+                                 machine (one source, sequence length and precision), the 10th to 90th
+                                 percentile of (predicted ratio / published ratio - 1), each pair in both orders.
+`estimate` prints its layout's regime band (and `--json` carries it as `band`); `plan` the pair's and ties
+plans within the paired band (jaxpar/planning/planner.py: `tie_band`). A band is a
 record of past predictions, not a guarantee: runs of other models, scales and stacks may fall outside it.
 """
 from __future__ import annotations
@@ -123,6 +127,39 @@ def bands() -> dict[tuple[str, str], Band]:
     return out
 
 
+# ---- pairs: how well the model tells two layouts apart ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PairedBand:
+    pairs: int                  # pairs of published layouts of one model on one machine, from one source
+    sources: int                # the sources they come from
+    low: float | None = None    # 10th and 90th percentile of predicted ratio / published ratio - 1, both
+    high: float | None = None   # orders of each pair (None: fewer than REGIME_MIN_RUNS pairs)
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"paired band: none ({self.pairs} published layout pairs, fewer than {REGIME_MIN_RUNS})"
+        return (f"paired band: {self.low:+.1%} to {self.high:+.1%} (10th to 90th percentile of the error of "
+                f"the ratio of two layouts' speeds, over {self.pairs} published pairs from {self.sources} sources, "
+                "out of sample; jaxpar/cost/band.py)")
+
+
+def paired_errors(pairs: list[tuple[float, float, float, float]]) -> list[float]:
+    """Each (predicted a, predicted b, published a, published b) as the error of its ratio, in both orders."""
+    out = []
+    for pa, pb, qa, qb in pairs:
+        e = math.log(pa / pb) - math.log(qa / qb)
+        out += [math.expm1(e), math.expm1(-e)]
+    return out
+
+
+@functools.cache
+def paired_band() -> PairedBand:
+    """bands.toml's [paired] table (no pairs when the file or the table is absent)."""
+    row = read_toml(BANDS, "bands").get("paired", {}) if BANDS.exists() else {}
+    return PairedBand(int(row.get("pairs", 0)), int(row.get("sources", 0)), row.get("low"), row.get("high"))
+
+
 def band_for(family: str, software: str) -> Band | None:
     return bands().get((family, software))
 
@@ -135,8 +172,8 @@ def describe(family: str, software: str) -> str:
     return f"error band: {b.describe()} (jaxpar/cost/band.py)"
 
 
-def to_toml(rows: list[Band], regimes: list[RegimeBand] = ()) -> str:
-    """bands.toml's text for `rows` and `regimes` (experiments/study_stacks.py writes it)."""
+def to_toml(rows: list[Band], regimes: list[RegimeBand] = (), paired: PairedBand | None = None) -> str:
+    """bands.toml's text for `rows`, `regimes` and `paired` (experiments/study_stacks.py writes it)."""
     head = ("# Written by experiments/study_stacks.py --write-bands: the cost model's residuals on the published\n"
             "# runs of jaxpar/cost/published/ (published_runs_stacks), per hardware family and stack (jaxpar/cost/band.py).\n")
     def oos(b: Band) -> str:
@@ -146,4 +183,7 @@ def to_toml(rows: list[Band], regimes: list[RegimeBand] = ()) -> str:
     def fields(r: RegimeBand) -> str:
         return "".join(f"{k} = {getattr(r, k):.4f}\n" for k in ("low", "high", "coverage") if getattr(r, k) is not None)
     regimes_text = "".join(f'\n[[regime]]\nregime = "{r.regime}"\ncount = {r.count}\n{fields(r)}' for r in regimes)
-    return head + body + regimes_text
+    pair_text = "" if paired is None else (f"\n[paired]\npairs = {paired.pairs}\nsources = {paired.sources}\n"
+                                           + "".join(f"{k} = {getattr(paired, k):.4f}\n" for k in ("low", "high")
+                                                     if getattr(paired, k) is not None))
+    return head + body + regimes_text + pair_text

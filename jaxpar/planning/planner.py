@@ -208,12 +208,15 @@ TIE_BAND = 0.005
 
 
 def tie_band(est) -> float:
-    """The relative band within which a plan ties with `est`: the cost model's median error on published runs
-    of its stack on its hardware family where there are some, out of sample where another source covers the
-    family (band.Band.guide: the band the design guide calls ties with; plans closer than the model is to
-    real runs are not told apart by it), else TIE_BAND."""
-    b = band.band_for(est.family, est.software)
-    return max(TIE_BAND, b.guide()) if b else TIE_BAND
+    """The relative band within which a plan ties with `est`: where published runs of its stack on its
+    hardware family calibrate the model, the paired band's 90th percentile (band.paired_band: how far the
+    model's ratio of two published layouts' speeds fell from the published ratio; the error of a difference,
+    not the absolute error), else their out-of-sample median error (band.Band.guide) where too few pairs are
+    published; TIE_BAND where no published run calibrates the pair (jaxpar's own program)."""
+    b, paired = band.band_for(est.family, est.software), band.paired_band()
+    if b is None:
+        return TIE_BAND
+    return max(TIE_BAND, paired.high if paired.high is not None else b.guide())
 
 
 def score(est, objective: str = "throughput") -> float:
@@ -354,6 +357,8 @@ def format_plan(results, considered: int, valid: int, software: str = "jaxpar", 
     if results:
         lines += [mfu_convention(results[0][0]), band.describe(results[0][0].family, software),
                   f"#1's {band.regime_band(results[0][0].regime).describe()}"]
+        if band.band_for(results[0][0].family, software) is not None:
+            lines.append(f"ties: the {band.paired_band().describe()}")
     return "\n".join(lines)
 
 
