@@ -37,6 +37,7 @@ BASE = {  # a valid command line for each command; a case spoils one thing
     "launch": ["launch", "--processes", "2", "--", "train", "--model", "llama-tiny", "--mesh", "dp8"],
     "explain": ["explain", "attn.wq", "--model", "llama-tiny", "--mesh", "dp8"],
     "data": ["data", "--input", "README.md", "--output", "data-out", "--train-tokenizer", "--vocab", "300"],
+    "schedule": ["schedule", "--pp-schedule", "zb-h1", "--stages", "4", "--microbatches", "8"],
 }
 BAD_INTEGERS = {"-1": "must be >", "abc": "is not an integer", "1.5": "is not an integer", "": "is not an integer"}
 BAD_REALS = {"nan": "must be finite", "inf": "must be finite", "x": "is not a number", "-1": "must be >"}

@@ -15,7 +15,7 @@ import sys
 import time
 
 import jaxpar
-from jaxpar.cli import explain
+from jaxpar.cli import explain, schedule
 from jaxpar.cli.streams import separate_streams
 from jaxpar.cli.commands_cost import cmd_estimate, cmd_plan
 from jaxpar.core.inputs import (MAX_CLUSTER_DEVICES, MAX_GLOBAL_BATCH, MAX_SEED, NON_NEGATIVE, POSITIVE, SEED,
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_train, add_eval, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
         add(sub)
     add_strategy_flags(explain.add_parser(sub), "explain")
+    schedule.add_parser(sub)
     parser.commands = dict(sub.choices)
     return parser
 
@@ -505,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             return ANALYTIC[args.command](args)
         if args.command == "explain":
             return explain.cmd_explain(args)
+        if args.command == "schedule":
+            return schedule.cmd_schedule(args)
         from jaxpar.cli import commands  # deferred: JAX, Flax and the trainer load only for the commands that use them
         args.imported = time.perf_counter()
         return commands.run(args)

@@ -186,7 +186,7 @@ def check_writable(path: str, what: str, *, directory: bool = False) -> None:
 
 
 # flag -> (what it writes is a directory); checked by `check_outputs` before a command runs
-OUTPUTS = {"metrics": False, "json": False, "plot": False, "profile": True, "tensorboard": True}
+OUTPUTS = {"metrics": False, "json": False, "plot": False, "figure": False, "profile": True, "tensorboard": True}
 
 
 def check_outputs(args: argparse.Namespace) -> None:

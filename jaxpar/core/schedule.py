@@ -221,3 +221,40 @@ def stored_spec(spec, shape: tuple[int, ...], strategy: Strategy, runs: tuple[in
         dims.pop()
     return type(spec)(*dims)  # a PartitionSpec, built from the one given: this module imports no JAX
 
+
+
+# ---- the zero-bubble schedules' arithmetic as their sources state it (jaxpar/core/timetable.py lays them out) --
+
+def stated_idle(kind: str, stages: int, times) -> tuple[float, str]:
+    """(a stage's idle time per step when the step ends in a synchronization, the source's formula) for
+    `kind` on S = `stages` stages with per-stage pass times `times` (timetable.Times: T_F, T_B the input
+    gradient alone, T_W). The papers state the zero-bubble schedules' bubble at T_F = T_B = T_W; their zero
+    (ZB-H2, ZB-V) holds only with the optimizer's post-validation, which lets the next step's first stage
+    start before the last finishes; jaxpar's step synchronizes (gradient clipping), which adds the time the
+    last stage waits for its first input: (S-1) T_F, and (S-1) T_F / 2 in a V of half-size chunks."""
+    S, f, b, w = stages, times.f, times.b, times.w
+    if kind in ("gpipe", "1f1b"):
+        return (S - 1) * (f + b + w), "(S-1)(T_F+T_B+T_W): Narayanan et al. 2021, 2.2.1"
+    if kind == "zb-h1":
+        return (S - 1) * (f + b - w), "(S-1)(T_F+T_B-T_W): Qi et al. 2024, Zero Bubble Pipeline Parallelism, 2.1"
+    if kind == "zb-h2":
+        return (S - 1) * f, "0 (Qi et al. 2024, 2.2, at T_F=T_B=T_W, post-validated) + the synchronized start (S-1)T_F"
+    if kind == "zb-v":
+        return (S - 1) * f / 2, ("0 (Qi et al. 2024, Pipeline Parallelism with Controllable Memory, at T_F=T_B=T_W, "
+                                 "post-validated) + the synchronized start (S-1)T_F/2")
+    chunk_f, chunk_b, chunk_w = f / 2, (b + w) / 2, w / 2   # dualpipe-v: DualPipe's F, full B and W of one chunk
+    return ((S - 1) * (chunk_f + chunk_b + chunk_b - 3 * chunk_w),
+            "(PP/2-1)(F&B+B-3W), PP = 2S chunks: deepseek-ai/DualPipe README")
+
+
+def stated_activations(kind: str, stages: int, microbatches: int) -> tuple[int, str]:
+    """(peak chunk activations a stage holds, the source's claim): a chunk is a stage's layers, or half of
+    them in a V (zb-v, dualpipe-v)."""
+    S, M = stages, microbatches
+    claims = {"gpipe": (M, "every micro-batch (Huang et al. 2019)"),
+              "1f1b": (min(S, M), "S on the first stage (Narayanan et al. 2021)"),
+              "zb-h1": (min(S, M), "S on every stage: 1F1B's peak (Qi et al. 2024, 2.1)"),
+              "zb-h2": (min(2 * S - 1, M), "2S-1 (Qi et al. 2024, 2.2)"),
+              "zb-v": (min(2 * S, 2 * M), "2S half-size chunks: 1F1B's peak (Qi et al. 2024, controllable memory)"),
+              "dualpipe-v": (2 * S + 1, "PP+1 chunks, PP = 2S (deepseek-ai/DualPipe README)")}
+    return claims[kind]
