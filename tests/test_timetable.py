@@ -8,10 +8,14 @@ import json
 import pytest
 
 from jaxpar.cli.main import main
-from jaxpar.core import timetable
+from jaxpar.core import timetable, validate
 from jaxpar.core.schedule import stated_activations, stated_idle
+from jaxpar.core.strategy import parse_inline
 from jaxpar.core.timetable import Times
+from jaxpar.cost import SOFTWARE, estimate, load_hardware
 from jaxpar.errors import ConfigError
+from jaxpar.models.config import from_preset
+from jaxpar.planning import planner
 
 EQUAL, UNEQUAL = Times(), Times(1.0, 1.2, 0.7)
 GRID = [(S, M) for S in (2, 4, 8) for M in (S, 2 * S, 4 * S)]
@@ -142,3 +146,40 @@ def test_schedule_prints_the_timetable_bubble_and_json(tmp_path, capsys):
     assert "512 micro-batches (got stages=2, microbatches=4096)" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="has no timetable"):
         timetable.check("zb-h3", 4, 8)
+
+
+def test_the_estimate_prices_a_stacks_zero_bubble_schedule_as_its_timetable():
+    """torchtitan runs ZB-V and DualPipe-V (torch.distributed.pipelining): the estimate's bubble over its
+    compute is the timetable's idle over its work at T_F = T_B = T_W (a sanity check: the ranking follows
+    from the formulas), ZB-V holds 1F1B's activations and DualPipe-V S + 1/2 stages' of them (2S+1 half
+    chunks); jaxpar's program refuses them in one line, as DualPipe-V refuses M < 2S."""
+    model, S, M = from_preset("llama3-70b"), 8, 16
+
+    def priced(kind, m=M, batch=256):
+        st = parse_inline("fsdp=8,pipeline=8").with_options(pp_schedule=kind, microbatches=m, dtype="bfloat16")
+        return estimate(model, st.resolved(64), "h100-sxm", batch, 4096, SOFTWARE["torchtitan"])
+    one = priced("1f1b")
+    per_microbatch = one.memory.activations - priced("1f1b", S - 1, 8 * (S - 1) * 2).memory.activations   # S vs S-1 held
+    for kind in ("zb-v", "dualpipe-v"):
+        est, t = priced(kind), timetable.simulate(kind, S, M)
+        assert est.time.bubble / est.time.compute == pytest.approx(t.idle / t.work)
+        extra = {"zb-v": 0.0, "dualpipe-v": 0.5}[kind]
+        assert est.memory.activations - one.memory.activations == pytest.approx(extra * per_microbatch, abs=2**20)
+    with pytest.raises(ConfigError, match="jaxpar's program runs gpipe, circular and 1f1b"):
+        st = parse_inline("data=4,pipeline=2").with_options(pp_schedule="zb-v", microbatches=4)
+        validate.check(from_preset("llama-tiny"), st.resolved(8), batch=16, seq=16)
+
+
+def test_the_planner_searches_the_schedules_a_stack_runs():
+    """`plan --software torchtitan` prices its three pipeline schedules; on one mesh and micro-batch count the
+    smaller bubble ranks first: ZB-V ((S-1)/2), then DualPipe-V (S-1), then 1F1B (3(S-1), in T_F units)."""
+    plans, _, _ = planner.plan(from_preset("llama3-70b"), load_hardware("h100-sxm"), 64, 4096, 256, top=10**9,
+                               software=SOFTWARE["torchtitan"], dtype="bfloat16")
+    piped = [(est, st) for est, st in plans if st.size("pipeline") > 1]
+    assert {st.options.pp_schedule for _, st in piped} == {"1f1b", "zb-v", "dualpipe-v"}
+    by = {}
+    for est, st in piped:
+        key = (st.name, st.options.microbatches, st.options.remat, st.options.grad_accum, st.zero)
+        by.setdefault(key, {})[st.options.pp_schedule] = est.tokens_per_s
+    full = [v for v in by.values() if len(v) == 3]
+    assert full and all(v["zb-v"] > v["dualpipe-v"] > v["1f1b"] for v in full)

@@ -31,6 +31,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import parse_int
 from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import Strategy
+from jaxpar.core.timetable import Times
 
 
 @functools.cache   # the cost model asks it for every candidate a planner prices
@@ -60,10 +61,19 @@ def parse_split(text, units: int, chunks: int, what: str) -> tuple[int, ...]:
     return sizes
 
 
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")   # the backward split into B and W (jaxpar/core/timetable.py)
+V_SHAPED = ("zb-v", "dualpipe-v")                # two chunks per stage in a V: stage s holds chunks s, 2S-1-s
+
+
+def chunks_per_stage(kind: str, pp_repeats: int) -> int:
+    """v: the layer chunks a stage holds: pp_repeats under circular or 1f1b, 2 in a V, else 1."""
+    return pp_repeats if kind in ("circular", "1f1b") else 2 if kind in V_SHAPED else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The shape of a pipeline schedule."""
-    kind: str            # gpipe | circular | 1f1b
+    kind: str            # gpipe | circular | 1f1b | zb-h1 | zb-v | dualpipe-v (ZERO_BUBBLE)
     stages: int          # S, the pipeline axis size
     repeats: int         # v, chunks per stage (1 for GPipe)
     microbatches: int    # M
@@ -131,7 +141,11 @@ class Schedule:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of every stage: (S-1) / (v*M + S-1), 1F1B's (v = 1) as GPipe's."""
+        """Idle fraction of every stage: (S-1) / (v*M + S-1), 1F1B's (v = 1) as GPipe's; a zero-bubble
+        schedule's stated idle over its step at T_F = T_B = T_W (`stated_idle`: a step's work 3M)."""
+        if self.kind in ZERO_BUBBLE:
+            idle = stated_idle(self.kind, self.stages, Times())[0]
+            return idle / (3 * self.microbatches + idle)
         return (self.iterations - self.repeats * self.microbatches) / self.iterations
 
     @property
@@ -155,7 +169,7 @@ def schedule_of(strategy: Strategy, runs: tuple[int, ...] | int) -> Schedule:
 @functools.lru_cache(maxsize=4096)   # the cost model asks for it several times per candidate
 def _schedule_of(strategy: Strategy, runs: tuple[int, ...]) -> Schedule:
     o = strategy.options
-    repeats = o.pp_repeats if o.pp_schedule in ("circular", "1f1b") else 1
+    repeats = chunks_per_stage(o.pp_schedule, o.pp_repeats)
     stages = strategy.size("pipeline")
     text = getattr(o, "pp_stages", "")
     split = parse_split(text, sum(runs), stages * repeats, o.pp_schedule) if text != "" else ()
@@ -180,11 +194,17 @@ def schedule_summary(strategy: Strategy, runs: tuple[int, ...] | int) -> str:
     s = schedule_of(strategy, runs)
     if s.stages == 1:
         return "pipeline: none (pipeline=1)"
-    chunks = f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages"
+    chunks = (f"{s.stages} stages x 2 chunks in a V" if s.kind in V_SHAPED else
+              f"{s.stages} stages x {s.repeats} repeats" if s.repeats > 1 else f"{s.stages} stages")
     split = split_label(s.split)
     k = (f"k={s.per_chunk} slots" if len(s.runs) == 1
          else f"k={'+'.join(map(str, s.run_slots))} slots of its {len(s.runs)} runs")
     pad = f" ({k} per chunk, {s.slots - s.units} padding)" if not s.even else ""
+    if s.kind in ZERO_BUBBLE:
+        idle, formula = stated_idle(s.kind, s.stages, Times())
+        return (f"pipeline: {s.kind}, {chunks}, units per chunk {split_label(s.split)} = {s.units}, {s.microbatches} "
+                f"micro-batches: bubble idle / (3M + idle) at T_F = T_B = T_W, idle {formula} = {idle:g}: "
+                f"{s.bubble:.1%} (jaxpar/core/timetable.py; `jaxpar schedule` draws it)")
     formula = "(S-1)/(M+S-1)" if s.repeats == 1 else "(S-1)/(v*M+S-1)"
     idle = s.iterations - s.repeats * s.microbatches
     steps = (f"{s.iterations + s.repeats * s.stages - 1} ticks, {s.iterations} forwards and {s.iterations} backwards "

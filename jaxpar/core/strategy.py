@@ -104,7 +104,9 @@ class Options:
                              ("contiguous", "zigzag"), group="layout", commands=TRAINING + FORWARD)
     microbatches: int = _option(1, "pipeline micro-batches (pipeline > 1)", group="layout",
                                 commands=TRAINING + ("explain",))
-    pp_schedule: str = _option("gpipe", "pipeline schedule", ("gpipe", "circular", "1f1b"), group="layout",
+    pp_schedule: str = _option("gpipe", "pipeline schedule (zb-h1, zb-v, dualpipe-v: priced for the stacks that run "
+                               "them; jaxpar/core/timetable.py)", ("gpipe", "circular", "1f1b", "zb-h1", "zb-v",
+                                                                   "dualpipe-v"), group="layout",
                                commands=TRAINING + ("explain",))
     pp_repeats: int = _option(1, "circular or 1f1b schedule: layer chunks per stage (v; 1f1b: interleaved)",
                               group="layout", commands=TRAINING + ("explain",))

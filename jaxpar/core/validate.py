@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.core.rules import DATA_AXES
-from jaxpar.core.schedule import schedule_of
+from jaxpar.core.schedule import ZERO_BUBBLE, chunks_per_stage, schedule_of
 from jaxpar.core.strategy import CHOICES, Strategy
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
         check_attention_kernel(strategy)
 
     # --- pipeline -----------------------------------------------------------------------------
+    if program and pp > 1 and o.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"pp_schedule={o.pp_schedule} is priced for the stacks that run it (jaxpar estimate or plan "
+                          "--software torchtitan; jaxpar schedule draws it); jaxpar's program runs gpipe, circular "
+                          "and 1f1b")
     check_pipeline(model, strategy)
     pp, sp = strategy.size("pipeline"), o.sequence_parallel
     piece = seq // (cp * (tp if sp else 1))   # jaxpar/pipeline/one_f_one_b.py spreads it over the stages for the head
@@ -369,13 +373,17 @@ def check_pipeline(model: ModelConfig, strategy: Strategy) -> None:
     if pp == 1:
         check_options_apply(strategy)  # the pipeline's options, set without a pipeline
         return
-    if o.pp_repeats > 1 and o.pp_schedule == "gpipe":
-        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular or 1f1b (gpipe runs one chunk per stage)")
+    if o.pp_repeats > 1 and o.pp_schedule not in ("circular", "1f1b"):
+        raise ConfigError(f"pp_repeats={o.pp_repeats} needs pp_schedule=circular or 1f1b ({o.pp_schedule} runs "
+                          f"{chunks_per_stage(o.pp_schedule, 1)} chunk(s) per stage)")
+    if o.pp_schedule == "dualpipe-v" and o.microbatches < 2 * pp:
+        raise ConfigError(f"pp_schedule=dualpipe-v needs microbatches >= 2 x pipeline (DualPipe's dualpipev.py): "
+                          f"microbatches={o.microbatches}, pipeline={pp}")
     if o.pp_repeats > 1 and o.pp_schedule == "1f1b" and o.microbatches % pp:
         raise ConfigError(f"interleaved 1F1B (pp_repeats={o.pp_repeats}) takes micro-batches in groups of pipeline={pp}: "
                           f"microbatches={o.microbatches} must be a multiple of {pp}")
     units = model.units
-    repeats = o.pp_repeats if o.pp_schedule != "gpipe" else 1
+    repeats = chunks_per_stage(o.pp_schedule, o.pp_repeats)
     if units < pp * repeats:
         raise ConfigError(f"pipeline={pp} x repeats={repeats} = {pp * repeats} stage chunks need at least "
                           f"{pp * repeats} stacked layer units, the model has {units} (layers={model.layers}, "

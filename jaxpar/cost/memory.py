@@ -27,6 +27,7 @@ import math
 
 from jaxpar.cost.flops import expert_rows, unit_policy
 from jaxpar.cost.params import block_counts, mamba_dims, per_model, zero_axes, zero_split
+from jaxpar.core.schedule import ZERO_BUBBLE
 from jaxpar.core.strategy import Strategy
 from jaxpar.models.config import ModelConfig
 
@@ -227,13 +228,16 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 # ---- activations of one step -------------------------------------------------------------------------
 
-def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> int:
+def inflight_microbatches(schedule: str, microbatches: int, stages: int) -> float:
     """Micro-batches whose activations are alive at the peak: GPipe/circular M, 1F1B min(M, S) (Megatron's
     asynchronous schedule; jaxpar's lockstep 1F1B stashes stage inputs instead:
-    program_memory.one_f_one_b_bytes)."""
+    program_memory.one_f_one_b_bytes); ZB-H1 and ZB-V 1F1B's, DualPipe-V S + 1/2 (2S+1 half-stage chunks:
+    core/schedule.py stated_activations, held by jaxpar/core/timetable.py's layouts)."""
     if stages == 1:
         return 1
-    return min(microbatches, stages) if schedule == "1f1b" else microbatches
+    if schedule == "dualpipe-v":
+        return stages + 0.5
+    return min(microbatches, stages) if schedule in ("1f1b", "zb-h1", "zb-v") else microbatches
 
 
 def step_tokens(st: Strategy, global_batch: int, seq: int) -> tuple[float, int, float]:
@@ -377,7 +381,8 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     o, one_f_one_b = st.options, traits.pp_1f1b
     b_loc, micro, tokens = step_tokens(st, global_batch, seq)
     invs = inventories(m, st, seq, traits)
-    inflight = inflight_microbatches("1f1b" if one_f_one_b else o.pp_schedule, micro, st.sizes["pipeline"])
+    kind = o.pp_schedule if o.pp_schedule in ZERO_BUBBLE or not one_f_one_b else "1f1b"
+    inflight = inflight_microbatches(kind, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
     logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq) / LOGIT_BYTES * traits.loss_logit_bytes

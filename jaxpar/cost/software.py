@@ -152,7 +152,8 @@ MEGATRON_CORE = dataclasses.replace(MEGATRON, name="megatron-core", dropout=Fals
 # by PyTorch's all-gather rotater over K and V repeated to the query heads, float32 dK/dV.
 TORCHTITAN = Software(name="torchtitan", platforms=("gpu",), jaxpar_program=False, causal=True, fused_attention=True, fused_mlp=True,
                       pp_1f1b=True, sac_every_other_mm=True, loss_logit_bytes=12, pp_fsdp_gathered=True,
-                      remats=("none", "dots", "full"), pp_schedules=("1f1b",), pp_interleaved=("1f1b",), zeros=(0, 3),
+                      remats=("none", "dots", "full"), pp_schedules=("1f1b", "zb-v", "dualpipe-v"),
+                      pp_interleaved=("1f1b",), zeros=(0, 3),
                       rerun_outputs=True, moe_padded=False, param_gather_bytes=2, serve_weight_bytes=2,
                       pp_head_spread=False, pp_end_stages=True, dp_overlap=1.0, pp_overlap=0.0, fp8_gathers=True,
                       flat_params=True,
@@ -161,7 +162,9 @@ TORCHTITAN = Software(name="torchtitan", platforms=("gpu",), jaxpar_program=Fals
                       cp_rotate="allgather", cp_kv_heads="q", cp_grad_bytes=4, cp_hide="diagonal", cp_attention="ring",
                       sources="arXiv 2410.06511 sec. 2-3; torchtitan docs/fsdp.md, float8.md; torchtitan "
                               "config context_parallel_rotate_method, models/llama3 repeat_kv; PyTorch "
-                              "distributed/tensor/experimental/_attention.py (_AllGatherRotater, dkv rotater)")
+                              "distributed/tensor/experimental/_attention.py (_AllGatherRotater, dkv rotater); "
+                              "pipeline_parallel_schedule: torch.distributed.pipelining's Schedule1F1B, "
+                              "ScheduleZBVZeroBubble, ScheduleDualPipeV")
 # MaxText (AI-Hypercomputer/maxtext: configs/base.yml): XLA's SPMD program like jaxpar's, splash (TPU) or
 # cuDNN flash (GPU) attention, scanned layers, the residual stream sharded over `tensor` between blocks
 # (its logical axis rules put activation_embed on tensor: all-gathers and reduce-scatters, as under sequence
