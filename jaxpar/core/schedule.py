@@ -31,7 +31,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.core.inputs import parse_int
 from jaxpar.core.rules import spec_entry
 from jaxpar.core.strategy import Strategy
-from jaxpar.core.timetable import Times
+from jaxpar.core.timetable import V_SHAPED, Times
 
 
 @functools.cache   # the cost model asks it for every candidate a planner prices
@@ -62,7 +62,6 @@ def parse_split(text, units: int, chunks: int, what: str) -> tuple[int, ...]:
 
 
 ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")   # the backward split into B and W (jaxpar/core/timetable.py)
-V_SHAPED = ("zb-v", "dualpipe-v")                # two chunks per stage in a V: stage s holds chunks s, 2S-1-s
 
 
 def chunks_per_stage(kind: str, pp_repeats: int) -> int:

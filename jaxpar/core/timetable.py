@@ -30,6 +30,7 @@ from jaxpar.errors import ConfigError
 
 KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")
 STATIC = ("gpipe", "1f1b", "zb-h1", "dualpipe-v")   # the rest laid out by the greedy rule
+V_SHAPED = ("zb-v", "dualpipe-v")                   # two chunks per stage in a V: stage s holds chunks s, 2S-1-s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Timetable:
 
 def placement(kind: str, stages: int) -> tuple[int, ...]:
     """The stage of each chunk: one per stage, or two in a V (chunk c on stage c, chunk 2S-1-c on c)."""
-    if kind in ("zb-v", "dualpipe-v"):
+    if kind in V_SHAPED:
         return tuple(range(stages)) + tuple(reversed(range(stages)))
     return tuple(range(stages))
 
@@ -158,7 +159,7 @@ def static_orders(kind: str, stages: int, m: int) -> list[list[Pass]]:
 def zb_h1(s: int, stages: int, m: int) -> list[Pass]:
     """Stage s of ZB-H1: 1F1B's S-1-s warm-up forwards, then a forward, an input gradient and a W in turn,
     the W s micro-batches late, so every stage holds S micro-batches in flight (the first stage's 1F1B
-    count) and the later stages' deferred Ws no longer hold up the input gradients the earlier ones wait
+    count) and the later stages' deferred Ws do not hold up the input gradients the earlier ones wait
     for; the rest after the last B (Qi et al. 2024, 2.1 and Figure 3)."""
     warm, lag = min(stages - 1 - s, m), s
     order = [Pass("F", i, s) for i in range(warm)]

@@ -100,13 +100,16 @@ def quantile_band(errors: list[float]) -> tuple[float, float] | None:
 
 
 @functools.cache
+def _table() -> dict:
+    """bands.toml's top-level tables ({} when the file is absent)."""
+    return read_toml(BANDS, "bands") if BANDS.exists() else {}
+
+
+@functools.cache
 def regime_bands() -> dict[str, RegimeBand]:
     """{regime: RegimeBand} from bands.toml's [[regime]] tables."""
-    if not BANDS.exists():
-        return {}
-    rows = read_toml(BANDS, "bands").get("regime", [])
     return {r["regime"]: RegimeBand(r["regime"], int(r["count"]), r.get("low"), r.get("high"), r.get("coverage"))
-            for r in rows}
+            for r in _table().get("regime", [])}
 
 
 def regime_band(name: str) -> RegimeBand:
@@ -117,10 +120,8 @@ def regime_band(name: str) -> RegimeBand:
 @functools.cache
 def bands() -> dict[tuple[str, str], Band]:
     """{(family, software): Band} from bands.toml (empty when the file is absent)."""
-    if not BANDS.exists():
-        return {}
     out = {}
-    for row in read_toml(BANDS, "bands").get("band", []):
+    for row in _table().get("band", []):
         oos = (float(row["oos_median"]), float(row["oos_worst"])) if "oos_median" in row else (None, None)
         b = Band(row["family"], row["software"], int(row["runs"]), float(row["median"]), float(row["worst"]), *oos)
         out[b.family, b.software] = b
@@ -156,7 +157,7 @@ def paired_errors(pairs: list[tuple[float, float, float, float]]) -> list[float]
 @functools.cache
 def paired_band() -> PairedBand:
     """bands.toml's [paired] table (no pairs when the file or the table is absent)."""
-    row = read_toml(BANDS, "bands").get("paired", {}) if BANDS.exists() else {}
+    row = _table().get("paired", {})
     return PairedBand(int(row.get("pairs", 0)), int(row.get("sources", 0)), row.get("low"), row.get("high"))
 
 
