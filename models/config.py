@@ -102,6 +102,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq: int = 8192
+    # multi-head latent attention (models/mla.py; DeepSeek-V2 section 2.1): kv_lora_rank 0 = GQA. With MLA,
+    # kv_heads = heads (each head's K and V are up-projected from the latent) and head_dim is the q/k head
+    # dim, qk_nope_head_dim + qk_rope_head_dim
+    kv_lora_rank: int = 0         # the latent K and V are compressed into (and the decode cache holds)
+    q_lora_rank: int = 0          # the query's low-rank latent; 0 = a full d x heads x head_dim projection
+    qk_rope_head_dim: int = 0     # the decoupled RoPE part of q/k; the key's is one head shared by all
+    v_head_dim: int = 0           # each head's value width
     # Mamba-2 blocks
     d_state: int = 16
     d_conv: int = 4
@@ -116,6 +123,11 @@ class ModelConfig:
     shared_experts: int = 0       # always-on experts (DeepSeek), one SwiGLU of shared_experts * expert width
     router: str = "softmax"       # softmax | sigmoid (DeepSeek-V3) scores over the experts
     router_norm: bool = True      # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0   # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    router_bias: bool = False     # a per-expert bias on the scores, for the choice only (DeepSeek-V3's
+                                  # auxiliary-loss-free balancing), outside the gradient
+    n_group: int = 1              # group-limited routing: experts in n_group groups (DeepSeek-V3: 8, one per node)
+    topk_group: int = 1           # ... of which a token's experts come from at most topk_group (DeepSeek-V3: 4)
     capacity_factor: float = 0.0  # 0 = dropless; > 0: per sequence and expert, ceil(cf * seq * top_k / experts)
     aux_loss_coef: float = 0.01   # load balancing (Switch / GShard): experts * sum_e f_e * p_e
     z_loss_coef: float = 0.001    # router z-loss (ST-MoE): mean(logsumexp(logits)^2)
@@ -166,6 +178,21 @@ class ModelConfig:
     @functools.cached_property
     def moe_layers(self) -> int:
         return self.layer_kinds.count("E")
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (models/mla.py) rather than GQA."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """The part of an MLA q/k head without RoPE (head_dim - qk_rope_head_dim)."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Each attention head's value width: v_head_dim under MLA, head_dim under GQA."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def has_attention(self) -> bool:
@@ -233,6 +260,9 @@ class ModelConfig:
                  f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
             need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
             need(self.mlp_type in ("swiglu", "gelu"), f"mlp_type must be swiglu or gelu, got {self.mlp_type!r}")
+        need(self.kv_lora_rank >= 0, f"kv_lora_rank must be >= 0 (0: GQA attention), got {self.kv_lora_rank}")
+        if self.mla:
+            self._validate_mla(need)
         if self.has_mamba:
             for f in ("d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"):
                 need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
@@ -243,6 +273,21 @@ class ModelConfig:
         if self.has_moe:
             self._validate_moe(need)
 
+    def _validate_mla(self, need) -> None:
+        need(self.has_attention, f"kv_lora_rank={self.kv_lora_rank} sets latent attention: pattern "
+                                 f"{self.pattern!r} has no A or E block")
+        for f in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
+        need(self.kv_heads == self.heads, f"latent attention up-projects K and V to every head: kv_heads must "
+                                          f"equal heads, got kv_heads={self.kv_heads}, heads={self.heads}")
+        need(0 < self.v_head_dim <= self.head_dim, f"latent attention needs 0 < v_head_dim <= head_dim (the fused "
+             f"kernels pad V to the q/k head dim), got v_head_dim={self.v_head_dim}, head_dim={self.head_dim}")
+        need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+             f"latent attention needs an even qk_rope_head_dim > 0 (the decoupled RoPE key), got {self.qk_rope_head_dim}")
+        need(self.qk_nope_head_dim > 0, f"latent attention's head_dim is qk_nope + qk_rope: head_dim="
+                                        f"{self.head_dim} leaves no room beside qk_rope_head_dim={self.qk_rope_head_dim}")
+        need(not self.qk_norm, "qk_norm is for GQA heads; latent attention normalises its latents instead")
+
     def _validate_moe(self, need) -> None:
         need(self.experts >= 1, f"experts must be >= 1 with 'E' in the pattern, got {self.experts}")
         need(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
@@ -250,6 +295,17 @@ class ModelConfig:
         need(self.expert_mlp_dim >= 0, f"expert_mlp_dim must be >= 0 (0 = mlp_dim), got {self.expert_mlp_dim}")
         need(self.shared_experts >= 0, f"shared_experts must be >= 0, got {self.shared_experts}")
         need(self.router in ("softmax", "sigmoid"), f"router must be softmax or sigmoid, got {self.router!r}")
+        need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
+             f"routed_scaling_factor must be a positive finite number, got {self.routed_scaling_factor}")
+        need(self.n_group >= 1 and self.experts % self.n_group == 0,
+             f"n_group={self.n_group} must be >= 1 and divide experts={self.experts}")
+        if self.n_group > 1:
+            size = self.experts // self.n_group
+            need(size >= 2, f"group-limited routing scores a group by its top 2 experts: experts={self.experts} "
+                            f"/ n_group={self.n_group} leaves {size} per group")
+            need(1 <= self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            need(self.top_k <= self.topk_group * size, f"top_k={self.top_k} experts do not fit in topk_group="
+                 f"{self.topk_group} groups of {size}")
         for f in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             value = getattr(self, f)
             need(math.isfinite(value) and value >= 0, f"{f} must be a finite number >= 0, got {value}")
@@ -309,6 +365,32 @@ PRESETS: dict[str, dict[str, Any]] = {
                             mlp_dim=18432, experts=256, top_k=8, shared_experts=1, expert_mlp_dim=2048,
                             router="sigmoid", router_norm=True, vocab=129280, max_seq=4096, norm_eps=1e-6,
                             aux_loss_coef=0.0001, z_loss_coef=0.0),
+    # DeepSeek with its multi-head latent attention (models/mla.py) and dense first layers. DeepSeek-V3:
+    # deepseek-ai/DeepSeek-V3 config.json (first_k_dense_replace 3, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, intermediate_size 18432) and the report's
+    # section 4.2 (group-limited routing: 8 groups, 4 per token; routed_scaling_factor 2.5); its 4K
+    # pre-training context (YaRN's extension is left out). Still left out: the bias-based balancing and
+    # multi-token prediction.
+    # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, first 1 dense of width 10944,
+    # no query latent, 2 shared + 64 routed experts of width 1408, top-6 of softmax scores, not renormalised,
+    # aux_loss_alpha 0.001) and DeepSeek-AI 2024, "DeepSeek-V2", appendix B.
+    "deepseek-v3": dict(pattern="3*A+58*E", layers=61, d_model=7168, heads=128, kv_heads=128, head_dim=192,
+                        qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512, mlp_dim=18432,
+                        experts=256, top_k=8, shared_experts=1, expert_mlp_dim=2048, router="sigmoid",
+                        router_norm=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, router_bias=True,
+                        vocab=129280,
+                        max_seq=4096, norm_eps=1e-6, aux_loss_coef=0.0001, z_loss_coef=0.0),
+    "deepseek-v2-lite": dict(pattern="A+26*E", layers=27, d_model=2048, heads=16, kv_heads=16, head_dim=192,
+                             qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512, mlp_dim=10944, experts=64,
+                             top_k=6, shared_experts=2, expert_mlp_dim=1408, router_norm=False, vocab=102400,
+                             max_seq=4096, norm_eps=1e-6, aux_loss_coef=0.001, z_loss_coef=0.0),
+    # the shapes of DeepSeek-V3 at a size 8 simulated CPU devices train: latent attention (q and kv latents),
+    # one dense first layer, a shared expert beside 8 routed ones, sigmoid scores, 2 of 4 groups per token
+    "deepseek-tiny": dict(pattern="A+3*E", layers=4, d_model=64, heads=4, kv_heads=4, head_dim=12,
+                          qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24, kv_lora_rank=16, mlp_dim=128,
+                          experts=8, top_k=2, shared_experts=1, expert_mlp_dim=32, router="sigmoid",
+                          routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=True, vocab=256, max_seq=256,
+                          aux_loss_coef=0.0001, z_loss_coef=0.0),
     "qwen3-30b-a3b": dict(pattern="E", layers=48, d_model=2048, heads=32, kv_heads=4, head_dim=128,
                           mlp_dim=6144, experts=128, top_k=8, expert_mlp_dim=768, vocab=151936,
                           max_seq=32768, rope_theta=1_000_000.0, norm_eps=1e-6, aux_loss_coef=0.001,

@@ -6,6 +6,8 @@ that carries from one step to the next is new. That state, per block of a run's 
 over the run's units on `layers` like the parameters (`runs`: one list of blocks per run):
 
     A block   k, v      [units, b, S, kv_cached, head_dim]   (layers, cache_batch, cache_seq, cache_kv_heads, head_dim)
+              or, with latent attention (models/mla.py), latent [units, b, S, kv_lora_rank] and
+              k_rope [units, b, S, qk_rope_head_dim]: kv_lora_rank + qk_rope_head_dim values per token
     M block   conv_x    [units, b, K-1, ssm_heads, p]        the last K-1 conv inputs (the conv window)
               conv_B/C  [units, b, K-1, ngroups, d_state]
               ssm       [units, b, ssm_heads, p, d_state]    the SSM state, float32
@@ -73,6 +75,9 @@ def cache_layout(cfg: ModelConfig, run: RunConfig, batch: int, length: int, kv_c
 def _block_cache(cfg: ModelConfig, kind: str, dt: str, shape: tuple[int, int, int, int]) -> dict:
     """One block's cache Slots; `shape`: (its run's units, batch, cache length, K/V head copies)."""
     u, batch, length, kv_copies = shape
+    if kind in ("A", "E") and cfg.mla:   # the latent and the shared RoPE key: no head dim to split
+        return {"latent": Slot((u, batch, length, cfg.kv_lora_rank), dt, KV_NAMES[:3] + ("cache_latent",)),
+                "k_rope": Slot((u, batch, length, cfg.qk_rope_head_dim), dt, KV_NAMES[:3] + ("head_dim",))}
     if kind in ("A", "E"):  # attention, then a dense or a mixture-of-experts MLP
         kv = Slot((u, batch, length, cfg.kv_heads * kv_copies, cfg.head_dim), dt, KV_NAMES)
         return {"k": kv, "v": kv}
@@ -118,13 +123,41 @@ def attention_block(block, x, positions, cache, cache_pos, index, prefill: bool,
         out = attention(q, k, v, positions, impl="dense", kernel=kernel, causal=True)
     elif not prefill:
         out = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, causal=True)
+    return feed_forward(block, x, out), {"k": ck, "v": cv}
+
+
+def feed_forward(block, x, out):
+    """The rest of an attention block after its attention core's output `out`: the output projection onto
+    the residual stream, then the MLP. An E block's MoE (models/moe.py: router, experts over `expert`,
+    shared experts) drops its auxiliary router losses, which are for training. Dropless routing
+    (capacity_factor=0) treats each token alone, so one token per step routes as it does in the full
+    forward (jaxpar.core.validate.check_generation)."""
     x = constrain(x + block.attn.output(out), RESIDUAL)
     h = constrain(block.mlp_norm(x), ("batch", "seq", "act_embed"))
-    # an E block's MoE (models/moe.py: router, experts over `expert`, shared experts); its auxiliary
-    # router losses are for training. Dropless routing (capacity_factor=0) treats each token alone,
-    # so one token per step routes as it does in the full forward (jaxpar.core.validate.check_generation)
     y = block.moe(h)[0] if hasattr(block, "moe") else block.mlp(h)
-    return constrain(x + y, RESIDUAL), {"k": ck, "v": cv}
+    return constrain(x + y, RESIDUAL)
+
+
+def mla_block(block, x, positions, cache, cache_pos, index, prefill: bool, cp: str | None = None):
+    """An attention block with latent attention (models/mla.py): `attention_block`'s contract, caching the
+    latent c and the RoPE key. A prefill attends over the expanded K/V with the strategy's kernel; a decode
+    step reads the cache as the run chooses (run.mla_decode: jaxpar/ops/latent_attention.py, absorbed or
+    expanded)."""
+    attn = block.attn
+    h = constrain(block.attn_norm(x), ("batch", "seq", "act_embed"))
+    q_nope, q_rope = attn.query(h, positions)
+    c, k_rope = attn.latent(h, positions)
+    cc, cr = (jax.lax.dynamic_update_slice_in_dim(cache[key], t.astype(cache[key].dtype), index, axis=1)
+              for key, t in (("latent", c), ("k_rope", k_rope)))
+    if prefill:
+        q, (k, v) = jnp.concatenate([q_nope, q_rope], -1), attn.expand(c, k_rope)
+        kernel = resolve_kernel(attn.run.core.kernel, q.dtype)
+        out = attention(q, k, v, positions, impl=cp or "dense", kernel=kernel, causal=True)
+    else:
+        dt = q_nope.dtype
+        up = (attn.wk_b[...].astype(dt), attn.wv_b[...].astype(dt))
+        out = attn.run.mla_decode(q_nope, q_rope, (cc.astype(dt), cr.astype(dt)), up, (positions, cache_pos))
+    return feed_forward(block, x, out), {"latent": cc, "k_rope": cr}
 
 
 def mamba_block(block, x, valid, cache, tail=None):
@@ -196,6 +229,8 @@ def forward(model: LM, tokens: jax.Array, positions: jax.Array, cache: dict, ind
     def block_step(kind, block, x, c):
         if kind == "M":
             return mamba_block(block, x, valid, c, tail)
+        if cfg.mla:
+            return mla_block(block, x, positions, c, cache_pos, index, prefill, impl)
         return attention_block(block, x, positions, c, cache_pos, index, prefill, impl)
 
     runs = []

@@ -2,7 +2,9 @@
 
     logits = h @ router                     [b, s, E] in float32 (router [d, E], replicated over experts)
     scores = softmax(logits) | sigmoid(logits)
-    ids, w = top_k(scores)                  w renormalised to sum 1 when cfg.router_norm
+    ids, w = top_k(scores)                  w renormalised to sum 1 when cfg.router_norm, times
+                                            routed_scaling_factor; under group-limited routing (n_group
+                                            > 1) from the topk_group best groups only (`group_limited`)
     y = sum_j w_j * SwiGLU_{ids_j}(h)       jaxpar.ops.moe: dispatch, experts, combine (local or
                                             expert-parallel over the `expert` mesh axis)
       + SwiGLU_shared(h)                    cfg.shared_experts always-on experts, as one wide SwiGLU
@@ -49,19 +51,37 @@ AUX_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_ma
 TOKENS = ("batch", "seq", None)
 
 
-def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(ids [.., k], weights [.., k], probabilities [.., E] for the balance loss) from float32 logits."""
+def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ids [.., k], weights [.., k], probabilities [.., E] for the balance loss) from float32 logits; the
+    choice on the scores plus `bias` [E] (DeepSeek-V3's balancing bias; no gradient), the weights the chosen
+    experts' scores, renormalised (router_norm), then times routed_scaling_factor (DeepSeek-V3: 2.5)."""
     if cfg.router == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
         probs = scores
     else:
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    ids = top_k(scores, cfg.top_k)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    ids = top_k(group_limited(choice, cfg.n_group, cfg.topk_group), cfg.top_k)
     top = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.router_norm:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return ids, top, probs
+    return ids, top * cfg.routed_scaling_factor, probs
+
+
+def group_limited(scores: jax.Array, groups: int, keep: int) -> jax.Array:
+    """The scores top-k picks from, under group-limited routing (DeepSeek-V3 section 2.1.2, node-limited
+    routing; transformers' DeepseekV3MoE.route_tokens_to_experts): the experts in `groups` equal groups,
+    each group scored by the sum of its two highest scores, and the experts outside the `keep` best groups
+    masked out (-inf), so a token's experts sit in at most `keep` groups, which DeepSeek-V3 places on as
+    many nodes. groups = 1: the scores as they are."""
+    if groups == 1:
+        return scores
+    per_group = scores.reshape(*scores.shape[:-1], groups, scores.shape[-1] // groups)
+    best_two = jnp.sort(per_group, axis=-1)[..., -2:].sum(-1)                   # [.., groups]
+    chosen = jax.nn.one_hot(top_k(best_two, keep), groups, dtype=jnp.bool_).any(-2)
+    return jnp.where(chosen[..., None], per_group, -jnp.inf).reshape(scores.shape)
 
 
 def stats_size(experts: int) -> int:
@@ -108,6 +128,8 @@ class MoE(nnx.Module):
         d, e, f = cfg.d_model, cfg.experts, cfg.moe_mlp_dim
         self.cfg, self.run = cfg, run
         self.router = param(rngs, (d, e), ("embed", None), std=d ** -0.5)
+        if cfg.router_bias:
+            self.router_bias = param(rngs, (e,), (None,), value=0.0)
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
@@ -118,7 +140,7 @@ class MoE(nnx.Module):
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.cfg, dtype_of(self.run)
         logits = constrain(h.astype(jnp.float32) @ self.router[...].astype(jnp.float32), TOKENS)
-        ids, weights, probs = route(logits, cfg)
+        ids, weights, probs = route(logits, cfg, self.router_bias[...] if cfg.router_bias else None)
         y, kept = moe_experts(h, constrain(ids, TOKENS), constrain(weights, TOKENS),
                               self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
                               capacity_factor=cfg.capacity_factor, kernel=self.run.moe_kernel)

@@ -11,6 +11,7 @@ from typing import Callable
 
 from jaxpar.ops.attention import AttentionCore
 from jaxpar.ops.collective_matmul import PLAIN, Matmuls
+from jaxpar.ops.latent_attention import absorbed_read
 from jaxpar.ops.layer_scan import LayerScan
 from jaxpar.ops.mamba_cp import SSMKernels
 from jaxpar.xla_workarounds import cast
@@ -22,7 +23,9 @@ class RunConfig:
     matmul rings); the attention core (`core`: the sequence split, the kernel, its selective recompute); the
     scan over layer units (`scan`: its remat policy, FSDP prefetch); Mamba-2's conv and SSD (`ssm`: chunked,
     or split over `context`); how a weight read again by a recomputed unit is cast (`recomputed_weight`:
-    `cast`, or jaxpar.xla_workarounds.gathered once for both reads); the MoE kernel (`moe_kernel`)."""
+    `cast`, or jaxpar.xla_workarounds.gathered once for both reads); the MoE kernel (`moe_kernel`); how a
+    latent attention decode step reads its cache (`mla_decode`: jaxpar/ops/latent_attention.py, absorbed, or
+    expanded back to every head: the reference)."""
     dtype: str = "float32"
     matmuls: Matmuls = PLAIN
     core: AttentionCore = AttentionCore()
@@ -30,3 +33,4 @@ class RunConfig:
     ssm: SSMKernels = SSMKernels()
     recomputed_weight: Callable = cast
     moe_kernel: str = "grouped"
+    mla_decode: Callable = absorbed_read

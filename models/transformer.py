@@ -19,6 +19,7 @@ from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import MLP, RMSNorm, dtype_of, param, rope
+from jaxpar.models.mla import LatentAttention
 
 RESIDUAL = ("batch", "res_seq", "act_embed")
 
@@ -71,7 +72,7 @@ class AttentionBlock(nnx.Module):
     def init_attention(self, cfg: ModelConfig, run: RunConfig, rngs: nnx.Rngs) -> None:
         """The attention half and the feed-forward's pre-norm (shared with models/moe.py's MoEBlock)."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, run, rngs=rngs)
+        self.attn = LatentAttention(cfg, run, rngs=rngs) if cfg.mla else Attention(cfg, run, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
 
     def attend(self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

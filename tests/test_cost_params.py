@@ -18,7 +18,8 @@ from jaxpar.models.config import parse_model
 from jaxpar.models.lm import LM
 
 MODELS = ["llama-tiny", "llama-tiny:mlp_type=gelu,tie_embeddings=true", "mamba2-tiny", "hybrid-tiny:layers=8",
-          "moe-tiny:shared_experts=2", "moe-tiny:pattern=AE,layers=4,qk_norm=true", "jamba-tiny"]
+          "moe-tiny:shared_experts=2", "moe-tiny:pattern=AE,layers=4,qk_norm=true", "jamba-tiny",
+          "deepseek-tiny:pattern=E,layers=2", "deepseek-tiny:pattern=A,layers=2,q_lora_rank=0"]
 
 
 def model_arrays(cfg) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:

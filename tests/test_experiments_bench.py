@@ -237,8 +237,23 @@ def check_soak(out: pathlib.Path, stdout: str) -> None:
     assert number(rows["checkpoints left, each restored"]) >= 1, rows
 
 
+def check_bench_deepseek(out: pathlib.Path, stdout: str) -> None:
+    """The cache per token and layer is the hand count (deepseek-tiny: (16 + 4) x 4 bytes; GQA of its 4 heads
+    of 12: 2 x 4 x 12 x 4), and the absorbed decode step reads fewer bytes than the expanded one."""
+    text = read_results(out, "bench_deepseek")
+    decode = {(r["attention"], r["cache read"]): r for r in table(text, "attention", "cache read")}
+    assert {k: number(r["cache B per token and layer"]) for k, r in decode.items()} == {
+        ("latent attention", "absorbed"): 80, ("latent attention", "expanded"): 80, ("GQA", "K/V"): 384}
+    absorbed, expanded = (number(decode[("latent attention", w)]["decode step bytes accessed"])
+                          for w in ("absorbed", "expanded"))
+    assert 0 < absorbed < expanded, decode
+    train = {r["attention"]: r for r in table(text, "attention", "tokens/s")}
+    assert set(train) == {"latent attention", "GQA"} and all(number(r["tokens/s"]) > 0 for r in train.values())
+
+
 CHECKS = {
     "demo": check_demo,
+    "bench_deepseek": check_bench_deepseek,
     "bench_attention": check_bench_attention,
     "bench_comm": check_bench_comm,
     "bench_context_parallel": check_bench_context_parallel,
@@ -257,8 +272,8 @@ CHECKS = {
 
 # The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
 # (CI runs it after `make test`), `make bench` runs them in full.
-SLOW = {"bench_attention", "bench_context_parallel", "bench_mamba", "bench_moe", "bench_pipeline", "bench_startup",
-        "soak"}
+SLOW = {"bench_attention", "bench_context_parallel", "bench_deepseek", "bench_mamba", "bench_moe", "bench_pipeline",
+        "bench_startup", "soak"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)])

@@ -76,12 +76,16 @@ def model_cases():
     (0 only where it is not a valid value: MoE fields where 0 means dropless, none or no loss)."""
     mamba = {"d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"}
     moe = {"experts", "top_k", "expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef"}
+    deepseek = {"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "routed_scaling_factor", "n_group",
+                "topk_group"}   # latent attention and the group-limited router
     zero_is_valid = {"expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef",
-                     "rope_scaling_factor"}  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
+                     "rope_scaling_factor",  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
+                     "kv_lora_rank", "q_lora_rank"}   # 0: GQA; a full query projection
     for f in dataclasses.fields(ModelConfig):
         if f.type not in ("int", "float") or f.name in ("tie_embeddings",):
             continue
-        preset = "mamba2-tiny" if f.name in mamba else "moe-tiny" if f.name in moe else "llama-tiny"
+        preset = ("mamba2-tiny" if f.name in mamba else "moe-tiny" if f.name in moe
+                  else "deepseek-tiny" if f.name in deepseek else "llama-tiny")
         if f.name.startswith("rope_") and f.name != "rope_scaling_factor" and f.name != "rope_theta":
             preset = "llama-tiny:rope_scaling_factor=8,"
         else:

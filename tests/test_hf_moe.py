@@ -1,9 +1,12 @@
-"""Hugging Face Mixtral and Qwen3-MoE checkpoints (jaxpar/serving/hf.py, hf_moe.py) against `transformers` itself.
+"""Hugging Face Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints (jaxpar/serving/hf.py, hf_moe.py, hf_deepseek.py)
+against `transformers` itself.
 
 tests/data/hf_moe/<name>/ holds a tiny random checkpoint written by `transformers` and the logits and greedy
 continuations `transformers` computed from it (tests/data/hf_moe/make_golden.py, run once by hand in a
 separate environment): Mixtral with every layer sparse and top-2 of 4 renormalised, Qwen3-MoE with q/k
-norms, top-2 of 8 without renormalisation (norm_topk_prob false) and a dense first layer (mlp_only_layers).
+norms, top-2 of 8 without renormalisation (norm_topk_prob false) and a dense first layer (mlp_only_layers),
+DeepSeek-V3 with latent attention (interleaved RoPE), a dense first layer, a shared expert and sigmoid
+scores with a random correction bias, 2 of 4 groups, scaled by 2.5.
 jaxpar's model loaded from the directory must give those logits, `jaxpar generate` those tokens under a
 tensor and an expert layout, and `jaxpar train` must start from the weights.
 """
@@ -11,11 +14,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
 from jaxpar.cli import main as cli
 from jaxpar.cli.args import hf_params
@@ -25,14 +30,14 @@ from jaxpar.models import decode
 from jaxpar.models.config import parse_model, pattern_of
 from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
-from jaxpar.serving.hf import load_params, read_config
+from jaxpar.serving.hf import load_params, read_config, read_tensors
 from jaxpar.serving.hf_moe import layer_kinds
 from jaxpar.training.config import TrainConfig
 from jaxpar.training.data import Synthetic
 from jaxpar.training.trainer import Trainer
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf_moe"
-NAMES = ("mixtral", "qwen3_moe")
+NAMES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def golden(name: str) -> dict:
@@ -53,9 +58,14 @@ def test_configs_map_the_routing_and_the_layers(loaded):
     name, cfg, _ = loaded
     expect = {"mixtral": dict(pattern="E", experts=4, top_k=2, router_norm=True, qk_norm=False, moe_mlp_dim=32),
               "qwen3_moe": dict(pattern="A+E", experts=8, top_k=2, router_norm=False, qk_norm=True, moe_mlp_dim=16,
-                                mlp_dim=64)}[name]
+                                mlp_dim=64),
+              "deepseek_v3": dict(pattern="A+2*E", experts=8, top_k=2, router_norm=True, shared_experts=1,
+                                  moe_mlp_dim=16, mlp_dim=96, kv_lora_rank=16, q_lora_rank=24, head_dim=12,
+                                  qk_rope_head_dim=4, v_head_dim=8, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, router_bias=True)}[name]
     assert {k: getattr(cfg, k) for k in expect} == expect
-    assert (cfg.router, cfg.aux_loss_coef, cfg.z_loss_coef) == ("softmax", 0.02, 0.0)
+    router = "sigmoid" if name == "deepseek_v3" else "softmax"
+    assert (cfg.router, cfg.aux_loss_coef, cfg.z_loss_coef) == (router, 0.02, 0.0)
 
 
 def test_logits_equal_the_reference_implementations(loaded):
@@ -90,80 +100,70 @@ def test_greedy_generation_under_more_layouts(name, mesh, tmp_path):
     assert generate(name, mesh, tmp_path / "g.json") == golden(name)["continuations"] * 4
 
 
-def test_training_state_is_the_checkpoint_sharded_over_experts():
-    """`train --hf-checkpoint`'s start on an expert layout (Trainer.state_from_params of the loaded weights):
-    every parameter holds the checkpoint's values, the experts split 4 ways over `expert`."""
-    directory = str(DATA / "qwen3_moe")
-    cfg = read_config(directory)
-    trainer = Trainer(cfg, parse_strategy("data=2,expert=4"), TrainConfig(batch=8, seq=16))
-    host = load_params(directory, cfg, trainer.abstract_params)
-    state = trainer.state_from_params(hf_params(directory, cfg, trainer.abstract_params))
-    for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(state.params)):
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
-    w_gate = state.params["runs"][1]["blocks"][0]["moe"]["w_gate"]   # the checkpoint's layer 1: A+E
-    assert w_gate.addressable_shards[0].data.shape == (1, cfg.experts // 4, cfg.d_model, cfg.moe_mlp_dim)
+@pytest.mark.parametrize("mesh", [
+    "data=2,expert=2,tensor=2",   # the latent cache replicated over tensor, the experts split over expert
+    pytest.param("data=8", marks=pytest.mark.slow),
+    pytest.param("data=4,tensor=2", marks=pytest.mark.slow),
+    pytest.param("data=4,expert=2", marks=pytest.mark.slow),
+])
+def test_deepseek_v3_greedy_generation_is_transformers(mesh, tmp_path):
+    """Latent attention's compressed cache read absorbed, group-limited routing with the checkpoint's bias:
+    transformers' greedy tokens (8 sequences: data 8 is one device's model per sequence)."""
+    assert generate("deepseek_v3", mesh, tmp_path / "g.json") == golden("deepseek_v3")["continuations"] * 4
 
 
-@pytest.mark.slow
-def test_training_starts_from_the_checkpoint(tmp_path):
-    """`train --hf-checkpoint` on an expert layout: the first step's loss is the cross-entropy of the
-    loaded model's one-device logits on the same synthetic batch (rows 0..7 of step 0, seed 0) plus the
-    checkpoint's router_aux_loss_coef times the balance loss the step reports."""
-    directory, metrics = DATA / "mixtral", tmp_path / "m.jsonl"
-    assert cli.main(["train", "--model", f"hf:{directory}", "--hf-checkpoint", str(directory), "--mesh",
-                     "data=2,expert=4", "--steps", "1", "--batch", "8", "--seq", "16", "--metrics", str(metrics)]) == 0
-    cfg = read_config(str(directory))
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LM(cfg, RunConfig(), rngs=nnx.Rngs(0))))
-    model = nnx.merge(graphdef, load_params(str(directory), cfg, nnx.state(abstract, nnx.Param)))
-    rows = Synthetic(cfg.vocab, 0).rows(0, range(8), 16)
-    logits = np.asarray(decode.full_logits(model, jax.numpy.asarray(rows[:, :-1])), np.float64)
-    logp = logits - logits.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    cross_entropy = -np.take_along_axis(logp, rows[:, 1:, None], axis=-1).mean()
-    first = json.loads(metrics.read_text().splitlines()[0])
-    assert first["loss"] == pytest.approx(cross_entropy + cfg.aux_loss_coef * first["moe_aux_loss"], abs=1e-4)
+# deepseek-ai/DeepSeek-V3's config.json as released (transformers 4.33 fields), for `deepseek-v3`
+DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False,
+                   aux_loss_alpha=0.001, first_k_dense_replace=3, hidden_act="silu", hidden_size=7168,
+                   intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=163840, moe_intermediate_size=2048,
+                   moe_layer_freq=1, n_group=8, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True,
+                   num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128,
+                   num_nextn_predict_layers=1, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                   quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
+                                            weight_block_size=[128, 128]),
+                   rms_norm_eps=1e-6, rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
+                                                        mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                                                        type="yarn"),
+                   rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True,
+                   tie_word_embeddings=False, topk_group=4, topk_method="noaux_tc", v_head_dim=128, vocab_size=129280)
 
 
-def test_sparse_layers_become_a_pattern():
-    """transformers' rule (layer i sparse unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step
-    == 0) written as the shortest pattern that repeats, or as runs when none does (models/config.py)."""
-    c = dict(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[])
-    assert layer_kinds(c, "qwen3_moe", 6) == "AEAEAE" and pattern_of("AEAEAE") == "AE"
-    c = dict(num_experts=4, decoder_sparse_step=1, mlp_only_layers=[0])
-    assert pattern_of(layer_kinds(c, "qwen3_moe", 4)) == "A+3*E"
-    assert pattern_of(layer_kinds(dict(num_experts=0), "qwen3_moe", 4)) == "A"
-    assert layer_kinds(dict(decoder_sparse_step=3), "mixtral", 3) == "EEE"
-
-
-# the released checkpoints' config.json (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B), as transformers 4 wrote them
-RELEASED = {
-    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_act="silu",
-                         hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
-                         num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
-                         num_local_experts=8, output_router_logits=False, rms_norm_eps=1e-05, rope_theta=1e6,
-                         router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False, vocab_size=32000),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False,
-                          decoder_sparse_step=1, head_dim=128, hidden_act="silu", hidden_size=2048,
-                          intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
-                          mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
-                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
-                          rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1e6, router_aux_loss_coef=0.001,
-                          sliding_window=None, tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936),
-}
-
-
-@pytest.mark.parametrize("preset", RELEASED)
-def test_released_configs_read_as_the_presets(tmp_path, preset):
-    """The released config.json files give the shapes and routing of the presets written from the papers."""
-    (tmp_path / "config.json").write_text(json.dumps(RELEASED[preset]))
-    cfg, want = read_config(str(tmp_path)), parse_model(preset)
+def test_the_released_deepseek_v3_config_reads_as_the_preset_once_its_refusals_are_met(tmp_path):
+    """As released: YaRN's 160K-context RoPE, refused in one line; at its 4K pre-training context, the block-FP8
+    weights, refused; dequantized: the shapes and routing of `deepseek-v3`."""
+    config = dict(DEEPSEEK_V3)
+    for field, words in (("rope_scaling", "only the llama3 rule"), ("quantization_config", "weight_block_size")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=words) as e:
+            read_config(str(tmp_path))
+        assert "\n" not in str(e.value)
+        config.pop(field)
+    (tmp_path / "config.json").write_text(json.dumps(config | dict(max_position_embeddings=4096)))
+    cfg, want = read_config(str(tmp_path)), parse_model("deepseek-v3")
     fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "vocab", "pattern", "experts", "top_k",
-              "moe_mlp_dim", "router", "router_norm", "rope_theta", "norm_eps", "aux_loss_coef", "z_loss_coef")
+              "shared_experts", "moe_mlp_dim", "mlp_dim", "router", "router_norm", "routed_scaling_factor", "n_group",
+              "topk_group", "router_bias", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+              "rope_theta", "norm_eps", "max_seq")
     assert {f: getattr(cfg, f) for f in fields} == {f: getattr(want, f) for f in fields}
-    assert cfg.qk_norm == (preset == "qwen3-30b-a3b")
+
+
+def test_multi_token_prediction_layers_are_named_and_not_loaded(tmp_path, capsys):
+    """A checkpoint with DeepSeek-V3's MTP module (layer num_hidden_layers): loaded without it, and said so."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(DATA / "deepseek_v3", directory)
+    tensors = {n: v for n, v in read_tensors(str(directory)).items()}
+    tensors["model.layers.3.enorm.weight"] = np.ones(64, np.float32)
+    tensors["model.layers.3.eh_proj.weight"] = np.ones((64, 128), np.float32)
+    (directory / "model.safetensors").unlink()
+    save_file(tensors, str(directory / "mtp.safetensors"))
+    cfg = read_config(str(directory))
+    load_params(str(directory), cfg, nnx.state(nnx.eval_shape(lambda: LM(cfg, RunConfig(), rngs=nnx.Rngs(0))), nnx.Param))
+    err = capsys.readouterr().err
+    assert "layers 3 (multi-token prediction modules, 2 tensors) are not loaded" in err
 
 
 @pytest.mark.parametrize("name, change, words", [
+    ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'"),
     ("mixtral", dict(sliding_window=32), "sliding_window=32"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "sliding_window=16"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),

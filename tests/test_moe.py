@@ -243,6 +243,7 @@ def test_presets_have_the_published_shapes():
 @pytest.mark.parametrize("name, total, active, rel", [
     ("mixtral-8x7b", 46.7e9, 12.9e9, 0.005),   # Jiang et al. 2024 ("Mixtral of Experts"); Mistral AI's release
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),    # Qwen Team 2025 (Qwen3 technical report): "3.3B" to two digits
+    ("deepseek-v3", 671e9, 37e9, 0.02),        # DeepSeek-AI 2024 (V3 report, abstract), without the MTP module
 ])
 def test_the_cost_model_counts_all_experts_and_the_active_ones(name, total, active, rel):
     """Memory counts every expert; FLOPs follow the active parameters (k routed experts per token):

@@ -34,6 +34,7 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    "latent": (),                   # a latent attention rank (models/mla.py): follows `embed` (rules_for)
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),
@@ -46,6 +47,7 @@ BASE_RULES: dict[str, tuple[str, ...]] = {
     "cache_batch": ("data", "fsdp", "expert"),  # the sequences being generated, as `batch`
     "cache_seq": (),                # cache slots (context-parallel prefill would shard them)
     "cache_kv_heads": ("tensor",),  # cached K/V heads (copies of them when tensor > kv_heads)
+    "cache_latent": (),             # latent attention's cached latent: every head reads it, so no split by head
 }
 
 DATA_AXES = ("data", "fsdp", "expert")  # the axes a batch is split over
@@ -68,7 +70,7 @@ def zero3_axes(strategy: Strategy) -> tuple[str, ...]:
 def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = False) -> Rules:
     """The table for `purpose` in {"params", "optimizer", "activations", "compute"}.
 
-    - params:      `embed` under ZeRO-3 on fsdp (or the expert group: `zero3_axes`), replicated otherwise.
+    - params:      `embed` (and `latent`, for the weights without a model dim) under ZeRO-3 on fsdp (or the expert group: `zero3_axes`), replicated otherwise.
     - optimizer:   Adam moments follow the params, except ZeRO-1 which shards them (and the
                    gradient entering the update) on `embed` over data x fsdp.
     - activations: sequence parallelism adds `tensor` to the residual stream's sequence dim.
@@ -88,6 +90,7 @@ def rules_for(strategy: Strategy, purpose: str, *, replicate_kv_heads: bool = Fa
         rules["embed"] = zero3_axes(strategy) if zero == 3 and purpose != "compute" else ()
         if purpose == "optimizer" and zero == 1:
             rules["embed"] = ("data", "fsdp")
+        rules["latent"] = rules["embed"]   # W_q_b, W_k_b, W_v_b have no model dim: ZeRO shards their latent
     elif purpose == "activations":
         if strategy.options.sequence_parallel:
             rules["res_seq"] = ("context", "tensor")

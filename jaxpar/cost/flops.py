@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxpar.cost.params import mamba_dims, per_model
+from jaxpar.cost.params import latent_attention_weights, mamba_dims, per_model
 from jaxpar.ops.capacity import group_capacity
 from jaxpar.models.config import ModelConfig
 
@@ -61,21 +61,33 @@ def rmsnorm_flops(width: int, tokens: float) -> Flops:
 
 
 def attention_projection_flops(m: ModelConfig, tokens: float) -> Flops:
-    """q,k,v,o projections with GQA: 2*T*d*(hq + 2*hkv) + 2*T*hq*d; RoPE ~3 FLOPs per q/k element."""
+    """q,k,v,o projections with GQA: 2*T*d*(hq + 2*hkv) + 2*T*hq*d; RoPE ~3 FLOPs per q/k element. Latent
+    attention: 2*T per entry of each of its matrices (`latent_projection_weights`), RoPE on q_rope and the
+    shared k_rope, and its two latent RMSNorms."""
+    if m.mla:
+        r, latents = m.qk_rope_head_dim, m.q_lora_rank + m.kv_lora_rank
+        return Flops(2.0 * tokens * sum(w.size for w in latent_projection_weights(m)),
+                     3.0 * tokens * (m.heads + 1) * r + rmsnorm_flops(latents, tokens).other)
     hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     return Flops(2.0 * tokens * m.d_model * (hq + 2 * hkv) + 2.0 * tokens * hq * m.d_model,
                  3.0 * tokens * (hq + hkv))
 
 
+def latent_projection_weights(m: ModelConfig) -> tuple:
+    """Latent attention's matrices, each applied once per token in the training forward (not its norms)."""
+    return tuple(w for w in latent_attention_weights(m) if len(w.shape) > 1)
+
+
 def attention_core_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False) -> Flops:
-    """Scores QK^T 2*b*s*s*hq, softmax ~5 FLOPs per score, weighted sum PV 2*b*s*s*hq.
+    """Scores QK^T 2*b*s*s*hq, softmax ~5 FLOPs per score, weighted sum PV 2*b*s*s*hv (hv = hq but under
+    latent attention, whose value heads are v_head_dim wide).
 
     Each query head attends over all s keys (GQA shares k/v across heads, not the score work).
     `causal=True` halves the score work (only the lower triangle is computed)."""
-    hq = m.heads * m.head_dim
+    hq, hv = m.heads * m.head_dim, m.heads * m.v_dim
     frac = 0.5 if causal else 1.0
     scores = batch * seq * seq * frac
-    return Flops(4.0 * scores * hq, 5.0 * scores * m.heads)
+    return Flops(2.0 * scores * (hq + hv), 5.0 * scores * m.heads)
 
 
 def mlp_flops(m: ModelConfig, tokens: float) -> Flops:
@@ -183,6 +195,9 @@ def projection_ops(m: ModelConfig) -> tuple[tuple[int, float], ...]:
     hq, hkv, d = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
     attention = m.attention_layers + m.moe_layers
     ops = [(attention, 2.0 * d * (hq + 2 * hkv)), (attention, 2.0 * hq * d)] if attention else []
+    if attention and m.mla:   # the gathered input meets the projections from d; the output projection
+        ops = [(attention, 2.0 * d * ((m.q_lora_rank or hq) + m.kv_lora_rank + m.qk_rope_head_dim)),
+               (attention, 2.0 * m.heads * m.v_head_dim * d)]
     if m.attention_layers:
         up = 2 if m.mlp_type == "swiglu" else 1
         ops += [(m.attention_layers, 2.0 * d * m.mlp_dim * up), (m.attention_layers, 2.0 * m.mlp_dim * d)]
@@ -196,7 +211,7 @@ def projection_ops(m: ModelConfig) -> tuple[tuple[int, float], ...]:
 
 @per_model  # called once per estimate: the planner's hot path
 def projection_shapes(m: ModelConfig) -> tuple[tuple[str, int, int, str, int], ...]:
-    """(block kind, K, N, the dimension tensor parallelism splits, experts) of each projection GEMM of one
+    """(block kind, K, N, the dimension tensor parallelism splits, "" for none, experts) of each projection GEMM of one
     layer, an M x K input times a K x N weight (Megatron's column-parallel layers split N, its row-parallel
     ones K: Shoeybi et al. 2019): the same GEMMs as `projection_ops`, the MoE layer's routed experts as
     one grouped GEMM over `experts` weights and its shared experts as a dense one (the router's d x E is
@@ -204,6 +219,11 @@ def projection_shapes(m: ModelConfig) -> tuple[tuple[str, int, int, str, int], .
     "attention" (attention and MoE layers), "mlp", "experts", "mamba"."""
     hq, hkv, d = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.d_model
     ops = [("attention", d, hq + 2 * hkv, "n", 0), ("attention", hq, d, "k", 0)] if m.attention_layers + m.moe_layers else []
+    if ops and m.mla:   # the latents from d, not split ("": every tensor rank computes them), then per head
+        h, c, ql = m.heads, m.kv_lora_rank, m.q_lora_rank
+        ops = [("attention", d, ql + c + m.qk_rope_head_dim, "", 0) if ql else ("attention", d, hq, "n", 0),
+               *((("attention", ql, hq, "n", 0),) if ql else (("attention", d, c + m.qk_rope_head_dim, "", 0),)),
+               ("attention", c, h * (m.qk_nope_head_dim + m.v_head_dim), "n", 0), ("attention", h * m.v_head_dim, d, "k", 0)]
     if m.attention_layers:
         ops += [("mlp", d, m.mlp_dim * (2 if m.mlp_type == "swiglu" else 1), "n", 0), ("mlp", m.mlp_dim, d, "k", 0)]
     if m.moe_layers:

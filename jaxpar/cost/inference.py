@@ -56,6 +56,7 @@ class InferenceEstimate:
     mesh_sizes: tuple = ()        # the strategy's ((axis, size), ...), for the records' wire bytes
     routed_weights_bytes: float | None = None  # MoE: the weights a routed kernel reads per step (docstring)
     experts_touched: float | None = None       # MoE: expected distinct experts per layer per expert group
+    cache_per_token: str = ""                  # what one token's cache holds per device, in words
 
     @property
     def step_s(self) -> float:
@@ -91,6 +92,7 @@ class InferenceEstimate:
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bound": self.bound,
                 "matmul_s": self.matmul_s, "memory_s": self.memory_s, "comm_s": self.comm_s,
                 "matmul_flops": self.matmul_flops, "hbm_bytes": self.hbm_bytes,
+                "cache_per_token": self.cache_per_token,
                 "memory": {"weights": self.weights_bytes, "cache": self.cache_bytes,
                            "activations": self.activation_bytes, "total": self.memory_total},
                 "fits": self.fits, "critical_batch": self.critical_batch,
@@ -105,12 +107,32 @@ def kv_heads_per_device(m: ModelConfig, tensor: int) -> float:
     return m.kv_heads / tensor if tensor <= m.kv_heads else 1.0
 
 
+def cached_per_token(m: ModelConfig, tensor: int) -> float:
+    """Values one device caches per token and attention layer: K and V of its kv_heads_per_device, or latent
+    attention's latent and RoPE key (kv_lora_rank + qk_rope_head_dim), which every head reads, so every
+    tensor rank holds them whole (DeepSeek-V2 table 1: (d_c + d_h^R) l elements per token)."""
+    if m.mla:
+        return m.kv_lora_rank + m.qk_rope_head_dim
+    return 2 * kv_heads_per_device(m, tensor) * m.head_dim
+
+
+def describe_cache(m: ModelConfig, st: Strategy) -> str:
+    """One token's attention cache on a device, in bytes over every attention layer and what it is."""
+    if not m.has_attention:
+        return ""
+    layers, t = m.attention_layers + m.moe_layers, st.sizes["tensor"]
+    per_token = layers * cached_per_token(m, t) * ACTIVATION_BYTES[st.options.dtype]
+    what = (f"latent {m.kv_lora_rank} + RoPE key {m.qk_rope_head_dim}" if m.mla
+            else f"K and V of {kv_heads_per_device(m, t):g} heads x {m.head_dim}")
+    return f"{per_token:,.0f} B per token ({what} per layer, {layers} layers)"
+
+
 def cache_bytes(m: ModelConfig, st: Strategy, batch: int, slots: int) -> float:
     """KV cache + Mamba-2 decode state per device (models/decode.py's cache_layout, sharded by the rules)."""
     sz, act = st.sizes, ACTIVATION_BYTES[st.options.dtype]
     b = batch / (sz["data"] * sz["fsdp"] * sz["expert"])
     t = sz["tensor"]
-    kv = (m.attention_layers + m.moe_layers) * 2 * b * slots * kv_heads_per_device(m, t) * m.head_dim * act
+    kv = (m.attention_layers + m.moe_layers) * b * slots * cached_per_token(m, t) * act
     _, _, heads = params.mamba_dims(m) if m.mamba_layers else (0, 0, 0)
     conv = (m.d_conv - 1) * (m.d_inner + 2 * m.ngroups * m.d_state) / t * act
     ssm = heads / t * m.ssm_head_dim * m.d_state * 4
@@ -129,10 +151,25 @@ def expert_params(m: ModelConfig) -> int:
     return m.moe_layers * m.experts * 3 * m.d_model * m.moe_mlp_dim
 
 
+def attention_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
+    """One attention layer's forward matmul FLOPs: the projections, then each of the batch x q_len queries
+    against `keys` keys. A latent attention decode step (q_len 1: jaxpar/ops/latent_attention.py absorbed_read)
+    reads the cache absorbed: q_nope through W_k_b (2 h qk_nope c per token), scores over the latent and the
+    RoPE key (2 h (c + r) per key), the weighted latent (2 h c per key) through W_v_b (2 h c v_head_dim per
+    token), instead of every head's K/V rebuilt from each cached latent."""
+    if m.mla and q_len == 1:
+        h, c, r = m.heads, m.kv_lora_rank, m.qk_rope_head_dim
+        skip = 2.0 * tokens * c * h * (m.qk_nope_head_dim + m.v_head_dim)   # W_k_b, W_v_b on the latents
+        absorbed = 2.0 * tokens * h * c * (m.qk_nope_head_dim + m.v_head_dim)
+        return (flops.attention_projection_flops(m, tokens).matmul - skip + absorbed
+                + 2.0 * batch * keys * h * (2 * c + r))
+    return (flops.attention_projection_flops(m, tokens).matmul
+            + 2.0 * batch * q_len * keys * m.heads * (m.head_dim + m.v_dim))
+
+
 def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
     """Matmul FLOPs of one forward over `tokens` = batch x q_len tokens attending over `keys` each."""
-    hq = m.heads * m.head_dim
-    attn = (flops.attention_projection_flops(m, tokens).matmul + 4.0 * batch * q_len * keys * hq)
+    attn = attention_matmul(m, tokens, batch, q_len, keys)
     total = m.attention_layers * (attn + flops.mlp_flops(m, tokens).matmul)
     if m.moe_layers:
         moe = (attn + flops.router_flops(m, tokens).matmul + flops.expert_flops(m, tokens).matmul
@@ -166,8 +203,11 @@ def _context_prefill(m: ModelConfig, st: Strategy, batch: float, prompt: int, ac
     ops = [op for op in ops if op[5] == "forward"]
     e = m.attention_layers + m.moe_layers
     if e:
-        full = sh.mb * prompt * m.kv_heads * m.head_dim / min(sz["tensor"], m.kv_heads) * act  # K or V, all slots
-        ops += sites.issue(AG, ("context",), e, [full, full], "forward")
+        if m.mla:   # the cache's latent and RoPE key, all slots
+            cached = [sh.mb * prompt * m.kv_lora_rank * act, sh.mb * prompt * m.qk_rope_head_dim * act]
+        else:       # K and V, all slots
+            cached = [sh.mb * prompt * m.kv_heads * m.head_dim / min(sz["tensor"], m.kv_heads) * act] * 2
+        ops += sites.issue(AG, ("context",), e, cached, "forward")
     row = sh.mb * m.d_model * act
     if st.options.cp_layout != "zigzag":  # the last token sits on the last shard
         ops += sites.issue(PERMUTE, ("context",), 1, [row], "forward")
@@ -259,7 +299,8 @@ def inference_estimate(m: ModelConfig, st: Strategy, hardware: Hardware | str, r
                              matmul_s=matmul_s, memory_s=memory_s, comm_s=comm, weights_bytes=weights,
                              cache_bytes=cache, activation_bytes=acts, hbm_capacity=hw.hbm_bytes,
                              predicted=predicted, critical_batch=critical, mesh_sizes=st.mesh,
-                             routed_weights_bytes=routed, experts_touched=touched)
+                             routed_weights_bytes=routed, experts_touched=touched,
+                             cache_per_token=describe_cache(m, st))
 
 
 def format_inference(e: InferenceEstimate) -> str:
@@ -276,6 +317,8 @@ def format_inference(e: InferenceEstimate) -> str:
         lines.append(f"  MoE: {e.experts_touched:.2f} distinct experts touched per layer per step (uniform routing); "
                      f"a routed kernel would read {human_bytes(e.routed_weights_bytes)} of weights per device "
                      f"(jaxpar's batched experts read {human_bytes(e.weights_bytes)})")
+    if e.cache_per_token:
+        lines.append(f"  cache: {e.cache_per_token}")
     lines += [f"  memory per device: weights {human_bytes(e.weights_bytes)}, cache {human_bytes(e.cache_bytes)}, "
               f"activations {human_bytes(e.activation_bytes)}: {human_bytes(e.memory_total)} "
               f"({'fits' if e.fits else 'does NOT fit'} in {human_bytes(e.hbm_capacity)})"]

@@ -150,11 +150,11 @@ def attention_half(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
 def attention_inventory(m: ModelConfig, s_kv: float, dropout: bool = False) -> tuple[tuple, ...]:
     """One attention layer (pre-norm, GQA, MLP). `s_kv`: keys each query attends over on this device."""
     d, hq, hkv, f = m.d_model, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
-    sc = m.heads * s_kv
-    inv = [("layer input x", d, None, False, ALL), ("norm1 out", d, None, False, NONE),
-           ("q", hq, None, True, DOT), ("k", hkv, None, True, DOT), ("v", hkv, None, True, DOT),
+    sc, hv = m.heads * s_kv, m.heads * m.v_dim if m.mla else hkv
+    inv = [("layer input x", d, None, False, ALL), ("norm1 out", d, None, False, NONE), *latent_entries(m),
+           ("q", hq, None, True, DOT), ("k", hkv, None, True, DOT), ("v", hv, None, True, DOT),
            ("scores QK^T", sc, None, True, frozenset({"dots"})), ("softmax", sc, None, True, CORE),
-           ("attention out PV", hq, None, True, frozenset({"none", "selective", "dots"})),
+           ("attention out PV", hv if m.mla else hq, None, True, frozenset({"none", "selective", "dots"})),
            ("o-proj out", d, None, False, DOT_ONLY), ("norm2 in", d, None, False, NONE),
            ("norm2 out", d, None, False, NONE), ("mlp down out", d, None, False, DOT_ONLY)]
     if m.mlp_type == "swiglu":
@@ -166,6 +166,16 @@ def attention_inventory(m: ModelConfig, s_kv: float, dropout: bool = False) -> t
         inv += [("attn dropout mask", sc, 1, True, CORE), ("attn dropout out", sc, None, True, CORE),
                 ("attn-out dropout mask", d, 1, False, NONE), ("mlp-out dropout mask", d, 1, False, NONE)]
     return tuple(inv)
+
+
+def latent_entries(m: ModelConfig) -> tuple[tuple, ...]:
+    """Latent attention's own activations per token (models/mla.py), replicated over `tensor`: the query and
+    K/V latents before and after their RMSNorms and the RoPE key; none under GQA."""
+    if not m.mla:
+        return ()
+    ql, c = m.q_lora_rank, m.kv_lora_rank
+    return (("q, kv latents", ql + c, None, False, DOT), ("q, kv latents normed", ql + c, None, False, NONE),
+            ("rope key", m.qk_rope_head_dim, None, False, DOT))
 
 
 @per_model

@@ -12,7 +12,7 @@ is then read off jaxpar/core/rules.py, the table the runtime shards with, never 
                     axes whatever the stage (`zero_split`).
 
 Attention block (LLaMA-style, no biases): q,k,v,o projections d*(hq + 2*hkv) + hq*d with
-hq = heads*head_dim, hkv = kv_heads*head_dim; MLP 3*d*f (SwiGLU: gate, up, down) or 2*d*f (GeLU);
+hq = heads*head_dim, hkv = kv_heads*head_dim (latent attention: `latent_attention_weights`); MLP 3*d*f (SwiGLU: gate, up, down) or 2*d*f (GeLU);
 two RMSNorm weights 2*d. For GPT shapes (hq = hkv = d, f = 4d, GeLU) this is Megatron's 12*h^2 per
 layer (Narayanan et al. 2021, section 5.1, biases dropped).
 
@@ -114,16 +114,32 @@ def attention_weights(m: ModelConfig) -> tuple[Weight, ...]:
     """models/transformer.py (Attention, pre-norms) and models/layers.py (MLP)."""
     d, f, h, kv, hd = m.d_model, m.mlp_dim, m.heads, m.kv_heads, m.head_dim
     mlp = (Weight("w_gate", (d, f), ("embed", "mlp")),) if m.mlp_type == "swiglu" else ()
+    gqa = (Weight("wq", (d, h, hd), ("embed", "q_heads", "head_dim")),
+           Weight("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
+           Weight("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
+           Weight("wo", (h, hd, d), ("q_heads", "head_dim", "embed")),
+           *((Weight("q_norm", (hd,), ("head_dim",)), Weight("k_norm", (hd,), ("head_dim",))) if m.qk_norm else ()))
     return (Weight("norm1", (d,), ("embed",)),
-            Weight("wq", (d, h, hd), ("embed", "q_heads", "head_dim")),
-            Weight("wk", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
-            Weight("wv", (d, kv, hd), ("embed", "kv_heads", "head_dim")),
-            Weight("wo", (h, hd, d), ("q_heads", "head_dim", "embed")),
-            *((Weight("q_norm", (hd,), ("head_dim",)), Weight("k_norm", (hd,), ("head_dim",))) if m.qk_norm else ()),
+            *(latent_attention_weights(m) if m.mla else gqa),
             Weight("norm2", (d,), ("embed",)),
             *mlp,
             Weight("w_up", (d, f), ("embed", "mlp")),
             Weight("w_down", (f, d), ("mlp", "embed")))
+
+
+def latent_attention_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/mla.py: the query's latent (or one full projection), the K/V latent and its norm, the shared
+    RoPE key, the up-projections to every head's k (qk_nope) and v, and the output projection."""
+    d, h, hd, c, ql = m.d_model, m.heads, m.head_dim, m.kv_lora_rank, m.q_lora_rank
+    head = ("q_heads", "head_dim")
+    query = ((Weight("wq_a", (d, ql), ("embed", "latent")), Weight("q_norm", (ql,), ("latent",)),
+              Weight("wq_b", (ql, h, hd), ("latent", *head))) if ql else (Weight("wq", (d, h, hd), ("embed", *head)),))
+    return (*query,
+            Weight("wkv_a", (d, c), ("embed", "latent")), Weight("kv_norm", (c,), ("latent",)),
+            Weight("wk_rope", (d, m.qk_rope_head_dim), ("embed", "head_dim")),
+            Weight("wk_b", (c, h, m.qk_nope_head_dim), ("latent", *head)),
+            Weight("wv_b", (c, h, m.v_head_dim), ("latent", *head)),
+            Weight("wo", (h, m.v_head_dim, d), (*head, "embed")))
 
 
 @per_model
@@ -158,7 +174,8 @@ def moe_weights(m: ModelConfig) -> tuple[Weight, ...]:
     shared = m.shared_experts * f
     dense = ((Weight("shared_gate", (d, shared), ("embed", "mlp")), Weight("shared_up", (d, shared), ("embed", "mlp")),
               Weight("shared_down", (shared, d), ("mlp", "embed"))) if shared else ())
-    return (*attention_half, Weight("router", (d, e), ("embed", None)),
+    bias = (Weight("router_bias", (e,), (None,)),) if m.router_bias else ()
+    return (*attention_half, Weight("router", (d, e), ("embed", None)), *bias,
             Weight("experts_gate", (e, d, f), ("experts", "embed", "mlp")),
             Weight("experts_up", (e, d, f), ("experts", "embed", "mlp")),
             Weight("experts_down", (e, f, d), ("experts", "mlp", "embed")), *dense)

@@ -215,7 +215,7 @@ def gemm_excess(shapes: tuple[tuple[str, int, int, str, int], ...], run: GemmRun
     tile and wave quantisation (NVIDIA, "Matrix Multiplication Background") are not modelled."""
     out = []
     for kind, k, n, split, experts in shapes:
-        k, n = (k, n / run.tensor) if split == "n" else (k / run.tensor, n)
+        k, n = (k, n / run.tensor) if split == "n" else (k / run.tensor, n) if split == "k" else (k, n)
         m_rows, weights = (run.tokens * run.rows, experts / run.expert * k * n) if experts else (run.tokens, k * n)
         excess = ((run.operand_bytes * (m_rows * k + weights) + run.output_bytes * m_rows * n) / run.hbm_bw
                   - 2.0 * m_rows * k * n / run.rate)

@@ -60,7 +60,7 @@ def dense_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True, q_segments=N
         scores = jnp.where(q_segments[:, None, None, :, None] == kv_segments[:, None, None, None, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
-    return out.reshape(b, sq, hq, d)
+    return out.reshape(b, sq, hq, v.shape[-1])   # v's head dim may be narrower than q's (latent attention)
 
 
 def cudnn_attention(q, k, v, q_pos, kv_pos, *, causal: bool = True):
@@ -80,10 +80,18 @@ def attention(q, k, v, positions, segments=None, *, impl: str = "dense", kernel:
 
     dense: the sequence is not split; XLA partitions the kernel on batch and heads (context must be 1).
     ring / allgather: context parallelism over the `seq` mesh axes (`context_attention` below).
+    v's head dim may be below q's (latent attention): the dense kernel takes it as it is, the others pad it.
     segments [b, s]: packed documents kept apart (dense impl; the dense, blockwise and splash kernels:
     jaxpar/training/trainer.py `Trainer.use_document_mask` refuses the rest).
     """
     kernel = resolve_kernel(kernel, q.dtype)
+    dv = v.shape[-1]
+    if dv < q.shape[-1] and (kernel, impl) != ("dense", "dense"):
+        # latent attention's values are narrower than its q/k heads: zero columns make them as wide for the
+        # fused and context-parallel kernels, and are cut from the output (transformers' DeepSeek-V3 does the
+        # same for flash attention)
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - dv)])
+        return attention(q, k, v, positions, segments, impl=impl, kernel=kernel, causal=causal)[..., :dv]
     if segments is not None:
         return KERNELS[kernel](q, k, v, positions, positions, causal=causal, q_segments=segments,
                                kv_segments=segments)

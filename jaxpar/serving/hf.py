@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import sys
 
 import numpy as np
 from safetensors import safe_open
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
+from jaxpar.serving import hf_deepseek
 from jaxpar.serving.hf_moe import ARCHITECTURES, expert_tensor, moe_fields
 
 PREFIX = "hf:"  # --model hf:DIR reads DIR/config.json
@@ -76,9 +78,9 @@ def read_config(directory: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face LLaMA, Mistral, Mixtral or Qwen3-MoE directory (its config.json)."""
     c, path = read_json(directory), pathlib.Path(directory) / "config.json"
     kind = c.get("model_type")
-    if kind not in ("llama", "mistral", *ARCHITECTURES):
-        raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral) "
-                          f"and its mixtures of experts ({', '.join(ARCHITECTURES)})")
+    if kind not in ("llama", "mistral", *ARCHITECTURES, hf_deepseek.KIND):
+        raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral), "
+                          f"its mixtures of experts ({', '.join(ARCHITECTURES)}) and {hf_deepseek.KIND}")
     if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):
         raise ConfigError(f"{path}: hidden_act={c.get('hidden_act')!r}, attention_bias={c.get('attention_bias')}, "
                           f"mlp_bias={c.get('mlp_bias')}: jaxpar's LLaMA block is SwiGLU without biases")
@@ -92,6 +94,8 @@ def read_config(directory: str) -> ModelConfig:
                       tie_embeddings=bool(c.get("tie_word_embeddings", False)), **rope_fields(c, str(path)))
         if kind in ARCHITECTURES:
             fields.update(moe_fields(c, kind, fields["layers"], str(path)))
+        if kind == hf_deepseek.KIND:
+            fields.update(hf_deepseek.deepseek_fields(c, fields["layers"], str(path)))
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as e:
@@ -132,9 +136,10 @@ _BLOCK = {
 _UNITS = re.compile(r"\['runs'\]\[(\d+)\]\['blocks'\]\[(\d+)\]((?:\['\w+'\])+)")
 
 
-def _leaf(cfg: ModelConfig, kind: str, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
+def _leaf(cfg: ModelConfig, c: dict, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
     """The array for one parameter path of jaxpar's LM (its jax.tree_util.keystr): a whole-model tensor, or
-    a block's stacked over its run's units (ModelConfig.layers_of)."""
+    a block's stacked over its run's units (ModelConfig.layers_of); `c` the checkpoint's config.json."""
+    kind = c.get("model_type")
     sizes = dict(d=cfg.d_model, h=cfg.heads, kv=cfg.kv_heads, hd=cfg.head_dim, f=cfg.mlp_dim)
 
     def get(name: str) -> np.ndarray:
@@ -151,11 +156,18 @@ def _leaf(cfg: ModelConfig, kind: str, tensors: dict[str, np.ndarray], key: str)
     member = tuple(re.findall(r"'(\w+)'", block.group(3))) if block else ()
     if base in whole:
         return whole[base]()
-    if not block or (member not in _BLOCK and member[0] != "moe"):
+    if not block or (member not in _BLOCK and member[0] not in ("moe", "attn")):
         raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
     layers = cfg.layers_of(int(block.group(1)), int(block.group(2)))
+    if member[0] == "attn" and cfg.mla:
+        return np.stack([hf_deepseek.attention_tensor(get, cfg, c, i, member[1]) for i in layers])
+    if member[0] == "moe" and member[1] in ("router_bias", "shared"):
+        return np.stack([hf_deepseek.moe_tensor(get, i, member[1:]) for i in layers])
     if member[0] == "moe":
-        return np.stack([expert_tensor(get, kind, i, cfg.experts, member[1]) for i in layers])
+        return np.stack([expert_tensor(get, "qwen3_moe" if kind == hf_deepseek.KIND else kind, i, cfg.experts,
+                                       member[1]) for i in layers])
+    if member not in _BLOCK:
+        raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
     name, shape = _BLOCK[member]
     return np.stack([get(f"model.layers.{i}.{name}") if shape is None
                      else get(f"model.layers.{i}.{name}").T.reshape([sizes[a] for a in shape]) for i in layers])
@@ -170,12 +182,15 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params):
     if cfg.has_mamba:
         raise ConfigError(f"model {cfg.name}: Hugging Face checkpoints load into attention models (A and E "
                           f"blocks), got pattern={cfg.pattern!r}")
-    kind = read_json(directory).get("model_type")
+    c = read_json(directory)
     tensors = read_tensors(directory)
+    note = hf_deepseek.unloaded_note(tensors, int(c.get("num_hidden_layers", cfg.layers)))
+    if note:
+        print(note, file=sys.stderr)
 
     def fill(path, leaf):
         key = jax.tree_util.keystr(path)
-        value = _leaf(cfg, kind, tensors, key)
+        value = _leaf(cfg, c, tensors, key)
         if value.shape != tuple(leaf.shape):
             raise ConfigError(f"{directory}: {key.removesuffix('.value')} has shape {value.shape}, the model "
                               f"needs {tuple(leaf.shape)}")

@@ -6,7 +6,7 @@ Run once by hand, in an environment with `transformers` (5.x), `torch` (the CPU 
     python -m venv /somewhere/hfenv && /somewhere/hfenv/bin/pip install torch transformers safetensors numpy
     /somewhere/hfenv/bin/python tests/data/hf_moe/make_golden.py
 
-For each of a tiny random MixtralForCausalLM and Qwen3MoeForCausalLM (float32) it writes, under
+For each of a tiny random MixtralForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (float32) it writes, under
 tests/data/hf_moe/<name>/, the checkpoint as `save_pretrained` lays it out (config.json,
 model.safetensors) and golden.json: the prompt, the reference implementation's logits for it
 (logits.npy, float32 [len(prompt), vocab]) and, for each of PROMPTS, the greedy continuation of
@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROMPT = [3, 17, 99, 5, 64, 1, 120, 42, 8, 33, 7, 90]
@@ -42,7 +44,16 @@ MODELS = {
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=64,
                                                       moe_intermediate_size=16, num_experts=8, norm_topk_prob=False,
                                                       mlp_only_layers=[0], decoder_sparse_step=1)),
+    # multi-head latent attention (q and kv latents, interleaved RoPE pairs), layer 0 dense, sigmoid scores with
+    # a correction bias (drawn at random below), top-2 of 8 experts from 2 of 4 groups, a shared expert, x2.5
+    "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        rope_interleave=True)),
 }
+
+SEEDS = {"mixtral": 0, "qwen3_moe": 1, "deepseek_v3": 3}   # each the first whose margins clear MARGIN
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
@@ -52,6 +63,9 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             p.copy_(1 + 0.1 * noise if p.ndim == 1 else 0.15 * noise)
+        for m in model.modules():   # DeepSeek-V3's balancing bias is a buffer, not a parameter
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.copy_(0.1 * torch.randn(m.e_score_correction_bias.shape, generator=gen))
 
 
 def forward(model, tokens: list[int]) -> tuple[np.ndarray, float]:
@@ -59,8 +73,12 @@ def forward(model, tokens: list[int]) -> tuple[np.ndarray, float]:
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
     k, margin = model.config.num_experts_per_tok, np.inf
-    for logits in out.router_logits or ():
-        probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+    biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for i, logits in enumerate(out.router_logits or ()):
+        if biases:   # DeepSeek-V3: the choice is on the biased sigmoid scores (group masking aside)
+            probs = (torch.sigmoid(logits.float()) + biases[i]).sort(dim=-1, descending=True).values
+        else:
+            probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
         margin = min(margin, float((probs[:, k - 1] - probs[:, k]).min()))
     return out.logits[0].numpy().astype(np.float32), margin
 
@@ -100,8 +118,11 @@ def write(name: str, cls, config, seed: int) -> None:
 
 
 def main() -> None:
-    for seed, (name, (cls, config)) in enumerate(MODELS.items()):
-        write(name, cls, config, seed)
+    """Every model, or those named on the command line (make_golden.py deepseek_v3)."""
+    chosen = set(sys.argv[1:]) or set(MODELS)
+    for name, (cls, config) in MODELS.items():
+        if name in chosen:
+            write(name, cls, config, SEEDS[name])
 
 
 if __name__ == "__main__":
