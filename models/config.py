@@ -125,7 +125,8 @@ class ModelConfig:
     router_norm: bool = True      # renormalise the top-k weights to sum to 1
     routed_scaling_factor: float = 1.0   # the routed experts' weights times this (DeepSeek-V3: 2.5)
     router_bias: bool = False     # a per-expert bias on the scores, for the choice only (DeepSeek-V3's
-                                  # auxiliary-loss-free balancing), outside the gradient
+                                  # auxiliary-loss-free balancing), moved outside the gradient:
+    router_bias_update: float = 0.0   # by -this x sign(load - mean load) each step (DeepSeek-V3: gamma 0.001)
     n_group: int = 1              # group-limited routing: experts in n_group groups (DeepSeek-V3: 8, one per node)
     topk_group: int = 1           # ... of which a token's experts come from at most topk_group (DeepSeek-V3: 4)
     capacity_factor: float = 0.0  # 0 = dropless; > 0: per sequence and expert, ceil(cf * seq * top_k / experts)
@@ -295,6 +296,10 @@ class ModelConfig:
         need(self.expert_mlp_dim >= 0, f"expert_mlp_dim must be >= 0 (0 = mlp_dim), got {self.expert_mlp_dim}")
         need(self.shared_experts >= 0, f"shared_experts must be >= 0, got {self.shared_experts}")
         need(self.router in ("softmax", "sigmoid"), f"router must be softmax or sigmoid, got {self.router!r}")
+        need(math.isfinite(self.router_bias_update) and self.router_bias_update >= 0,
+             f"router_bias_update must be a finite number >= 0, got {self.router_bias_update}")
+        need(self.router_bias or not self.router_bias_update,
+             f"router_bias_update={self.router_bias_update} moves the routing bias: set router_bias=true")
         need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
              f"routed_scaling_factor must be a positive finite number, got {self.routed_scaling_factor}")
         need(self.n_group >= 1 and self.experts % self.n_group == 0,
@@ -368,9 +373,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek with its multi-head latent attention (models/mla.py) and dense first layers. DeepSeek-V3:
     # deepseek-ai/DeepSeek-V3 config.json (first_k_dense_replace 3, q_lora_rank 1536, kv_lora_rank 512,
     # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, intermediate_size 18432) and the report's
-    # section 4.2 (group-limited routing: 8 groups, 4 per token; routed_scaling_factor 2.5); its 4K
-    # pre-training context (YaRN's extension is left out). Still left out: the bias-based balancing and
-    # multi-token prediction.
+    # section 4.2 (group-limited routing: 8 groups, 4 per token; routed_scaling_factor 2.5; the balancing
+    # bias's update speed gamma 0.001); its 4K pre-training context (YaRN's extension is left out). Left
+    # out: multi-token prediction.
     # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, first 1 dense of width 10944,
     # no query latent, 2 shared + 64 routed experts of width 1408, top-6 of softmax scores, not renormalised,
     # aux_loss_alpha 0.001) and DeepSeek-AI 2024, "DeepSeek-V2", appendix B.
@@ -378,7 +383,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512, mlp_dim=18432,
                         experts=256, top_k=8, shared_experts=1, expert_mlp_dim=2048, router="sigmoid",
                         router_norm=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, router_bias=True,
-                        vocab=129280,
+                        router_bias_update=0.001, vocab=129280,
                         max_seq=4096, norm_eps=1e-6, aux_loss_coef=0.0001, z_loss_coef=0.0),
     "deepseek-v2-lite": dict(pattern="A+26*E", layers=27, d_model=2048, heads=16, kv_heads=16, head_dim=192,
                              qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512, mlp_dim=10944, experts=64,
@@ -389,7 +394,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-tiny": dict(pattern="A+3*E", layers=4, d_model=64, heads=4, kv_heads=4, head_dim=12,
                           qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24, kv_lora_rank=16, mlp_dim=128,
                           experts=8, top_k=2, shared_experts=1, expert_mlp_dim=32, router="sigmoid",
-                          routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=True, vocab=256, max_seq=256,
+                          routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=True,
+                          router_bias_update=0.01, vocab=256, max_seq=256,
                           aux_loss_coef=0.0001, z_loss_coef=0.0),
     "qwen3-30b-a3b": dict(pattern="E", layers=48, d_model=2048, heads=32, kv_heads=4, head_dim=128,
                           mlp_dim=6144, experts=128, top_k=8, expert_mlp_dim=768, vocab=151936,

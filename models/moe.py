@@ -4,7 +4,9 @@
     scores = softmax(logits) | sigmoid(logits)
     ids, w = top_k(scores)                  w renormalised to sum 1 when cfg.router_norm, times
                                             routed_scaling_factor; under group-limited routing (n_group
-                                            > 1) from the topk_group best groups only (`group_limited`)
+                                            > 1) from the topk_group best groups only (`group_limited`);
+                                            with router_bias the choice reads scores + a balancing bias
+                                            that the optimizer moves against the load (`balance_probe`)
     y = sum_j w_j * SwiGLU_{ids_j}(h)       jaxpar.ops.moe: dispatch, experts, combine (local or
                                             expert-parallel over the `expert` mesh axis)
       + SwiGLU_shared(h)                    cfg.shared_experts always-on experts, as one wide SwiGLU
@@ -84,26 +86,46 @@ def group_limited(scores: jax.Array, groups: int, keep: int) -> jax.Array:
     return jnp.where(chosen[..., None], per_group, -jnp.inf).reshape(scores.shape)
 
 
-def stats_size(experts: int) -> int:
-    """Length of one MoE layer's statistics vector (`router_stats`)."""
-    return 2 * experts + 2
+def stats_size(cfg: ModelConfig) -> int:
+    """Length of one MoE layer's statistics vector (`router_stats`): + 1 for the balancing bias's probe."""
+    return 2 * cfg.experts + 2 + (1 if cfg.router_bias else 0)
 
 
-def router_stats(logits, ids, probs, kept, experts: int) -> jax.Array:
+def router_stats(logits, ids, probs, kept, bias: jax.Array | None) -> jax.Array:
     """One layer's sums over its tokens (float32 [stats_size]): token copies per expert [E] (no gradient),
-    router probabilities per expert [E], sum of logsumexp(logits)^2, kept copies (no gradient). Sums,
-    so that the statistics of a batch are those of its parts added (module docstring)."""
-    copies = jax.nn.one_hot(ids, experts, dtype=jnp.float32).sum(axis=(0, 1, 2))
+    router probabilities per expert [E], sum of logsumexp(logits)^2, kept copies (no gradient), and with a
+    balancing `bias` its probe (`balance_probe`). Sums, so that the statistics of a batch are those of its
+    parts added (module docstring)."""
+    copies = jax.lax.stop_gradient(jax.nn.one_hot(ids, probs.shape[-1], dtype=jnp.float32).sum(axis=(0, 1, 2)))
     z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     kept = jnp.sum(kept.astype(jnp.float32))
-    return jnp.concatenate([jax.lax.stop_gradient(copies), jnp.sum(probs, axis=(0, 1)), z[None],
-                            jax.lax.stop_gradient(kept)[None]])
+    probe = () if bias is None else (balance_probe(bias, copies)[None],)
+    return jnp.concatenate([copies, jnp.sum(probs, axis=(0, 1)), z[None], jax.lax.stop_gradient(kept)[None], *probe])
 
 
-def layer_aux(stats: jax.Array, experts: int, top_k: int) -> jax.Array:
-    """The AUX_FIELDS of one layer from its `router_stats` summed over every token of the batch; zeros for
-    a layer that saw no token (a pipeline's padding slot)."""
-    copies, prob_sum, z_sum, kept = stats[:experts], stats[experts:2 * experts], stats[-2], stats[-1]
+def balance_probe(bias: jax.Array, copies: jax.Array) -> jax.Array:
+    """0, whose gradient with respect to the balancing bias is E * copies - sum(copies): how far each expert's
+    load is above the mean, in token copies (b . w - stop_gradient(b . w), w the overload). The loss adds the
+    probes with weight 1 (`aux_loss`), so the bias's gradient, summed over batch shards and micro-batches
+    like any other, is the whole batch's overload, and the optimizer's balancing step
+    (jaxpar/training/trainer.py `make_optimizer`) moves the bias by -gamma x its sign: DeepSeek-V3's
+    auxiliary-loss-free balancing (section 2.1.2), outside the loss's own gradient. Integer counts, so every
+    layout computes the same signs."""
+    overload = jax.lax.stop_gradient(copies.size * copies - jnp.sum(copies))
+    product = jnp.sum(bias * overload)
+    return product - jax.lax.stop_gradient(product)
+
+
+def is_balance_bias(path) -> bool:
+    """Whether a parameter's tree path (jax.tree_util) is a MoE layer's balancing bias (`router_bias`)."""
+    return any(getattr(k, "key", None) == "router_bias" for k in path)
+
+
+def layer_aux(stats_row: jax.Array, experts: int, top_k: int) -> jax.Array:
+    """The AUX_FIELDS of one layer from its `router_stats` summed over every token of the batch, then its
+    balancing probe (if any); zeros for a layer that saw no token (a pipeline's padding slot)."""
+    copies, prob_sum = stats_row[:experts], stats_row[experts:2 * experts]
+    z_sum, kept = stats_row[2 * experts], stats_row[2 * experts + 1]
     n = jnp.sum(copies)                                      # tokens * top_k
     seen = n > 0
     n = jnp.where(seen, n, 1.0)
@@ -111,13 +133,14 @@ def layer_aux(stats: jax.Array, experts: int, top_k: int) -> jax.Array:
     load = copies / n                                        # f_e, sums to 1
     balance = experts * jnp.sum(load * prob_sum) / tokens    # load carries no gradient (router_stats)
     stats = jax.lax.stop_gradient(jnp.stack([1.0 - kept / n, experts * jnp.max(load), experts * jnp.min(load)]))
-    return jnp.where(seen, jnp.concatenate([jnp.stack([balance, z_sum / tokens]), stats]), 0.0)
+    probe = stats_row[2 * experts + 2:]                      # the balancing bias's probe, if any
+    return jnp.where(seen, jnp.concatenate([jnp.stack([balance, z_sum / tokens]), stats, probe]), 0.0)
 
 
 def aux_sum(cfg: ModelConfig, stats: jax.Array) -> jax.Array:
     """AUX_FIELDS summed over the MoE layers, from their statistics in any array whose size is a multiple of
     `stats_size` (the layer scan's [units, blocks * stats_size], a pipeline's [stages, repeats, slots, ...])."""
-    per_layer = stats.reshape(-1, stats_size(cfg.experts))
+    per_layer = stats.reshape(-1, stats_size(cfg))
     return jnp.sum(jax.vmap(lambda s: layer_aux(s, cfg.experts, cfg.top_k))(per_layer), axis=0)
 
 
@@ -140,13 +163,14 @@ class MoE(nnx.Module):
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.cfg, dtype_of(self.run)
         logits = constrain(h.astype(jnp.float32) @ self.router[...].astype(jnp.float32), TOKENS)
-        ids, weights, probs = route(logits, cfg, self.router_bias[...] if cfg.router_bias else None)
+        bias = self.router_bias[...] if cfg.router_bias else None
+        ids, weights, probs = route(logits, cfg, bias)
         y, kept = moe_experts(h, constrain(ids, TOKENS), constrain(weights, TOKENS),
                               self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
                               capacity_factor=cfg.capacity_factor, kernel=self.run.moe_kernel)
         if cfg.shared_experts:
             y = y + self.shared(h)
-        return y, router_stats(logits, ids, probs, kept, cfg.experts)
+        return y, router_stats(logits, ids, probs, kept, bias)
 
 
 class MoEBlock(AttentionBlock):
@@ -168,7 +192,8 @@ class MoEBlock(AttentionBlock):
 def aux_loss(cfg: ModelConfig, aux_sum: jax.Array) -> jax.Array:
     """What the MoE layers add to the loss, from the AUX_FIELDS summed over every MoE layer."""
     n = cfg.moe_layers
-    return (cfg.aux_loss_coef * aux_sum[0] + cfg.z_loss_coef * aux_sum[1]) / n
+    probes = aux_sum[len(AUX_FIELDS)] if cfg.router_bias else 0.0   # 0, for the balancing bias's gradient
+    return (cfg.aux_loss_coef * aux_sum[0] + cfg.z_loss_coef * aux_sum[1]) / n + probes
 
 
 def aux_metrics(cfg: ModelConfig, aux_sum: jax.Array) -> dict[str, jax.Array]:

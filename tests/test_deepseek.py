@@ -22,7 +22,7 @@ from jaxpar.models import decode
 from jaxpar.models.config import parse_model
 from jaxpar.models.lm import LM
 from jaxpar.models.mla import LatentAttention
-from jaxpar.models.moe import route
+from jaxpar.models.moe import balance_probe, route
 from jaxpar.models.run import RunConfig
 from jaxpar.ops.latent_attention import absorbed_read, expanded_read
 from tests import harness
@@ -131,6 +131,35 @@ def test_group_limited_routing_equals_the_step_by_step_reference():
     assert (route_numpy(logits, bias, cfg)[0] != route_numpy(logits, zero, cfg)[0]).any()   # the bias mattered
 
 
+def test_the_balancing_probe_is_zero_with_the_overload_as_its_gradient():
+    """Hand count: 3 tokens, top-2 of 4 experts, ids (0, 1), (0, 2), (0, 1): copies 3, 2, 1, 0 of 6, so the
+    bias's gradient is 4 x copies - 6 = 6, 2, -2, -6."""
+    ids = jnp.array([[[0, 1], [0, 2], [0, 1]]])
+    copies = jax.nn.one_hot(ids, 4).sum(axis=(0, 1, 2))
+    value, grad = jax.value_and_grad(balance_probe)(jnp.array([0.3, -0.1, 0.0, 0.2]), copies)
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(np.asarray(grad), [6.0, 2.0, -2.0, -6.0])
+
+
+@pytest.mark.slow   # 10 s: the one-device step's compile; the bias's gradient is compared in every layout below
+def test_one_step_moves_the_balancing_bias_against_the_overload():
+    """One optimizer step on one device: each bias entry moves by exactly -gamma, 0 or +gamma (the sign of its
+    expert's overload, not Adam's scaled step, no weight decay), the most loaded experts down and the least
+    up (the step's reported moe_load_max > 1 > moe_load_min), and the loss's gradient norm leaves it out."""
+    tr = harness.trainer(MODEL, "data=1", devices=1)
+    state = tr.state_from_params(harness.reference_params(MODEL))
+    new, metrics = tr.step(state, tr.batch(harness.source(MODEL), 0))
+    gamma = parse_model(MODEL).router_bias_update
+    before = {p: x for p, x in harness.leaves_with_paths(harness.reference_params(MODEL)) if "router_bias" in p}
+    after = {p: x for p, x in harness.leaves_with_paths(new.params) if "router_bias" in p}
+    assert after.keys() == before.keys() and after
+    for path, bias in after.items():
+        steps = np.round((bias - before[path]) / gamma)
+        np.testing.assert_allclose(bias - before[path], steps * gamma, atol=1e-9, err_msg=path)
+        assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0} and (steps == -1).any() and (steps == 1).any(), steps
+    assert float(metrics["moe_load_max"]) > 1 > float(metrics["moe_load_min"])
+
+
 # ---- decoding: the compressed cache ---------------------------------------------------------------------
 
 def greedy(model: LM, prompt: np.ndarray, new: int) -> tuple[np.ndarray, np.ndarray]:
@@ -206,10 +235,17 @@ def test_training_matches_one_device(mesh, options):
 
 
 @pytest.mark.slow
-def test_a_ten_step_trajectory_under_expert_parallelism_matches_one_device():
-    ref, _ = harness.trajectory(MODEL, "data=1", devices=1)
-    got, _ = harness.trajectory(MODEL, "expert=8", 8)
+@pytest.mark.parametrize("mesh, options", [("expert=8", {}), ("pipeline=2,expert=2,data=2", {"microbatches": 2})])
+def test_a_ten_step_trajectory_and_its_bias_updates_match_one_device(mesh, options):
+    """Losses, and each MoE layer's balancing bias after 10 steps (moved by the overload's sign each step)."""
+    ref, ref_state = harness.trajectory(MODEL, "data=1", devices=1)
+    got, state = harness.trajectory(MODEL, mesh, 8, **options)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+    biases = [(p, np.asarray(x)) for p, x in harness.leaves_with_paths(state.params) if "router_bias" in p]
+    want = dict((p, np.asarray(x)) for p, x in harness.leaves_with_paths(ref_state.params) if "router_bias" in p)
+    assert biases and all(np.abs(b).max() > 0 for _, b in biases)
+    for path, b in biases:
+        np.testing.assert_allclose(b, want[path], atol=1e-7, err_msg=path)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -77,10 +77,11 @@ def model_cases():
     mamba = {"d_state", "d_conv", "expand", "ssm_head_dim", "ngroups", "chunk"}
     moe = {"experts", "top_k", "expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef"}
     deepseek = {"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "routed_scaling_factor", "n_group",
-                "topk_group"}   # latent attention and the group-limited router
+                "topk_group", "router_bias_update"}   # latent attention, the group-limited router and its bias
     zero_is_valid = {"expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                      "rope_scaling_factor",  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
-                     "kv_lora_rank", "q_lora_rank"}   # 0: GQA; a full query projection
+                     "kv_lora_rank", "q_lora_rank",   # 0: GQA; a full query projection
+                     "router_bias_update"}            # 0: the bias held
     for f in dataclasses.fields(ModelConfig):
         if f.type not in ("int", "float") or f.name in ("tie_embeddings",):
             continue

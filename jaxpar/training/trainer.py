@@ -33,7 +33,7 @@ from jaxpar.cost.flops import Kernels, step_flops
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.run import RunConfig
 from jaxpar.models.lm import LM
-from jaxpar.models.moe import AUX_FIELDS, aux_metrics
+from jaxpar.models.moe import AUX_FIELDS, aux_metrics, is_balance_bias
 from jaxpar.errors import ConfigError
 from jaxpar.ops.attention import AttentionCore, token_permutation
 from jaxpar.ops.collective_matmul import Matmuls
@@ -66,12 +66,29 @@ def make_schedule(tc: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, tc.lr, warmup), decay], [warmup])
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig, model: ModelConfig | None = None) -> optax.GradientTransformation:
     """AdamW on `make_schedule`, after global-norm clipping (the identity when clip is 0: the same
-    empty state, so checkpoints restore across clip settings)."""
+    empty state, so checkpoints restore across clip settings). A model with DeepSeek-V3's balancing bias
+    (router_bias) moves it apart, by -router_bias_update x the sign of its gradient, the experts' overload
+    (models/moe.py `balance_probe`): no moments, no weight decay, outside the clipped norm."""
     o = tc.optimizer
     clip = optax.clip_by_global_norm(o.clip) if o.clip > 0 else optax.identity()
-    return optax.chain(clip, optax.adamw(make_schedule(tc), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    adamw = optax.chain(clip, optax.adamw(make_schedule(tc), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    if model is None or not model.router_bias:
+        return adamw
+    balance = optax.chain(optax.scale_by_sign(), optax.scale(-model.router_bias_update))
+    return optax.multi_transform({"gradient": adamw, "balance": balance}, balance_labels)
+
+
+def balance_labels(params):
+    """"balance" for each MoE layer's balancing bias, "gradient" for every other parameter."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: "balance" if is_balance_bias(p) else "gradient", params)
+
+
+def gradient_norm(grads) -> jax.Array:
+    """The global norm of the loss's gradients (a balancing bias's is its experts' overload: left out)."""
+    return optax.tree.norm(jax.tree_util.tree_map_with_path(
+        lambda p, g: jnp.zeros_like(g) if is_balance_bias(p) else g, grads))
 
 
 STATE_BYTES_PER_PARAM = 16  # float32 parameter, gradient and two Adam moments
@@ -119,7 +136,7 @@ class Trainer:
         self.extra_metrics = AUX_FIELDS if model.has_moe else ()  # what `_loss` reports beside the loss
         self.mesh = make_mesh(self.strategy, devices)
         self.layout = model_layout(self.mesh, self.strategy, model)
-        self.optimizer = make_optimizer(tc)
+        self.optimizer = make_optimizer(tc, model)
         self.schedule = make_schedule(tc)
         self.order = token_order(self.strategy, tc.seq)
         # stacked units stored stage-major under a circular pipeline (jaxpar/pipeline/order.py)
@@ -253,7 +270,7 @@ class Trainer:
         loss, extra, grads = self._loss_and_grads(state.params, batch)
         with jax.named_scope("optimizer"):
             grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = gradient_norm(grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm, **extra}
