@@ -153,18 +153,15 @@ def expert_params(m: ModelConfig) -> int:
 
 def attention_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:
     """One attention layer's forward matmul FLOPs: the projections, then each of the batch x q_len queries
-    against `keys` keys. A latent attention decode step (q_len 1: jaxpar/ops/latent_attention.py absorbed_read)
-    reads the cache absorbed: q_nope through W_k_b (2 h qk_nope c per token), scores over the latent and the
-    RoPE key (2 h (c + r) per key), the weighted latent (2 h c per key) through W_v_b (2 h c v_head_dim per
-    token), instead of every head's K/V rebuilt from each cached latent."""
+    against `keys` keys. A latent attention decode step (q_len 1: jaxpar/ops/latent_attention.py
+    absorbed_read) folds W_k_b into the query and W_v_b into the output: per token the same
+    2 h kv_lora_rank (qk_nope + v_head_dim) as the up-projections of the training forward, then per cached
+    key the scores over the latent and the RoPE key (2 h (c + r)) and the weighted latent (2 h c), instead
+    of every head's K/V rebuilt from each cached latent."""
+    projections = flops.attention_projection_flops(m, tokens).matmul
     if m.mla and q_len == 1:
-        h, c, r = m.heads, m.kv_lora_rank, m.qk_rope_head_dim
-        skip = 2.0 * tokens * c * h * (m.qk_nope_head_dim + m.v_head_dim)   # W_k_b, W_v_b on the latents
-        absorbed = 2.0 * tokens * h * c * (m.qk_nope_head_dim + m.v_head_dim)
-        return (flops.attention_projection_flops(m, tokens).matmul - skip + absorbed
-                + 2.0 * batch * keys * h * (2 * c + r))
-    return (flops.attention_projection_flops(m, tokens).matmul
-            + 2.0 * batch * q_len * keys * m.heads * (m.head_dim + m.v_dim))
+        return projections + 2.0 * batch * keys * m.heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+    return projections + 2.0 * batch * q_len * keys * m.heads * (m.head_dim + m.v_dim)
 
 
 def _forward_matmul(m: ModelConfig, tokens: float, batch: float, q_len: int, keys: int) -> float:

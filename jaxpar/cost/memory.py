@@ -150,11 +150,11 @@ def attention_half(inv: tuple[tuple, ...]) -> tuple[tuple, ...]:
 def attention_inventory(m: ModelConfig, s_kv: float, dropout: bool = False) -> tuple[tuple, ...]:
     """One attention layer (pre-norm, GQA, MLP). `s_kv`: keys each query attends over on this device."""
     d, hq, hkv, f = m.d_model, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.mlp_dim
-    sc, hv = m.heads * s_kv, m.heads * m.v_dim if m.mla else hkv
+    sc = m.heads * s_kv
     inv = [("layer input x", d, None, False, ALL), ("norm1 out", d, None, False, NONE), *latent_entries(m),
-           ("q", hq, None, True, DOT), ("k", hkv, None, True, DOT), ("v", hv, None, True, DOT),
+           ("q", hq, None, True, DOT), ("k", hkv, None, True, DOT), ("v", m.kv_heads * m.v_dim, None, True, DOT),
            ("scores QK^T", sc, None, True, frozenset({"dots"})), ("softmax", sc, None, True, CORE),
-           ("attention out PV", hv if m.mla else hq, None, True, frozenset({"none", "selective", "dots"})),
+           ("attention out PV", m.heads * m.v_dim, None, True, frozenset({"none", "selective", "dots"})),
            ("o-proj out", d, None, False, DOT_ONLY), ("norm2 in", d, None, False, NONE),
            ("norm2 out", d, None, False, NONE), ("mlp down out", d, None, False, DOT_ONLY)]
     if m.mlp_type == "swiglu":

@@ -156,7 +156,7 @@ def _leaf(cfg: ModelConfig, c: dict, tensors: dict[str, np.ndarray], key: str) -
     member = tuple(re.findall(r"'(\w+)'", block.group(3))) if block else ()
     if base in whole:
         return whole[base]()
-    if not block or (member not in _BLOCK and member[0] not in ("moe", "attn")):
+    if not block:
         raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
     layers = cfg.layers_of(int(block.group(1)), int(block.group(2)))
     if member[0] == "attn" and cfg.mla:
