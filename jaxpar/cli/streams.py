@@ -24,6 +24,9 @@ def separate_streams() -> None:
 GLOO_NOTICE = re.compile(r"\[Gloo\] Rank \d* is connected to \d* peer ranks\. Expected number of connected "
                          r"peer ranks is : \d*")
 GLOO_TEMPLATE = "[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"
+# The pieces the runtime streams a notice in (the numbers between them dropped), in any order, at least one.
+GLOO_PIECES = re.compile(r"(?:\s*(?:\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer "
+                         r"ranks is :)\s*)+")
 
 
 def clean_lines(stream):
@@ -35,13 +38,13 @@ def clean_lines(stream):
 
 
 def unglued(line: str) -> str | None:
-    """`line` without Gloo's connection notices (one per process per communicator, printed piece by piece
-    by unsynchronised C++ threads: two may share a line, one inside the other, or one may be cut in two);
-    None if nothing else was in it (a piece of a notice alone is dropped too)."""
+    """`line` without Gloo's connection notices (one per process per communicator, each printed as the pieces
+    of `GLOO_PIECES` by unsynchronised C++ threads: two may share a line with their pieces shuffled, or one may
+    be cut in two); None if nothing else was in it (a line of notice pieces alone is dropped too)."""
     left = line
     while (stripped := GLOO_NOTICE.sub("", left, count=1)) != left:
         left = stripped
     piece = re.sub(r"\d+", "N", left).strip()
-    if len(piece) >= 4 and piece in GLOO_TEMPLATE:
+    if (len(piece) >= 4 and piece in GLOO_TEMPLATE) or GLOO_PIECES.fullmatch(re.sub(r"\d+", "", left)):
         return None
     return line if left == line else (left if left.strip() else None)
