@@ -132,6 +132,10 @@ class ModelConfig:
     capacity_factor: float = 0.0  # 0 = dropless; > 0: per sequence and expert, ceil(cf * seq * top_k / experts)
     aux_loss_coef: float = 0.01   # load balancing (Switch / GShard): experts * sum_e f_e * p_e
     z_loss_coef: float = 0.001    # router z-loss (ST-MoE): mean(logsumexp(logits)^2)
+    # multi-token prediction (models/mtp.py; DeepSeek-V3 section 2.2): mtp_depth modules after the stack,
+    # module k predicting the token k further ahead than the main head, its loss weighted by mtp_weight / depth
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3       # DeepSeek-V3's lambda (0.3 for the first 10T tokens, then 0.1)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -199,6 +203,17 @@ class ModelConfig:
     def has_attention(self) -> bool:
         """Whether some block has attention (A and E blocks)."""
         return "A" in self.pattern or "E" in self.pattern
+
+    @property
+    def mtp_kind(self) -> str:
+        """The block letter of a multi-token prediction module's block: the last layer's kind (DeepSeek-V3's
+        MTP module holds a MoE layer)."""
+        return self.layer_kinds[-1]
+
+    @property
+    def mtp_moe_layers(self) -> int:
+        """MoE blocks in the multi-token prediction modules."""
+        return self.mtp_depth if self.mtp_kind == "E" else 0
 
     @property
     def has_mamba(self) -> bool:
@@ -273,6 +288,7 @@ class ModelConfig:
                  f"ngroups={self.ngroups} does not divide ssm heads={self.ssm_heads}")
         if self.has_moe:
             self._validate_moe(need)
+        self._validate_mtp(need)
 
     def _validate_mla(self, need) -> None:
         need(self.has_attention, f"kv_lora_rank={self.kv_lora_rank} sets latent attention: pattern "
@@ -314,6 +330,14 @@ class ModelConfig:
         for f in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             value = getattr(self, f)
             need(math.isfinite(value) and value >= 0, f"{f} must be a finite number >= 0, got {value}")
+
+    def _validate_mtp(self, need) -> None:
+        need(self.mtp_depth >= 0, f"mtp_depth must be >= 0 (0: no multi-token prediction), got {self.mtp_depth}")
+        need(math.isfinite(self.mtp_weight) and self.mtp_weight >= 0,
+             f"mtp_weight must be a finite number >= 0, got {self.mtp_weight}")
+        if self.mtp_depth:
+            need(self.mtp_kind != "M", f"multi-token prediction modules hold the last layer's block, an attention "
+                                       f"or MoE block: pattern {self.pattern!r} ends in a Mamba-2 block")
 
 
 # Published dimensions. LLaMA 3: Meta's model card / "The Llama 3 Herd of Models" (2024), table 3.
@@ -374,8 +398,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V3 config.json (first_k_dense_replace 3, q_lora_rank 1536, kv_lora_rank 512,
     # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, intermediate_size 18432) and the report's
     # section 4.2 (group-limited routing: 8 groups, 4 per token; routed_scaling_factor 2.5; the balancing
-    # bias's update speed gamma 0.001); its 4K pre-training context (YaRN's extension is left out). Left
-    # out: multi-token prediction.
+    # bias's update speed gamma 0.001); its 4K pre-training context (YaRN's extension is left out). The 671B
+    # are the main model's: DeepSeek-V3 trained with one multi-token prediction module (section 4.2,
+    # num_nextn_predict_layers 1: the released checkpoint's 14B more), deepseek-v3:mtp_depth=1.
     # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, first 1 dense of width 10944,
     # no query latent, 2 shared + 64 routed experts of width 1408, top-6 of softmax scores, not renormalised,
     # aux_loss_alpha 0.001) and DeepSeek-AI 2024, "DeepSeek-V2", appendix B.
@@ -390,12 +415,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                              top_k=6, shared_experts=2, expert_mlp_dim=1408, router_norm=False, vocab=102400,
                              max_seq=4096, norm_eps=1e-6, aux_loss_coef=0.001, z_loss_coef=0.0),
     # the shapes of DeepSeek-V3 at a size 8 simulated CPU devices train: latent attention (q and kv latents),
-    # one dense first layer, a shared expert beside 8 routed ones, sigmoid scores, 2 of 4 groups per token
+    # one dense first layer, a shared expert beside 8 routed ones, sigmoid scores, 2 of 4 groups per token,
+    # one multi-token prediction module
     "deepseek-tiny": dict(pattern="A+3*E", layers=4, d_model=64, heads=4, kv_heads=4, head_dim=12,
                           qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24, kv_lora_rank=16, mlp_dim=128,
                           experts=8, top_k=2, shared_experts=1, expert_mlp_dim=32, router="sigmoid",
                           routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=True,
-                          router_bias_update=0.01, vocab=256, max_seq=256,
+                          router_bias_update=0.01, vocab=256, max_seq=256, mtp_depth=1,
                           aux_loss_coef=0.0001, z_loss_coef=0.0),
     "qwen3-30b-a3b": dict(pattern="E", layers=48, d_model=2048, heads=32, kv_heads=4, head_dim=128,
                           mlp_dim=6144, experts=128, top_k=8, expert_mlp_dim=768, vocab=151936,

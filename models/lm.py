@@ -26,7 +26,8 @@ from jaxpar.models.config import ModelConfig, Run
 from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.mamba import MambaBlock
-from jaxpar.models.moe import MoEBlock, aux_loss, aux_sum
+from jaxpar.models.moe import MoEBlock, aux_loss, aux_sum, mtp_aux_loss
+from jaxpar.models.mtp import MTPModule, ahead, logical_order
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 from jaxpar.xla_workarounds import gathered, lookup
 
@@ -65,6 +66,8 @@ class LM(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), std=cfg.d_model ** -0.5)
+        if cfg.mtp_depth:
+            self.mtp = nnx.List([MTPModule(cfg, run, rngs=rngs) for _ in range(cfg.mtp_depth)])
 
     # ---- the three stages ----------------------------------------------------------------------
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -89,24 +92,48 @@ class LM(nnx.Module):
 
     def loss(self, x: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
              aux: jax.Array | None = None) -> jax.Array:
-        """Mean token cross-entropy, vocab-parallel: logits stay sharded on `act_vocab`, the
-        log-sum-exp and the label logit are reductions over vocab (all-reduces when it is
-        sharded), so no device ever holds the full [b, s, vocab] logits."""
-        x = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+        """Mean token cross-entropy of the final norm's output (`cross_entropy`), plus the MoE layers'
+        auxiliary losses and, with mtp_depth, the multi-token prediction losses (`mtp_loss`)."""
+        h = constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
+        loss = self.cross_entropy(h, labels, weights)
+        if aux is not None:
+            loss = loss + aux_loss(self.cfg, aux)
+        if self.cfg.mtp_depth:
+            loss = loss + self.mtp_loss(h, labels)
+        return loss
+
+    def cross_entropy(self, h: jax.Array, labels: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """The (weighted) mean token cross-entropy of the head on normed h, vocab-parallel: logits stay
+        sharded on `act_vocab`, the log-sum-exp and the label logit are reductions over vocab (all-reduces
+        when it is sharded), so no device ever holds the full [b, s, vocab] logits."""
         w = self.embedding[...].T if self.cfg.tie_embeddings else self.head[...]
-        logits = (x @ gathered(w, ("embed", "vocab"), x.dtype)).astype(jnp.float32)
+        logits = (h @ gathered(w, ("embed", "vocab"), h.dtype)).astype(jnp.float32)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
         lse = jax.nn.logsumexp(logits, axis=-1)
         one_hot = jax.nn.one_hot(labels, self.cfg.vocab, dtype=jnp.float32)
         label_logit = jnp.sum(logits * constrain(one_hot, ("batch", "seq", "act_vocab")), axis=-1)
         nll = lse - label_logit
         if weights is None:
-            loss = jnp.mean(nll)
-        else:
-            loss = jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-        if aux is not None:
-            loss = loss + aux_loss(self.cfg, aux)
-        return loss
+            return jnp.mean(nll)
+        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    def mtp_loss(self, h: jax.Array, labels: jax.Array) -> jax.Array:
+        """mtp_weight / depth x the sum over the modules of their mean token loss (models/mtp.py), from the
+        normed main output h and the labels; a MoE module adds its bias probe and z-loss."""
+        cfg = self.cfg
+        order = logical_order(self.run, labels.shape[1])
+        positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), labels.shape)
+        total, extra = 0.0, 0.0
+        for k, module in enumerate(self.mtp, start=1):
+            inputs, _ = ahead(labels, k - 1, order)                        # t_{i+k}
+            targets, valid = ahead(labels, k, order)                       # t_{i+k+1}
+            h, stats = module(h, self.embed(inputs), positions)
+            weights = jnp.broadcast_to(jnp.asarray(valid), labels.shape)
+            total = total + self.cross_entropy(constrain(module.norm(h), ("batch", "seq", "act_embed")),
+                                               targets, weights)
+            if stats is not None:
+                extra = extra + mtp_aux_loss(cfg, stats, labels.size)
+        return cfg.mtp_weight / cfg.mtp_depth * total + extra
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, labels: jax.Array,
                  segments: jax.Array | None = None) -> jax.Array:

@@ -196,6 +196,15 @@ def aux_loss(cfg: ModelConfig, aux_sum: jax.Array) -> jax.Array:
     return (cfg.aux_loss_coef * aux_sum[0] + cfg.z_loss_coef * aux_sum[1]) / n + probes
 
 
+def mtp_aux_loss(cfg: ModelConfig, stats: jax.Array, tokens: int) -> jax.Array:
+    """What a multi-token prediction module's MoE block adds to the loss (models/mtp.py): its z-loss and its
+    bias probe per token, both means over the tokens, so that the heads of a pipeline's micro-batches add up
+    to one device's (the probe's sign is what moves the bias); no balance loss."""
+    a = aux_sum(cfg, stats)
+    probe = a[len(AUX_FIELDS)] / tokens if cfg.router_bias else 0.0
+    return cfg.z_loss_coef * a[1] / cfg.moe_layers + probe
+
+
 def aux_metrics(cfg: ModelConfig, aux_sum: jax.Array) -> dict[str, jax.Array]:
     """Per-step router metrics: each AUX_FIELDS entry averaged over the MoE layers."""
     return {name: aux_sum[i] / cfg.moe_layers for i, name in enumerate(AUX_FIELDS)}

@@ -25,7 +25,9 @@ class RunConfig:
     or split over `context`); how a weight read again by a recomputed unit is cast (`recomputed_weight`:
     `cast`, or jaxpar.xla_workarounds.gathered once for both reads); the MoE kernel (`moe_kernel`); how a
     latent attention decode step reads its cache (`mla_decode`: jaxpar/ops/latent_attention.py, absorbed, or
-    expanded back to every head: the reference)."""
+    expanded back to every head: the reference); the sequence's stored order (`seq_order`: the logical
+    position of each stored index, zigzag under context parallelism; None: in order), which multi-token
+    prediction moves its labels along (models/mtp.py)."""
     dtype: str = "float32"
     matmuls: Matmuls = PLAIN
     core: AttentionCore = AttentionCore()
@@ -34,3 +36,4 @@ class RunConfig:
     recomputed_weight: Callable = cast
     moe_kernel: str = "grouped"
     mla_decode: Callable = absorbed_read
+    seq_order: tuple[int, ...] | None = None

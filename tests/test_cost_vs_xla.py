@@ -72,7 +72,8 @@ CASES = [
     ("llama-tiny", "dp8", 8, {"attention_kernel": "blockwise", "remat": "dots"}),
     ("mamba2-tiny", "dp8", 8, {}),
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
-    ("deepseek-tiny:pattern=A,layers=2", "dp8", 8, {}),   # latent attention: its projections, q/k wider than v
+    # latent attention (its projections, q/k wider than v), and a MoE multi-token prediction module on ep8
+    ("deepseek-tiny:pattern=A+E,layers=2", "ep8", 8, {}),
     ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies
     # ZeRO-3 x expert with wide experts: every layer's gathered experts live until the backward pass (the
     # padded kernel, whose FLOPs the cost model counts on CPU: XLA:CPU expands the grouped kernel's ragged_dot

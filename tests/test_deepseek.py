@@ -22,8 +22,9 @@ from jaxpar.models import decode
 from jaxpar.models.config import parse_model
 from jaxpar.models.lm import LM
 from jaxpar.models.mla import LatentAttention
-from jaxpar.models.moe import balance_probe, route
+from jaxpar.models.moe import aux_loss as model_aux_loss, balance_probe, route
 from jaxpar.models.run import RunConfig
+from jaxpar.ops.attention import token_permutation
 from jaxpar.ops.latent_attention import absorbed_read, expanded_read
 from tests import harness
 from tests.test_inference import assert_matches_unsharded
@@ -158,6 +159,44 @@ def test_one_step_moves_the_balancing_bias_against_the_overload():
         np.testing.assert_allclose(bias - before[path], steps * gamma, atol=1e-9, err_msg=path)
         assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0} and (steps == -1).any() and (steps == 1).any(), steps
     assert float(metrics["moe_load_max"]) > 1 > float(metrics["moe_load_min"])
+
+
+# ---- multi-token prediction ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("depth, zigzag", [pytest.param(1, False, marks=pytest.mark.slow), (2, True)])
+def test_multi_token_prediction_predicts_the_tokens_ahead(depth, zigzag):
+    """The loss with mtp_depth D is the main loss + mtp_weight / D x the sum over depths k of module k's mean
+    cross-entropy, computed here in logical order on the sequence cut to its first s - k positions (where
+    the targets t_{i+k+1} exist): module k reads h^{k-1} and Emb(t_{i+k}) = Emb(labels_{i+k-1}), then the
+    shared head and labels_{i+k}. With zigzag, the model gets the sequence stored in context parallelism's
+    order (RunConfig.seq_order) and the same loss comes out."""
+    cfg = parse_model(f"{MODEL}:mtp_depth={depth}")
+    b, s = 2, 16
+    order = token_permutation(s, 2, "zigzag") if zigzag else np.arange(s)
+    model = LM(cfg, RunConfig(seq_order=tuple(int(i) for i in order) if zigzag else None), rngs=nnx.Rngs(0))
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (b, s + 1), 0, cfg.vocab))
+    inputs, labels, pos = toks[:, :-1], toks[:, 1:], np.broadcast_to(np.arange(s), (b, s))
+
+    @nnx.jit
+    def losses(model):
+        got = model(inputs[:, order], pos[:, order], labels[:, order])
+        x, aux = model.apply_stack_aux(model.embed(inputs), pos)
+        h = model.final_norm(x)
+        want = model.cross_entropy(h, labels) + model_aux_loss(cfg, aux)
+        for k, module in enumerate(model.mtp, start=1):
+            n = s - k
+            h, _ = module(h[:, :n], model.embed(labels[:, k - 1:k - 1 + n]), pos[:, :n])
+            want = want + cfg.mtp_weight / depth * model.cross_entropy(module.norm(h), labels[:, k:k + n])
+        return got, want
+    got, want = losses(model)
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+
+
+def test_multi_token_prediction_fields_are_checked():
+    for spec, message in (("mtp_depth=-1", "mtp_depth must be >= 0"), ("mtp_weight=-0.1", "mtp_weight must be"),
+                          ("pattern=A+3*M", "ends in a Mamba-2 block")):
+        with pytest.raises(ConfigError, match=message):
+            parse_model(f"{MODEL}:{spec}")
 
 
 # ---- decoding: the compressed cache ---------------------------------------------------------------------

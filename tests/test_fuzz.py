@@ -81,7 +81,8 @@ def model_cases():
     zero_is_valid = {"expert_mlp_dim", "shared_experts", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                      "rope_scaling_factor",  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
                      "kv_lora_rank", "q_lora_rank",   # 0: GQA; a full query projection
-                     "router_bias_update"}            # 0: the bias held
+                     "router_bias_update",            # 0: the bias held
+                     "mtp_depth", "mtp_weight"}       # 0: no multi-token prediction; its loss unweighted
     for f in dataclasses.fields(ModelConfig):
         if f.type not in ("int", "float") or f.name in ("tie_embeddings",):
             continue

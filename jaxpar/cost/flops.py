@@ -248,6 +248,17 @@ def head_flops(m: ModelConfig, tokens: float) -> Flops:
     return rmsnorm_flops(m.d_model, tokens) + Flops(2.0 * tokens * m.d_model * m.vocab, 5.0 * tokens * m.vocab)
 
 
+def mtp_flops(m: ModelConfig, batch: float, seq: int, causal: bool = False) -> Flops:
+    """The multi-token prediction modules (models/mtp.py), each: its two input norms, W_eh 2*T*2d*d, one
+    block of the last layer's kind, its final norm, the shared LM head and its cross-entropy."""
+    if not m.mtp_depth:
+        return Flops(0.0, 0.0)
+    t, d = batch * seq, m.d_model
+    block = moe_block_flops if m.mtp_kind == "E" else attention_block_flops
+    one = rmsnorm_flops(d, t) * 2 + Flops(4.0 * t * d * d, 0.0) + block(m, batch, seq, causal) + head_flops(m, t)
+    return one * m.mtp_depth
+
+
 # ---- one training step -----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -351,13 +362,16 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kern
     attn = attention_block_flops(m, batch, seq, causal) * m.attention_layers
     mamba = mamba_block_flops(m, batch, seq) * m.mamba_layers
     moe = moe_block_flops(m, batch, seq, causal) * m.moe_layers
-    head = head_flops(m, tokens) + embedding_flops(m, tokens)
+    mtp = mtp_flops(m, batch, seq, causal)
+    head = head_flops(m, tokens) + embedding_flops(m, tokens) + mtp
     rec = recompute_flops(m, remat, batch, seq, kernels)
-    masked = 0.0 if causal else attention_core_flops(m, batch, seq, True).matmul * (m.attention_layers + m.moe_layers)
+    cores = m.attention_layers + m.moe_layers + m.mtp_depth
+    masked = 0.0 if causal else attention_core_flops(m, batch, seq, True).matmul * cores
     pad = 0.0
-    if m.moe_layers and rows is not None:
-        excess = (expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul) * m.moe_layers
-        pad = excess * (TRAIN_FACTOR + (1.0 if unit_policy(remat) == "full" else 0.0))
+    if m.moe_layers and rows is not None:   # the MTP modules' MoE blocks run outside the recomputed stack
+        excess = expert_flops(m, tokens, rows).matmul - expert_flops(m, tokens).matmul
+        pad = excess * (m.moe_layers * (TRAIN_FACTOR + (1.0 if unit_policy(remat) == "full" else 0.0))
+                        + m.mtp_moe_layers * TRAIN_FACTOR)
     fwd = attn + mamba + moe + head
     t, a, k, e = tokens, m.attention_layers, m.mamba_layers, m.moe_layers
     parts = (("attention qkvo", attention_projection_flops(m, t) * (a + e)),
@@ -368,7 +382,8 @@ def step_flops(m: ModelConfig, remat: str, batch: float, seq: int, kernels: Kern
              ("moe shared experts", shared_expert_flops(m, t) * e),
              ("mamba mixer", (mamba_block_flops(m, batch, seq) + rmsnorm_flops(m.d_model, t) * -1) * k),
              ("norms", rmsnorm_flops(m.d_model, t) * (2 * (a + e) + k + 1)),
-             ("embedding+head", head + rmsnorm_flops(m.d_model, t) * -1))
+             ("embedding+head", head + mtp * -1 + rmsnorm_flops(m.d_model, t) * -1),
+             ("multi-token prediction", mtp))
     blocks = tuple((name, f.matmul * TRAIN_FACTOR, f.other * TRAIN_FACTOR) for name, f in parts)
     return StepFlops(model=(fwd.matmul - masked) * TRAIN_FACTOR,
                      hardware=fwd.matmul * TRAIN_FACTOR + rec.matmul + pad,

@@ -73,7 +73,7 @@ def _held(m: ModelConfig, part: str, zero: int, tensor: int, stages: int, expert
         runs.append((unit, arrays))
     for block, n in zip(LAYER_BLOCKS, block_counts(m)):
         layers += n * per_block[block].per_device(tensor, expert) / stages
-    return Held.of(tuple(runs), layers, emb.per_device(tensor), emb.tensors)
+    return Held.of(tuple(runs), layers, emb.per_device(tensor, expert), emb.tensors)  # (a MoE MTP block's experts)
 
 
 @per_model   # (memoised on the strategy: the data-parallel sites ask for it several times per estimate)

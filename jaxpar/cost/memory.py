@@ -395,8 +395,24 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int, 
     inflight = inflight_microbatches(kind, micro, st.sizes["pipeline"])
     stored = inflight * stage_bytes(m, invs, st, o.remat) * tokens
     transient = tokens * working_bytes(invs, st) if unit_policy(o.remat) == "full" else 0.0
-    logits = logit_bytes(m, st, b_loc / micro if one_f_one_b else b_loc, seq) / LOGIT_BYTES * traits.loss_logit_bytes
-    return stored + max(transient, logits) + batch_bytes(st, global_batch, seq)
+    head_rows = b_loc / micro if one_f_one_b else b_loc
+    logits = logit_bytes(m, st, head_rows, seq) / LOGIT_BYTES * traits.loss_logit_bytes
+    return stored + max(transient, logits) + mtp_bytes(m, st, invs, head_rows, seq) + batch_bytes(st, global_batch, seq)
+
+
+def mtp_bytes(m: ModelConfig, st: Strategy, invs: tuple[tuple, tuple, tuple], rows: float, seq: int) -> float:
+    """What the multi-token prediction modules (models/mtp.py) keep for the backward pass of the `rows`
+    sequences the head runs at once: each, outside the recomputed stack, its block's whole inventory (`none`),
+    its inputs (the embedding of the tokens ahead and the two normed copies, 3 x d per token) and its
+    float32 logits."""
+    if not m.mtp_depth:
+        return 0.0
+    sz, o = st.sizes, st.options
+    act = ACTIVATION_BYTES[o.dtype]
+    inv = invs[2] if m.mtp_kind == "E" else invs[0]
+    tokens = rows * seq / sz["context"]
+    per_token = inventory_bytes(inv, act, sz["tensor"], o.sequence_parallel, "none") + 3 * m.d_model * act
+    return m.mtp_depth * (tokens * per_token + logit_bytes(m, st, rows, seq))
 
 
 def pipeline_fsdp_bytes(m: ModelConfig, st: Strategy, traits: Traits) -> tuple[float, float]:

@@ -183,10 +183,20 @@ def moe_weights(m: ModelConfig) -> tuple[Weight, ...]:
 
 @per_model
 def embedding_weights(m: ModelConfig) -> tuple[Weight, ...]:
-    """models/lm.py: the input embedding, the final norm and, unless tied, the LM head."""
+    """models/lm.py: the input embedding, the final norm, unless tied the LM head, and the multi-token
+    prediction modules (`mtp_weights`): the weights outside the layer stack."""
     head = () if m.tie_embeddings else (Weight("head", (m.d_model, m.vocab), ("embed", "vocab")),)
     return (Weight("embedding", (m.vocab, m.d_model), ("vocab", "embed")),
-            Weight("final_norm", (m.d_model,), ("embed",)), *head)
+            Weight("final_norm", (m.d_model,), ("embed",)), *head, *mtp_weights(m) * m.mtp_depth)
+
+
+def mtp_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """models/mtp.py, one module: its two input norms, W_eh [2, d, d], a block of the last layer's kind,
+    its final norm."""
+    d = m.d_model
+    block = moe_weights(m) if m.mtp_kind == "E" else attention_weights(m)
+    return (Weight("mtp_embed_norm", (d,), ("embed",)), Weight("mtp_hidden_norm", (d,), ("embed",)),
+            Weight("mtp_w_eh", (2, d, d), (None, "embed", None)), *block, Weight("mtp_norm", (d,), ("embed",)))
 
 
 def block_weights(m: ModelConfig, block: str) -> tuple[Weight, ...]:

@@ -31,9 +31,8 @@ from __future__ import annotations
 from jaxpar.cost.flops import expert_rows, unit_policy
 from jaxpar.cost.held import head_and_norm
 from jaxpar.cost.inventory_jax import BOOL, F32, jax_attention_inventory, jax_mamba_inventory, jax_moe_inventory
-from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, PARAM_BYTES, Memory, batch_bytes, host_bytes, logit_bytes, stage_bytes,
-                                state_bytes,
-                                step_tokens, working_bytes)
+from jaxpar.cost.memory import (ACTIVATION_BYTES, GRAD_BYTES, PARAM_BYTES, Memory, batch_bytes, host_bytes, logit_bytes,
+                                mtp_bytes, stage_bytes, state_bytes, step_tokens, working_bytes)
 from jaxpar.cost.params import block_counts, zero_split
 from jaxpar.cost.shape import block_slots, chunk_layers
 from jaxpar.ops.tiles import BLOCK_K, BLOCK_Q
@@ -82,7 +81,8 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
            + one layer's full inventory at work in the backward pass (the working set, module docstring)
            + dense attention: one layer's float32 score gradient and the causal mask; blockwise: its tiles
            + the float32 logits of the head this device runs (under ZeRO-3 its gathered weight and whole
-             gradient too: `fsdp_head_bytes`), and the int32 batch (`batch_bytes`).
+             gradient too: `fsdp_head_bytes`), its multi-token prediction modules' (memory.mtp_bytes), and
+             the int32 batch (`batch_bytes`).
     `score_keys`: the keys each query's stored scores span (default `seq`); 0 leaves the [heads, s, s]
     scores out, so the difference is what they cost (jaxpar.planning.planner.scores_note). The layer unit
     keeps what its own policy keeps (flops.unit_policy): `selective` none's inventory less the attention
@@ -114,10 +114,11 @@ def activation_bytes(m: ModelConfig, st: Strategy, global_batch: int, seq: int,
         scores = tile_bytes(m, st, b_loc / micro, seq) if kernel == "blockwise" else 0.0
     elif (na or ne) and not ring:  # per token: h/t query heads x s keys
         scores = tokens * m.heads / t * (seq if score_keys is None else score_keys) * (F32 + BOOL)
-    logits = logit_bytes(m, st, b_loc, seq) + (fsdp_head_bytes(m, st, platform) if stages == 1 else 0.0)
+    head = (logit_bytes(m, st, b_loc, seq) + mtp_bytes(m, st, invs, b_loc, seq)
+            + (fsdp_head_bytes(m, st, platform) if stages == 1 else 0.0))
     if stages > 1:  # jaxpar/pipeline/gpipe.py: each stage the head of ceil(M/S) micro-batches
-        logits *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
-    return stored + transient + scores + logits + batch_bytes(st, global_batch, seq)
+        head *= 1 / (micro * stages) if o.pp_schedule == "1f1b" else -(-micro // stages) / micro   # 1F1B: 1/S of one
+    return stored + transient + scores + head + batch_bytes(st, global_batch, seq)
 
 
 def pipeline_bytes(m: ModelConfig, st: Strategy, tokens: float, per_layer: float,

@@ -161,7 +161,8 @@ def pipelined_loss(model, x: jax.Array, positions: jax.Array, labels: jax.Array,
     graphdef, state = nnx.split(model)
 
     def head_loss(x, labels):                          # one micro-batch: its mean token loss
-        return nnx.merge(graphdef, state).loss(x, labels)
+        with use_layout(InStages(layout.mesh, layout.strategy, layout.replicate_kv_heads)):  # a MoE MTP block's kernel
+            return nnx.merge(graphdef, state).loss(x, labels)
     per_micro = jax.vmap(jax.vmap(head_loss), spmd_axis_name=spec_entry(stage_axes))(out, ls)   # [S, h]
     loss = jnp.sum(per_micro * weight) / M
     if aux is None:

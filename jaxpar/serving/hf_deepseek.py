@@ -103,10 +103,11 @@ def moe_tensor(get, layer: int, member: tuple[str, ...]) -> np.ndarray:
 
 def unloaded_note(tensors: dict, layers: int) -> str:
     """A line naming the checkpoint's layers past num_hidden_layers (DeepSeek-V3's multi-token prediction
-    modules), which jaxpar does not load; "" when there are none."""
+    modules), which jaxpar does not load (generation does not use them); "" when there are none."""
     extra = sorted({int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= layers})
     if not extra:
         return ""
     return (f"note: the checkpoint's layers {', '.join(map(str, extra))} (multi-token prediction modules, "
             f"{sum(1 for n in tensors if n.startswith(tuple(f'model.layers.{i}.' for i in extra)))} tensors) are "
-            "not loaded: jaxpar's model, like transformers' DeepseekV3ForCausalLM, has no MTP module")
+            "not loaded: generation does not use them, and jaxpar reads no checkpoint into its own MTP modules "
+            "(mtp_depth), as transformers' DeepseekV3ForCausalLM reads none")

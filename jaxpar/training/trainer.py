@@ -100,18 +100,21 @@ class TrainState(NamedTuple):
     step: jax.Array
 
 
-def run_config(strategy: Strategy) -> RunConfig:
+def run_config(strategy: Strategy, seq: int | None = None) -> RunConfig:
     """How the model executes under `strategy`: the one place strategy options reach the model, each choosing
     an implementation (models/run.py): the projections' (plain dots or collective matmul rings, `overlap`),
     the attention core's (`attention`, `attention_kernel`, recomputed under remat "selective"), the layer
-    scan's (`remat`, `fsdp_prefetch`), Mamba-2's kernels (split over `context`), and under a remat that
-    recomputes the unit the attention output projection gathered once for both its reads."""
+    scan's (`remat`, `fsdp_prefetch`), Mamba-2's kernels (split over `context`), under a remat that
+    recomputes the unit the attention output projection gathered once for both its reads, and for
+    sequences of `seq` tokens their stored order (`token_order`)."""
     o = strategy.options
+    order = None if seq is None else token_order(strategy, seq)
     recompute = o.remat not in KEEP_UNITS
     return RunConfig(dtype=o.dtype, matmuls=Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir"),
                      core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
                      scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
-                     recomputed_weight=gathered if recompute else cast, moe_kernel=o.moe_kernel)
+                     recomputed_weight=gathered if recompute else cast, moe_kernel=o.moe_kernel,
+                     seq_order=None if order is None else tuple(int(i) for i in order))
 
 
 def token_order(strategy: Strategy, seq: int) -> np.ndarray | None:
@@ -129,7 +132,7 @@ class Trainer:
         self.strategy = strategy.resolved(len(devices))
         validate.check(model, self.strategy, batch=tc.batch, seq=tc.seq)
         validate.check_backend(self.strategy, devices[0].platform)
-        self.run = run_config(self.strategy)
+        self.run = run_config(self.strategy, tc.seq)
         abstract = nnx.eval_shape(lambda: LM(model, self.run, rngs=nnx.Rngs(tc.seed)))  # nothing allocated
         self.graphdef, abstract_params = nnx.split(abstract)
         self.model_cfg, self.tc = model, tc
@@ -298,6 +301,8 @@ class Trainer:
         for bad, why in ((m.has_mamba, f"model {m.name} has Mamba layers, whose recurrence crosses documents"),
                          (s.size("pipeline") > 1, "pipeline parallelism does not pass segment ids to its stages"),
                          (s.size("context") > 1, "context-parallel attention takes no segment ids"),
+                         (m.mtp_depth > 0, f"model {m.name}'s multi-token prediction modules attend without "
+                                           "segment ids"),
                          (kernel == "cudnn", "attention_kernel cudnn is called without segment ids")):
             if bad:
                 raise ConfigError(f"--document-mask: {why}")
