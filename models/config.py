@@ -30,6 +30,20 @@ from jaxpar.core.inputs import did_you_mean, parse_int, parse_real, read_toml
 BLOCKS = {"A": "attention", "M": "Mamba-2", "E": "attention + mixture of experts"}   # the block letters
 
 
+class Yarn(NamedTuple):
+    """YaRN's RoPE scaling (Peng et al. 2023, section 3): models/layers.py `rope_frequencies` and `rope`."""
+    factor: float
+    original: int         # the pre-training context
+    beta_fast: float
+    beta_slow: float
+    cos_sin: float        # the attention factor cos and sin are multiplied by
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's 0.1 x mscale x ln(factor) + 1 (Peng et al. 2023, eq. 21; 1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 class Run(NamedTuple):
     """`count` repetitions of `unit` (block letters applied in order), stacked on a `layers` dim and scanned."""
     unit: str
@@ -102,6 +116,16 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq: int = 8192
+    # ... or, with rope_type "yarn", YaRN's (Peng et al. 2023; DeepSeek-V2 / V3 and transformers' `yarn`): a
+    # dimension turning more than rope_beta_fast times over the original context keeps its frequency, one
+    # turning fewer than rope_beta_slow times is divided by the factor, a linear ramp between; cos and sin
+    # scaled by mscale(rope_mscale) / mscale(rope_mscale_all_dim) (mscale(m) = 0.1 m ln(factor) + 1; both 0:
+    # mscale(1)); latent attention's softmax scale times mscale(rope_mscale_all_dim)^2 (DeepSeek's)
+    rope_type: str = "llama3"     # llama3 | yarn
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     # multi-head latent attention (models/mla.py; DeepSeek-V2 section 2.1): kv_lora_rank 0 = GQA. With MLA,
     # kv_heads = heads (each head's K and V are up-projected from the latent) and head_dim is the q/k head
     # dim, qk_nope_head_dim + qk_rope_head_dim
@@ -139,12 +163,26 @@ class ModelConfig:
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
-    def rope_scaling(self) -> tuple[float, float, float, int] | None:
-        """(factor, low_freq_factor, high_freq_factor, original context) or None."""
+    def rope_scaling(self) -> tuple[float, float, float, int] | Yarn | None:
+        """Llama 3.1's (factor, low_freq_factor, high_freq_factor, original context), YaRN's `Yarn`, or None."""
         if not self.rope_scaling_factor:
             return None
+        if self.rope_type == "yarn":
+            m, m_all = self.rope_mscale, self.rope_mscale_all_dim
+            cos_sin = yarn_mscale(self.rope_scaling_factor, m) / yarn_mscale(self.rope_scaling_factor, m_all) \
+                if m and m_all else yarn_mscale(self.rope_scaling_factor, 1.0)
+            return Yarn(self.rope_scaling_factor, self.rope_original_max_seq, self.rope_beta_fast,
+                        self.rope_beta_slow, cos_sin)
         return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_max_seq)
+
+    @property
+    def latent_softmax_scale(self) -> float:
+        """What latent attention's softmax scale is multiplied by: mscale(factor, rope_mscale_all_dim)^2 under
+        YaRN with rope_mscale_all_dim (DeepSeek-V2 / V3, as transformers' yarn_apply_mscale), else 1."""
+        if self.rope_type != "yarn" or not self.rope_scaling_factor or not self.rope_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
 
     @functools.cached_property   # read in the cost model's hot path
     def runs(self) -> tuple[Run, ...]:
@@ -248,15 +286,7 @@ class ModelConfig:
             value = getattr(self, f)
             need(math.isfinite(value) and value > 0, f"{f} must be a positive finite number, got {value}")
         need(self.vocab <= 2**31 - 1, f"vocab must fit an int32 token id, got {self.vocab}")
-        if self.rope_scaling_factor:
-            need(math.isfinite(self.rope_scaling_factor) and self.rope_scaling_factor >= 1,
-                 f"rope_scaling_factor must be a finite number >= 1 (or 0: none), got {self.rope_scaling_factor}")
-            for f in ("rope_low_freq_factor", "rope_high_freq_factor"):
-                need(math.isfinite(getattr(self, f)), f"{f} must be finite, got {getattr(self, f)}")
-            need(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
-                 f"RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
-                 f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
-            need(self.rope_original_max_seq > 0, f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
+        self._validate_rope(need)
         letters = "".join(r.unit for r in self.runs) if is_sequence(self.pattern) else self.pattern
         need(letters != "" and set(letters) <= set(BLOCKS),
              "pattern must be a non-empty unit of 'A' (attention), 'M' (Mamba) and 'E' (attention + mixture of "
@@ -331,6 +361,26 @@ class ModelConfig:
             value = getattr(self, f)
             need(math.isfinite(value) and value >= 0, f"{f} must be a finite number >= 0, got {value}")
 
+    def _validate_rope(self, need) -> None:
+        need(self.rope_type in ("llama3", "yarn"), f"rope_type must be llama3 or yarn, got {self.rope_type!r}")
+        for f in ("rope_mscale", "rope_mscale_all_dim"):
+            need(math.isfinite(getattr(self, f)) and getattr(self, f) >= 0,
+                 f"{f} must be a finite number >= 0, got {getattr(self, f)}")
+        need(math.isfinite(self.rope_beta_slow) and math.isfinite(self.rope_beta_fast)
+             and 0 < self.rope_beta_slow < self.rope_beta_fast,
+             f"YaRN needs 0 < rope_beta_slow < rope_beta_fast, got {self.rope_beta_slow} and {self.rope_beta_fast}")
+        if not self.rope_scaling_factor:
+            return
+        need(math.isfinite(self.rope_scaling_factor) and self.rope_scaling_factor >= 1,
+             f"rope_scaling_factor must be a finite number >= 1 (or 0: none), got {self.rope_scaling_factor}")
+        need(self.rope_original_max_seq > 0, f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
+        if self.rope_type == "llama3":
+            for f in ("rope_low_freq_factor", "rope_high_freq_factor"):
+                need(math.isfinite(getattr(self, f)), f"{f} must be finite, got {getattr(self, f)}")
+            need(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                 f"RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                 f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+
     def _validate_mtp(self, need) -> None:
         need(self.mtp_depth >= 0, f"mtp_depth must be >= 0 (0: no multi-token prediction), got {self.mtp_depth}")
         need(math.isfinite(self.mtp_weight) and self.mtp_weight >= 0,
@@ -398,9 +448,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V3 config.json (first_k_dense_replace 3, q_lora_rank 1536, kv_lora_rank 512,
     # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, intermediate_size 18432) and the report's
     # section 4.2 (group-limited routing: 8 groups, 4 per token; routed_scaling_factor 2.5; the balancing
-    # bias's update speed gamma 0.001); its 4K pre-training context (YaRN's extension is left out). The 671B
-    # are the main model's: DeepSeek-V3 trained with one multi-token prediction module (section 4.2,
-    # num_nextn_predict_layers 1: the released checkpoint's 14B more), deepseek-v3:mtp_depth=1.
+    # bias's update speed gamma 0.001); its 4K pre-training context (the released 160K extension: its
+    # config.json through hf:DIR, or rope_type=yarn, rope_scaling_factor=40, rope_original_max_seq=4096,
+    # rope_mscale=1, rope_mscale_all_dim=1). The 671B are the main model's: DeepSeek-V3 trained with one
+    # multi-token prediction module (section 4.2, num_nextn_predict_layers 1: the released checkpoint's 14B
+    # more), deepseek-v3:mtp_depth=1.
     # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, first 1 dense of width 10944,
     # no query latent, 2 shared + 64 routed experts of width 1408, top-6 of softmax scores, not renormalised,
     # aux_loss_alpha 0.001) and DeepSeek-AI 2024, "DeepSeek-V2", appendix B.

@@ -14,7 +14,9 @@ Heads are (q_heads) on `tensor` like GQA's; the latents' dim ("latent") follows 
 own heads from it. Training and prefill attend over the expanded K/V (`project`, the same kernels as GQA:
 q/k heads of head_dim, v heads of v_head_dim); decoding keeps only c and the RoPE key, kv_lora_rank +
 qk_rope_head_dim values per token and layer, and folds W_k_b into the query and W_v_b into the output
-(models/decode.py `mla_block`; DeepSeek-V2 section 2.1.2). Not here: YaRN's RoPE scaling and its mscale.
+(models/decode.py `mla_block`; DeepSeek-V2 section 2.1.2). Under YaRN (cfg.rope_type "yarn") the softmax
+scale is multiplied by mscale^2 (`ModelConfig.latent_softmax_scale`), folded into q, so every kernel and
+the decode cache's readers see it.
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ class LatentAttention(nnx.Module):
             q = jnp.einsum("bsr,rhk->bshk", cq, self.wq_b[...].astype(dt))
         else:
             q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
+        if self.cfg.latent_softmax_scale != 1.0:   # YaRN's mscale^2 on the softmax scale, folded into q
+            q = q * jnp.asarray(self.cfg.latent_softmax_scale, q.dtype)
         q = constrain(q, HEADS)
         nope = self.cfg.qk_nope_head_dim
         return q[..., :nope], rope(q[..., nope:], positions, self.cfg.rope_theta, self.cfg.rope_scaling)

@@ -141,6 +141,9 @@ def test_document_mask_is_refused_where_documents_would_mix():
     tr = harness.trainer(MODEL, "cp8-ring")
     with pytest.raises(ConfigError, match="--document-mask: context-parallel attention takes no segment ids"):
         tr.use_document_mask()
+    tr = harness.trainer("deepseek-tiny", "dp8")
+    with pytest.raises(ConfigError, match="--document-mask: model deepseek-tiny's multi-token prediction modules"):
+        tr.use_document_mask()
 
 
 def test_train_flags_on_prepared_data_are_checked_before_compiling(data, capsys):

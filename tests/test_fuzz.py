@@ -82,7 +82,8 @@ def model_cases():
                      "rope_scaling_factor",  # (0: no RoPE scaling; the other rope_* fields apply under a factor)
                      "kv_lora_rank", "q_lora_rank",   # 0: GQA; a full query projection
                      "router_bias_update",            # 0: the bias held
-                     "mtp_depth", "mtp_weight"}       # 0: no multi-token prediction; its loss unweighted
+                     "mtp_depth", "mtp_weight",       # 0: no multi-token prediction; its loss unweighted
+                     "rope_mscale", "rope_mscale_all_dim"}   # 0: YaRN's default attention factor
     for f in dataclasses.fields(ModelConfig):
         if f.type not in ("int", "float") or f.name in ("tie_embeddings",):
             continue

@@ -124,7 +124,10 @@ def test_generate_from_the_checkpoint_on_data_x_tensor(checkpoint, tmp_path):
 @pytest.mark.parametrize("change, words", [
     (dict(model_type="gpt2"), "model_type='gpt2'"),
     (dict(hidden_act="gelu"), "SwiGLU without biases"),
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "only the llama3 rule"),
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=4.0)), "only the llama3 and yarn rules"),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "YaRN needs factor and original_max_position_embeddings"),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, attention_factor=0.9)),
+     "derives the attention factor"),
 ])
 def test_unsupported_checkpoints_are_refused(tmp_path, change, words):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG | change))

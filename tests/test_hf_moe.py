@@ -37,7 +37,7 @@ from jaxpar.training.data import Synthetic
 from jaxpar.training.trainer import Trainer
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf_moe"
-NAMES = ("mixtral", "qwen3_moe", "deepseek_v3")
+NAMES = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn")
 
 
 def golden(name: str) -> dict:
@@ -62,9 +62,11 @@ def test_configs_map_the_routing_and_the_layers(loaded):
               "deepseek_v3": dict(pattern="A+2*E", experts=8, top_k=2, router_norm=True, shared_experts=1,
                                   moe_mlp_dim=16, mlp_dim=96, kv_lora_rank=16, q_lora_rank=24, head_dim=12,
                                   qk_rope_head_dim=4, v_head_dim=8, n_group=4, topk_group=2,
-                                  routed_scaling_factor=2.5, router_bias=True)}[name]
-    assert {k: getattr(cfg, k) for k in expect} == expect
-    router = "sigmoid" if name == "deepseek_v3" else "softmax"
+                                  routed_scaling_factor=2.5, router_bias=True)}
+    expect["deepseek_v3_yarn"] = expect["deepseek_v3"] | dict(rope_type="yarn", rope_scaling_factor=4.0,
+                                                              rope_original_max_seq=16, rope_mscale_all_dim=0.5)
+    assert {k: getattr(cfg, k) for k in expect[name]} == expect[name]
+    router = "sigmoid" if name.startswith("deepseek_v3") else "softmax"
     assert (cfg.router, cfg.aux_loss_coef, cfg.z_loss_coef) == (router, 0.02, 0.0)
 
 
@@ -112,6 +114,13 @@ def test_deepseek_v3_greedy_generation_is_transformers(mesh, tmp_path):
     assert generate("deepseek_v3", mesh, tmp_path / "g.json") == golden("deepseek_v3")["continuations"] * 4
 
 
+@pytest.mark.slow
+def test_deepseek_v3_with_yarn_generates_transformers_tokens(tmp_path):
+    """YaRN's RoPE and softmax mscale in the decode steps too (the absorbed read of the latent cache)."""
+    got = generate("deepseek_v3_yarn", "data=2,expert=2,tensor=2", tmp_path / "g.json")
+    assert got == golden("deepseek_v3_yarn")["continuations"] * 4
+
+
 # deepseek-ai/DeepSeek-V3's config.json as released (transformers 4.33 fields), for `deepseek-v3`
 DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False,
                    aux_loss_alpha=0.001, first_k_dense_replace=3, hidden_act="silu", hidden_size=7168,
@@ -129,17 +138,17 @@ DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek
 
 
 def test_the_released_deepseek_v3_config_reads_as_the_preset_once_its_refusals_are_met(tmp_path):
-    """As released: YaRN's 160K-context RoPE, refused in one line; at its 4K pre-training context, the block-FP8
-    weights, refused; dequantized: the shapes and routing of `deepseek-v3`."""
-    config = dict(DEEPSEEK_V3)
-    for field, words in (("rope_scaling", "only the llama3 rule"), ("quantization_config", "weight_block_size")):
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        with pytest.raises(ConfigError, match=words) as e:
-            read_config(str(tmp_path))
-        assert "\n" not in str(e.value)
-        config.pop(field)
+    """As released: the block-FP8 weights, refused in one line; dequantized: the shapes and routing of
+    `deepseek-v3`, with YaRN's 160K-context RoPE (factor 40 over 4K; softmax scale x (0.1 ln 40 + 1)^2)."""
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    with pytest.raises(ConfigError, match="weight_block_size") as e:
+        read_config(str(tmp_path))
+    assert "\n" not in str(e.value)
+    config = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
     (tmp_path / "config.json").write_text(json.dumps(config | dict(max_position_embeddings=4096)))
     cfg, want = read_config(str(tmp_path)), parse_model("deepseek-v3")
+    assert (cfg.rope_type, cfg.rope_scaling_factor, cfg.rope_original_max_seq) == ("yarn", 40.0, 4096)
+    assert cfg.latent_softmax_scale == pytest.approx((0.1 * np.log(40) + 1) ** 2) and cfg.rope_scaling.cos_sin == 1.0
     fields = ("layers", "d_model", "heads", "kv_heads", "head_dim", "vocab", "pattern", "experts", "top_k",
               "shared_experts", "moe_mlp_dim", "mlp_dim", "router", "router_norm", "routed_scaling_factor", "n_group",
               "topk_group", "router_bias", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
@@ -169,7 +178,7 @@ def test_multi_token_prediction_layers_are_named_and_not_loaded(tmp_path, capsys
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("qwen3_moe", dict(num_experts_per_tok=9), "top_k=9 must be <= experts=8"),
     ("qwen3_moe", dict(attention_bias=True), "without biases"),
-    ("qwen3_moe", dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "only the llama3 rule"),
+    ("qwen3_moe", dict(rope_parameters=dict(rope_type="longrope", factor=4.0)), "only the llama3 and yarn rules"),
 ])
 def test_unsupported_checkpoints_are_refused_in_one_line(tmp_path, name, change, words):
     config = json.loads((DATA / name / "config.json").read_text())

@@ -2,8 +2,8 @@
 
 A directory as `transformers` saves a LlamaForCausalLM (or a Mistral one, the same layout): config.json
 (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-vocab_size, max_position_embeddings, rms_norm_eps, rope_theta and rope_scaling or transformers 5's
-rope_parameters, tie_word_embeddings) and one or more *.safetensors files. Its mixtures of experts,
+vocab_size, max_position_embeddings, rms_norm_eps, rope_theta and rope_scaling (the llama3 or yarn rule)
+or transformers 5's rope_parameters, tie_word_embeddings) and one or more *.safetensors files. Its mixtures of experts,
 MixtralForCausalLM and Qwen3MoeForCausalLM, add a router and experts to some layers and Qwen3-MoE a
 per-head q/k RMSNorm (jaxpar/serving/hf_moe.py). Each Linear stores its weight as [out, in] (y = x W^T);
 jaxpar's weights are [in, out] with the heads split out, stacked over the units of each run of `pattern`
@@ -64,14 +64,31 @@ def rope_fields(c: dict, where: str) -> dict:
     params = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     fields = dict(rope_theta=float(c.get("rope_theta") or params.get("rope_theta") or 10_000.0))
-    if scaling:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ConfigError(f"{where}: rope_scaling {scaling}: only the llama3 rule is implemented")
-        fields.update(rope_scaling_factor=float(scaling["factor"]),
-                      rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                      rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                      rope_original_max_seq=int(scaling.get("original_max_position_embeddings", 8192)))
-    return fields
+    if not scaling:
+        return fields
+    rule = scaling.get("rope_type", scaling.get("type"))
+    if rule == "yarn":
+        return fields | yarn_fields(scaling, where)
+    if rule != "llama3":
+        raise ConfigError(f"{where}: rope_scaling {scaling}: only the llama3 and yarn rules are implemented")
+    return fields | dict(rope_scaling_factor=float(scaling["factor"]),
+                         rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                         rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                         rope_original_max_seq=int(scaling.get("original_max_position_embeddings", 8192)))
+
+
+def yarn_fields(scaling: dict, where: str) -> dict:
+    """YaRN's ModelConfig fields from transformers' `yarn` rope_scaling (DeepSeek-V2 / V3 write it); an
+    explicit attention_factor, truncate false, or a missing factor or original context refused in one line."""
+    if scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True:
+        raise ConfigError(f"{where}: rope_scaling {scaling}: jaxpar's YaRN derives the attention factor from "
+                          "mscale and mscale_all_dim and rounds the correction range (truncate true)")
+    if not scaling.get("factor") or not scaling.get("original_max_position_embeddings"):
+        raise ConfigError(f"{where}: rope_scaling {scaling}: YaRN needs factor and original_max_position_embeddings")
+    return dict(rope_type="yarn", rope_scaling_factor=float(scaling["factor"]),
+                rope_original_max_seq=int(scaling["original_max_position_embeddings"]),
+                rope_beta_fast=float(scaling.get("beta_fast") or 32.0), rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
+                rope_mscale=float(scaling.get("mscale") or 0.0), rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
 
 
 def read_config(directory: str) -> ModelConfig:

@@ -17,7 +17,8 @@ rotated by one frequency (transformers' apply_rotary_pos_emb_interleave); jaxpar
 query's and the key's RoPE columns are loaded de-interleaved, evens then odds (`DEINTERLEAVE`): every q . k
 is unchanged. Routing: sigmoid scores, the choice on them plus the bias within the topk_group best of
 n_group groups, the chosen scores renormalised (norm_topk_prob) and times routed_scaling_factor (models/moe.py
-`route`, as transformers' DeepseekV3TopkRouter). Refused in one line: YaRN RoPE scaling (and its mscale), a
+`route`, as transformers' DeepseekV3TopkRouter). YaRN's RoPE scaling is read as for any LLaMA-layout model
+(hf.yarn_fields; its mscale on the softmax scale is latent attention's). Refused in one line: a
 quantization_config (block-FP8 weights: dequantize them to bf16 or fp32 first). Multi-token prediction
 layers (model.layers.{num_hidden_layers}.*, in the released checkpoints) are not loaded, and
 `unloaded_note` says so.

@@ -6,7 +6,8 @@ Run once by hand, in an environment with `transformers` (5.x), `torch` (the CPU 
     python -m venv /somewhere/hfenv && /somewhere/hfenv/bin/pip install torch transformers safetensors numpy
     /somewhere/hfenv/bin/python tests/data/hf_moe/make_golden.py
 
-For each of a tiny random MixtralForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (float32) it writes, under
+For each of a tiny random MixtralForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (float32; and one with
+YaRN's RoPE) it writes, under
 tests/data/hf_moe/<name>/, the checkpoint as `save_pretrained` lays it out (config.json,
 model.safetensors) and golden.json: the prompt, the reference implementation's logits for it
 (logits.npy, float32 [len(prompt), vocab]) and, for each of PROMPTS, the greedy continuation of
@@ -52,8 +53,14 @@ MODELS = {
         norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         rope_interleave=True)),
 }
+# the same with YaRN's RoPE (the released DeepSeek-V3's 4K -> 160K extension, here 16 -> 64): frequencies on its
+# ramp, cos and sin times mscale(1) / mscale(0.5), the softmax scale times mscale(0.5)^2
+MODELS["deepseek_v3_yarn"] = (DeepseekV3ForCausalLM, DeepseekV3Config(**{
+    **MODELS["deepseek_v3"][1].to_dict(),
+    "rope_parameters": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5)}))
 
-SEEDS = {"mixtral": 0, "qwen3_moe": 1, "deepseek_v3": 3}   # each the first whose margins clear MARGIN
+SEEDS = {"mixtral": 0, "qwen3_moe": 1, "deepseek_v3": 3, "deepseek_v3_yarn": 3}   # each the first whose margins clear MARGIN
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
