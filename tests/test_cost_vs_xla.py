@@ -74,6 +74,7 @@ CASES = [
     ("mamba2-tiny", "fsdp8", 8, {}),  # ZeRO-3 leaves the weights without an `embed` dim replicated
     # latent attention (its projections, q/k wider than v), and a MoE multi-token prediction module on ep8
     ("deepseek-tiny:pattern=A+E,layers=2", "ep8", 8, {}),
+    ("deepseek-tiny:pattern=A,layers=2", "dp2-tp4", 8, {}),   # the latents whole on every tensor rank
     ("moe-tiny", "ep8", 8, {}),       # experts split over `expert`; dropless buffers: E/k x the copies
     # ZeRO-3 x expert with wide experts: every layer's gathered experts live until the backward pass (the
     # padded kernel, whose FLOPs the cost model counts on CPU: XLA:CPU expands the grouped kernel's ragged_dot
@@ -125,7 +126,9 @@ def predicted_flops(c: Compiled) -> float:
     fused = program_kernel(st, "cpu") != "dense"   # its backward recomputes QK^T, as ring attention's does
     f = flops.step_flops(m, st.options.remat, c.batch, SEQ,
                          flops.Kernels(causal=False, rerun_qk=ring or fused, rerun_outputs=False, rows=rows))
-    return f.hardware / st.num_devices
+    # latent attention's down-projections and W_eh, whole on every tensor rank: (t - 1) / t of them again
+    whole = flops.tensor_replicated_flops(m, c.batch * SEQ) * flops.TRAIN_FACTOR
+    return (f.hardware + whole * (st.size("tensor") - 1)) / st.num_devices
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)

@@ -194,12 +194,22 @@ def work(step: Step) -> Work:
         head = program_flops.head_share(st, sh, head)
     experts = 0.0 if sw.moe_padded else fl_experts(fl) * (step.imbalance - 1.0)
     matmul = (fl.layers + fl.recompute + fl.padding + experts) / n + fl.head * head / n
+    matmul += replicated_over_tensor(step, remat)
     hbm = elementwise_hbm_bytes(step, rows, head / sh.stages)
     hbm += float8_cast_bytes(m, st, sh, remat, rows if m.moe_layers else 0.0)
     core = (flops.attention_core_flops(m, step.global_batch, step.seq, sw.causal).matmul
             * (m.attention_layers + m.moe_layers) * flops.TRAIN_FACTOR / n)
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, kernels.rerun_qk, sw.rerun_outputs)
     return Work(fl, remat, rows, head, matmul, core, cores, fp8_share(st, matmul, cores, fl.head * head / n), hbm)
+
+
+def replicated_over_tensor(step: Step, remat: str) -> float:
+    """Matmul FLOPs per device beyond an even split: what every tensor rank computes whole
+    (flops.tensor_replicated_flops: latent attention's down-projections, W_eh), (t - 1) / t of it, forward
+    and backward (and a full recompute's rerun, counted on all of it: the MTP modules are not recomputed)."""
+    t = step.strategy.sizes["tensor"]
+    passes = flops.TRAIN_FACTOR + (1.0 if flops.unit_policy(remat) == "full" else 0.0)
+    return flops.tensor_replicated_flops(step.model, step.global_batch * step.seq) * passes * (t - 1) / step.devices
 
 
 def step_memory(step: Step) -> memory.Memory:

@@ -73,6 +73,16 @@ def attention_projection_flops(m: ModelConfig, tokens: float) -> Flops:
                  3.0 * tokens * (hq + hkv))
 
 
+def tensor_replicated_flops(m: ModelConfig, tokens: float) -> float:
+    """Forward matmul FLOPs of a step that every tensor rank computes whole: latent attention's projections
+    down to its latents and the RoPE key in each layer and MTP module (W_q_a, W_kv_a, W_k_rope: their output
+    dims, `latent` and the shared key's, are not split; Megatron-Core's MLA builds them `duplicated` too),
+    2*T*d*(q_lora + kv_lora + rope), and each MTP module's W_eh, 2*T*2d*d."""
+    latents = 2.0 * tokens * m.d_model * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) if m.mla else 0.0
+    return (latents * (m.attention_layers + m.moe_layers + m.mtp_depth)
+            + 4.0 * tokens * m.d_model * m.d_model * m.mtp_depth)
+
+
 def latent_projection_weights(m: ModelConfig) -> tuple:
     """Latent attention's matrices, each applied once per token in the training forward (not its norms)."""
     return tuple(w for w in latent_attention_weights(m) if len(w.shape) > 1)
