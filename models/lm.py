@@ -27,7 +27,7 @@ from jaxpar.models.run import RunConfig
 from jaxpar.models.layers import RMSNorm, dtype_of, param
 from jaxpar.models.mamba import MambaBlock
 from jaxpar.models.moe import MoEBlock, aux_loss, aux_sum, mtp_aux_loss
-from jaxpar.models.mtp import MTPModule, ahead, logical_order
+from jaxpar.models.mtp import MTPModule, ahead
 from jaxpar.models.transformer import RESIDUAL, AttentionBlock
 from jaxpar.xla_workarounds import gathered, lookup
 
@@ -121,7 +121,7 @@ class LM(nnx.Module):
         """mtp_weight / depth x the sum over the modules of their mean token loss (models/mtp.py), from the
         normed main output h and the labels; a MoE module adds its bias probe and z-loss."""
         cfg = self.cfg
-        order = logical_order(self.run, labels.shape[1])
+        order = self.run.stored_positions(labels.shape[1])
         positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), labels.shape)
         total, extra = 0.0, 0.0
         for k, module in enumerate(self.mtp, start=1):

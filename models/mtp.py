@@ -52,15 +52,6 @@ class MTPModule(nnx.Module):
         return out if isinstance(out, tuple) else (out, None)
 
 
-def logical_order(run: RunConfig, seq: int) -> np.ndarray:
-    """The logical position of each stored sequence index (the identity but under context parallelism's
-    zigzag layout: `RunConfig.seq_order`)."""
-    order = np.arange(seq) if run.seq_order is None else np.asarray(run.seq_order)
-    if len(order) != seq:
-        raise ValueError(f"RunConfig.seq_order has {len(order)} positions, the sequence {seq}")
-    return order
-
-
 def ahead(labels: jax.Array, k: int, order: np.ndarray) -> tuple[jax.Array, np.ndarray]:
     """(labels moved k positions ahead in logical order [b, s], where they exist [s] as 0 / 1): entry j holds
     the label of logical position order[j] + k (0 past the end)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
+
 from jaxpar.ops.attention import AttentionCore
 from jaxpar.ops.collective_matmul import PLAIN, Matmuls
 from jaxpar.ops.latent_attention import absorbed_read
@@ -37,3 +39,10 @@ class RunConfig:
     moe_kernel: str = "grouped"
     mla_decode: Callable = absorbed_read
     seq_order: tuple[int, ...] | None = None
+
+    def stored_positions(self, seq: int) -> np.ndarray:
+        """The logical position of each stored index of a sequence of `seq` tokens (`seq_order`, else in order)."""
+        order = np.arange(seq) if self.seq_order is None else np.asarray(self.seq_order)
+        if len(order) != seq:
+            raise ValueError(f"RunConfig.seq_order has {len(order)} positions, the sequence {seq}")
+        return order

@@ -11,8 +11,8 @@ from jaxpar.xla_presets import export_tpu_flags
 
 
 def model_from(spec: str):
-    """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout
-    or Mixtral / Qwen3-MoE checkpoint's config.json: jaxpar/serving/hf.py)."""
+    """A --model value: a preset (with overrides), a TOML path, or hf:DIR (a Hugging Face LLaMA-layout,
+    Mixtral, Qwen3-MoE, DeepSeek-V3 or Mamba-2 checkpoint's config.json: jaxpar/serving/hf.py)."""
     return read_config(spec[len(PREFIX):]) if spec.startswith(PREFIX) else parse_model(spec)
 
 

@@ -86,8 +86,8 @@ def add_model_mesh(p: argparse.ArgumentParser, meshes: bool = False, required: b
                    model_default: str | None = None) -> None:
     """--model and --mesh (or --meshes) and --devices; `model_default`: what stands for an omitted --model."""
     p.add_argument("--model", required=required and model_default is None, help="preset (llama-tiny, llama3-8b, "
-                   "...), preset:key=value,..., a TOML path, or hf:DIR (a Hugging Face LLaMA, Mistral, Mixtral or "
-                   "Qwen3-MoE checkpoint's config.json)" + (f" (default: {model_default})" if model_default else ""))
+                   "...), preset:key=value,..., a TOML path, or hf:DIR (a Hugging Face LLaMA, Mistral, Mixtral, "
+                   "Qwen3-MoE, DeepSeek-V3 or Mamba-2 checkpoint's config.json)" + (f" (default: {model_default})" if model_default else ""))
     if meshes:
         p.add_argument("--meshes", nargs="+", required=True, metavar="MESH", help="strategies to compare")
     else:

@@ -37,7 +37,7 @@ from safetensors import safe_open
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
-from jaxpar.serving import hf_deepseek
+from jaxpar.serving import hf_deepseek, hf_mamba
 from jaxpar.serving.hf_moe import ARCHITECTURES, expert_tensor, moe_fields
 
 PREFIX = "hf:"  # --model hf:DIR reads DIR/config.json
@@ -92,32 +92,46 @@ def yarn_fields(scaling: dict, where: str) -> dict:
 
 
 def read_config(directory: str) -> ModelConfig:
-    """The ModelConfig of a Hugging Face LLaMA, Mistral, Mixtral or Qwen3-MoE directory (its config.json)."""
+    """The ModelConfig of a Hugging Face LLaMA, Mistral, Mixtral, Qwen3-MoE, DeepSeek-V3 or Mamba-2 directory
+    (its config.json)."""
     c, path = read_json(directory), pathlib.Path(directory) / "config.json"
     kind = c.get("model_type")
-    if kind not in ("llama", "mistral", *ARCHITECTURES, hf_deepseek.KIND):
+    if hf_mamba.is_mamba_ssm(c):
+        raise ConfigError(f"{path}: mamba_ssm's own config (d_model, n_layer, ssm_cfg); convert the checkpoint to "
+                          "transformers' Mamba2ForCausalLM first (transformers/models/mamba2/"
+                          "convert_mamba2_ssm_checkpoint_to_pytorch.py)")
+    if kind not in ("llama", "mistral", *ARCHITECTURES, hf_deepseek.KIND, hf_mamba.KIND):
         raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral), "
-                          f"its mixtures of experts ({', '.join(ARCHITECTURES)}) and {hf_deepseek.KIND}")
+                          f"its mixtures of experts ({', '.join(ARCHITECTURES)}), {hf_deepseek.KIND} and {hf_mamba.KIND}")
+    if kind == hf_mamba.KIND:
+        return _validated(path, lambda: dict(name=path.parent.name or "hf", **hf_mamba.mamba_fields(c, str(path))))
     if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):
         raise ConfigError(f"{path}: hidden_act={c.get('hidden_act')!r}, attention_bias={c.get('attention_bias')}, "
                           f"mlp_bias={c.get('mlp_bias')}: jaxpar's LLaMA block is SwiGLU without biases")
-    try:
+    def fields() -> dict:
         heads, d = int(c["num_attention_heads"]), int(c["hidden_size"])
-        fields = dict(name=path.parent.name or "hf", layers=int(c["num_hidden_layers"]), d_model=d, heads=heads,
-                      kv_heads=int(c.get("num_key_value_heads") or heads),
-                      head_dim=int(c.get("head_dim") or d // heads), mlp_dim=int(c["intermediate_size"]),
-                      vocab=int(c["vocab_size"]), max_seq=int(c.get("max_position_embeddings", 2048)),
-                      norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), **rope_fields(c, str(path)))
+        out = dict(name=path.parent.name or "hf", layers=int(c["num_hidden_layers"]), d_model=d, heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or d // heads), mlp_dim=int(c["intermediate_size"]),
+                   vocab=int(c["vocab_size"]), max_seq=int(c.get("max_position_embeddings", 2048)),
+                   norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)), **rope_fields(c, str(path)))
         if kind in ARCHITECTURES:
-            fields.update(moe_fields(c, kind, fields["layers"], str(path)))
+            out.update(moe_fields(c, kind, out["layers"], str(path)))
         if kind == hf_deepseek.KIND:
-            fields.update(hf_deepseek.deepseek_fields(c, fields["layers"], str(path)))
+            out.update(hf_deepseek.deepseek_fields(c, out["layers"], str(path)))
+        return out
+    return _validated(path, fields)
+
+
+def _validated(path: pathlib.Path, fields) -> ModelConfig:
+    """ModelConfig(**fields()), validated; a missing or malformed config.json field named in one line."""
+    try:
+        cfg = ModelConfig(**fields())
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: missing or malformed field ({e})") from None
-    cfg = ModelConfig(**fields)
     cfg.validate()
     return cfg
 
@@ -165,17 +179,20 @@ def _leaf(cfg: ModelConfig, c: dict, tensors: dict[str, np.ndarray], key: str) -
                               "needs it)")
         return tensors[name]
 
-    whole = {"['embedding']": lambda: get("model.embed_tokens.weight"),
-             "['final_norm']['scale']": lambda: get("model.norm.weight"),
-             "['head']": lambda: get("lm_head.weight").T}
+    whole = {"['embedding']": "model.embed_tokens.weight", "['final_norm']['scale']": "model.norm.weight",
+             **(hf_mamba.WHOLE if kind == hf_mamba.KIND else {})}
     base = key.removesuffix(".value")
     block = _UNITS.fullmatch(base)
     member = tuple(re.findall(r"'(\w+)'", block.group(3))) if block else ()
     if base in whole:
-        return whole[base]()
+        return get(whole[base])
+    if base == "['head']":
+        return get("lm_head.weight").T
     if not block:
         raise ConfigError(f"no Hugging Face {kind} tensor maps to jaxpar parameter {base}")
     layers = cfg.layers_of(int(block.group(1)), int(block.group(2)))
+    if kind == hf_mamba.KIND:
+        return np.stack([hf_mamba.block_tensor(get, cfg, c, i, member) for i in layers])
     if member[0] == "attn" and cfg.mla:
         return np.stack([hf_deepseek.attention_tensor(get, cfg, c, i, member[1]) for i in layers])
     if member[0] == "moe" and member[1] in ("router_bias", "shared"):
@@ -196,10 +213,10 @@ def load_params(directory: str, cfg: ModelConfig, abstract_params):
     The caller places them in its strategy's shardings (Generator.place_params, Trainer.state_from_params)."""
     import jax  # deferred: JAX stays out of `jaxpar estimate --model hf:DIR`, which reads only config.json
 
-    if cfg.has_mamba:
-        raise ConfigError(f"model {cfg.name}: Hugging Face checkpoints load into attention models (A and E "
-                          f"blocks), got pattern={cfg.pattern!r}")
     c = read_json(directory)
+    if cfg.has_mamba and c.get("model_type") != hf_mamba.KIND:
+        raise ConfigError(f"model {cfg.name}: a {c.get('model_type')} checkpoint has no Mamba-2 layers, the model's "
+                          f"pattern is {cfg.pattern!r}")
     tensors = read_tensors(directory)
     note = hf_deepseek.unloaded_note(tensors, int(c.get("num_hidden_layers", cfg.layers)))
     if note:
