@@ -373,7 +373,8 @@ class ModelConfig:
             return
         need(math.isfinite(self.rope_scaling_factor) and self.rope_scaling_factor >= 1,
              f"rope_scaling_factor must be a finite number >= 1 (or 0: none), got {self.rope_scaling_factor}")
-        need(self.rope_original_max_seq > 0, f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
+        need(self.rope_original_max_seq > 0,
+             f"rope_original_max_seq must be positive, got {self.rope_original_max_seq}")
         if self.rope_type == "llama3":
             for f in ("rope_low_freq_factor", "rope_high_freq_factor"):
                 need(math.isfinite(getattr(self, f)), f"{f} must be finite, got {getattr(self, f)}")

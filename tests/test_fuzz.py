@@ -34,6 +34,7 @@ BASE = {  # a valid command line for each command; a case spoils one thing
     "compare": ["compare", "--model", "llama-tiny", "--meshes", "dp8", "fsdp8"],
     "generate": ["generate", "--model", "llama-tiny", "--mesh", "dp8", "--prompt", "1,2,3"],
     "eval": ["eval", "--ckpt-dir", "ck", "--data", "data"],
+    "export": ["export", "ck", "--to", "hf", "hf-out"],
     "launch": ["launch", "--processes", "2", "--", "train", "--model", "llama-tiny", "--mesh", "dp8"],
     "explain": ["explain", "attn.wq", "--model", "llama-tiny", "--mesh", "dp8"],
     "data": ["data", "--input", "README.md", "--output", "data-out", "--train-tokenizer", "--vocab", "300"],

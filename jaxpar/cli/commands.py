@@ -33,6 +33,7 @@ from jaxpar.devices import MAX_DEVICES, backend_started, cpu_without_accelerator
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 from jaxpar.planning.question import DEFAULT_SHAPE, default_batch, default_seq
+from jaxpar.serving import hf_export
 from jaxpar.serving.generate import Generator, Sampling
 from jaxpar.training.checkpoint import Checkpointer, restore_params, saved_meta
 from jaxpar.training import corpus
@@ -492,5 +493,24 @@ def cmd_launch(args) -> int:
     return launch(args.processes, args.devices_per_process, args.rest, grace_s=args.grace)
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
+def cmd_export(args) -> int:
+    """`jaxpar export CKPT --to hf OUT`: a checkpoint's parameters, restored sharded on --mesh, written as a
+    Hugging Face checkpoint one gathered tensor at a time (jaxpar/serving/hf_export.py)."""
+    meta, step = saved_meta(args.ckpt_dir, args.ckpt_step, "CHECKPOINT_DIR")
+    model = ModelConfig(**meta["model"])
+    hf_export.architecture(model)   # refused before anything is restored
+    strategy = strategy_from_args(args)
+    if strategy.num_devices < 1:
+        strategy = strategy.resolved(jax.device_count())
+    trainer = Trainer(model, strategy, TrainConfig(batch=strategy.num_devices, seq=8, seed=meta.get("seed", 0)))
+    params, message = restore_params(trainer, args.ckpt_dir, step)
+    files = hf_export.export(model, hf_export.params_leaf(params), args.out_dir, args.dtype)
+    if distributed.is_main():
+        print(message)
+        print(f"step {step} of {model.name} written to {args.out_dir} as {hf_export.architecture(model)} "
+              f"({args.dtype}): {', '.join(files)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
             "launch": cmd_launch, "data": cmd_data}

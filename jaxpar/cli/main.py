@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Hybrid parallelism for LLMs in JAX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_train, add_eval, add_estimate, add_plan, add_comm, add_compare, add_generate, add_launch, add_data):
+    for add in (add_train, add_eval, add_export, add_estimate, add_plan, add_comm, add_compare, add_generate,
+                add_launch, add_data):
         add(sub)
     add_strategy_flags(explain.add_parser(sub), "explain")
     schedule.add_parser(sub)
@@ -196,9 +197,9 @@ def add_train(sub) -> None:
     t.add_argument("--overwrite-metrics", action="store_true", help="a fresh run (no --resume) replaces an existing "
                    "--metrics file and --tensorboard event files (without it, it refuses to start)")
     t.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
-                   help="start from a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE) checkpoint's weights "
-                        "(config.json + *.safetensors; fresh optimizer state); --model hf:DIR takes the model from "
-                        "its config.json")
+                   help="start from a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE, DeepSeek-V3, Mamba-2) "
+                        "checkpoint's weights (config.json + *.safetensors; fresh optimizer state); --model hf:DIR "
+                        "takes the model from its config.json")
     t.add_argument("--stop-after", type=POSITIVE, help="stop after this many steps (as if preempted); the "
                    "learning-rate schedule still spans --steps")
     add_strategy_flags(t, "train")
@@ -230,6 +231,22 @@ def add_eval(sub) -> None:
     e.add_argument("--json", type=nonempty, help="write the step, loss and perplexity as one JSON object to this file")
     add_strategy_flags(e, "eval")
     add_distributed_flags(e)
+
+
+def add_export(sub) -> None:
+    x = sub.add_parser("export", help="a training checkpoint as a Hugging Face checkpoint transformers loads",
+                       description="Restore a `train --ckpt-dir` checkpoint's parameters (its model read from it; "
+                                   "read-only) and write them as config.json and *.safetensors with their index in "
+                                   "the layout transformers reads: LlamaForCausalLM (A blocks) or Mamba2ForCausalLM "
+                                   "(M blocks), one tensor at a time (jaxpar/serving/hf_export.py).")
+    x.add_argument("ckpt_dir", type=nonempty, metavar="CHECKPOINT_DIR", help="a `train --ckpt-dir` directory")
+    x.add_argument("--to", required=True, choices=("hf",), help="the format: hf (Hugging Face transformers)")
+    x.add_argument("out_dir", type=nonempty, metavar="OUT_DIR", help="a new (or empty) directory to write")
+    x.add_argument("--ckpt-step", type=NON_NEGATIVE, metavar="N", help="export step N (default: the newest)")
+    x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tensors' dtype")
+    x.add_argument("--mesh", default="fsdp=-1", help="where the parameters are restored before they are gathered "
+                   "tensor by tensor (default fsdp=-1: sharded over every device)")
+    add_devices(x)
 
 
 def add_eval_flags(t) -> None:
@@ -458,9 +475,9 @@ def add_generate(sub) -> None:
                    help="a `train --ckpt-dir` directory: restore its newest parameters (of the same model) onto this mesh")
     g.add_argument("--checkpoint-step", type=NON_NEGATIVE, metavar="N", help="with --checkpoint: restore step N")
     g.add_argument("--hf-checkpoint", type=nonempty, metavar="DIR",
-                   help="a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE) directory (config.json + "
-                        "*.safetensors): load its weights, sharded as they load (--model hf:DIR takes the model "
-                        "from its config.json)")
+                   help="a Hugging Face LLaMA-layout (or Mixtral, Qwen3-MoE, DeepSeek-V3, Mamba-2) directory "
+                        "(config.json + *.safetensors): load its weights, sharded as they load (--model hf:DIR "
+                        "takes the model from its config.json)")
     g.add_argument("--json", type=nonempty, help="write the tokens and timings (with --prompt-text, the decoded "
                    "text too) as one JSON object to this file")
     add_strategy_flags(g, "generate")

@@ -87,8 +87,9 @@ def yarn_fields(scaling: dict, where: str) -> dict:
         raise ConfigError(f"{where}: rope_scaling {scaling}: YaRN needs factor and original_max_position_embeddings")
     return dict(rope_type="yarn", rope_scaling_factor=float(scaling["factor"]),
                 rope_original_max_seq=int(scaling["original_max_position_embeddings"]),
-                rope_beta_fast=float(scaling.get("beta_fast") or 32.0), rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
-                rope_mscale=float(scaling.get("mscale") or 0.0), rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+                rope_beta_fast=float(scaling.get("beta_fast") or 32.0),
+                rope_beta_slow=float(scaling.get("beta_slow") or 1.0), rope_mscale=float(scaling.get("mscale") or 0.0),
+                rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
 
 
 def read_config(directory: str) -> ModelConfig:
@@ -102,7 +103,8 @@ def read_config(directory: str) -> ModelConfig:
                           "convert_mamba2_ssm_checkpoint_to_pytorch.py)")
     if kind not in ("llama", "mistral", *ARCHITECTURES, hf_deepseek.KIND, hf_mamba.KIND):
         raise ConfigError(f"{path}: model_type={kind!r}; jaxpar loads the LLaMA layout (model_type llama or mistral), "
-                          f"its mixtures of experts ({', '.join(ARCHITECTURES)}), {hf_deepseek.KIND} and {hf_mamba.KIND}")
+                          f"its mixtures of experts ({', '.join(ARCHITECTURES)}), {hf_deepseek.KIND} and "
+                          f"{hf_mamba.KIND}")
     if kind == hf_mamba.KIND:
         return _validated(path, lambda: dict(name=path.parent.name or "hf", **hf_mamba.mamba_fields(c, str(path))))
     if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):

@@ -52,7 +52,8 @@ def mamba_fields(c: dict[str, Any], where: str) -> dict[str, Any]:
     if d * expand != heads * head_dim:
         raise ConfigError(f"{where}: hidden_size x expand = {d * expand} != num_heads x head_dim = {heads * head_dim}")
     return dict(pattern="M", layers=int(c["num_hidden_layers"]), d_model=d, vocab=int(c["vocab_size"]),
-                max_seq=int(c.get("max_position_embeddings") or 131072), norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+                max_seq=int(c.get("max_position_embeddings") or 131072),
+                norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)), expand=expand, ssm_head_dim=head_dim,
                 ngroups=int(c.get("n_groups", 1)), d_state=int(c["state_size"]), d_conv=int(c.get("conv_kernel", 4)),
                 chunk=int(c.get("chunk_size") or 256))
