@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 import traceback
 from typing import NoReturn
@@ -506,6 +507,9 @@ def cmd_export(args) -> int:
     params, message = restore_params(trainer, args.ckpt_dir, step)
     files = hf_export.export(model, hf_export.params_leaf(params), args.out_dir, args.dtype)
     if distributed.is_main():
+        if model.mtp_depth:
+            print(f"note: the model's {model.mtp_depth} multi-token prediction module(s) are not exported "
+                  "(transformers' DeepseekV3ForCausalLM has none)", file=sys.stderr)
         print(message)
         print(f"step {step} of {model.name} written to {args.out_dir} as {hf_export.architecture(model)} "
               f"({args.dtype}): {', '.join(files)}")

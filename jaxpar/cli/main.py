@@ -237,8 +237,8 @@ def add_export(sub) -> None:
     x = sub.add_parser("export", help="a training checkpoint as a Hugging Face checkpoint transformers loads",
                        description="Restore a `train --ckpt-dir` checkpoint's parameters (its model read from it; "
                                    "read-only) and write them as config.json and *.safetensors with their index in "
-                                   "the layout transformers reads: LlamaForCausalLM (A blocks) or Mamba2ForCausalLM "
-                                   "(M blocks), one tensor at a time (jaxpar/serving/hf_export.py).")
+                                   "the layout transformers reads (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 or Mamba-2), "
+                                   "one tensor at a time (jaxpar/serving/hf_export.py).")
     x.add_argument("ckpt_dir", type=nonempty, metavar="CHECKPOINT_DIR", help="a `train --ckpt-dir` directory")
     x.add_argument("--to", required=True, choices=("hf",), help="the format: hf (Hugging Face transformers)")
     x.add_argument("out_dir", type=nonempty, metavar="OUT_DIR", help="a new (or empty) directory to write")

@@ -112,3 +112,49 @@ def unloaded_note(tensors: dict, layers: int) -> str:
             f"{sum(1 for n in tensors if n.startswith(tuple(f'model.layers.{i}.' for i in extra)))} tensors) are "
             "not loaded: generation does not use them, and jaxpar reads no checkpoint into its own MTP modules "
             "(mtp_depth), as transformers' DeepseekV3ForCausalLM reads none")
+
+
+# ---- the way back (jaxpar/serving/hf_export.py) ---------------------------------------------------------
+
+def export_fields(cfg) -> dict[str, Any]:
+    """config.json's DeepSeek-V3 fields that deepseek_fields reads back (transformers 5's names)."""
+    dense = cfg.layer_kinds.count("A")
+    return dict(model_type=KIND, num_key_value_heads=cfg.heads, head_dim=cfg.qk_rope_head_dim,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                intermediate_size=cfg.mlp_dim, first_k_dense_replace=dense, n_routed_experts=cfg.experts,
+                num_experts_per_tok=cfg.top_k, n_shared_experts=cfg.shared_experts or None,
+                moe_intermediate_size=cfg.moe_mlp_dim, norm_topk_prob=cfg.router_norm,
+                routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                router_aux_loss_coef=cfg.aux_loss_coef, rope_interleave=True, num_nextn_predict_layers=0)
+
+
+def export_attention(cfg, one, prefix: str):
+    """One layer's latent attention tensors from jaxpar's (models/mla.py): attention_tensor read backwards, the
+    RoPE columns interleaved again."""
+    h, nope, r, v = cfg.heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    back = np.argsort(deinterleave(r))
+    head_back = np.concatenate([np.arange(nope), nope + back])
+    at = f"{prefix}.self_attn"
+    if cfg.q_lora_rank:
+        yield f"{at}.q_a_proj.weight", one("['attn']['wq_a']").T
+        yield f"{at}.q_a_layernorm.weight", one("['attn']['q_norm']['scale']")
+        wq_b = one("['attn']['wq_b']")
+        yield f"{at}.q_b_proj.weight", wq_b[..., head_back].reshape(wq_b.shape[0], -1).T
+    else:
+        wq = one("['attn']['wq']")
+        yield f"{at}.q_proj.weight", wq[..., head_back].reshape(wq.shape[0], -1).T
+    wkv = np.concatenate([one("['attn']['wkv_a']"), one("['attn']['wk_rope']")[:, back]], axis=1)
+    yield f"{at}.kv_a_proj_with_mqa.weight", wkv.T
+    yield f"{at}.kv_a_layernorm.weight", one("['attn']['kv_norm']['scale']")
+    kv_b = np.concatenate([one("['attn']['wk_b']"), one("['attn']['wv_b']")], axis=-1)
+    yield f"{at}.kv_b_proj.weight", kv_b.reshape(cfg.kv_lora_rank, h * (nope + v)).T
+    yield f"{at}.o_proj.weight", one("['attn']['wo']").reshape(h * v, cfg.d_model).T
+
+
+def export_moe_extra(cfg, one, prefix: str):
+    """The balancing bias and the shared experts of one MoE layer (moe_tensor read backwards)."""
+    yield f"{prefix}.mlp.gate.e_score_correction_bias", one("['moe']['router_bias']")
+    if cfg.shared_experts:
+        for name, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            yield f"{prefix}.mlp.shared_experts.{name}.weight", one(f"['moe']['shared']['{ours}']").T

@@ -1,13 +1,15 @@
 """jaxpar's parameters as a checkpoint `transformers` loads: config.json and *.safetensors with their index.
 
-The inverse of jaxpar/serving/hf.py for the architectures written so far: LlamaForCausalLM (pattern "A",
-SwiGLU, GQA heads) and Mamba2ForCausalLM (pattern "M"). Each jaxpar weight goes back to the tensor it was read
-from (hf.py's table, read right to left: [in, out] weights transposed to PyTorch's [out, in], heads merged,
-Mamba-2's z, x, B, C, dt packed into in_proj and x, B, C into conv1d). Tensors are produced one at a time
-from `leaf` (a jaxpar parameter path -> its host array, gathered on demand) and written in shards of at most
-SHARD_BYTES, so the host holds one shard, not the model twice. A model with no hub equivalent (a hybrid unit
-such as "MMMA", GeLU MLPs) or one not written yet (mixtures of experts, latent attention, Qwen3's q/k norms)
-is refused in one line before anything is written; the directory appears whole or not at all.
+The inverse of jaxpar/serving/hf.py: LlamaForCausalLM (A blocks), MixtralForCausalLM and Qwen3MoeForCausalLM
+(E blocks with a softmax router; Qwen3-MoE's q/k norms and dense layers), DeepseekV3ForCausalLM (latent
+attention, dense first layers, the biased sigmoid router; its MTP modules are left out, as transformers' model
+has none) and Mamba2ForCausalLM (M blocks). Each jaxpar weight goes back to the tensor it was read from (each
+architecture module's table read right to left: [in, out] weights transposed to PyTorch's [out, in], heads
+merged, experts split, DeepSeek's RoPE columns interleaved again, Mamba-2's z, x, B, C, dt packed into in_proj).
+Tensors are produced one at a time from `leaf` (a jaxpar parameter path -> its host array, gathered on demand)
+and written in shards of at most SHARD_BYTES as each fills, so the host holds one shard, not the model twice.
+A model with no hub equivalent (a hybrid unit such as "MMMA", GeLU MLPs, capacity-limited experts) is refused
+in one line before anything is written; the directory appears whole or not at all.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from safetensors.numpy import save_file
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig, Yarn
+from jaxpar.serving import hf_deepseek, hf_mamba, hf_moe
 
 SHARD_BYTES = 2 * 2**30
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -40,31 +43,48 @@ def params_leaf(params) -> Leaf:
 
 def architecture(cfg: ModelConfig) -> str:
     """The transformers class the model exports as, or ConfigError naming why there is none."""
-    kinds = set(cfg.layer_kinds)
+    kinds, why = set(cfg.layer_kinds), ""
     if kinds == {"M"}:
         return "Mamba2ForCausalLM"
-    if kinds == {"A"} and not cfg.mla and not cfg.qk_norm and cfg.mlp_type == "swiglu" and not cfg.mtp_depth:
+    if "M" in kinds:
+        why = "a hybrid of Mamba-2 and attention blocks has no Hugging Face equivalent here"
+    elif cfg.mlp_type != "swiglu":
+        why = "GeLU MLPs have no LLaMA-family equivalent"
+    elif cfg.mla:
+        dense_first = cfg.layer_kinds == "A" * cfg.layer_kinds.count("A") + "E" * cfg.moe_layers
+        if dense_first and "E" in kinds and cfg.router == "sigmoid" and cfg.router_bias and not cfg.capacity_factor:
+            return "DeepseekV3ForCausalLM"
+        why = "latent attention exports as DeepSeek-V3: dense layers first, then MoE with the biased sigmoid router"
+    elif "E" in kinds:
+        plain = cfg.router == "softmax" and not (cfg.shared_experts or cfg.router_bias or cfg.capacity_factor
+                                                  or cfg.n_group > 1 or cfg.routed_scaling_factor != 1)
+        if plain and cfg.qk_norm:
+            return "Qwen3MoeForCausalLM"
+        if plain and kinds == {"E"} and cfg.router_norm:
+            return "MixtralForCausalLM"
+        why = ("its experts export as Mixtral (every layer MoE, renormalised) or Qwen3-MoE (q/k norms): a softmax "
+               "router, dropless, no shared experts, bias, groups or scaling")
+    elif not cfg.qk_norm:
         return "LlamaForCausalLM"
-    why = ("a hybrid of Mamba-2 and attention blocks has no Hugging Face equivalent" if "M" in kinds
-           else "export of mixtures of experts, latent attention, q/k norms and MTP modules is not written yet"
-           if kinds & {"E"} or cfg.mla or cfg.qk_norm or cfg.mtp_depth else "GeLU MLPs have no LLaMA equivalent")
-    raise ConfigError(f"model {cfg.name} (pattern {cfg.pattern!r}): {why}; export writes LlamaForCausalLM "
-                      "(A blocks, SwiGLU) and Mamba2ForCausalLM (M blocks)")
+    else:
+        why = "a dense model with q/k norms (Qwen3) is not written yet"
+    raise ConfigError(f"model {cfg.name} (pattern {cfg.pattern!r}): {why}")
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict:
     """config.json: the fields jaxpar/serving/hf.py reads back, as transformers 5 writes them."""
-    common = dict(architectures=[architecture(cfg)], hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+    arch = architecture(cfg)
+    common = dict(architectures=[arch], hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
                   vocab_size=cfg.vocab, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=dtype)
-    if common["architectures"] == ["Mamba2ForCausalLM"]:
-        return common | dict(model_type="mamba2", num_heads=cfg.ssm_heads, head_dim=cfg.ssm_head_dim,
-                             expand=cfg.expand, n_groups=cfg.ngroups, state_size=cfg.d_state, conv_kernel=cfg.d_conv,
-                             layer_norm_epsilon=cfg.norm_eps, chunk_size=cfg.chunk, use_bias=False,
-                             use_conv_bias=True, residual_in_fp32=True)
-    return common | dict(model_type="llama", num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                         head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_seq,
-                         rms_norm_eps=cfg.norm_eps, attention_bias=False, mlp_bias=False,
-                         rope_parameters=rope_parameters(cfg))
+    if arch == "Mamba2ForCausalLM":
+        return common | hf_mamba.export_fields(cfg)
+    llama = dict(model_type="llama", num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                 head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_seq,
+                 rms_norm_eps=cfg.norm_eps, attention_bias=False, mlp_bias=False, rope_parameters=rope_parameters(cfg))
+    extra = {"MixtralForCausalLM": lambda: hf_moe.export_fields(cfg, "mixtral"),
+             "Qwen3MoeForCausalLM": lambda: hf_moe.export_fields(cfg, "qwen3_moe"),
+             "DeepseekV3ForCausalLM": lambda: hf_deepseek.export_fields(cfg)}.get(arch, dict)()
+    return common | llama | extra
 
 
 def rope_parameters(cfg: ModelConfig) -> dict:
@@ -83,15 +103,17 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_tensors(cfg: ModelConfig, leaf: Leaf) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) of every checkpoint tensor, layer by layer."""
-    mamba = architecture(cfg) == "Mamba2ForCausalLM"
+    arch = architecture(cfg)
+    mamba = arch == "Mamba2ForCausalLM"
     top = "backbone" if mamba else "model"
     yield f"{top}.{'embeddings' if mamba else 'embed_tokens'}.weight", leaf("['embedding']")
     for r, run in enumerate(cfg.runs):
-        for j in range(len(run.unit)):
+        for j, kind in enumerate(run.unit):
             block = f"['runs'][{r}]['blocks'][{j}]"
             for u, layer in enumerate(cfg.layers_of(r, j)):
                 one = layer_slice(leaf, block, u)
-                yield from (mamba_layer(cfg, one, layer) if mamba else llama_layer(cfg, one, layer))
+                yield from (hf_mamba.export_layer(cfg, one, layer) if mamba
+                            else decoder_layer(cfg, arch, one, layer, kind))
     yield f"{top}.{'norm_f' if mamba else 'norm'}.weight", leaf("['final_norm']['scale']")
     if not cfg.tie_embeddings:
         yield "lm_head.weight", leaf("['head']").T
@@ -102,31 +124,30 @@ def layer_slice(leaf: Leaf, block: str, unit: int) -> Leaf:
     return lambda member: leaf(block + member)[unit]
 
 
-def llama_layer(cfg: ModelConfig, one: Leaf, i: int) -> Iterator[tuple[str, np.ndarray]]:
-    """One LLaMA decoder layer: PyTorch's [out, in] weights from jaxpar's [in, (heads, head_dim)]."""
-    p, d = f"model.layers.{i}", cfg.d_model
+def decoder_layer(cfg: ModelConfig, arch: str, one: Leaf, i: int, kind: str) -> Iterator[tuple[str, np.ndarray]]:
+    """One LLaMA-family decoder layer (an A or E block): PyTorch's [out, in] weights from jaxpar's."""
+    p = f"model.layers.{i}"
     yield f"{p}.input_layernorm.weight", one("['attn_norm']['scale']")
+    yield from hf_deepseek.export_attention(cfg, one, p) if cfg.mla else gqa_attention(cfg, one, p)
+    yield f"{p}.post_attention_layernorm.weight", one("['mlp_norm']['scale']")
+    if kind == "A":
+        for name in ("gate", "up", "down"):
+            yield f"{p}.mlp.{name}_proj.weight", one(f"['mlp']['w_{name}']").T
+        return
+    yield from hf_moe.export_experts(cfg, "mixtral" if arch == "MixtralForCausalLM" else "qwen3_moe", one, p)
+    if arch == "DeepseekV3ForCausalLM":
+        yield from hf_deepseek.export_moe_extra(cfg, one, p)
+
+
+def gqa_attention(cfg: ModelConfig, one: Leaf, p: str) -> Iterator[tuple[str, np.ndarray]]:
+    """q, k, v, o (heads merged, [out, in]) and Qwen3's q/k norms."""
+    d = cfg.d_model
     for name in ("q", "k", "v"):
         yield f"{p}.self_attn.{name}_proj.weight", one(f"['attn']['w{name}']").reshape(d, -1).T
     yield f"{p}.self_attn.o_proj.weight", one("['attn']['wo']").reshape(-1, d).T
-    yield f"{p}.post_attention_layernorm.weight", one("['mlp_norm']['scale']")
-    for name in ("gate", "up", "down"):
-        yield f"{p}.mlp.{name}_proj.weight", one(f"['mlp']['w_{name}']").T
-
-
-def mamba_layer(cfg: ModelConfig, one: Leaf, i: int) -> Iterator[tuple[str, np.ndarray]]:
-    """One Mamba-2 layer: in_proj rows z | x | B | C | dt and conv1d channels x | B | C packed again."""
-    p, d, k = f"backbone.layers.{i}", cfg.d_model, cfg.d_conv
-    yield f"{p}.norm.weight", one("['norm']['scale']")
-    w = [one(f"['{n}']").reshape(d, -1) for n in ("w_z", "w_x", "w_B", "w_C", "w_dt")]
-    yield f"{p}.mixer.in_proj.weight", np.concatenate(w, axis=1).T
-    conv = [one(f"['conv_{n}']").reshape(k, -1) for n in "xBC"]
-    yield f"{p}.mixer.conv1d.weight", np.concatenate(conv, axis=1).T[:, None, :]
-    yield f"{p}.mixer.conv1d.bias", np.concatenate([one(f"['conv_{n}_bias']").reshape(-1) for n in "xBC"])
-    for name in ("dt_bias", "A_log", "D"):
-        yield f"{p}.mixer.{name}", one(f"['{name}']")
-    yield f"{p}.mixer.norm.weight", one("['gate_norm']").reshape(-1)
-    yield f"{p}.mixer.out_proj.weight", one("['w_out']").reshape(-1, d).T
+    if cfg.qk_norm:
+        yield f"{p}.self_attn.q_norm.weight", one("['attn']['q_norm']['scale']")
+        yield f"{p}.self_attn.k_norm.weight", one("['attn']['k_norm']['scale']")
 
 
 def export(cfg: ModelConfig, leaf: Leaf, out_dir: str, dtype: str = "float32") -> list[str]:

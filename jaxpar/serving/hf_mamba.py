@@ -90,3 +90,28 @@ def block_tensor(get: Callable[[str], np.ndarray], cfg: ModelConfig, c: dict[str
         bias = get(f"{prefix}.mixer.conv1d.bias") if c.get("use_conv_bias", True) else np.zeros(inner + 2 * gn)
         return bias[start:start + size].reshape(shape)
     return get(f"{prefix}.mixer.conv1d.weight")[start:start + size, 0].T.reshape(k, *shape)
+
+
+# ---- the way back (jaxpar/serving/hf_export.py) ---------------------------------------------------------
+
+def export_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's fields that mamba_fields reads back (transformers 5's names; time_step_limit left at its
+    default, (0, inf): jaxpar does not clamp dt)."""
+    return dict(model_type=KIND, num_heads=cfg.ssm_heads, head_dim=cfg.ssm_head_dim, expand=cfg.expand,
+                n_groups=cfg.ngroups, state_size=cfg.d_state, conv_kernel=cfg.d_conv, layer_norm_epsilon=cfg.norm_eps,
+                chunk_size=cfg.chunk, use_bias=False, use_conv_bias=True, residual_in_fp32=True)
+
+
+def export_layer(cfg: ModelConfig, one, i: int):
+    """One Mamba-2 layer: in_proj rows z | x | B | C | dt and conv1d channels x | B | C packed again."""
+    p, d, k = f"backbone.layers.{i}", cfg.d_model, cfg.d_conv
+    yield f"{p}.norm.weight", one("['norm']['scale']")
+    w = [one(f"['{n}']").reshape(d, -1) for n in ("w_z", "w_x", "w_B", "w_C", "w_dt")]
+    yield f"{p}.mixer.in_proj.weight", np.concatenate(w, axis=1).T
+    conv = [one(f"['conv_{n}']").reshape(k, -1) for n in "xBC"]
+    yield f"{p}.mixer.conv1d.weight", np.concatenate(conv, axis=1).T[:, None, :]
+    yield f"{p}.mixer.conv1d.bias", np.concatenate([one(f"['conv_{n}_bias']").reshape(-1) for n in "xBC"])
+    for name in ("dt_bias", "A_log", "D"):
+        yield f"{p}.mixer.{name}", one(f"['{name}']")
+    yield f"{p}.mixer.norm.weight", one("['gate_norm']").reshape(-1)
+    yield f"{p}.mixer.out_proj.weight", one("['w_out']").reshape(-1, d).T

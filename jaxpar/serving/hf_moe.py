@@ -85,3 +85,28 @@ def expert_tensor(get, kind: str, layer: int, experts: int, which: str) -> np.nd
         return get(f"{prefix}.gate.weight").T
     name = {"w_gate": gate, "w_up": up, "w_down": down}[which]
     return np.stack([get(f"{prefix}.experts.{e}.{name}.weight").T for e in range(experts)])
+
+
+# ---- the way back (jaxpar/serving/hf_export.py) ---------------------------------------------------------
+
+def export_fields(cfg, kind: str) -> dict[str, Any]:
+    """config.json's Mixtral / Qwen3-MoE fields that moe_fields and layer_kinds read back."""
+    fields = dict(model_type=kind, num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k,
+                  router_aux_loss_coef=cfg.aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
+    if kind == "mixtral":
+        return fields | dict(intermediate_size=cfg.moe_mlp_dim)
+    dense = [i for i, k in enumerate(cfg.layer_kinds) if k == "A"]
+    return fields | dict(intermediate_size=cfg.mlp_dim, moe_intermediate_size=cfg.moe_mlp_dim,
+                         norm_topk_prob=cfg.router_norm, decoder_sparse_step=1, mlp_only_layers=dense,
+                         use_sliding_window=False)
+
+
+def export_experts(cfg, kind: str, one, prefix: str):
+    """One sparse layer's router and per-expert tensors ([out, in] each) from jaxpar's stacked experts
+    (expert_tensor read backwards); DeepSeek-V3 names them as Qwen3-MoE does."""
+    block, names = EXPERT_NAMES["mixtral" if kind == "mixtral" else "qwen3_moe"]
+    yield f"{prefix}.{block}.gate.weight", one("['moe']['router']").T
+    stacked = [one(f"['moe']['{ours}']") for ours in ("w_gate", "w_up", "w_down")]
+    for e in range(cfg.experts):
+        for name, w in zip(names, stacked):
+            yield f"{prefix}.{block}.experts.{e}.{name}.weight", w[e].T
