@@ -28,6 +28,7 @@ from jaxpar.models.lm import LM
 from jaxpar.models.run import RunConfig
 from jaxpar.serving import hf_export
 from jaxpar.serving.hf import load_params, read_config
+from jaxpar.training import tokenizer as tokenizers
 from jaxpar.training.checkpoint import Checkpointer, restore_params
 from jaxpar.training.trainer import TrainConfig, Trainer
 
@@ -96,21 +97,23 @@ def test_the_golden_llama_loads_with_transformers_logits():
 
 @pytest.fixture(scope="module", params=["llama-tiny", *(pytest.param(m, marks=pytest.mark.slow)
                                                           for m in ("mamba2-tiny", "moe-tiny", "deepseek-tiny"))])
-def initial(request, tmp_path_factory) -> tuple[str, pathlib.Path]:
-    """(model, a checkpoint of its initial state sharded over fsdp4 x tp2; no training step compiled)."""
-    ckpt = tmp_path_factory.mktemp("ckpt")
+def initial(request, tmp_path_factory) -> tuple[str, pathlib.Path, pathlib.Path]:
+    """(model, a checkpoint of its initial state sharded over fsdp4 x tp2 (no training step compiled), the
+    `jaxpar data` directory its metadata names, holding a tokenizer)."""
+    ckpt, data = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("data")
+    tokenizers.train(["the cat sat on the mat", "a dog ate the hat"] * 20, 300).save(data / "tokenizer.json")
     trainer = Trainer(parse_model(request.param), parse_strategy("fsdp=4,tensor=2"), TrainConfig(batch=8, seq=16))
-    saver = Checkpointer(str(ckpt), every=1)
+    saver = Checkpointer(str(ckpt), every=1, data=str(data))   # the run's `jaxpar data` directory, its tokenizer
     saver.maybe_save(1, trainer.init_state(), trainer, force=True)
     saver.close()
-    return request.param, ckpt
+    return request.param, ckpt, data
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_sharded_checkpoint_exports_and_loads_back(initial, dtype, tmp_path, capsys):
     """Restored on fsdp=8, gathered tensor by tensor: every parameter back, bitwise (bf16: the cast's);
-    deepseek-tiny's MTP module is left out, and said so."""
-    model, ckpt = initial
+    deepseek-tiny's MTP module is left out, and said so; the run's tokenizer beside the weights."""
+    model, ckpt, data = initial
     assert cli.main(["export", str(ckpt), "--to", "hf", str(tmp_path / "out"), "--dtype", dtype]) == 0
     out = capsys.readouterr()
     assert "written to" in out.out and ("multi-token prediction" in out.err) == (model == "deepseek-tiny")
@@ -126,6 +129,10 @@ def test_a_sharded_checkpoint_exports_and_loads_back(initial, dtype, tmp_path, c
             expect = expect.astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(value, expect, err_msg=jax.tree_util.keystr(path))
     assert {v.dtype for v in raw_tensors(tmp_path / "out").values()} == {np.dtype(hf_export.DTYPES[dtype])}
+    tok, trained = (tokenizers.load(str(d)) for d in (tmp_path / "out", data))
+    assert tok.tok.encode("the cat ate").ids == trained.tok.encode("the cat ate").ids
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (config["tokenizer_class"], config["eos_token"]) == ("PreTrainedTokenizerFast", trained.eot_token)
 
 
 def test_bad_exports_are_refused_in_one_line_with_nothing_written(initial, tmp_path, capsys):

@@ -505,7 +505,9 @@ def cmd_export(args) -> int:
         strategy = strategy.resolved(jax.device_count())
     trainer = Trainer(model, strategy, TrainConfig(batch=strategy.num_devices, seq=8, seed=meta.get("seed", 0)))
     params, message = restore_params(trainer, args.ckpt_dir, step)
-    files = hf_export.export(model, hf_export.params_leaf(params), args.out_dir, args.dtype)
+    tok = meta.get("data") and pathlib.Path(meta["data"], "tokenizer.json")
+    tok = tokenizers.load(str(tok)) if tok and tok.is_file() else None   # the run's `jaxpar data` tokenizer
+    files = hf_export.export(model, hf_export.params_leaf(params), args.out_dir, args.dtype, tok)
     if distributed.is_main():
         if model.mtp_depth:
             print(f"note: the model's {model.mtp_depth} multi-token prediction module(s) are not exported "

@@ -8,7 +8,8 @@ architecture module's table read right to left: [in, out] weights transposed to 
 merged, experts split, DeepSeek's RoPE columns interleaved again, Mamba-2's z, x, B, C, dt packed into in_proj).
 Tensors are produced one at a time from `leaf` (a jaxpar parameter path -> its host array, gathered on demand)
 and written in shards of at most SHARD_BYTES as each fills, so the host holds one shard, not the model twice.
-A model with no hub equivalent (a hybrid unit such as "MMMA", GeLU MLPs, capacity-limited experts) is refused
+The tokenizer a `jaxpar data` directory trained goes beside them (tokenizer.json, tokenizer_config.json). A
+model with no hub equivalent (a hybrid unit such as "MMMA", GeLU MLPs, capacity-limited experts) is refused
 in one line before anything is written; the directory appears whole or not at all.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors.numpy import save_file
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig, Yarn
 from jaxpar.serving import hf_deepseek, hf_mamba, hf_moe
+from jaxpar.training.tokenizer import Tokenizer
 
 SHARD_BYTES = 2 * 2**30
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -150,9 +152,10 @@ def gqa_attention(cfg: ModelConfig, one: Leaf, p: str) -> Iterator[tuple[str, np
         yield f"{p}.self_attn.k_norm.weight", one("['attn']['k_norm']['scale']")
 
 
-def export(cfg: ModelConfig, leaf: Leaf, out_dir: str, dtype: str = "float32") -> list[str]:
+def export(cfg: ModelConfig, leaf: Leaf, out_dir: str, dtype: str = "float32",
+           tokenizer: Tokenizer | None = None) -> list[str]:
     """Write the checkpoint into `out_dir` (new or empty), built in a sibling temporary directory and renamed
-    into place; returns the files written."""
+    into place, with `tokenizer` (the one a `jaxpar data` directory trained) beside it; returns the files."""
     hf_config(cfg, dtype)   # refuses before anything is written
     out = pathlib.Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -160,7 +163,7 @@ def export(cfg: ModelConfig, leaf: Leaf, out_dir: str, dtype: str = "float32") -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        files = _write(cfg, leaf, tmp, dtype)
+        files = _write(cfg, leaf, tmp, dtype) + (_write_tokenizer(tokenizer, cfg, tmp) if tokenizer else [])
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -193,3 +196,13 @@ def _write(cfg: ModelConfig, leaf: Leaf, tmp: pathlib.Path, dtype: str) -> list[
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return names + ["model.safetensors.index.json", "config.json"]
+
+
+def _write_tokenizer(tok: Tokenizer, cfg: ModelConfig, tmp: pathlib.Path) -> list[str]:
+    """tokenizer.json as trained, and tokenizer_config.json naming the fast tokenizer class that reads it and
+    its end-of-text token (transformers' AutoTokenizer loads the pair)."""
+    tok.save(tmp / "tokenizer.json")
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg.max_seq,
+                  eos_token=tok.eot_token, bos_token=tok.eot_token)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json"]
