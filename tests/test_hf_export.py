@@ -95,17 +95,22 @@ def test_the_golden_llama_loads_with_transformers_logits():
     np.testing.assert_allclose(got, np.load(GOLDEN["llama"] / golden["logits"]), rtol=1e-4, atol=1e-4)
 
 
+def initial_checkpoint(model: str, ckpt: pathlib.Path, data: pathlib.Path) -> None:
+    """A checkpoint of `model`'s initial state sharded over fsdp4 x tp2 (no training step compiled), its metadata
+    naming `data` as the run's `jaxpar data` directory, which holds a tokenizer."""
+    tokenizers.train(["the cat sat on the mat", "a dog ate the hat"] * 20, 300).save(data / "tokenizer.json")
+    trainer = Trainer(parse_model(model), parse_strategy("fsdp=4,tensor=2"), TrainConfig(batch=8, seq=16))
+    saver = Checkpointer(str(ckpt), every=1, data=str(data))
+    saver.maybe_save(1, trainer.init_state(), trainer, force=True)
+    saver.close()
+
+
 @pytest.fixture(scope="module", params=["llama-tiny", *(pytest.param(m, marks=pytest.mark.slow)
                                                           for m in ("mamba2-tiny", "moe-tiny", "deepseek-tiny"))])
 def initial(request, tmp_path_factory) -> tuple[str, pathlib.Path, pathlib.Path]:
-    """(model, a checkpoint of its initial state sharded over fsdp4 x tp2 (no training step compiled), the
-    `jaxpar data` directory its metadata names, holding a tokenizer)."""
+    """(model, its `initial_checkpoint`, the data directory)."""
     ckpt, data = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("data")
-    tokenizers.train(["the cat sat on the mat", "a dog ate the hat"] * 20, 300).save(data / "tokenizer.json")
-    trainer = Trainer(parse_model(request.param), parse_strategy("fsdp=4,tensor=2"), TrainConfig(batch=8, seq=16))
-    saver = Checkpointer(str(ckpt), every=1, data=str(data))   # the run's `jaxpar data` directory, its tokenizer
-    saver.maybe_save(1, trainer.init_state(), trainer, force=True)
-    saver.close()
+    initial_checkpoint(request.param, ckpt, data)
     return request.param, ckpt, data
 
 
@@ -133,6 +138,25 @@ def test_a_sharded_checkpoint_exports_and_loads_back(initial, dtype, tmp_path, c
     assert tok.tok.encode("the cat ate").ids == trained.tok.encode("the cat ate").ids
     config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert (config["tokenizer_class"], config["eos_token"]) == ("PreTrainedTokenizerFast", trained.eot_token)
+
+
+@pytest.mark.slow
+def test_an_exported_checkpoint_generates_under_another_mesh(tmp_path):
+    """The export of a checkpoint written under fsdp4 x tp2, loaded as --model hf:DIR under data=2 x tensor=4,
+    generates the tokens the checkpoint itself generates on data=8."""
+    model, ckpt = "llama-tiny", tmp_path / "ckpt"
+    (tmp_path / "data").mkdir()
+    initial_checkpoint(model, ckpt, tmp_path / "data")
+    assert cli.main(["export", str(ckpt), "--to", "hf", str(tmp_path / "out")]) == 0
+    prompts = sum((["--prompt", p] for p in ["1,2,3", "4,5,6,7", "8,9", "10,11,12"] * 2), [])
+    runs = {"hf": ["--model", f"hf:{tmp_path / 'out'}", "--hf-checkpoint", str(tmp_path / "out"),
+                   "--mesh", "data=2,tensor=4"],
+            "ckpt": ["--model", model, "--checkpoint", str(ckpt), "--mesh", "data=8"]}
+    tokens = {}
+    for name, flags in runs.items():
+        assert cli.main(["generate", *flags, *prompts, "--max-new-tokens", "4", "--json", str(tmp_path / f"{name}.json")]) == 0
+        tokens[name] = json.loads((tmp_path / f"{name}.json").read_text())["tokens"]
+    assert tokens["hf"] == tokens["ckpt"]
 
 
 def test_bad_exports_are_refused_in_one_line_with_nothing_written(initial, tmp_path, capsys):
