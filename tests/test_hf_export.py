@@ -169,5 +169,5 @@ def test_bad_exports_are_refused_in_one_line_with_nothing_written(initial, tmp_p
     for model, words in (("hybrid-tiny", "has no Hugging Face equivalent"),
                          ("moe-tiny:shared_experts=1", "no shared experts"), ("llama-tiny:mlp_type=gelu", "GeLU")):
         with pytest.raises(ConfigError, match=words):
-            hf_export.export(parse_model(model), lambda key: None, str(tmp_path / model))
+            hf_export.export(parse_model(model), lambda key, unit=None: None, str(tmp_path / model))
         assert not (tmp_path / model).exists() and list(tmp_path.glob(f".{model}*")) == []

@@ -33,14 +33,18 @@ from jaxpar.training.tokenizer import Tokenizer
 
 SHARD_BYTES = 2 * 2**30
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-Leaf = Callable[[str], np.ndarray]
+Leaf = Callable[..., np.ndarray]   # (path, unit=None) -> the array, or its slice [unit] of a stacked one
 
 
 def params_leaf(params) -> Leaf:
-    """A parameter tree's path (hf.py's keys) -> that array on the host, gathered when asked."""
+    """A parameter tree's path (hf.py's keys) -> that array on the host, gathered when asked; a stacked
+    array's one unit is sliced on the devices first, so only that layer crosses to the host."""
     arrays = {jax.tree_util.keystr(path).removesuffix(".value"): a
               for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
-    return lambda key: np.asarray(jax.device_get(arrays[key]))
+
+    def leaf(key: str, unit: int | None = None) -> np.ndarray:
+        return np.asarray(jax.device_get(arrays[key] if unit is None else arrays[key][unit]))
+    return leaf
 
 
 def architecture(cfg: ModelConfig) -> str:
@@ -123,7 +127,7 @@ def hf_tensors(cfg: ModelConfig, leaf: Leaf) -> Iterator[tuple[str, np.ndarray]]
 
 def layer_slice(leaf: Leaf, block: str, unit: int) -> Leaf:
     """A block member's path -> its slice of the stacked array for one unit (one checkpoint layer)."""
-    return lambda member: leaf(block + member)[unit]
+    return lambda member: leaf(block + member, unit)
 
 
 def decoder_layer(cfg: ModelConfig, arch: str, one: Leaf, i: int, kind: str) -> Iterator[tuple[str, np.ndarray]]:
