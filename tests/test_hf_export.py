@@ -166,6 +166,16 @@ def test_bad_exports_are_refused_in_one_line_with_nothing_written(initial, tmp_p
     err = capsys.readouterr().err.strip()
     assert "exists and is not an empty directory" in err and "\n" not in err
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    out = tmp_path / "exported"
+    assert cli.main(["export", str(initial[1]), "--to", "hf", str(out)]) == 0
+    next(out.glob("model-*.safetensors")).rename(out / "elsewhere")
+    (out / "spare.safetensors").write_bytes((out / "elsewhere").read_bytes())   # a shard the index does not list
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", f"hf:{out}", "--hf-checkpoint", str(out), "--mesh", "data=8",
+                     *["--prompt", "1,2"] * 8]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.safetensors.index.json lists model-00001-of-00001.safetensors, which the directory lacks" in err
+    assert "\n" not in err
     for model, words in (("hybrid-tiny", "has no Hugging Face equivalent"),
                          ("moe-tiny:shared_experts=1", "no shared experts"), ("llama-tiny:mlp_type=gelu", "GeLU")):
         with pytest.raises(ConfigError, match=words):

@@ -139,10 +139,17 @@ def _validated(path: pathlib.Path, fields) -> ModelConfig:
 
 
 def read_tensors(directory: str) -> dict[str, np.ndarray]:
-    """Every tensor of the directory's *.safetensors files, as float32 numpy arrays."""
+    """Every tensor of the directory's *.safetensors files, as float32 numpy arrays; a shard that
+    model.safetensors.index.json lists and the directory lacks is named in one line."""
     files = sorted(pathlib.Path(directory).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{directory}: no *.safetensors files")
+    index = pathlib.Path(directory) / "model.safetensors.index.json"
+    listed = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
+    missing = sorted(listed - {f.name for f in files})
+    if missing:
+        raise ConfigError(f"{directory}: model.safetensors.index.json lists {', '.join(missing)}, which the "
+                          f"directory lacks")
     out = {}
     for f in files:
         with safe_open(str(f), framework="flax") as reader:
