@@ -78,6 +78,19 @@ def test_unsupported_configs_are_refused_in_one_line(tmp_path, change, words):
     assert "\n" not in str(e.value)
 
 
+def test_weights_that_do_not_match_config_json_are_refused(tmp_path):
+    """state_size 8 where the weights were written with 16: the packed rows do not add up (a silent misread
+    otherwise: every slice would still have a valid shape)."""
+    for f in DATA.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | dict(state_size=8)))
+    cfg = read_config(str(tmp_path))
+    abstract = nnx.state(nnx.eval_shape(lambda: LM(cfg, RunConfig(), rngs=nnx.Rngs(0))), nnx.Param)
+    words = "mixer.(in_proj.weight has 328|conv1d.weight has 192) rows; config.json's .* give "
+    with pytest.raises(ConfigError, match=words):
+        load_params(str(tmp_path), cfg, abstract)
+
+
 def test_mamba_ssms_own_config_names_the_conversion(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(d_model=768, n_layer=24, vocab_size=50277,
                                                           ssm_cfg=dict(layer="Mamba2"))))

@@ -83,13 +83,23 @@ def block_tensor(get: Callable[[str], np.ndarray], cfg: ModelConfig, c: dict[str
         rows = dict(w_z=(0, inner, (h, p)), w_x=(inner, inner, (h, p)), w_B=(2 * inner, gn, (g, n)),
                     w_C=(2 * inner + gn, gn, (g, n)), w_dt=(2 * inner + 2 * gn, h, (h,)))[name]
         start, size, shape = rows
-        return get(f"{prefix}.mixer.in_proj.weight")[start:start + size].T.reshape(cfg.d_model, *shape)
+        w = _packed(get, f"{prefix}.mixer.in_proj.weight", 2 * inner + 2 * gn + h)
+        return w[start:start + size].T.reshape(cfg.d_model, *shape)
     channels = dict(x=(0, inner, (h, p)), B=(inner, gn, (g, n)), C=(inner + gn, gn, (g, n)))[name.split("_")[1]]
     start, size, shape = channels
     if name.endswith("_bias"):
         bias = get(f"{prefix}.mixer.conv1d.bias") if c.get("use_conv_bias", True) else np.zeros(inner + 2 * gn)
         return bias[start:start + size].reshape(shape)
-    return get(f"{prefix}.mixer.conv1d.weight")[start:start + size, 0].T.reshape(k, *shape)
+    return _packed(get, f"{prefix}.mixer.conv1d.weight", inner + 2 * gn)[start:start + size, 0].T.reshape(k, *shape)
+
+
+def _packed(get, name: str, rows: int) -> np.ndarray:
+    """A packed tensor whose row count config.json's sizes fix (a mismatch would slice it silently wrong)."""
+    w = get(name)
+    if w.shape[0] != rows:
+        raise ConfigError(f"{name} has {w.shape[0]} rows; config.json's num_heads, head_dim, n_groups and "
+                          f"state_size give {rows}")
+    return w
 
 
 # ---- the way back (jaxpar/serving/hf_export.py) ---------------------------------------------------------
