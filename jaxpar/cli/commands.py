@@ -499,7 +499,7 @@ def cmd_export(args) -> int:
     Hugging Face checkpoint one gathered tensor at a time (jaxpar/serving/hf_export.py)."""
     meta, step = saved_meta(args.ckpt_dir, args.ckpt_step, "CHECKPOINT_DIR")
     model = ModelConfig(**meta["model"])
-    hf_export.architecture(model)   # refused before anything is restored
+    hf_export.check(model, args.out_dir)   # refused before anything is restored
     strategy = strategy_from_args(args)
     if strategy.num_devices < 1:
         strategy = strategy.resolved(jax.device_count())
@@ -518,5 +518,5 @@ def cmd_export(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "comm": cmd_comm, "compare": cmd_compare, "generate": cmd_generate,
-            "launch": cmd_launch, "data": cmd_data}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "comm": cmd_comm, "compare": cmd_compare,
+            "generate": cmd_generate, "launch": cmd_launch, "data": cmd_data}

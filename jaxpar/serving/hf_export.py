@@ -156,14 +156,21 @@ def gqa_attention(cfg: ModelConfig, one: Leaf, p: str) -> Iterator[tuple[str, np
         yield f"{p}.self_attn.k_norm.weight", one("['attn']['k_norm']['scale']")
 
 
+def check(cfg: ModelConfig, out_dir: str) -> None:
+    """ConfigError, before anything is read or written, if the model has no hub equivalent (`architecture`)
+    or `out_dir` exists and is not an empty directory."""
+    architecture(cfg)
+    out = pathlib.Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: exists and is not an empty directory; export writes a new one")
+
+
 def export(cfg: ModelConfig, leaf: Leaf, out_dir: str, dtype: str = "float32",
            tokenizer: Tokenizer | None = None) -> list[str]:
     """Write the checkpoint into `out_dir` (new or empty), built in a sibling temporary directory and renamed
     into place, with `tokenizer` (the one a `jaxpar data` directory trained) beside it; returns the files."""
-    hf_config(cfg, dtype)   # refuses before anything is written
+    check(cfg, out_dir)
     out = pathlib.Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out}: exists and is not an empty directory; export writes a new one")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
