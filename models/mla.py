@@ -61,10 +61,10 @@ class LatentAttention(nnx.Module):
         """(q_nope [b, s, heads, qk_nope], q_rope [b, s, heads, qk_rope] with RoPE applied)."""
         dt = dtype_of(self.run)
         if self.cfg.q_lora_rank:
-            cq = self.q_norm(jnp.einsum("bsd,dr->bsr", x, self.wq_a[...].astype(dt)))
-            q = jnp.einsum("bsr,rhk->bshk", cq, self.wq_b[...].astype(dt))
+            cq = self.q_norm(self.run.matmuls.project(x, self.wq_a[...].astype(dt)))
+            q = self.run.matmuls.project(cq, self.wq_b[...].astype(dt))
         else:
-            q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt))
+            q = self.run.matmuls.project(x, self.wq[...].astype(dt))
         if self.cfg.latent_softmax_scale != 1.0:   # YaRN's mscale^2 on the softmax scale, folded into q
             q = q * jnp.asarray(self.cfg.latent_softmax_scale, q.dtype)
         q = constrain(q, HEADS)
@@ -74,17 +74,17 @@ class LatentAttention(nnx.Module):
     def latent(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What the decode cache keeps per token: (c [b, s, kv_lora_rank], the RoPE key [b, s, qk_rope])."""
         dt = dtype_of(self.run)
-        c = self.kv_norm(jnp.einsum("bsd,dc->bsc", x, self.wkv_a[...].astype(dt)))
-        k_rope = jnp.einsum("bsd,dr->bsr", x, self.wk_rope[...].astype(dt))
+        c = self.kv_norm(self.run.matmuls.project(x, self.wkv_a[...].astype(dt)))
+        k_rope = self.run.matmuls.project(x, self.wk_rope[...].astype(dt))
         k_rope = rope(k_rope[:, :, None, :], positions, self.cfg.rope_theta, self.cfg.rope_scaling)[:, :, 0]
         return constrain(c, ("batch", "seq", None)), constrain(k_rope, ("batch", "seq", None))
 
     def expand(self, c: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Every head's k [b, s, heads, head_dim] and v [b, s, heads, v_head_dim] from the latent."""
         dt = dtype_of(self.run)
-        k_nope = jnp.einsum("bsc,chk->bshk", c, self.wk_b[...].astype(dt))
+        k_nope = self.run.matmuls.project(c, self.wk_b[...].astype(dt))
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + k_rope.shape[-1:])], -1)
-        v = jnp.einsum("bsc,chk->bshk", c, self.wv_b[...].astype(dt))
+        v = self.run.matmuls.project(c, self.wv_b[...].astype(dt))
         return constrain(k, HEADS), constrain(v, HEADS)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.ops.collective_matmul import PLAIN
-from jaxpar.ops.moe import moe_experts
+from jaxpar.ops.collective_matmul import Matmuls
+from jaxpar.ops.moe import ExpertKernel, moe_experts
 from jaxpar.core.sharding import constrain
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.run import RunConfig
@@ -157,7 +157,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), std=d ** -0.5)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), std=f ** -0.5 / math.sqrt(2 * cfg.layers))
         if cfg.shared_experts:  # it reads the gathered tokens the router reads: plain matmuls (no rings)
-            self.shared = MLP(cfg, dataclasses.replace(run, matmuls=PLAIN), rngs=rngs,
+            self.shared = MLP(cfg, dataclasses.replace(run, matmuls=Matmuls(fp8=run.matmuls.fp8)), rngs=rngs,
                               width=cfg.shared_experts * f, gated=True)
 
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -167,7 +167,8 @@ class MoE(nnx.Module):
         ids, weights, probs = route(logits, cfg, bias)
         y, kept = moe_experts(h, constrain(ids, TOKENS), constrain(weights, TOKENS),
                               self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
-                              capacity_factor=cfg.capacity_factor, kernel=self.run.moe_kernel)
+                              capacity_factor=cfg.capacity_factor,
+                              kernel=ExpertKernel(self.run.moe_kernel, self.run.matmuls.fp8))
         if cfg.shared_experts:
             y = y + self.shared(h)
         return y, router_stats(logits, ids, probs, kept, bias)

@@ -40,8 +40,6 @@ def test_each_command_offers_the_options_it_reads_grouped_by_concern():
      "--no-sequence-parallel is not an option of generate"),
     (["train", "--model", "llama-tiny", "--mesh", "dp8", "--grad-dtype", "bfloat16"],
      "train: --grad-dtype is not an option of train: it shapes what estimate runs"),
-    (["train", "--model", "llama-tiny", "--mesh", "dp8", "--dtype", "float8"],
-     "argument --dtype: float8 is for `jaxpar estimate` of another stack; train takes float32, bfloat16"),
 ])
 def test_an_option_a_command_does_not_take_is_one_clear_line(argv, words, capsys):
     assert cli.main(argv) == 2

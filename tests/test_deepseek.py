@@ -261,7 +261,7 @@ def test_greedy_generation_matches_the_unsharded_forward(mesh, devices):
 # ---- training under every layout against one device -----------------------------------------------------
 
 @pytest.mark.parametrize("mesh, options", [
-    ("expert=8", {}),
+    pytest.param("expert=8", {}, marks=pytest.mark.slow),   # expert parallelism: also the pipeline case's
     ("pipeline=2,expert=2,data=2", {"microbatches": 2}),
     pytest.param("data=8", {}, marks=pytest.mark.slow),
     pytest.param("fsdp=8", {}, marks=pytest.mark.slow),

@@ -163,6 +163,21 @@ def check_bench_floor(out: pathlib.Path, stdout: str) -> None:
     assert number(rows["dp8"]["compiled / floor"]) <= 1.05
 
 
+def check_bench_fp8(out: pathlib.Path, stdout: str) -> None:
+    """Every precision gathers the same weights in the same bytes (bfloat16: float8 all-gathers are not
+    built); float8 adds all-reduces (its scales' amax over the fsdp shards); each recipe has its gap."""
+    text = read_results(out, "bench_fp8")
+    rows = {r["precision"]: r for r in table(text, "precision", "step s")}
+    assert set(rows) == {"bfloat16", "float8 tensorwise", "float8 rowwise", "float8 blockwise"}
+    base = rows["bfloat16"]
+    for name, r in rows.items():
+        assert (r["all-gathers"], r["gathered MiB"]) == (base["all-gathers"], base["gathered MiB"]), name
+        assert name == "bfloat16" or number(r["all-reduces"]) > number(base["all-reduces"]), name
+    gaps = {r["precision"]: number(r["largest gap of the 20-step means to bfloat16"])
+            for r in table(text, "precision", "largest gap of the 20-step means to bfloat16")}
+    assert set(gaps) == set(rows) - {"bfloat16"} and all(0 < g < 0.02 for g in gaps.values()), gaps
+
+
 def check_bench_overlap(out: pathlib.Path, stdout: str) -> None:
     """The option turns the layers' gathers and scatters over tensor into permutes; the cost model's wire
     bytes equal the compiled step's, with and without it."""
@@ -259,6 +274,7 @@ CHECKS = {
     "bench_context_parallel": check_bench_context_parallel,
     "bench_estimate": check_bench_estimate,
     "bench_floor": check_bench_floor,
+    "bench_fp8": check_bench_fp8,
     "bench_inference": check_bench_inference,
     "bench_mamba": check_bench_mamba,
     "bench_moe": check_bench_moe,
@@ -272,7 +288,7 @@ CHECKS = {
 
 # The quick modes whose sweeps compile the most (10 to 40 s each on 2 cores): `make test-slow` runs them
 # (CI runs it after `make test`), `make bench` runs them in full.
-SLOW = {"bench_attention", "bench_context_parallel", "bench_deepseek", "bench_mamba", "bench_moe", "bench_pipeline",
+SLOW = {"bench_attention", "bench_context_parallel", "bench_deepseek", "bench_fp8", "bench_mamba", "bench_moe", "bench_pipeline",
         "bench_startup", "soak"}
 
 

@@ -104,7 +104,9 @@ def assert_close(got, want, what: str, rtol: float = 1e-5) -> float:
 def local(mode: str, skewed: bool):
     a = inputs(skewed)
     cap = group_capacity(S, K, E, MODES[mode])
-    fn = jax.jit(lambda *args: loss_and_grads(functools.partial(local_moe, capacity=cap), dict(zip(
+    def kernel(x, ids, weights, w_gate, w_up, w_down):
+        return local_moe(x, ids, weights, (w_gate, w_up, w_down), capacity=cap)
+    fn = jax.jit(lambda *args: loss_and_grads(kernel, dict(zip(
         (*DIFF, "ids", "cot"), args))))
     return jax.tree.map(np.asarray, fn(*(a[k] for k in (*DIFF, "ids", "cot"))))
 

@@ -27,7 +27,7 @@ from jaxpar.core.sharding import Layout, spec_for, use_layout
 from jaxpar.core.strategy import Options, catalogue, parse_strategy
 from jaxpar.ops import moe_grouped
 from jaxpar.ops.capacity import group_capacity
-from jaxpar.ops.moe import moe_experts
+from jaxpar.ops.moe import ExpertKernel, moe_experts
 from tests import harness
 from tests.test_cost_vs_hlo import assert_prediction_matches
 from tests.test_moe import DIFF, MODES, E, K, S, inputs, loss_and_grads, reference_kept
@@ -71,7 +71,7 @@ def run(mesh: str | None, mode: str, kernel: str):
     """(y, kept, gradients) of moe_experts on `mesh` (None: no layout, the local kernel)."""
     a = inputs(mode == "capacity")
     order = (*DIFF, "ids", "cot")
-    fn = functools.partial(moe_experts, capacity_factor=MODES[mode], kernel=kernel)
+    fn = functools.partial(moe_experts, capacity_factor=MODES[mode], kernel=ExpertKernel(kernel))
     if mesh is None:
         step = jax.jit(lambda *args: loss_and_grads(fn, dict(zip(order, args))))
         return jax.tree.map(np.asarray, step(*(a[k] for k in order)))
@@ -216,7 +216,7 @@ def test_ragged_backends_lower_to_ragged_all_to_all(monkeypatch):
 
     def step(*args):
         with use_layout(layout):
-            return loss_and_grads(functools.partial(moe_experts, kernel="grouped"),
+            return loss_and_grads(functools.partial(moe_experts, kernel=ExpertKernel("grouped")),
                                   dict(zip((*DIFF, "ids", "cot"), args)))
 
     text = jax.jit(step).lower(*(a[k] for k in (*DIFF, "ids", "cot"))).as_text()

@@ -339,7 +339,8 @@ def cmd_comm(args) -> int:
         print(analysis_shape(args, tc))
     print(format_table(report))
     print(format_overlap(report["overlap"]))
-    report["bf16_collectives_in_float32"] = widened = args.target == "cpu" and strategy.options.dtype == "bfloat16"
+    widened = args.target == "cpu" and strategy.options.program_dtype == "bfloat16"
+    report["bf16_collectives_in_float32"] = widened
     if widened:
         print("note: XLA:CPU runs bfloat16 collectives in float32 (its float normalization; the cost model's "
               "Compiler.promote_bf16): their bytes above are twice what XLA:GPU and XLA:TPU move, which "

@@ -378,8 +378,9 @@ def add_plan(sub) -> None:
     pl.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                     help="rank by tokens/s (default) or by joules per token (the profile's power model)")
     pl.add_argument("--dtype", choices=("bfloat16", "float8"), default="bfloat16",
-                    help="the precision the plans compute in (default bfloat16); float8 for another stack's "
-                         "float8 linears (--software torchtitan, megatron-core, ...) on a profile with a float8 peak")
+                    help="the precision the plans compute in (default bfloat16); float8: the stack's float8 "
+                         "linears (jaxpar's: its scaled attention and MLP projections, --fp8-recipe) on a profile "
+                         "with a float8 peak")
     pl.add_argument("--grad-dtype", choices=CHOICES["grad_dtype"], default="float32",
                     help="the dtype the plans accumulate and reduce gradients in (default float32); bfloat16 for "
                          "another stack's run that reduces in bf16 (NeMo's optim.grad_sync_dtype bf16)")

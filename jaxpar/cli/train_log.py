@@ -21,7 +21,9 @@ from tqdm import tqdm
 
 from jaxpar.core.schedule import schedule_summary
 from jaxpar.cost.flops import MODEL_FLOPS_CONVENTION
+from jaxpar.core.strategy import Strategy
 from jaxpar.cost.hardware import Hardware
+from jaxpar.models.config import ModelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.training.metrics import Sinks
 from jaxpar.training.trainer import Trainer
@@ -69,7 +71,7 @@ def header(trainer: Trainer, data: str, hardware: Hardware | None, start: int, s
     if strategy.size("expert") > 1 and not model.has_moe:
         lines.append(f"expert={strategy.size('expert')} acts as data parallelism: {model.name} has no "
                      "mixture-of-experts layers (the batch is split over it as over data)")
-    lines += [f"precision float32 parameters, gradients and Adam moments; {strategy.options.dtype} compute",
+    lines += [f"precision float32 parameters, gradients and Adam moments; {compute_precision(strategy, model)}",
               f"optimizer {tc.optimizer.describe()}",
               f"schedule {tc.describe_schedule()}",
               "data SYNTHETIC tokens (--data synthetic, the default): a bigram rule with 10% noise, not text"
@@ -187,3 +189,14 @@ class StepLog:
         return (f"final loss {self.last['loss']:.4f} at step {self.last['step']}; median step {median * 1e3:.1f} ms "
                 f"({tc.batch * tc.seq / median:,.0f} tokens/s) over {len(self.times)} steps; "
                 f"{self.last['tokens']:,} tokens seen; {phases.split(sum(self.times))}")
+
+
+def compute_precision(strategy: Strategy, model: ModelConfig) -> str:
+    """What computes in which dtype: under dtype=float8, which GEMMs are scaled float8 (jaxpar/ops/fp8.py)."""
+    o = strategy.options
+    if o.dtype != "float8":
+        return f"{o.dtype} compute"
+    experts = ", experts (rows and weights scaled apart)" if model.has_moe else ""
+    mamba = "; Mamba-2 projections" if model.has_mamba else ""
+    return (f"float8 {o.fp8_recipe} GEMMs for the attention and MLP projections{experts}; the head, router, "
+            f"attention scores{mamba} and the rest in bfloat16")

@@ -71,10 +71,15 @@ class Options:
                                  "JAX's matmul-saving policies",
                          ("none", "full", "selective", "offload", "dots", "dots_no_batch"), group="kernels",
                          commands=TRAINING + ("explain",))
-    dtype: str = _option("float32", "compute dtype (master weights stay float32); float8 is for estimate of other "
-                                    "stacks (float8 matmuls, attention in bfloat16)",
-                         ("float32", "bfloat16", "float8"), group="precision", commands=EVERY,
-                         estimate_only=("float8",))
+    dtype: str = _option("float32", "compute dtype (master weights stay float32); float8: the projections "
+                                    "(attention, MLP, experts) as scaled float8 GEMMs by --fp8-recipe, the "
+                                    "rest in bfloat16 (jaxpar/ops/fp8.py)",
+                         ("float32", "bfloat16", "float8"), group="precision", commands=EVERY)
+    fp8_recipe: str = _option("tensorwise", "how dtype=float8 scales each GEMM's operands: tensorwise (one scale "
+                                            "per tensor, e5m2 gradients), rowwise (per row, powers of two), "
+                                            "blockwise (DeepSeek-V3's 1x128 tiles and 128x128 weight blocks)",
+                              ("tensorwise", "rowwise", "blockwise"), group="precision",
+                              commands=TRAINING + ("explain", "eval"))
     grad_dtype: str = _option("float32", "the dtype gradients accumulate and are reduced in: float32 (jaxpar's "
                                          "program; Megatron under bf16; FSDP2's reduce_dtype in torchtitan); "
                                          "bfloat16 for other stacks' runs (NeMo's optim.grad_sync_dtype bf16, "
@@ -129,6 +134,12 @@ class Options:
                                  "(S values for gpipe, S*v for circular or 1f1b; default: even, or the first and last "
                                  "chunks one unit lighter when S*v does not divide the units)", group="layout",
                              commands=TRAINING + ("explain",))
+
+    @property
+    def program_dtype(self) -> str:
+        """What jaxpar's program computes in outside its float8 GEMMs (float8: bfloat16, as the recipes keep
+        it; jaxpar/ops/fp8.py), and so the dtype of its activations and gathered weights."""
+        return "bfloat16" if self.dtype == "float8" else self.dtype
 
 def resolve_kernel(kernel: str, dtype: Any = "float32", platform: str | None = None) -> str:
     """The kernel `attention_kernel = auto` stands for on `platform` (cpu | gpu | tpu; default this process's

@@ -54,6 +54,7 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     s, o = strategy.sizes, strategy.options
     if program:
         check_program_dtype(o.dtype, o.grad_dtype)
+        check_fp8(model, strategy)
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
     # --- sequence and batch -----------------------------------------------------------------
@@ -114,14 +115,30 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
 
 
 def check_program_dtype(dtype: str, grad_dtype: str = "float32") -> None:
-    """jaxpar's program computes in float32 or bfloat16 and keeps float32 gradients; float8 matmuls and
-    bfloat16 gradients are precisions of other stacks' estimates."""
-    if dtype == "float8":
-        raise ConfigError("dtype=float8 prices other stacks' float8 matmuls (estimate/plan --software torchtitan, "
-                          "megatron-core, ...); jaxpar's program computes in float32 or bfloat16")
+    """jaxpar's program computes in float32, bfloat16 or float8 (scaled projections, jaxpar/ops/fp8.py) and
+    keeps float32 gradients; bfloat16 gradients are other stacks' precision, for their estimates."""
     if grad_dtype != "float32":
         raise ConfigError(f"grad_dtype={grad_dtype} prices other stacks' gradient reductions (estimate/plan "
                           "--software megatron-core, ...); jaxpar's program accumulates float32 gradients")
+
+
+def check_fp8(model: ModelConfig, strategy: Strategy) -> None:
+    """dtype=float8 scales the projections' GEMMs (jaxpar/ops/fp8.py); the collective-matmul rings compute
+    pieces of a GEMM whose scales need the whole operand, so they are not combined with it. Blockwise
+    1x128 tiles of an expert's hidden row split over tensor: whole tiles on each shard, or one tile per row."""
+    o = strategy.options
+    if o.dtype != "float8":
+        if o.fp8_recipe != "tensorwise":
+            raise ConfigError(f"fp8_recipe={o.fp8_recipe} has no effect: it scales float8 GEMMs, but dtype={o.dtype} "
+                              "(add --dtype float8, or drop it)")
+        return
+    if o.overlap != "none":
+        raise ConfigError(f"dtype=float8 scales each projection over its whole operands; overlap={o.overlap} "
+                          "splits them into ring pieces: use --overlap none with float8")
+    width, tp = model.moe_mlp_dim, strategy.size("tensor")
+    if o.fp8_recipe == "blockwise" and model.has_moe and tp > 1 and width > 128 and (width // tp) % 128:
+        raise ConfigError(f"fp8_recipe=blockwise scales expert rows in 1x128 tiles: the expert width {width} / "
+                          f"tensor={tp} = {width // tp} per shard must be a multiple of 128 (or the width at most 128)")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:
@@ -257,7 +274,7 @@ def check_attention_kernel(strategy: Strategy) -> None:
     o, cp = strategy.options, strategy.size("context")
     if o.attention_kernel not in ("cudnn", "splash"):
         return
-    if o.attention_kernel == "cudnn" and o.dtype != "bfloat16":
+    if o.attention_kernel == "cudnn" and o.program_dtype != "bfloat16":   # float8: attention in bf16
         raise ConfigError(f"attention_kernel=cudnn needs dtype=bfloat16 (cuDNN's flash kernel takes 16-bit inputs), "
                           f"got dtype={o.dtype}; use --attention-kernel blockwise or auto")
     if cp > 1:
@@ -461,6 +478,9 @@ def check_generation(model: ModelConfig, strategy: Strategy, batch: int, longest
     model.validate()
     s, o = strategy.sizes, strategy.options
     tp, cp = s["tensor"], s["context"]
+    if o.dtype == "float8":
+        raise ConfigError("dtype=float8 is a training recipe (scaled GEMMs with their backward, jaxpar/ops/fp8.py); "
+                          "generation computes in float32 or bfloat16")
     if model.has_moe:
         if model.capacity_factor > 0:
             raise ConfigError(f"generate: capacity_factor={model.capacity_factor} drops tokens by their order within "

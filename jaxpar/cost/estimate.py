@@ -200,7 +200,9 @@ def work(step: Step) -> Work:
     core = (flops.attention_core_flops(m, step.global_batch, step.seq, sw.causal).matmul
             * (m.attention_layers + m.moe_layers) * flops.TRAIN_FACTOR / n)
     cores = core / flops.TRAIN_FACTOR * flops.core_passes(remat, kernels.rerun_qk, sw.rerun_outputs)
-    return Work(fl, remat, rows, head, matmul, core, cores, fp8_share(st, matmul, cores, fl.head * head / n), hbm)
+    scaled = program_fp8_share(fl) if own else 1.0
+    return Work(fl, remat, rows, head, matmul, core, cores, fp8_share(st, matmul, cores, fl.head * head / n, scaled),
+                hbm)
 
 
 def replicated_over_tensor(step: Step, remat: str) -> float:
@@ -364,11 +366,23 @@ def fl_experts(fl: flops.StepFlops) -> float:
     return sum(mm for name, mm, _ in fl.by_block if name == "moe experts")
 
 
-def fp8_share(st: Strategy, matmul: float, core: float, head: float) -> float:
-    """The matmul FLOPs per device a float8 step runs in float8: every linear layer's, not the attention
+def fp8_share(st: Strategy, matmul: float, core: float, head: float, scaled: float = 1.0) -> float:
+    """The matmul FLOPs per device a float8 step runs in float8: the linear layers', not the attention
     cores' (`core`: forward, backward and recomputed; QK^T and PV stay bf16 in Transformer Engine's and torchao's float8 recipes) nor the head's
-    (torchtitan and Megatron keep the output projection in bf16). 0 unless dtype=float8."""
-    return max(0.0, matmul - core - head) if st.options.dtype == "float8" else 0.0
+    (torchtitan and Megatron keep the output projection in bf16); of those, the share `scaled` (every linear
+    in other stacks: 1; jaxpar's program: `program_fp8_share`). 0 unless dtype=float8."""
+    return max(0.0, matmul - core - head) * scaled if st.options.dtype == "float8" else 0.0
+
+
+PROGRAM_FP8 = ("attention qkvo", "mlp", "moe experts", "moe shared experts")   # jaxpar/ops/fp8.py's GEMMs
+
+
+def program_fp8_share(fl: flops.StepFlops) -> float:
+    """The share of the linear layers' model FLOPs jaxpar's float8 step scales (PROGRAM_FP8: attention, MLP
+    and expert projections; the router, Mamba-2's projections and the MTP modules' blocks stay bfloat16)."""
+    linear = {name: mm for name, mm, _ in fl.by_block if name not in ("attention scores", "embedding+head")}
+    total = sum(linear.values())
+    return sum(linear.get(name, 0.0) for name in PROGRAM_FP8) / total if total else 0.0
 
 
 GEMM_OPERAND_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}   # a projection GEMM's operands (float8's outputs: bf16)

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.sharding import Layout, current_layout
 from jaxpar.core.rules import spec_entry
+from jaxpar.ops.fp8 import Recipe, project
 
 
 def _perm(n: int, shift: int) -> list[tuple[int, int]]:
@@ -215,25 +216,32 @@ RING_INPUT = ("batch", "res_seq", "act_embed")    # ... left in the residual str
 class Matmuls:
     """How a layer's projections run: plain dots, whose tensor-parallel collectives XLA's partitioner
     inserts (`PLAIN`), or the collective-matmul rings above (`rings`, `bidirectional`), which gather their
-    input themselves (so it stays in the residual layout: `input_names`). The model calls `column` for the
-    column-parallel projections that read one input (q, k, v; gate, up) and `row` for a row-parallel one."""
+    input themselves (so it stays in the residual layout: `input_names`); as scaled float8 GEMMs when `fp8`
+    names a recipe (jaxpar/ops/fp8.py; never with the rings). The model calls `column` for the
+    column-parallel projections that read one input (q, k, v; gate, up), `row` for a row-parallel one,
+    and `project` for any other (latent attention's down- and up-projections)."""
     rings: bool = False
     bidirectional: bool = False
+    fp8: Recipe | None = None
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """The logical names a block's normed input takes before its column-parallel projections."""
         return RING_INPUT if self.rings else GATHERED
 
+    def project(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """x times w, x's trailing dims contracted with w's leading ones: a plain or a scaled float8 dot."""
+        return _dot(x, w) if self.fp8 is None else project(x, w, self.fp8)
+
     def column(self, x: jax.Array, weights) -> tuple[jax.Array, ...]:
         """x times each weight, its trailing dims contracted with each weight's leading ones."""
         if self.rings:
             return column_parallel(x, weights, bidirectional=self.bidirectional)
-        return tuple(_dot(x, w) for w in weights)
+        return tuple(self.project(x, w) for w in weights)
 
     def row(self, h: jax.Array, w: jax.Array) -> jax.Array:
         """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream."""
-        return row_parallel(h, w, bidirectional=self.bidirectional) if self.rings else _dot(h, w)
+        return row_parallel(h, w, bidirectional=self.bidirectional) if self.rings else self.project(h, w)
 
 
 PLAIN = Matmuls()

@@ -23,17 +23,22 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import validate
 from jaxpar.ops.capacity import bucket_rows, group_capacity
+from jaxpar.ops.fp8 import ExpertRows, Recipe, expert_weights
 from jaxpar.ops.moe_grouped import Route, expert_parallel_grouped, local_grouped
 from jaxpar.core.sharding import current_layout
 from jaxpar.core.rules import spec_entry
 from jaxpar.xla_workarounds import ragged_all_to_all_runs, ragged_dot_nests
 
 
-def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU of each expert's rows: xs [..., E, R, d] with w [E, d, f], [E, f, d] -> [..., E, R, d]."""
-    gate = jnp.einsum("...erd,edf->...erf", xs, w_gate)
-    up = jnp.einsum("...erd,edf->...erf", xs, w_up)
-    return jnp.einsum("...erf,efd->...erd", jax.nn.silu(gate) * up, w_down)
+def expert_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               rows: ExpertRows = ExpertRows()) -> jax.Array:
+    """SwiGLU of each expert's rows: xs [..., E, R, d] with w [E, d, f], [E, f, d] -> [..., E, R, d]; under
+    float8 each GEMM's rows scaled by `rows` (jaxpar/ops/fp8.py)."""
+    xs = rows.inputs(xs)
+    gate = rows.gradient(jnp.einsum("...erd,edf->...erf", xs, w_gate), hidden=True)
+    up = rows.gradient(jnp.einsum("...erd,edf->...erf", xs, w_up), hidden=True)
+    h = rows.inputs(jax.nn.silu(gate) * up, hidden=True)
+    return rows.gradient(jnp.einsum("...erf,efd->...erd", h, w_down))
 
 
 # ---- the queue -----------------------------------------------------------------------------------
@@ -88,32 +93,33 @@ _combine = jax.vmap(_combine_group)
 
 # ---- the kernels ---------------------------------------------------------------------------------
 
-def local_moe(x, ids, weights, w_gate, w_up, w_down, *, capacity: int, context_axes: tuple[str, ...] = ()):
-    """Every expert on this device (or XLA-partitioned on the global view): dispatch, FFN, combine."""
+def local_moe(x, ids, weights, experts, *, capacity: int, context_axes: tuple[str, ...] = (),
+              scaling: ExpertRows = ExpertRows()):
+    """Every expert on this device (or XLA-partitioned on the global view; `experts`: w_gate, w_up,
+    w_down): dispatch, FFN, combine."""
+    w_gate, w_up, w_down = experts
     experts = w_gate.shape[0]
     cap = min(x.shape[1], capacity)
     slot, kept = queue_slots(ids, experts, capacity, context_axes)
     buffers = _dispatch(x, ids, slot, kept, experts, cap)                  # [g, E, cap, d]
-    out = expert_ffn(buffers, w_gate, w_up, w_down)
+    out = expert_ffn(buffers, w_gate, w_up, w_down, scaling)
     return _combine(out, ids, slot, kept, weights).astype(x.dtype), kept
 
 
-def _local(x, ids, weights, experts, *, capacity: int, kernel: str, context_axes: tuple[str, ...] = (),
-           dense: bool = False):
-    """y, kept with every expert here (`experts`: w_gate, w_up, w_down), by `kernel` (padded: `local_moe`;
-    grouped: jaxpar/ops/moe_grouped.py)."""
-    w_gate, w_up, w_down = experts
-    if kernel == "padded":
-        return local_moe(x, ids, weights, w_gate, w_up, w_down, capacity=capacity, context_axes=context_axes)
-    _, kept = queue_slots(ids, w_gate.shape[0], capacity, context_axes)
-    return local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense).astype(x.dtype), kept
+@dataclasses.dataclass(frozen=True)
+class ExpertKernel:
+    """How the routed experts compute: `name` (the strategy option moe_kernel: grouped | padded) and the
+    float8 recipe of their GEMMs (`fp8`, jaxpar/ops/fp8.py; None: none)."""
+    name: str = "grouped"
+    fp8: Recipe | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """What one expert-parallel shard's dispatch needs (`_expert_parallel_shard`): the experts in all, the
+    """What one shard's dispatch needs (`_local`, `_expert_parallel_shard`): the experts in all, the
     per-sequence capacity, `n` shards over the mesh axes `expert_axes`, the sequence's and the expert width's
-    axes, the kernel, and the grouped kernel's transfer (`ragged`) and matmul form (`dense`)."""
+    axes, the kernel, the grouped kernel's transfer (`ragged`) and matmul form (`dense`), and under float8
+    how its rows are scaled (`scaling`)."""
     experts: int
     capacity: int
     n: int
@@ -121,8 +127,19 @@ class Shard:
     context_axes: tuple[str, ...]
     tensor_axes: tuple[str, ...]
     kernel: str
-    ragged: bool
-    dense: bool
+    ragged: bool = False
+    dense: bool = False
+    scaling: ExpertRows = ExpertRows()
+
+
+def _local(x, ids, weights, experts, plan: Shard):
+    """y, kept with every expert here (`experts`: w_gate, w_up, w_down), by the plan's kernel (padded:
+    `local_moe`; grouped: jaxpar/ops/moe_grouped.py), under float8 its rows scaled by `plan.scaling`."""
+    if plan.kernel == "padded":
+        return local_moe(x, ids, weights, experts, capacity=plan.capacity, context_axes=plan.context_axes,
+                         scaling=plan.scaling)
+    _, kept = queue_slots(ids, experts[0].shape[0], plan.capacity, plan.context_axes)
+    return local_grouped(x, ids, kept, weights, experts, plan.dense, plan.scaling).astype(x.dtype), kept
 
 
 def _expert_parallel_shard(x, ids, weights, weights_of_experts, plan: Shard):
@@ -138,12 +155,13 @@ def _expert_parallel_shard(x, ids, weights, weights_of_experts, plan: Shard):
     if kernel == "grouped":
         bucket = bucket_rows(g, s, ids.shape[-1], experts, n, cap)
         y = expert_parallel_grouped(x, ids, kept, weights, weights_of_experts,
-                                    Route(n, expert_axes, bucket, plan.ragged, plan.dense)).astype(x.dtype)
+                                    Route(n, expert_axes, bucket, plan.ragged, plan.dense, plan.scaling)
+                                    ).astype(x.dtype)
     else:
         buffers = _dispatch(x, ids, slot, kept, experts, cap)              # [g, E, cap, d]
         send = jnp.swapaxes(buffers, 0, 1).reshape(n, experts // n, g * cap, d)
         received = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # [source, E/n, g*cap, d]
-        out = expert_ffn(received, w_gate, w_up, w_down)                   # partial over `tensor`
+        out = expert_ffn(received, w_gate, w_up, w_down, plan.scaling)     # partial over `tensor`
         back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)     # [owner, E/n, g*cap, d]
         back = jnp.swapaxes(back.reshape(experts, g, cap, d), 0, 1)
         y = _combine(back, ids, slot, kept, weights).astype(x.dtype)
@@ -152,9 +170,11 @@ def _expert_parallel_shard(x, ids, weights, weights_of_experts, plan: Shard):
     return y, kept
 
 
-def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0, kernel: str = "grouped"):
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float = 0.0,
+                kernel: ExpertKernel = ExpertKernel()):
     """y, kept for tokens x [g, s, d] (see the module docstring), on the layout in force, by `kernel`
-    (the strategy option moe_kernel: grouped | padded).
+    (the strategy option moe_kernel: grouped | padded; under float8 its recipe scales the experts' GEMMs,
+    jaxpar/ops/fp8.py: the weights quantized here, as global arrays, the rows in the kernels).
 
     No layout, or for the padded kernel one with no `experts`, `seq` or `mlp` axes: the local kernel on
     the global view (XLA partitions it over the batch). A sequence split over `context` runs per shard
@@ -166,10 +186,12 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     """
     experts, k = w_gate.shape[0], ids.shape[-1]
     capacity = group_capacity(x.shape[1], k, experts, capacity_factor)
+    w_gate, w_up, w_down = (expert_weights(w, kernel.fp8) for w in (w_gate, w_up, w_down))
     layout = current_layout()
-    if layout is None or (kernel == "padded" and layout.size("experts") == 1 and layout.size("seq") == 1
+    if layout is None or (kernel.name == "padded" and layout.size("experts") == 1 and layout.size("seq") == 1
                           and layout.size("mlp") == 1):
-        return _local(x, ids, weights, (w_gate, w_up, w_down), capacity=capacity, kernel=kernel)
+        here = Shard(experts, capacity, 1, None, (), (), kernel.name, scaling=ExpertRows(kernel.fp8))
+        return _local(x, ids, weights, (w_gate, w_up, w_down), here)
     n = layout.size("experts")
     validate.check_expert_parallel(experts, n)
     expert_axes, batch_axes, seq_axes = layout.axes("experts"), layout.axes("batch"), layout.axes("seq")
@@ -179,15 +201,13 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, *, capacity_factor: float
     w_out = P(spec_entry(expert_axes), spec_entry(tensor_axes))
     platform = layout.mesh.devices.flat[0].platform
     dense = getattr(layout, "in_vmap", False) and not ragged_dot_nests(platform)
+    plan = Shard(experts, capacity, n, spec_entry(expert_axes), seq_axes, tensor_axes, kernel.name,
+                 ragged_all_to_all_runs(platform), dense, ExpertRows(kernel.fp8, tensor_axes))
     if n == 1:
         def shard(x, ids, weights, w_gate, w_up, w_down):
-            y, kept = _local(_varying(x, tensor_axes), ids, weights, (w_gate, w_up, w_down), capacity=capacity,
-                             kernel=kernel, context_axes=seq_axes, dense=dense)
+            y, kept = _local(_varying(x, tensor_axes), ids, weights, (w_gate, w_up, w_down), plan)
             return (jax.lax.psum(y, tensor_axes) if tensor_axes else y), kept
     else:
-        plan = Shard(experts, capacity, n, spec_entry(expert_axes), seq_axes, tensor_axes, kernel,
-                     ragged_all_to_all_runs(platform), dense)
-
         def shard(x, ids, weights, w_gate, w_up, w_down):
             return _expert_parallel_shard(x, ids, weights, (w_gate, w_up, w_down), plan)
     call = jax.shard_map(shard, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),

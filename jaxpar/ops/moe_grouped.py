@@ -33,9 +33,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.ops.fp8 import ExpertRows
+
 
 def grouped_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                sizes: jax.Array, dense: bool = False) -> jax.Array:
+                sizes: jax.Array, dense: bool = False, rows: ExpertRows = ExpertRows()) -> jax.Array:
     """SwiGLU of rows xs [R, d] sorted by expert, sizes[e] rows for expert e (w [E, d, f], [E, f, d]);
     rows past sum(sizes) come out as zeros on CPU and are masked by the callers everywhere.
 
@@ -48,9 +50,10 @@ def grouped_ffn(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     zero = _tie(xs, w_gate, w_up, w_down, sizes)
     xs, sizes = xs + zero.astype(xs.dtype), sizes + zero
     w_gate, w_up, w_down = (w + zero.astype(w.dtype) for w in (w_gate, w_up, w_down))
-    gate = dot(xs, w_gate, sizes)
-    up = dot(xs, w_up, sizes)
-    return dot(jax.nn.silu(gate) * up, w_down, sizes)
+    xs = rows.inputs(xs)                        # float8 (`rows`, jaxpar/ops/fp8.py): rows scaled as read
+    gate = rows.gradient(dot(xs, w_gate, sizes), hidden=True)
+    up = rows.gradient(dot(xs, w_up, sizes), hidden=True)
+    return rows.gradient(dot(rows.inputs(jax.nn.silu(gate) * up, hidden=True), w_down, sizes))
 
 
 def masked_dot(xs: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -104,10 +107,12 @@ def _sorted_copies(x, ids, kept, experts: int):
     return x.reshape(g * s, d)[order // k], order, sizes, expert[order]
 
 
-def local_grouped(x, ids, kept, weights, w_gate, w_up, w_down, dense: bool = False) -> jax.Array:
-    """y [g, s, d] (float32) with every expert here: x [g, s, d], ids / kept / weights [g, s, k]."""
+def local_grouped(x, ids, kept, weights, experts, dense: bool = False, scaling: ExpertRows = ExpertRows()) -> jax.Array:
+    """y [g, s, d] (float32) with every expert here (`experts`: w_gate, w_up, w_down): x [g, s, d],
+    ids / kept / weights [g, s, k]."""
+    w_gate, w_up, w_down = experts
     rows, order, sizes, _ = _sorted_copies(x, ids, kept, w_gate.shape[0])
-    return _combine(_unsort(grouped_ffn(rows, w_gate, w_up, w_down, sizes, dense), order), kept, weights)
+    return _combine(_unsort(grouped_ffn(rows, w_gate, w_up, w_down, sizes, dense, scaling), order), kept, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,7 @@ class Route:
     bucket: int
     ragged: bool
     dense: bool = False
+    scaling: ExpertRows = ExpertRows()   # float8 rows (jaxpar/ops/fp8.py)
 
 
 def expert_parallel_grouped(x, ids, kept, weights, experts, route: Route) -> jax.Array:
@@ -139,7 +145,8 @@ def expert_parallel_grouped(x, ids, kept, weights, experts, route: Route) -> jax
     bounds = jnp.cumsum(mine, axis=1)
     local = jnp.sum(jnp.arange(bucket)[None, :, None] >= bounds[:, None, :], axis=-1).reshape(-1)
     order_here, sizes_here = _by_expert(local, per)                  # padding rows: local id `per`, last
-    out = _unsort(grouped_ffn(received[order_here], w_gate, w_up, w_down, sizes_here, dense), order_here)
+    out = _unsort(grouped_ffn(received[order_here], w_gate, w_up, w_down, sizes_here, dense, route.scaling),
+                  order_here)
     returned = back(out, expert // per, rows.shape[0])               # [N, d] in this shard's sorted order
     return _combine(_unsort(returned, order), kept, weights)
 

@@ -273,7 +273,8 @@ def reads(model: ModelConfig, layout: Layout, batch: int, seq: int) -> Reads:
     sizes = tuple((a, mesh.shape[a]) for a in AXES)
     return Reads(sizes, layout.axes("batch"), layout.axes("seq"), layout.axes("res_seq"),
                  batch // (micro * math.prod(mesh.shape[a] for a in layout.axes("batch"))),
-                 seq // math.prod(mesh.shape[a] for a in layout.axes("seq")), model.d_model, o.dtype, micro, o.remat)
+                 seq // math.prod(mesh.shape[a] for a in layout.axes("seq")), model.d_model, o.program_dtype, micro,
+                 o.remat)
 
 
 def _notes(found: Found, model: ModelConfig, strategy: Strategy) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ from jaxpar.models.moe import AUX_FIELDS, aux_metrics, is_balance_bias
 from jaxpar.errors import ConfigError
 from jaxpar.ops.attention import AttentionCore, token_permutation
 from jaxpar.ops.collective_matmul import Matmuls
+from jaxpar.ops.fp8 import RECIPES
 from jaxpar.ops.layer_scan import KEEP_UNITS, LayerScan
 from jaxpar.ops.mamba_cp import SSMKernels
 from jaxpar.pipeline import (pipelined_loss, pipelined_loss_and_grads, reorder, split_microbatches, stacked_paths,
@@ -106,11 +107,14 @@ def run_config(strategy: Strategy, seq: int | None = None) -> RunConfig:
     the attention core's (`attention`, `attention_kernel`, recomputed under remat "selective"), the layer
     scan's (`remat`, `fsdp_prefetch`), Mamba-2's kernels (split over `context`), under a remat that
     recomputes the unit the attention output projection gathered once for both its reads, and for
-    sequences of `seq` tokens their stored order (`token_order`)."""
+    sequences of `seq` tokens their stored order (`token_order`); under dtype=float8 the projections' scaling
+    recipe (`fp8_recipe`), the rest in bfloat16."""
     o = strategy.options
     order = None if seq is None else token_order(strategy, seq)
     recompute = o.remat not in KEEP_UNITS
-    return RunConfig(dtype=o.dtype, matmuls=Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir"),
+    fp8 = RECIPES[o.fp8_recipe] if o.dtype == "float8" else None
+    return RunConfig(dtype=o.program_dtype,
+                     matmuls=Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8),
                      core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
                      scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
                      recomputed_weight=gathered if recompute else cast, moe_kernel=o.moe_kernel,
