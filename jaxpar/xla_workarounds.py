@@ -2,6 +2,7 @@
 Xu et al. 2021) or JAX's autodiff, each in one function whose plain form is one line.
 
     gathered(w, names, dtype)     w.astype(dtype): a weight read by two dots gathered once, not per dot
+    float8_gathered(q, layout)    q: a float8 weight's FSDP all-gather kept in float8
     lookup(table, ids, ...)       jnp.take: an embedding lookup whose table's width (or, under ZeRO-1, its
                                   gradient's) is sharded over the batch's axes, moved by one all-to-all,
                                   not replicated and permuted
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.core.rules import DATA_AXES, spec_entry
 from jaxpar.core.sharding import constrain, current_layout, spec_for
 
-NAMES = ("gathered", "lookup", "top_k", "loop_variant")
+NAMES = ("gathered", "float8_gathered", "lookup", "top_k", "loop_variant")
 
 _OFF: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("jaxpar_xla_workarounds_off",
                                                                       default=frozenset())
@@ -73,18 +74,10 @@ def gathered(w: jax.Array, names: Sequence[str | None], dtype) -> jax.Array:
     the sum over stages (the whole head summed over pipeline, then scattered over fsdp); the custom
     VJP's backward runs per stage, so each stage's gradient is scattered over fsdp first and only its
     shard summed."""
-    layout = current_layout()
-    if layout is None or not active("gathered"):
+    layouts = _weight_layouts(names)
+    if layouts is None or not active("gathered"):
         return w.astype(dtype)
-    mesh = layout.mesh
-    compute = NamedSharding(mesh, spec_for(names, layout.rules("compute"), mesh))
-    stored = NamedSharding(mesh, spec_for(names, layout.rules("params"), mesh))
-    held = {a for d in stored.spec if d is not None for a in ((d,) if isinstance(d, str) else d)}
-    batch = {a for a in DATA_AXES if mesh.shape[a] > 1}
-    if held & (batch - set(layout.axes("batch"))):
-        # inside a vmap over the batch's shards (a pipeline's per-shard weight copies): the weight
-        # arrives gathered, and its sharded axes are the vmap's, which no constraint may name
-        return w.astype(dtype)
+    compute, stored = layouts
 
     @jax.custom_vjp
     def gather(w):
@@ -100,11 +93,49 @@ def gathered(w: jax.Array, names: Sequence[str | None], dtype) -> jax.Array:
     return gather(w)
 
 
+def _weight_layouts(names: Sequence[str | None]) -> tuple[NamedSharding, NamedSharding] | None:
+    """(compute, stored): the layout a weight with logical `names` is gathered to for its matmuls and the one
+    it is stored in; None outside a layout, or inside a vmap over the batch's shards (a pipeline's per-shard
+    weight copies: the weight arrives gathered, and its sharded axes are the vmap's, which no constraint may
+    name)."""
+    layout = current_layout()
+    if layout is None:
+        return None
+    mesh = layout.mesh
+    compute = NamedSharding(mesh, spec_for(names, layout.rules("compute"), mesh))
+    stored = NamedSharding(mesh, spec_for(names, layout.rules("params"), mesh))
+    held = {a for d in stored.spec if d is not None for a in ((d,) if isinstance(d, str) else d)}
+    batch = {a for a in DATA_AXES if mesh.shape[a] > 1}
+    return None if held & (batch - set(layout.axes("batch"))) else (compute, stored)
+
+
 def cast(w: jax.Array, names: Sequence[str | None], dtype) -> jax.Array:
     """`gathered`'s plain form: `w.astype(dtype)`, gathered by the partitioner for each read (for a weight whose
     reads all sit in one pass, which a gathered copy would only keep alive)."""
     del names
     return w.astype(dtype)
+
+
+# ---- float8_gathered: a float8 weight gathered as float8 ---------------------------------------------
+
+def float8_gather_layout(names: Sequence[str | None]) -> NamedSharding | None:
+    """The layout `float8_gathered` gathers a weight with logical `names` to (rules "compute"), resolved
+    while the forward pass is traced (the backward, traced later, has no current layout); None where the
+    weight is not gathered so (outside a layout, or the workaround disabled)."""
+    layouts = _weight_layouts(names)
+    return None if layouts is None or not active("float8_gathered") else layouts[0]
+
+
+def float8_gathered(q: jax.Array, layout: NamedSharding | None) -> jax.Array:
+    """`q`, a weight quantized to float8 in its stored layout (jaxpar/ops/fp8.py), constrained to `layout`
+    (`float8_gather_layout`), so that FSDP's all-gather moves float8. Through uint8: constrained as float8,
+    XLA:TPU (libtpu 0.0.52) moves the dequantizing convert and multiply ahead of the gather and gathers
+    float32 (4 bytes an element, twice bfloat16's), XLA:CPU likewise; as uint8 both gather the float8
+    bytes (XLA:CPU widens them to float16: `Compiler.float8_bytes`). Plain form: `q`."""
+    if layout is None:
+        return q
+    bits = jax.lax.with_sharding_constraint(jax.lax.bitcast_convert_type(q, jnp.uint8), layout)
+    return jax.lax.bitcast_convert_type(bits, q.dtype)
 
 
 # ---- lookup: an embedding lookup whose table is sharded over the batch's axes ----------------------

@@ -106,9 +106,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [b, s, d] -> [b, s, d], x in the layout the run's projections read (`Matmuls.input_names`)."""
-        dt = dtype_of(self.run)
-        weights = (self.w_up[...].astype(dt),) + ((self.w_gate[...].astype(dt),) if self.gated else ())
+        dt, read = dtype_of(self.run), self.run.matmuls.weight
+        weights = (read(self.w_up[...], ("embed", "mlp"), dt),) + (
+            (read(self.w_gate[...], ("embed", "mlp"), dt),) if self.gated else ())
         up, *gate = self.run.matmuls.column(x, weights)
         h = jax.nn.silu(gate[0]) * up if self.gated else jax.nn.gelu(up, approximate=True)
         h = constrain(h, ("batch", "seq", "act_mlp"))
-        return self.run.matmuls.row(h, self.w_down[...].astype(dt))
+        return self.run.matmuls.row(h, read(self.w_down[...], ("mlp", "embed"), dt))

@@ -44,8 +44,10 @@ class Attention(nnx.Module):
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, head_dim] and k, v [b, s, kv_heads, head_dim], RoPE applied to q and k (after
         their per-head RMSNorm under cfg.qk_norm); models/decode.py caches k and v."""
-        dt = dtype_of(self.run)
-        weights = (self.wq[...].astype(dt), self.wk[...].astype(dt), self.wv[...].astype(dt))
+        dt, read = dtype_of(self.run), self.run.matmuls.weight
+        weights = (read(self.wq[...], ("embed", "q_heads", "head_dim"), dt),
+                   read(self.wk[...], ("embed", "kv_heads", "head_dim"), dt),
+                   read(self.wv[...], ("embed", "kv_heads", "head_dim"), dt))
         q, k, v = self.run.matmuls.column(x, weights)    # [b, s, d] . [d, heads, head_dim]
         if self.cfg.qk_norm:  # each head normalised over head_dim before RoPE (Qwen3's q_norm, k_norm)
             q, k = self.q_norm(q), self.k_norm(k)

@@ -199,4 +199,5 @@ def compute_precision(strategy: Strategy, model: ModelConfig) -> str:
     experts = ", experts (rows and weights scaled apart)" if model.has_moe else ""
     mamba = "; Mamba-2 projections" if model.has_mamba else ""
     return (f"float8 {o.fp8_recipe} GEMMs for the attention and MLP projections{experts}; the head, router, "
-            f"attention scores{mamba} and the rest in bfloat16")
+            f"attention scores{mamba} and the rest in bfloat16"
+            + ("; FSDP gathers their weights in float8" if o.fp8_gather else ""))

@@ -80,6 +80,10 @@ class Options:
                                             "blockwise (DeepSeek-V3's 1x128 tiles and 128x128 weight blocks)",
                               ("tensorwise", "rowwise", "blockwise"), group="precision",
                               commands=TRAINING + ("explain", "eval"))
+    fp8_gather: bool = _option(False, "dtype=float8 under FSDP: quantize each projection weight on its shards and "
+                                      "all-gather it in float8 with its scales (half bfloat16's bytes; "
+                                      "torchtitan's float8 all-gather), forward and again for the input gradient",
+                               group="precision", commands=TRAINING + ("explain",))
     grad_dtype: str = _option("float32", "the dtype gradients accumulate and are reduced in: float32 (jaxpar's "
                                          "program; Megatron under bf16; FSDP2's reduce_dtype in torchtitan); "
                                          "bfloat16 for other stacks' runs (NeMo's optim.grad_sync_dtype bf16, "

@@ -55,6 +55,9 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     if program:
         check_program_dtype(o.dtype, o.grad_dtype)
         check_fp8(model, strategy)
+    elif o.fp8_gather:
+        raise ConfigError("fp8_gather is jaxpar's own program's float8 all-gather; another stack's estimate gathers "
+                          "float8 weights where its preset does (jaxpar/cost/software.py fp8_gathers): drop --fp8-gather")
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
     # --- sequence and batch -----------------------------------------------------------------
@@ -128,10 +131,13 @@ def check_fp8(model: ModelConfig, strategy: Strategy) -> None:
     1x128 tiles of an expert's hidden row split over tensor: whole tiles on each shard, or one tile per row."""
     o = strategy.options
     if o.dtype != "float8":
-        if o.fp8_recipe != "tensorwise":
-            raise ConfigError(f"fp8_recipe={o.fp8_recipe} has no effect: it scales float8 GEMMs, but dtype={o.dtype} "
-                              "(add --dtype float8, or drop it)")
+        for name, on in (("fp8_recipe", o.fp8_recipe != "tensorwise"), ("fp8_gather", o.fp8_gather)):
+            if on:
+                raise ConfigError(f"{name}={getattr(o, name)} has no effect: it applies to float8 GEMMs, but "
+                                  f"dtype={o.dtype} (add --dtype float8, or drop it)")
         return
+    if o.fp8_gather:
+        check_fp8_gather(model, strategy)
     if o.overlap != "none":
         raise ConfigError(f"dtype=float8 scales each projection over its whole operands; overlap={o.overlap} "
                           "splits them into ring pieces: use --overlap none with float8")
@@ -139,6 +145,27 @@ def check_fp8(model: ModelConfig, strategy: Strategy) -> None:
     if o.fp8_recipe == "blockwise" and model.has_moe and tp > 1 and width > 128 and (width // tp) % 128:
         raise ConfigError(f"fp8_recipe=blockwise scales expert rows in 1x128 tiles: the expert width {width} / "
                           f"tensor={tp} = {width // tp} per shard must be a multiple of 128 (or the width at most 128)")
+
+
+def check_fp8_gather(model: ModelConfig, strategy: Strategy) -> None:
+    """fp8_gather all-gathers the float8 attention (q, k, v, o) and MLP weights of Transformer blocks over
+    fsdp (jaxpar/ops/fp8.py `Gather`): it needs ZeRO-3 over an fsdp axis, and a model of such blocks only
+    (latent attention, experts and Mamba-2 weights are not gathered in float8)."""
+    fsdp = strategy.size("fsdp")
+    if strategy.zero != 3 or fsdp == 1:
+        raise ConfigError(f"fp8_gather gathers FSDP-sharded weights in float8, but zero={strategy.zero} with "
+                          f"fsdp={fsdp} gathers none: use an fsdp axis > 1 with zero=3, or drop --fp8-gather")
+    if strategy.options.remat != "none":
+        raise ConfigError(f"fp8_gather with remat={strategy.options.remat}: a recomputed unit gathers its float8 "
+                          "weights again beside the input gradient's gathers, which the cost model does not count "
+                          "yet: use --remat none with --fp8-gather")
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"fp8_gather with pipeline={strategy.size('pipeline')}: a pipeline gathers each stage's "
+                          "float32 weights before its loop, not per projection: drop --fp8-gather")
+    other = "latent attention" if model.mla else ", ".join(sorted(set(model.layer_kinds) - {"A"}))
+    if other:
+        raise ConfigError(f"fp8_gather gathers the float8 weights of attention + MLP blocks (A) only; the model "
+                          f"has {other} blocks, whose weights are not gathered in float8: drop --fp8-gather")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:

@@ -84,7 +84,8 @@ def data_sites(m: ModelConfig, st: Strategy, shape: StepShape, software: Softwar
     """comm_data's sites (where the compiler leaves the sums in the loop, compiler_comm's), as the
     partitioner issues the norms' sums, for the stack's data parallelism: jaxpar's program's with its
     departures (program_comm.data_parallel); a stack whose FSDP spans the context ranks over fsdp x context
-    (`context_as_fsdp`); float8 weights gathered in float8 where the stack does (`Software.fp8_gathers`)."""
+    (`context_as_fsdp`); float8 weights gathered in float8 where the stack does (`Software.fp8_gathers`; jaxpar's program under its
+    `fp8_gather` option: comm_data.float8_gathers)."""
     gather = software.param_gather_bytes
     weights = 1 if software.fp8_gathers and st.options.dtype == "float8" else act   # float8 FSDP gathers
 

@@ -50,6 +50,9 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> li
             continue
         sharded, _ = zero_split(m, block, 3)
         arrays = equal_buffers(sharded.per_device(t, e_axis) * act, sharded.moved)
+        if st.options.fp8_gather:   # (attention blocks only: validate.check_fp8_gather)
+            out += float8_gathers(m, st, e, act)
+            continue
         if shape.stages > 1:
             slots = e / (shape.accum * shape.iterations * shape.per_chunk) * shape.repeats * shape.per_chunk
             out += sites.issue(AG, ("fsdp",), shape.accum, [b * slots for b in arrays], "forward", sites.STAGE_WEIGHTS)
@@ -65,6 +68,21 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> li
     head, norm = head_and_norm(m, t)
     return out + sites.issue(AG, ("fsdp",), shape.accum, [b * act for b in (head, norm) if b], "forward",
                              sites.HEAD_GATHER)
+
+
+def float8_gathers(m: ModelConfig, st: Strategy, execs: int, act: int) -> list[tuple]:
+    """`fsdp_gathers` of an attention block under fp8_gather (jaxpar/ops/fp8.py `Gather`): the projection
+    weights gathered as float8, forward and again for the input gradient, at half the compute dtype's bytes
+    (1 against bfloat16's 2; XLA:CPU widens both, 2 against `act` = 4: compiler.activation_bytes), the norm
+    weights in the compute dtype, forward (remat "none" only: validate.check_fp8_gather). Their scales are all-reduced maxima (tensorwise: one element per weight),
+    not predicted, as the other scalar sums."""
+    sharded, _ = zero_split(m, "attention", 3)
+    norms, n = norm_vectors(m, "attention")
+    weights = equal_buffers((sharded.per_device(st.sizes["tensor"], st.sizes["expert"]) - norms) * act // 2,
+                            sharded.moved - n)
+    vectors = equal_buffers(norms * act, n)
+    return (sites.issue(AG, ("fsdp",), execs, weights + vectors, "forward", sites.WEIGHTS)
+            + sites.issue(AG, ("fsdp",), execs, weights, "backward", sites.WEIGHTS))
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, gather_bytes: int = PARAM_BYTES

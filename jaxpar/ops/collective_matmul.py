@@ -213,24 +213,41 @@ RING_INPUT = ("batch", "res_seq", "act_embed")    # ... left in the residual str
 
 
 @dataclasses.dataclass(frozen=True)
+class StoredWeight:
+    """A weight read in its stored layout with its logical names, for a projection that gathers it itself
+    (in float8: `Matmuls.fp8_gather`)."""
+    array: jax.Array
+    names: tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Matmuls:
     """How a layer's projections run: plain dots, whose tensor-parallel collectives XLA's partitioner
     inserts (`PLAIN`), or the collective-matmul rings above (`rings`, `bidirectional`), which gather their
     input themselves (so it stays in the residual layout: `input_names`); as scaled float8 GEMMs when `fp8`
-    names a recipe (jaxpar/ops/fp8.py; never with the rings). The model calls `column` for the
-    column-parallel projections that read one input (q, k, v; gate, up), `row` for a row-parallel one,
-    and `project` for any other (latent attention's down- and up-projections)."""
+    names a recipe (jaxpar/ops/fp8.py; never with the rings), their FSDP-sharded weights gathered in float8
+    under `fp8_gather` (read through `weight`). The model calls `column` for the column-parallel projections
+    that read one input (q, k, v; gate, up), `row` for a row-parallel one, and `project` for any other
+    (latent attention's down- and up-projections)."""
     rings: bool = False
     bidirectional: bool = False
     fp8: Recipe | None = None
+    fp8_gather: bool = False
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """The logical names a block's normed input takes before its column-parallel projections."""
         return RING_INPUT if self.rings else GATHERED
 
-    def project(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    def weight(self, w: jax.Array, names: tuple[str | None, ...], dtype) -> jax.Array | StoredWeight:
+        """A projection's weight `w` (logical `names`) in `dtype` as the projections take it: cast, left to
+        the partitioner to gather; under `fp8_gather` with its names, for the float8 GEMM to gather."""
+        return StoredWeight(w.astype(dtype), tuple(names)) if self.fp8_gather else w.astype(dtype)
+
+    def project(self, x: jax.Array, w: jax.Array | StoredWeight) -> jax.Array:
         """x times w, x's trailing dims contracted with w's leading ones: a plain or a scaled float8 dot."""
+        if isinstance(w, StoredWeight):
+            return project(x, w.array, self.fp8, w.names)
         return _dot(x, w) if self.fp8 is None else project(x, w, self.fp8)
 
     def column(self, x: jax.Array, weights) -> tuple[jax.Array, ...]:
@@ -239,7 +256,7 @@ class Matmuls:
             return column_parallel(x, weights, bidirectional=self.bidirectional)
         return tuple(self.project(x, w) for w in weights)
 
-    def row(self, h: jax.Array, w: jax.Array) -> jax.Array:
+    def row(self, h: jax.Array, w: jax.Array | StoredWeight) -> jax.Array:
         """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream."""
         return row_parallel(h, w, bidirectional=self.bidirectional) if self.rings else self.project(h, w)
 

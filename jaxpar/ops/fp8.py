@@ -24,6 +24,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxpar.xla_workarounds import float8_gather_layout, float8_gathered
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TILE = 128        # DeepSeek-V3's tile and block edge
@@ -114,45 +117,70 @@ def fake_quantized(x: jax.Array, fmt, blocks: tuple, pow2: bool = False, across:
 
 
 def _operand(x: jax.Array, recipe: Recipe, kinds: str, contraction: str, fmt) -> jax.Array:
-    return fake_quantized(x, fmt, block_sizes(recipe, kinds, contraction, weight=kinds == "kn"), recipe.pow2)
+    return fake_quantized(x, fmt, block_sizes(recipe, kinds, contraction, weight=False), recipe.pow2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """A weight FSDP gathers in float8: quantized on its stored shards, then all-gathered (`--fp8-gather`;
+    torchtitan's float8 all-gather) to `layout` in its stored `shape` (xla_workarounds.float8_gathered)."""
+    layout: NamedSharding | None
+    shape: tuple[int, ...]
+
+
+def _weight(w: jax.Array, recipe: Recipe, contraction: str, gather: Gather | None) -> jax.Array:
+    """w [K, N] as the GEMM contracting `contraction` reads it: quantized in the recipe's weight blocks and
+    dequantized, gathered in between (`gather`) so that the gather moves float8 and a scale per block."""
+    blocks = block_sizes(recipe, "kn", contraction, weight=True)
+    q, scale = quantize(w, E4M3, blocks, recipe.pow2)
+    if gather is not None:
+        q = float8_gathered(q.reshape(gather.shape), gather.layout).reshape(w.shape)
+    return dequantize(q, scale, blocks)
 
 
 def _tokens(x: jax.Array) -> str:
     return "b" * (x.ndim - 2) + "t"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scaled_dot(recipe: Recipe, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] . w [K, N] -> [..., N] in x's dtype, each GEMM of the layer scaled by `recipe`."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scaled(recipe: Recipe, gather: Gather | None, x: jax.Array, w: jax.Array) -> jax.Array:
     xq = _operand(x, recipe, _tokens(x) + "k", "k", E4M3)
-    wq = _operand(w, recipe, "kn", "k", E4M3)
-    return jnp.einsum("...k,kn->...n", xq, wq, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...k,kn->...n", xq, _weight(w, recipe, "k", gather),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _forward(recipe: Recipe, x: jax.Array, w: jax.Array):
-    return scaled_dot(recipe, x, w), (x, w)
+def scaled_dot(recipe: Recipe, x: jax.Array, w: jax.Array, gather: Gather | None = None) -> jax.Array:
+    """x [..., K] . w [K, N] -> [..., N] in x's dtype, each GEMM of the layer scaled by `recipe`; w gathered
+    in float8 for each GEMM that reads it (`gather`: forward, and again for the input gradient)."""
+    return _scaled(recipe, gather, x, w)
 
 
-def _backward(recipe: Recipe, saved, dy: jax.Array):
+def _forward(recipe: Recipe, gather: Gather | None, x: jax.Array, w: jax.Array):
+    return _scaled(recipe, gather, x, w), (x, w)
+
+
+def _backward(recipe: Recipe, gather: Gather | None, saved, dy: jax.Array):
     """dx = dy W^T contracted over n, dW = x^T dy over the tokens, each operand scaled for its GEMM."""
     x, w = saved
     tokens, g = _tokens(x), recipe.grad_format
-    dx = jnp.einsum("...n,kn->...k", _operand(dy, recipe, tokens + "n", "n", g), _operand(w, recipe, "kn", "n", E4M3),
+    dx = jnp.einsum("...n,kn->...k", _operand(dy, recipe, tokens + "n", "n", g), _weight(w, recipe, "n", gather),
                     preferred_element_type=jnp.float32)
     dw = jnp.einsum("...k,...n->kn", _operand(x, recipe, tokens + "k", "t", E4M3),
                     _operand(dy, recipe, tokens + "n", "t", g), preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-scaled_dot.defvjp(_forward, _backward)
+_scaled.defvjp(_forward, _backward)
 
 
-def project(x: jax.Array, w: jax.Array, recipe: Recipe) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, recipe: Recipe, names: tuple | None = None) -> jax.Array:
     """x [b, s, *k] . w [*k, *out] -> [b, s, *out] (x's trailing dims with w's leading ones) as one scaled
-    GEMM: the contracted dims merged into K, the output dims into N."""
+    GEMM: the contracted dims merged into K, the output dims into N; w gathered in float8 where its logical
+    `names` are given (`Gather`)."""
     k = x.ndim - 2
     shape_k, shape_out = w.shape[:k], w.shape[k:]
-    y = scaled_dot(recipe, x.reshape(x.shape[:2] + (-1,)), w.reshape(math.prod(shape_k), -1))
+    gather = None if names is None else Gather(float8_gather_layout(names), w.shape)
+    y = scaled_dot(recipe, x.reshape(x.shape[:2] + (-1,)), w.reshape(math.prod(shape_k), -1), gather)
     return y.reshape(x.shape[:2] + shape_out)
 
 

@@ -108,16 +108,18 @@ def run_config(strategy: Strategy, seq: int | None = None) -> RunConfig:
     scan's (`remat`, `fsdp_prefetch`), Mamba-2's kernels (split over `context`), under a remat that
     recomputes the unit the attention output projection gathered once for both its reads, and for
     sequences of `seq` tokens their stored order (`token_order`); under dtype=float8 the projections' scaling
-    recipe (`fp8_recipe`), the rest in bfloat16."""
+    recipe (`fp8_recipe`), the rest in bfloat16, and whether FSDP gathers their weights in float8 (`fp8_gather`:
+    the output projection too, in place of its `gathered` read)."""
     o = strategy.options
     order = None if seq is None else token_order(strategy, seq)
     recompute = o.remat not in KEEP_UNITS
     fp8 = RECIPES[o.fp8_recipe] if o.dtype == "float8" else None
-    return RunConfig(dtype=o.program_dtype,
-                     matmuls=Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8),
+    matmuls = Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8, o.fp8_gather)
+    return RunConfig(dtype=o.program_dtype, matmuls=matmuls,
                      core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
                      scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
-                     recomputed_weight=gathered if recompute else cast, moe_kernel=o.moe_kernel,
+                     recomputed_weight=matmuls.weight if o.fp8_gather else gathered if recompute else cast,
+                     moe_kernel=o.moe_kernel,
                      seq_order=None if order is None else tuple(int(i) for i in order))
 
 
