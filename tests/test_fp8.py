@@ -286,6 +286,32 @@ def test_the_program_prices_float8_for_the_gemms_it_scales():
     assert program_fp8_share(flops.step_flops(parse_model("llama-tiny"), "none", 8, 64, flops.Kernels())) == 1.0
 
 
+@pytest.mark.parametrize("model,mesh,options", [
+    ("llama-tiny", "tp4-sp", {}),   # each row-parallel gradient gathered once, before its two quantizations
+    pytest.param("llama-tiny", "fsdp8", {"remat": "full"}, marks=pytest.mark.slow),   # each weight gathered once
+    pytest.param("llama-tiny", "fsdp8", {"remat": "full", "fp8_gather": True}, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "fsdp4-tp2-sp", {"fp8_gather": True}, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "dp2-fsdp2-tp2", {"fp8_gather": True}, marks=pytest.mark.slow),
+    pytest.param("moe-tiny", "ep8", {}, marks=pytest.mark.slow),
+    pytest.param("mamba2-tiny", "fsdp4-tp2-sp", {}, marks=pytest.mark.slow),
+])
+def test_the_float8_step_s_collectives_are_the_cost_model_s(model, mesh, options):
+    """jaxpar's tensorwise float8 step compiled by XLA:CPU against jaxpar.cost.comm's prediction for it: every
+    collective's count and bytes (within 1%), but the all-reduces': the amax of a tensor split over devices
+    is a one-element all-reduce of max, which the model leaves out as the other scalar sums (XLA:CPU combines
+    a few into one op: at most 16 bytes an extra op). Rowwise and blockwise amax vectors are not predicted
+    (docs/fp8.md)."""
+    options = dict(dtype="float8", **options)
+    tr = harness.trainer(model, mesh, **options)
+    got = compiled_collectives(harness.compiled_text(model, mesh, 8, **options), tr.mesh)
+    want = predicted_collectives(model, tr.strategy)
+    assert want.keys() == got.keys(), (want, got)
+    for key, (count, nbytes) in got.items():
+        maxima = count - want[key][0] if key[0] == "all-reduce" else 0
+        assert maxima >= 0 and (maxima or want[key][0] == count), (key, want[key], got[key])
+        assert want[key][1] == pytest.approx(nbytes, rel=0.01, abs=16 * maxima), (key, want[key], got[key])
+
+
 def projection_elements(model: str) -> int:
     """A hand count of the attention (q, k, v, o) and MLP (gate, up, down) weights' elements."""
     m = parse_model(model)
@@ -327,8 +353,8 @@ def test_xla_tpu_gathers_float8_weights_in_one_byte():
      "fp8_gather gathers FSDP-sharded weights in float8, but zero=0 with fsdp=1 gathers none"),
     (["train", "--model", "moe-tiny", "--mesh", "fsdp=8", "--dtype", "float8", "--fp8-gather"],
      "the model has E blocks, whose weights are not gathered in float8"),
-    (["train", "--model", "llama-tiny", "--mesh", "fsdp=8", "--dtype", "float8", "--fp8-gather", "--remat", "full"],
-     "fp8_gather with remat=full"),
+    (["train", "--model", "llama-tiny", "--mesh", "fsdp=8", "--dtype", "float8", "--fp8-gather", "--remat", "selective"],
+     "fp8_gather with remat=selective"),
 ])
 def test_float8_misuse_is_one_line_before_compiling(argv, message, capsys):
     assert main(argv) == 2

@@ -149,16 +149,16 @@ def check_fp8(model: ModelConfig, strategy: Strategy) -> None:
 
 def check_fp8_gather(model: ModelConfig, strategy: Strategy) -> None:
     """fp8_gather all-gathers the float8 attention (q, k, v, o) and MLP weights of Transformer blocks over
-    fsdp (jaxpar/ops/fp8.py `Gather`): it needs ZeRO-3 over an fsdp axis, and a model of such blocks only
+    fsdp (jaxpar/ops/fp8.py `Layouts`): it needs ZeRO-3 over an fsdp axis, and a model of such blocks only
     (latent attention, experts and Mamba-2 weights are not gathered in float8)."""
     fsdp = strategy.size("fsdp")
     if strategy.zero != 3 or fsdp == 1:
         raise ConfigError(f"fp8_gather gathers FSDP-sharded weights in float8, but zero={strategy.zero} with "
                           f"fsdp={fsdp} gathers none: use an fsdp axis > 1 with zero=3, or drop --fp8-gather")
-    if strategy.options.remat != "none":
-        raise ConfigError(f"fp8_gather with remat={strategy.options.remat}: a recomputed unit gathers its float8 "
-                          "weights again beside the input gradient's gathers, which the cost model does not count "
-                          "yet: use --remat none with --fp8-gather")
+    if strategy.options.remat not in ("none", "full"):
+        raise ConfigError(f"fp8_gather with remat={strategy.options.remat}: a policy that recomputes part of a unit "
+                          "gathers float8 weights again where the cost model does not count them yet: use --remat "
+                          "none or full with --fp8-gather")
     if strategy.size("pipeline") > 1:
         raise ConfigError(f"fp8_gather with pipeline={strategy.size('pipeline')}: a pipeline gathers each stage's "
                           "float32 weights before its loop, not per projection: drop --fp8-gather")

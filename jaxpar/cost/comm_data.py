@@ -71,18 +71,24 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> li
 
 
 def float8_gathers(m: ModelConfig, st: Strategy, execs: int, act: int) -> list[tuple]:
-    """`fsdp_gathers` of an attention block under fp8_gather (jaxpar/ops/fp8.py `Gather`): the projection
+    """`fsdp_gathers` of an attention block under fp8_gather (jaxpar/ops/fp8.py `Layouts`): the projection
     weights gathered as float8, forward and again for the input gradient, at half the compute dtype's bytes
     (1 against bfloat16's 2; XLA:CPU widens both, 2 against `act` = 4: compiler.activation_bytes), the norm
-    weights in the compute dtype, forward (remat "none" only: validate.check_fp8_gather). Their scales are all-reduced maxima (tensorwise: one element per weight),
-    not predicted, as the other scalar sums."""
+    weights in the compute dtype, forward (and backward under remat, as `fsdp_gathers`). Under remat "full"
+    the recomputed forward gathers each projection again, but the last (the MLP's down projection, whose
+    output the backward pass does not read), beside the input gradient's own gather (jax.checkpoint keeps
+    XLA from merging them). The scales are all-reduced maxima (tensorwise: one element per weight), not
+    predicted, as the other scalar sums."""
     sharded, _ = zero_split(m, "attention", 3)
     norms, n = norm_vectors(m, "attention")
-    weights = equal_buffers((sharded.per_device(st.sizes["tensor"], st.sizes["expert"]) - norms) * act // 2,
-                            sharded.moved - n)
-    vectors = equal_buffers(norms * act, n)
-    return (sites.issue(AG, ("fsdp",), execs, weights + vectors, "forward", sites.WEIGHTS)
-            + sites.issue(AG, ("fsdp",), execs, weights, "backward", sites.WEIGHTS))
+    t, w8 = st.sizes["tensor"], act // 2
+    total = (sharded.per_device(t, st.sizes["expert"]) - norms) * w8
+    weights, backward = equal_buffers(total, sharded.moved - n), []
+    if st.options.remat == "full":
+        down = m.mlp_dim * m.d_model / t * w8
+        backward = equal_buffers(total - down, sharded.moved - n - 1) + equal_buffers(norms * act, n)
+    return (sites.issue(AG, ("fsdp",), execs, weights + equal_buffers(norms * act, n), "forward", sites.WEIGHTS)
+            + sites.issue(AG, ("fsdp",), execs, weights + backward, "backward", sites.WEIGHTS))
 
 
 def data_parallel(m: ModelConfig, st: Strategy, shape: StepShape, act: int, gather_bytes: int = PARAM_BYTES

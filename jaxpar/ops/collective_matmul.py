@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core.sharding import Layout, current_layout
 from jaxpar.core.rules import spec_entry
 from jaxpar.ops.fp8 import Recipe, project
+from jaxpar.xla_workarounds import gathered
 
 
 def _perm(n: int, shift: int) -> list[tuple[int, int]]:
@@ -225,14 +226,14 @@ class Matmuls:
     """How a layer's projections run: plain dots, whose tensor-parallel collectives XLA's partitioner
     inserts (`PLAIN`), or the collective-matmul rings above (`rings`, `bidirectional`), which gather their
     input themselves (so it stays in the residual layout: `input_names`); as scaled float8 GEMMs when `fp8`
-    names a recipe (jaxpar/ops/fp8.py; never with the rings), their FSDP-sharded weights gathered in float8
-    under `fp8_gather` (read through `weight`). The model calls `column` for the column-parallel projections
-    that read one input (q, k, v; gate, up), `row` for a row-parallel one, and `project` for any other
-    (latent attention's down- and up-projections)."""
+    names a recipe (jaxpar/ops/fp8.py; never with the rings), reading their weights through `weight`. The
+    model calls `column` for the column-parallel projections that read one input (q, k, v; gate, up), `row`
+    for a row-parallel one, and `project` for any other (latent attention's down- and up-projections)."""
     rings: bool = False
     bidirectional: bool = False
     fp8: Recipe | None = None
-    fp8_gather: bool = False
+    fp8_gather: bool = False    # float8 weights quantized on their FSDP shards and gathered as float8
+    recomputed: bool = False    # the layer unit is recomputed in the backward pass (remat "full", ...)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -240,15 +241,20 @@ class Matmuls:
         return RING_INPUT if self.rings else GATHERED
 
     def weight(self, w: jax.Array, names: tuple[str | None, ...], dtype) -> jax.Array | StoredWeight:
-        """A projection's weight `w` (logical `names`) in `dtype` as the projections take it: cast, left to
-        the partitioner to gather; under `fp8_gather` with its names, for the float8 GEMM to gather."""
-        return StoredWeight(w.astype(dtype), tuple(names)) if self.fp8_gather else w.astype(dtype)
+        """A projection's weight `w` (logical `names`) in `dtype` as the projections take it: cast, for the
+        partitioner to gather; under `fp8_gather` stored, for the float8 GEMM to gather; a float8 GEMM's in a
+        recomputed unit gathered once for the recomputed forward and the input gradient
+        (jaxpar.xla_workarounds.gathered: each quantizes the gathered weight), not once per quantization."""
+        if self.fp8_gather:
+            return StoredWeight(w.astype(dtype), tuple(names))
+        return gathered(w, names, dtype) if self.fp8 is not None and self.recomputed else w.astype(dtype)
 
-    def project(self, x: jax.Array, w: jax.Array | StoredWeight) -> jax.Array:
-        """x times w, x's trailing dims contracted with w's leading ones: a plain or a scaled float8 dot."""
+    def project(self, x: jax.Array, w: jax.Array | StoredWeight, out_names: tuple | None = None) -> jax.Array:
+        """x times w, x's trailing dims contracted with w's leading ones: a plain or a scaled float8 dot (its
+        output's gradient gathered to the activation names `out_names` first, where given)."""
         if isinstance(w, StoredWeight):
-            return project(x, w.array, self.fp8, w.names)
-        return _dot(x, w) if self.fp8 is None else project(x, w, self.fp8)
+            return project(x, w.array, self.fp8, w.names, out_names)
+        return _dot(x, w) if self.fp8 is None else project(x, w, self.fp8, out_names=out_names)
 
     def column(self, x: jax.Array, weights) -> tuple[jax.Array, ...]:
         """x times each weight, its trailing dims contracted with each weight's leading ones."""
@@ -257,8 +263,11 @@ class Matmuls:
         return tuple(self.project(x, w) for w in weights)
 
     def row(self, h: jax.Array, w: jax.Array | StoredWeight) -> jax.Array:
-        """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream."""
-        return row_parallel(h, w, bidirectional=self.bidirectional) if self.rings else self.project(h, w)
+        """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream; under
+        sequence parallelism its gradient arrives split over the sequence, gathered once (`GATHERED`)."""
+        if self.rings:
+            return row_parallel(h, w, bidirectional=self.bidirectional)
+        return self.project(h, w, GATHERED)
 
 
 PLAIN = Matmuls()

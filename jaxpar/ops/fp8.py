@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from jaxpar.core.sharding import current_layout
 from jaxpar.xla_workarounds import float8_gather_layout, float8_gathered
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -121,20 +122,25 @@ def _operand(x: jax.Array, recipe: Recipe, kinds: str, contraction: str, fmt) ->
 
 
 @dataclasses.dataclass(frozen=True)
-class Gather:
-    """A weight FSDP gathers in float8: quantized on its stored shards, then all-gathered (`--fp8-gather`;
-    torchtitan's float8 all-gather) to `layout` in its stored `shape` (xla_workarounds.float8_gathered)."""
-    layout: NamedSharding | None
-    shape: tuple[int, ...]
+class Layouts:
+    """Where a scaled GEMM gathers its operands, each resolved while the forward pass is traced (None: where
+    the partitioner puts it). `weight`: the layout a weight stored as `shape` is gathered to in float8,
+    quantized on its shards (`--fp8-gather`, torchtitan's float8 all-gather; xla_workarounds.float8_gathered).
+    `gradient`: the layout the output's gradient is gathered to before it is quantized (a row-parallel output
+    under sequence parallelism arrives split over the sequence: gathered once in the compute dtype for both
+    backward GEMMs, as without float8, not once per quantization)."""
+    weight: NamedSharding | None = None
+    shape: tuple[int, ...] = ()
+    gradient: NamedSharding | None = None
 
 
-def _weight(w: jax.Array, recipe: Recipe, contraction: str, gather: Gather | None) -> jax.Array:
+def _weight(w: jax.Array, recipe: Recipe, contraction: str, layouts: Layouts) -> jax.Array:
     """w [K, N] as the GEMM contracting `contraction` reads it: quantized in the recipe's weight blocks and
-    dequantized, gathered in between (`gather`) so that the gather moves float8 and a scale per block."""
+    dequantized, gathered in between where `layouts.weight` says, so that the gather moves float8."""
     blocks = block_sizes(recipe, "kn", contraction, weight=True)
     q, scale = quantize(w, E4M3, blocks, recipe.pow2)
-    if gather is not None:
-        q = float8_gathered(q.reshape(gather.shape), gather.layout).reshape(w.shape)
+    if layouts.weight is not None:
+        q = float8_gathered(q.reshape(layouts.shape), layouts.weight).reshape(w.shape)
     return dequantize(q, scale, blocks)
 
 
@@ -143,27 +149,29 @@ def _tokens(x: jax.Array) -> str:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scaled(recipe: Recipe, gather: Gather | None, x: jax.Array, w: jax.Array) -> jax.Array:
+def _scaled(recipe: Recipe, layouts: Layouts, x: jax.Array, w: jax.Array) -> jax.Array:
     xq = _operand(x, recipe, _tokens(x) + "k", "k", E4M3)
-    return jnp.einsum("...k,kn->...n", xq, _weight(w, recipe, "k", gather),
+    return jnp.einsum("...k,kn->...n", xq, _weight(w, recipe, "k", layouts),
                       preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def scaled_dot(recipe: Recipe, x: jax.Array, w: jax.Array, gather: Gather | None = None) -> jax.Array:
-    """x [..., K] . w [K, N] -> [..., N] in x's dtype, each GEMM of the layer scaled by `recipe`; w gathered
-    in float8 for each GEMM that reads it (`gather`: forward, and again for the input gradient)."""
-    return _scaled(recipe, gather, x, w)
+def scaled_dot(recipe: Recipe, x: jax.Array, w: jax.Array, layouts: Layouts = Layouts()) -> jax.Array:
+    """x [..., K] . w [K, N] -> [..., N] in x's dtype, each GEMM of the layer scaled by `recipe`; w and the
+    output's gradient gathered as `layouts` says."""
+    return _scaled(recipe, layouts, x, w)
 
 
-def _forward(recipe: Recipe, gather: Gather | None, x: jax.Array, w: jax.Array):
-    return _scaled(recipe, gather, x, w), (x, w)
+def _forward(recipe: Recipe, layouts: Layouts, x: jax.Array, w: jax.Array):
+    return _scaled(recipe, layouts, x, w), (x, w)
 
 
-def _backward(recipe: Recipe, gather: Gather | None, saved, dy: jax.Array):
+def _backward(recipe: Recipe, layouts: Layouts, saved, dy: jax.Array):
     """dx = dy W^T contracted over n, dW = x^T dy over the tokens, each operand scaled for its GEMM."""
     x, w = saved
     tokens, g = _tokens(x), recipe.grad_format
-    dx = jnp.einsum("...n,kn->...k", _operand(dy, recipe, tokens + "n", "n", g), _weight(w, recipe, "n", gather),
+    if layouts.gradient is not None:
+        dy = jax.lax.with_sharding_constraint(dy, layouts.gradient)
+    dx = jnp.einsum("...n,kn->...k", _operand(dy, recipe, tokens + "n", "n", g), _weight(w, recipe, "n", layouts),
                     preferred_element_type=jnp.float32)
     dw = jnp.einsum("...k,...n->kn", _operand(x, recipe, tokens + "k", "t", E4M3),
                     _operand(dy, recipe, tokens + "n", "t", g), preferred_element_type=jnp.float32)
@@ -173,14 +181,17 @@ def _backward(recipe: Recipe, gather: Gather | None, saved, dy: jax.Array):
 _scaled.defvjp(_forward, _backward)
 
 
-def project(x: jax.Array, w: jax.Array, recipe: Recipe, names: tuple | None = None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, recipe: Recipe, names: tuple | None = None,
+            out_names: tuple | None = None) -> jax.Array:
     """x [b, s, *k] . w [*k, *out] -> [b, s, *out] (x's trailing dims with w's leading ones) as one scaled
     GEMM: the contracted dims merged into K, the output dims into N; w gathered in float8 where its logical
-    `names` are given (`Gather`)."""
+    `names` are given, the output's gradient gathered to the activation names `out_names` (`Layouts`)."""
     k = x.ndim - 2
     shape_k, shape_out = w.shape[:k], w.shape[k:]
-    gather = None if names is None else Gather(float8_gather_layout(names), w.shape)
-    y = scaled_dot(recipe, x.reshape(x.shape[:2] + (-1,)), w.reshape(math.prod(shape_k), -1), gather)
+    layout = current_layout()
+    layouts = Layouts(None if names is None else float8_gather_layout(names), w.shape,
+                      None if out_names is None or layout is None else layout.activation(*out_names))
+    y = scaled_dot(recipe, x.reshape(x.shape[:2] + (-1,)), w.reshape(math.prod(shape_k), -1), layouts)
     return y.reshape(x.shape[:2] + shape_out)
 
 

@@ -114,11 +114,11 @@ def run_config(strategy: Strategy, seq: int | None = None) -> RunConfig:
     order = None if seq is None else token_order(strategy, seq)
     recompute = o.remat not in KEEP_UNITS
     fp8 = RECIPES[o.fp8_recipe] if o.dtype == "float8" else None
-    matmuls = Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8, o.fp8_gather)
+    matmuls = Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8, o.fp8_gather, recompute)
     return RunConfig(dtype=o.program_dtype, matmuls=matmuls,
                      core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
                      scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
-                     recomputed_weight=matmuls.weight if o.fp8_gather else gathered if recompute else cast,
+                     recomputed_weight=matmuls.weight if fp8 else gathered if recompute else cast,
                      moe_kernel=o.moe_kernel,
                      seq_order=None if order is None else tuple(int(i) for i in order))
 
