@@ -10,7 +10,8 @@ CPU devices: the fastest of --steps steps after a compile step, the compiled ste
 tally: all-gathers, and the all-reduces, whose count shows the scales' amax reductions) and its wire
 bytes. CPU timings are of an emulation: XLA:CPU converts float8 to float32 for every dot,
 so float8 costs more here, not less (an H100 runs these GEMMs at twice bf16's peak: `jaxpar estimate`).
-The weights are gathered in bfloat16 under every recipe (float8 all-gathers are not built: docs/fp8.md).
+The weights are gathered in the compute dtype under every recipe, and in float8 under tensorwise with
+--fp8-gather (docs/fp8.md: XLA:CPU moves them as float16 against bfloat16's float32, half the bytes).
 
 The loss curves: llama-tiny on one device, --curve-steps steps from the same parameters and batches, bfloat16
 and each recipe, drawn to experiments/results/bench_fp8.png with the largest gap of the 20-step means
@@ -46,24 +47,25 @@ from jaxpar.training.trainer import Trainer  # noqa: E402
 
 MODEL = "llama-tiny:d_model=512,layers=8,heads=8,kv_heads=8,head_dim=64,mlp_dim=1536,vocab=32000,max_seq=512"
 PRECISIONS = (("bfloat16", None), ("float8", "tensorwise"), ("float8", "rowwise"), ("float8", "blockwise"))
+GATHERED = ("float8", "tensorwise", True)   # the weights gathered in float8 (--fp8-gather)
 RESULTS = ROOT / "experiments" / "results"
 QUICK = dict(model="llama-tiny", seq=64, steps=1, curve_steps=30)
 
 
-def options(dtype: str, recipe: str | None) -> dict:
-    return dict(dtype=dtype) if recipe is None else dict(dtype=dtype, fp8_recipe=recipe)
+def options(dtype: str, recipe: str | None, gather: bool = False) -> dict:
+    return dict(dtype=dtype) if recipe is None else dict(dtype=dtype, fp8_recipe=recipe, fp8_gather=gather)
 
 
-def label(dtype: str, recipe: str | None) -> str:
-    return dtype if recipe is None else f"float8 {recipe}"
+def label(dtype: str, recipe: str | None, gather: bool = False) -> str:
+    return dtype if recipe is None else f"float8 {recipe}" + (" --fp8-gather" if gather else "")
 
 
-def measure(model: str, dtype: str, recipe: str | None, batch: int, seq: int, steps: int) -> dict:
-    r = compiled_step(model, parse_strategy("fsdp=8").with_options(**options(dtype, recipe)), batch, seq, steps)
+def measure(model: str, precision: tuple, batch: int, seq: int, steps: int) -> dict:
+    r = compiled_step(model, parse_strategy("fsdp=8").with_options(**options(*precision)), batch, seq, steps)
     tally = r["tally"]
     gathers = [c for c in tally if c.kind == "all-gather"]
     reduces = [c for c in tally if c.kind == "all-reduce"]
-    return {"precision": label(dtype, recipe), "step_s": r["step_s"],
+    return {"precision": label(*precision), "step_s": r["step_s"],
             "gathers": sum(c.count for c in gathers), "gather_mib": sum(c.bytes for c in gathers) / 2**20,
             "reduces": sum(c.count for c in reduces), "wire_mib": sum(c.wire_bytes for c in tally) / 2**20}
 
@@ -124,7 +126,7 @@ def main() -> None:
     if args.quick:  # quick values become the defaults; options given explicitly still win
         ap.set_defaults(**QUICK)
         args = ap.parse_args()
-    rows = [measure(args.model, d, r, args.batch, args.seq, args.steps) for d, r in PRECISIONS]
+    rows = [measure(args.model, p, args.batch, args.seq, args.steps) for p in PRECISIONS + (GATHERED,)]
     title = (f"{args.model}, batch {args.batch} x seq {args.seq}, fsdp=8 on 8 simulated CPU devices, fastest of "
              f"{args.steps} steps (float8 emulated: XLA:CPU converts it to float32 for every dot)")
     md = ["# Float8 training: bfloat16 against the float8 recipes (CPU)", "", title, "",

@@ -15,7 +15,8 @@ runs the dry run):
              Each model again with `attention_kernel = auto` (cuDNN's flash kernel on a GPU). Then the ~1B
              model once per `attention_kernel` that runs on these devices (dense: the row above; blockwise
              everywhere; cudnn on an NVIDIA GPU; splash on a TPU) and with `auto` under `remat` selective,
-             offload (each layer's input in host memory) and full.
+             offload (each layer's input in host memory) and full, and in float8 (tensorwise, blockwise:
+             jaxpar/ops/fp8.py), each with the count of cuBLASLt float8 GEMMs XLA formed in the step.
   attention  causal GQA attention alone at the ~1B model's shape, forward + backward: jaxpar's
              `dense_attention` against `jax.nn.dot_product_attention` with implementation "cudnn" (the
              fused flash kernel; GPU only) and "xla": time, achieved TFLOP/s, XLA's temporary memory, and
@@ -281,9 +282,9 @@ def parameter_counts(m, abstract_params) -> tuple[int, float]:
 
 
 def strategy_for(**options):
-    """One device, bfloat16 compute, and `options` (None: the default)."""
+    """One device, bfloat16 compute (unless `options` name a dtype), and `options` (None: the default)."""
     from jaxpar.core.strategy import parse_strategy  # noqa: PLC0415 (module docstring: imports per section)
-    return parse_strategy("data=1").with_options(dtype="bfloat16", **options).resolved(1)
+    return parse_strategy("data=1").with_options(**{"dtype": "bfloat16", **options}).resolved(1)
 
 
 def choose_batch(spec: str, plan: Plan, **options) -> int:
@@ -333,6 +334,7 @@ def train_row(spec: str, batch: int, seq: int, options: tuple, warmup: int, step
         return metrics
 
     step_s = timed(one_step, warmup, steps)
+    fp8_gemms = compiled.as_text().count(FP8_GEMM)
     loss = float(one_step()["loss"])
     del holder, data
     gc.collect()
@@ -345,6 +347,7 @@ def train_row(spec: str, batch: int, seq: int, options: tuple, warmup: int, step
             "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "mfu": per_token * tokens / (step_s * peak),
             "loss": loss, "peak_bytes_in_use": device_stat("peak_bytes_in_use"), "xla_memory": xla_memory(compiled),
+            "fp8_gemms": fp8_gemms,
             "predicted": guarded("prediction", lambda: predicted_train(m, tr.strategy, batch, seq, per_token),
                                  quiet=True)}
 
@@ -378,6 +381,8 @@ def print_train(row: dict) -> None:
     options = ", ".join(f"{k} {v}" for k, v in row["options"].items()) or "defaults"
     predicted = prediction_text(p, lambda: f"predicted {ms(p['step_s'])}, MFU {p['mfu']:.1%}, "
                                            f"memory {size(p['memory_bytes'])}")
+    if row["options"].get("dtype") == "float8":
+        options += f" (cuBLASLt float8 GEMMs in the compiled step: {row['fp8_gemms']})"
     print(f"  {row['label']} ({row['params'] / 1e6:.1f}M params) batch {row['batch']} x seq {row['seq']}, {options}: "
           f"step {ms(row['step_s'])}, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, peak in use {size(row['peak_bytes_in_use'])}, XLA {size(x.get('total'))} (temp "
           f"{size(x.get('temp'))}), compile {row['compile_s']:.1f} s, loss {row['loss']:.3f} | {predicted}", flush=True)
@@ -392,16 +397,20 @@ def kernel_options() -> list[tuple[str, dict]]:
 
 
 REMAT_ROWS = ("selective", "offload", "full")   # the kernel model with the fused kernel under each policy
+FP8_ROWS = ("tensorwise", "blockwise")          # the kernel model with `auto`'s kernel in float8 by each recipe
+FP8_GEMM = "__cublas$lt$matmul$f8"              # the custom call of a float8 GEMM XLA:GPU formed (docs/fp8.md)
 
 
 def train_runs(plan: Plan) -> list[tuple[str, str, str | None, dict]]:
     """(label, model, kernel, options): each model of the plan with dense attention and with the kernel `auto`
-    picks on these devices, the kernel model with each attention kernel, and it under each recompute
-    policy of REMAT_ROWS with `auto`'s kernel."""
+    picks on these devices, the kernel model in float8 by each recipe of FP8_ROWS, with each attention
+    kernel, and under each recompute policy of REMAT_ROWS with `auto`'s kernel."""
     name = dict((spec, label) for label, spec in plan.train).get(plan.kernel_model, plan.kernel_model)
     auto = {"attention_kernel": "auto"}
     runs = [(label, spec, None, {}) for label, spec in plan.train]
     runs += [(f"{label} auto", spec, "auto", auto) for label, spec in plan.train if spec != plan.kernel_model]
+    runs += [(f"{name} auto float8 {r}", plan.kernel_model, "auto", {**auto, "dtype": "float8", "fp8_recipe": r})
+             for r in FP8_ROWS]
     runs += [(f"{name} {k}", plan.kernel_model, k, options) for k, options in kernel_options()]
     runs += [(f"{name} auto remat={r}", plan.kernel_model, "auto", {**auto, "remat": r}) for r in REMAT_ROWS]
     return runs

@@ -127,10 +127,12 @@ BLOCKS_OF = fp8.ExpertRows._blocks
 
 
 @functools.cache
-def fp8_trainer(model: str, mesh: str, devices: int, recipe: str, gather: bool = False) -> trainer_module.Trainer:
+def fp8_trainer(model: str, mesh: str, devices: int, recipe: str, option: str | None = None) -> trainer_module.Trainer:
+    """The float8 trainer, with the boolean `option` (fp8_gather, fp8_sp_gather) on where named."""
+    options = dict(dtype="float8", fp8_recipe=recipe, **({option: True} if option else {}))
     with mock.patch.object(trainer_module, "run_config", float32_rest):
-        return trainer_module.Trainer(parse_model(model), parse_strategy(mesh).with_options(
-            dtype="float8", fp8_recipe=recipe, fp8_gather=gather), harness.TC, devices=jax.devices()[:devices])
+        return trainer_module.Trainer(parse_model(model), parse_strategy(mesh).with_options(**options), harness.TC,
+                                      devices=jax.devices()[:devices])
 
 
 def run(tr: trainer_module.Trainer, model: str, nudge: int | None = None) -> tuple[float, dict]:
@@ -145,8 +147,8 @@ def run(tr: trainer_module.Trainer, model: str, nudge: int | None = None) -> tup
 
 
 @functools.cache
-def fp8_loss_and_grads(model: str, mesh: str, devices: int, recipe: str, gather: bool = False):
-    return run(fp8_trainer(model, mesh, devices, recipe, gather), model)
+def fp8_loss_and_grads(model: str, mesh: str, devices: int, recipe: str, option: str | None = None):
+    return run(fp8_trainer(model, mesh, devices, recipe, option), model)
 
 
 def spread(got: dict, ref: dict) -> float:
@@ -167,13 +169,13 @@ def rounding_floor(model: str, recipe: str) -> tuple[float, float]:
     return max(abs(m - ref_loss) / ref_loss for m, _ in moved), max(spread(g, ref) for _, g in moved)
 
 
-def assert_fp8_matches_one_device(model: str, mesh: str, recipe: str, gather: bool = False) -> None:
+def assert_fp8_matches_one_device(model: str, mesh: str, recipe: str, option: str | None = None) -> None:
     """The layout is one more draw of float32 rounding: it moves the loss and every gradient leaf (relative
     Frobenius) from the one-device float8 run by at most 2x the rounding floor (at least 1e-5 and 1e-3).
     A scale formed over other elements than one device's moves them further
-    (test_float8_noise_floor_and_what_a_wrong_scale_does). `gather`: the weights gathered in float8."""
+    (test_float8_noise_floor_and_what_a_wrong_scale_does). `option`: fp8_gather or fp8_sp_gather on."""
     ref_loss, ref = fp8_loss_and_grads(model, "data=1", 1, recipe)
-    loss, got = fp8_loss_and_grads(model, mesh, 8, recipe, gather)
+    loss, got = fp8_loss_and_grads(model, mesh, 8, recipe, option)
     loss_floor, grad_floor = rounding_floor(model, recipe)
     assert got.keys() == ref.keys()
     assert abs(loss - ref_loss) / ref_loss <= max(1e-5, 2 * loss_floor), (loss, ref_loss, loss_floor)
@@ -196,30 +198,43 @@ def test_float8_step_matches_one_device(model, mesh, recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
-def test_float8_gathered_weights_match_one_device(recipe):
-    assert_fp8_matches_one_device("llama-tiny", "fsdp8", recipe, gather=True)
+@pytest.mark.parametrize("mesh,option,recipe", [("fsdp8", "fp8_gather", r) for r in fp8.RECIPES]
+                         + [("tp4-sp", "fp8_sp_gather", "tensorwise"), ("fsdp4-tp2-sp", "fp8_sp_gather", "tensorwise")])
+def test_float8_gathers_match_one_device(mesh, option, recipe):
+    assert_fp8_matches_one_device("llama-tiny", mesh, recipe, option)
 
 
-def test_float8_gathers_move_the_same_weights_in_half_the_bytes():
-    """fsdp8 with --fp8-gather: each projection weight is quantized on its shards and gathered as float8;
-    the GEMMs read the same quantized values as when the bfloat16 weight is gathered and then quantized,
-    so loss and gradients equal that run's to float32 rounding. The compiled step's fsdp all-gathers equal
-    the cost model's count and bytes (comm_data.float8_gathers) for XLA:CPU, which gathers float8 as
-    float16 and the others as float32: the projections' bytes are half of the run without it."""
-    (loss, grads), (ref_loss, ref) = (fp8_loss_and_grads("llama-tiny", "fsdp8", 8, "tensorwise", g) for g in (True, False))
+def float8_gathered_bytes(mesh: str, option: str) -> float:
+    """By hand, the bytes per step an XLA:CPU all-gather moves less under `option` (float8, which XLA:CPU
+    widens to float16, against float32): fp8_gather, every projection weight of llama-tiny forward and
+    backward; fp8_sp_gather, the normed input [batch / data, seq, d] before attention and before the MLP
+    of each layer, forward."""
+    m, st = parse_model("llama-tiny"), parse_strategy(mesh)
+    if option == "fp8_gather":
+        return 2 * projection_elements("llama-tiny") * (4 - 2)
+    return 2 * m.layers * harness.TC.batch // st.size("data") * harness.TC.seq * m.d_model * (4 - 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,option,axis", [("fsdp8", "fp8_gather", "fsdp"), ("tp4-sp", "fp8_sp_gather", "tensor")])
+def test_float8_gathers_move_the_same_values_in_half_the_bytes(mesh, option, axis):
+    """--fp8-gather quantizes each projection weight on its fsdp shards, --fp8-sp-gather the column-parallel
+    input on its sequence shards, and gathers float8: the GEMMs read the same quantized values as when the
+    compute dtype is gathered and then quantized, so loss and gradients equal that run's to float32
+    rounding. The compiled step's all-gathers equal the cost model's count and bytes (comm_data.float8_gathers,
+    comm_tensor.tp_attention) with and without the option, and the bytes saved are the hand count's."""
+    (loss, grads), (ref_loss, ref) = (fp8_loss_and_grads("llama-tiny", mesh, 8, "tensorwise", o) for o in (option, None))
     assert loss == pytest.approx(ref_loss, rel=1e-6) and spread(grads, ref) < 1e-5, (loss, ref_loss, spread(grads, ref))
     gathers = {}
-    for gather in (True, False):
-        tr = fp8_trainer("llama-tiny", "fsdp8", 8, "tensorwise", gather)
+    for on in (option, None):
+        tr = fp8_trainer("llama-tiny", mesh, 8, "tensorwise", on)
         got = compiled_collectives(tr.lower_step().compile(comm.ANALYSIS_COMPILER_OPTIONS).as_text(), tr.mesh)
-        want = predicted_collectives("llama-tiny", tr.strategy)
-        gathers[gather] = got[(AG, ("fsdp",))]
-        assert want[(AG, ("fsdp",))] == gathers[gather], (gather, want, got)
-    saved = 2 * projection_elements("llama-tiny") * (4 - 2)   # forward and backward, float32 against float16
-    print(f"llama-tiny fsdp8 float8 all-gather bytes per step: {gathers[False][1]:,} -> {gathers[True][1]:,} "
-          f"(--fp8-gather; XLA:CPU)")
-    assert gathers[False][1] - gathers[True][1] == saved and gathers[True][0] == gathers[False][0]
+        gathers[on] = got[(AG, (axis,))]
+        assert predicted_collectives("llama-tiny", tr.strategy)[(AG, (axis,))] == gathers[on], (on, got)
+    print(f"llama-tiny {mesh} float8 all-gather bytes over {axis} per step: {gathers[None][1]:,} -> "
+          f"{gathers[option][1]:,} (--{option.replace('_', '-')}; XLA:CPU)")
+    assert gathers[None][1] - gathers[option][1] == float8_gathered_bytes(mesh, option)
+    assert gathers[option][0] == gathers[None][0]
 
 
 @pytest.mark.slow
@@ -287,7 +302,8 @@ def test_the_program_prices_float8_for_the_gemms_it_scales():
 
 
 @pytest.mark.parametrize("model,mesh,options", [
-    ("llama-tiny", "tp4-sp", {}),   # each row-parallel gradient gathered once, before its two quantizations
+    ("llama-tiny", "fsdp4-tp2-sp", {"fp8_gather": True, "fp8_sp_gather": True}),
+    pytest.param("llama-tiny", "tp4-sp", {}, marks=pytest.mark.slow),   # a row-parallel gradient gathered once
     pytest.param("llama-tiny", "fsdp8", {"remat": "full"}, marks=pytest.mark.slow),   # each weight gathered once
     pytest.param("llama-tiny", "fsdp8", {"remat": "full", "fp8_gather": True}, marks=pytest.mark.slow),
     pytest.param("llama-tiny", "fsdp4-tp2-sp", {"fp8_gather": True}, marks=pytest.mark.slow),
@@ -355,6 +371,10 @@ def test_xla_tpu_gathers_float8_weights_in_one_byte():
      "the model has E blocks, whose weights are not gathered in float8"),
     (["train", "--model", "llama-tiny", "--mesh", "fsdp=8", "--dtype", "float8", "--fp8-gather", "--remat", "selective"],
      "fp8_gather with remat=selective"),
+    (["train", "--model", "llama-tiny", "--mesh", "fsdp=8", "--dtype", "float8", "--fp8-sp-gather"],
+     "fp8_sp_gather gathers the sequence-parallel input over tensor, but tensor=1"),
+    (["train", "--model", "llama-tiny", "--mesh", "tp4-sp", "--dtype", "float8", "--fp8-sp-gather", "--fp8-recipe",
+      "rowwise"], "fp8_recipe=rowwise scales them apart: use --fp8-recipe tensorwise"),
 ])
 def test_float8_misuse_is_one_line_before_compiling(argv, message, capsys):
     assert main(argv) == 2

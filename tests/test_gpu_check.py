@@ -64,6 +64,9 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path):
     assert measured and all("error" not in r for r in report["train"]["rows"])
     for row in measured:
         check_train(row)
+    fp8 = [r for r in measured if r["options"].get("dtype") == "float8"]   # XLA:CPU forms no float8 GEMM
+    assert {r["options"]["fp8_recipe"] for r in fp8} == {"tensorwise", "blockwise"}, measured
+    assert all(r["fp8_gemms"] == 0 for r in fp8) and all(r["fp8_gemms"] == 0 for r in measured)
 
     rows = {r["label"]: r for r in report["attention"]["rows"]}
     assert "skipped" in rows["cudnn"]   # CPU: cuDNN is GPU-only

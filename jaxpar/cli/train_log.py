@@ -200,4 +200,5 @@ def compute_precision(strategy: Strategy, model: ModelConfig) -> str:
     mamba = "; Mamba-2 projections" if model.has_mamba else ""
     return (f"float8 {o.fp8_recipe} GEMMs for the attention and MLP projections{experts}; the head, router, "
             f"attention scores{mamba} and the rest in bfloat16"
-            + ("; FSDP gathers their weights in float8" if o.fp8_gather else ""))
+            + ("; FSDP gathers their weights in float8" if o.fp8_gather else "")
+            + ("; their sequence-parallel input gathered in float8" if o.fp8_sp_gather else ""))

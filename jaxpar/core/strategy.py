@@ -84,6 +84,10 @@ class Options:
                                       "all-gather it in float8 with its scales (half bfloat16's bytes; "
                                       "torchtitan's float8 all-gather), forward and again for the input gradient",
                                group="precision", commands=TRAINING + ("explain",))
+    fp8_sp_gather: bool = _option(False, "dtype=float8 tensorwise under sequence parallelism: quantize the column-"
+                                         "parallel projections' input on its sequence shards and all-gather it "
+                                         "over tensor in float8 (half the compute dtype's bytes)",
+                                  group="precision", commands=TRAINING + ("explain",))
     grad_dtype: str = _option("float32", "the dtype gradients accumulate and are reduced in: float32 (jaxpar's "
                                          "program; Megatron under bf16; FSDP2's reduce_dtype in torchtitan); "
                                          "bfloat16 for other stacks' runs (NeMo's optim.grad_sync_dtype bf16, "

@@ -55,9 +55,10 @@ def check(model: ModelConfig, strategy: Strategy, *, batch: int, seq: int, padde
     if program:
         check_program_dtype(o.dtype, o.grad_dtype)
         check_fp8(model, strategy)
-    elif o.fp8_gather:
-        raise ConfigError("fp8_gather is jaxpar's own program's float8 all-gather; another stack's estimate gathers "
-                          "float8 weights where its preset does (jaxpar/cost/software.py fp8_gathers): drop --fp8-gather")
+    elif o.fp8_gather or o.fp8_sp_gather:
+        name = "fp8_gather" if o.fp8_gather else "fp8_sp_gather"
+        raise ConfigError(f"{name} is jaxpar's own program's float8 all-gather; another stack's estimate gathers "
+                          f"float8 where its preset does (jaxpar/cost/software.py): drop --{name.replace('_', '-')}")
     tp, cp, pp = s["tensor"], s["context"], s["pipeline"]
 
     # --- sequence and batch -----------------------------------------------------------------
@@ -131,13 +132,16 @@ def check_fp8(model: ModelConfig, strategy: Strategy) -> None:
     1x128 tiles of an expert's hidden row split over tensor: whole tiles on each shard, or one tile per row."""
     o = strategy.options
     if o.dtype != "float8":
-        for name, on in (("fp8_recipe", o.fp8_recipe != "tensorwise"), ("fp8_gather", o.fp8_gather)):
+        for name, on in (("fp8_recipe", o.fp8_recipe != "tensorwise"), ("fp8_gather", o.fp8_gather),
+                         ("fp8_sp_gather", o.fp8_sp_gather)):
             if on:
                 raise ConfigError(f"{name}={getattr(o, name)} has no effect: it applies to float8 GEMMs, but "
                                   f"dtype={o.dtype} (add --dtype float8, or drop it)")
         return
     if o.fp8_gather:
         check_fp8_gather(model, strategy)
+    if o.fp8_sp_gather:
+        check_fp8_sp_gather(model, strategy)
     if o.overlap != "none":
         raise ConfigError(f"dtype=float8 scales each projection over its whole operands; overlap={o.overlap} "
                           "splits them into ring pieces: use --overlap none with float8")
@@ -166,6 +170,27 @@ def check_fp8_gather(model: ModelConfig, strategy: Strategy) -> None:
     if other:
         raise ConfigError(f"fp8_gather gathers the float8 weights of attention + MLP blocks (A) only; the model "
                           f"has {other} blocks, whose weights are not gathered in float8: drop --fp8-gather")
+
+
+def check_fp8_sp_gather(model: ModelConfig, strategy: Strategy) -> None:
+    """fp8_sp_gather all-gathers the column-parallel projections' input over tensor in float8 (jaxpar/ops/fp8.py
+    `gathered_input`): it needs sequence parallelism over tensor > 1, the tensorwise recipe (whose one scale
+    serves the forward and the weight gradient, so the gathered copy serves both), no pipeline, and a model
+    of attention + MLP blocks (GQA) only."""
+    o, tp = strategy.options, strategy.size("tensor")
+    if not o.sequence_parallel or tp == 1:
+        raise ConfigError(f"fp8_sp_gather gathers the sequence-parallel input over tensor, but tensor={tp} with "
+                          f"sequence_parallel={o.sequence_parallel}: use --sequence-parallel with tensor > 1")
+    if o.fp8_recipe != "tensorwise":
+        raise ConfigError(f"fp8_sp_gather reads one gathered float8 input in the forward and the weight gradient, "
+                          f"which needs one scale per tensor; fp8_recipe={o.fp8_recipe} scales them apart: use "
+                          "--fp8-recipe tensorwise")
+    if strategy.size("pipeline") > 1:
+        raise ConfigError(f"fp8_sp_gather with pipeline={strategy.size('pipeline')} is not built: drop --fp8-sp-gather")
+    other = "latent attention" if model.mla else ", ".join(sorted(set(model.layer_kinds) - {"A"}))
+    if other:
+        raise ConfigError(f"fp8_sp_gather gathers the input of attention + MLP blocks (A) only; the model has "
+                          f"{other} blocks: drop --fp8-sp-gather")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:

@@ -57,16 +57,19 @@ def tp_attention(st: Strategy, shape: StepShape, x: float) -> list[tuple]:
     """Per attention-layer execution. Forward: after o-proj and after the MLP's down-projection an
     all-reduce (SP: an all-gather of the norm output before each, a reduce-scatter after). Recompute:
     `recomputed_tp`. Backward: the input gradients of q, k, v and of gate, up, one sum each (SP:
-    reduce-scattered; the gathers' transposes are reduce-scatters and the scatters' all-gathers). Under
+    reduce-scattered; the gathers' transposes are reduce-scatters and the scatters' all-gathers; under
+    fp8_sp_gather the forward's gathers, and their reruns, move float8: half the bytes). Under
     overlap=collective_matmul the gathers and scatters are rings (`tp_rings`): q/k/v's gather, o's scatter,
     gate/up's gather and down's scatter; remat recomputes all but down's (dead)."""
     e, sp = shape.exec_attention, st.options.sequence_parallel
     if st.options.overlap != "none":
         return tp_rings(st, e, x, forward=4, recomputed=3)
     kind, out = RS if sp else AR, []
+    g = x / 2 if st.options.fp8_sp_gather else x   # the normed input gathered as float8 (XLA:CPU: float16, x float32)
     for _ in range(2):
-        out += (sites.issue(AG, TENSOR, e, [x], "forward") if sp else []) + sites.issue(kind, TENSOR, e, [x], "forward")
-    out += reruns(st, e, x, *recomputed_tp(st))
+        out += (sites.issue(AG, TENSOR, e, [g], "forward") if sp else []) + sites.issue(kind, TENSOR, e, [x], "forward")
+    gathers, sums = recomputed_tp(st)
+    out += reruns(st, e, g, gathers, 0) + reruns(st, e, x, 0, sums)
     out += sites.issue(AG, TENSOR, e, [x], "backward") * 2 if sp else []
     out += sites.issue(kind, TENSOR, e, [x], "backward", sites.input_grads(2, x))    # q, k, v's input gradients
     return out + sites.issue(kind, TENSOR, e, [x], "backward", sites.input_grads(1, x))   # gate and up's

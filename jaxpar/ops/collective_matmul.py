@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.sharding import Layout, current_layout
 from jaxpar.core.rules import spec_entry
-from jaxpar.ops.fp8 import Recipe, project
+from jaxpar.ops.fp8 import Recipe, gathered_input, project
 from jaxpar.xla_workarounds import gathered
 
 
@@ -234,11 +234,12 @@ class Matmuls:
     fp8: Recipe | None = None
     fp8_gather: bool = False    # float8 weights quantized on their FSDP shards and gathered as float8
     recomputed: bool = False    # the layer unit is recomputed in the backward pass (remat "full", ...)
+    fp8_sp_gather: bool = False  # the column-parallel input quantized on its sequence shards, gathered as float8
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """The logical names a block's normed input takes before its column-parallel projections."""
-        return RING_INPUT if self.rings else GATHERED
+        return RING_INPUT if self.rings or self.fp8_sp_gather else GATHERED
 
     def weight(self, w: jax.Array, names: tuple[str | None, ...], dtype) -> jax.Array | StoredWeight:
         """A projection's weight `w` (logical `names`) in `dtype` as the projections take it: cast, for the
@@ -249,18 +250,25 @@ class Matmuls:
             return StoredWeight(w.astype(dtype), tuple(names))
         return gathered(w, names, dtype) if self.fp8 is not None and self.recomputed else w.astype(dtype)
 
-    def project(self, x: jax.Array, w: jax.Array | StoredWeight, out_names: tuple | None = None) -> jax.Array:
+    def project(self, x: jax.Array, w: jax.Array | StoredWeight, out_names: tuple | None = None,
+                input_quantized: bool = False) -> jax.Array:
         """x times w, x's trailing dims contracted with w's leading ones: a plain or a scaled float8 dot (its
-        output's gradient gathered to the activation names `out_names` first, where given)."""
+        output's gradient gathered to the activation names `out_names` first, where given; x read as it is
+        where it arrives quantized)."""
+        if self.fp8 is None:
+            return _dot(x, w)
         if isinstance(w, StoredWeight):
-            return project(x, w.array, self.fp8, w.names, out_names)
-        return _dot(x, w) if self.fp8 is None else project(x, w, self.fp8, out_names=out_names)
+            return project(x, w.array, self.fp8, w.names, out_names, input_quantized)
+        return project(x, w, self.fp8, out_names=out_names, input_quantized=input_quantized)
 
     def column(self, x: jax.Array, weights) -> tuple[jax.Array, ...]:
-        """x times each weight, its trailing dims contracted with each weight's leading ones."""
+        """x times each weight, its trailing dims contracted with each weight's leading ones; under
+        `fp8_sp_gather` x arrives in the residual layout and is gathered once, quantized, for them all."""
         if self.rings:
             return column_parallel(x, weights, bidirectional=self.bidirectional)
-        return tuple(self.project(x, w) for w in weights)
+        if self.fp8_sp_gather:
+            x = gathered_input(x, GATHERED, RING_INPUT)
+        return tuple(self.project(x, w, input_quantized=self.fp8_sp_gather) for w in weights)
 
     def row(self, h: jax.Array, w: jax.Array | StoredWeight) -> jax.Array:
         """h times w (h's trailing dims with w's leading ones), summed back onto the residual stream; under

@@ -128,10 +128,13 @@ class Layouts:
     quantized on its shards (`--fp8-gather`, torchtitan's float8 all-gather; xla_workarounds.float8_gathered).
     `gradient`: the layout the output's gradient is gathered to before it is quantized (a row-parallel output
     under sequence parallelism arrives split over the sequence: gathered once in the compute dtype for both
-    backward GEMMs, as without float8, not once per quantization)."""
+    backward GEMMs, as without float8, not once per quantization). `input_quantized`: x arrives as the
+    tensorwise quantization of the input (`gathered_input`), which the forward and the weight gradient
+    read as it is (one scale per tensor: the same for both)."""
     weight: NamedSharding | None = None
     shape: tuple[int, ...] = ()
     gradient: NamedSharding | None = None
+    input_quantized: bool = False   # x arrives quantized (tensorwise, `gathered_input`): read as it is
 
 
 def _weight(w: jax.Array, recipe: Recipe, contraction: str, layouts: Layouts) -> jax.Array:
@@ -150,14 +153,14 @@ def _tokens(x: jax.Array) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _scaled(recipe: Recipe, layouts: Layouts, x: jax.Array, w: jax.Array) -> jax.Array:
-    xq = _operand(x, recipe, _tokens(x) + "k", "k", E4M3)
+    xq = x if layouts.input_quantized else _operand(x, recipe, _tokens(x) + "k", "k", E4M3)
     return jnp.einsum("...k,kn->...n", xq, _weight(w, recipe, "k", layouts),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+                      preferred_element_type=jnp.float32).astype(w.dtype)
 
 
 def scaled_dot(recipe: Recipe, x: jax.Array, w: jax.Array, layouts: Layouts = Layouts()) -> jax.Array:
-    """x [..., K] . w [K, N] -> [..., N] in x's dtype, each GEMM of the layer scaled by `recipe`; w and the
-    output's gradient gathered as `layouts` says."""
+    """x [..., K] . w [K, N] -> [..., N] in w's dtype (the compute dtype: x may arrive quantized, in float32),
+    each GEMM of the layer scaled by `recipe`; w and the output's gradient gathered as `layouts` says."""
     return _scaled(recipe, layouts, x, w)
 
 
@@ -173,8 +176,8 @@ def _backward(recipe: Recipe, layouts: Layouts, saved, dy: jax.Array):
         dy = jax.lax.with_sharding_constraint(dy, layouts.gradient)
     dx = jnp.einsum("...n,kn->...k", _operand(dy, recipe, tokens + "n", "n", g), _weight(w, recipe, "n", layouts),
                     preferred_element_type=jnp.float32)
-    dw = jnp.einsum("...k,...n->kn", _operand(x, recipe, tokens + "k", "t", E4M3),
-                    _operand(dy, recipe, tokens + "n", "t", g), preferred_element_type=jnp.float32)
+    xt = x if layouts.input_quantized else _operand(x, recipe, tokens + "k", "t", E4M3)
+    dw = jnp.einsum("...k,...n->kn", xt, _operand(dy, recipe, tokens + "n", "t", g), preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -182,17 +185,46 @@ _scaled.defvjp(_forward, _backward)
 
 
 def project(x: jax.Array, w: jax.Array, recipe: Recipe, names: tuple | None = None,
-            out_names: tuple | None = None) -> jax.Array:
+            out_names: tuple | None = None, input_quantized: bool = False) -> jax.Array:
     """x [b, s, *k] . w [*k, *out] -> [b, s, *out] (x's trailing dims with w's leading ones) as one scaled
     GEMM: the contracted dims merged into K, the output dims into N; w gathered in float8 where its logical
-    `names` are given, the output's gradient gathered to the activation names `out_names` (`Layouts`)."""
+    `names` are given, the output's gradient gathered to the activation names `out_names`, x read as it is
+    where it arrives quantized (`Layouts`)."""
     k = x.ndim - 2
     shape_k, shape_out = w.shape[:k], w.shape[k:]
     layout = current_layout()
     layouts = Layouts(None if names is None else float8_gather_layout(names), w.shape,
-                      None if out_names is None or layout is None else layout.activation(*out_names))
+                      None if out_names is None or layout is None else layout.activation(*out_names),
+                      input_quantized)
     y = scaled_dot(recipe, x.reshape(x.shape[:2] + (-1,)), w.reshape(math.prod(shape_k), -1), layouts)
     return y.reshape(x.shape[:2] + shape_out)
+
+
+def gathered_input(x: jax.Array, names: tuple[str | None, ...], stored: tuple[str | None, ...]) -> jax.Array:
+    """x [b, s, K], the column-parallel projections' input in the layout of the activation names `stored`
+    (the residual stream's: its sequence split over `tensor` by sequence parallelism), quantized tensorwise
+    on its shards (the amax all-reduced), all-gathered as float8 to the layout of `names` and dequantized to
+    float32: the quantized input each tensorwise GEMM reading x computes (`--fp8-sp-gather`; Transformer
+    Engine's float8 all-gather of a sequence-parallel input). Backward: the summed input gradient, in x's
+    dtype, back to `stored` (the gather's transpose: a reduce-scatter). One device: the quantization alone."""
+    layout = current_layout()
+    layouts = None if layout is None else (layout.activation(*names), layout.activation(*stored))
+    return _gathered_input(layouts, x.dtype, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gathered_input(layouts, dtype, x: jax.Array) -> jax.Array:
+    blocks = (None,) * x.ndim
+    q, scale = quantize(x, E4M3, blocks)
+    return dequantize(q if layouts is None else float8_gathered(q, layouts[0]), scale, blocks)
+
+
+def _gathered_input_backward(layouts, dtype, _, g: jax.Array):
+    g = g.astype(dtype)
+    return (g if layouts is None else jax.lax.with_sharding_constraint(g, layouts[1]),)
+
+
+_gathered_input.defvjp(lambda layouts, dtype, x: (_gathered_input(layouts, dtype, x), None), _gathered_input_backward)
 
 
 # ---- routed experts ------------------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def run_config(strategy: Strategy, seq: int | None = None) -> RunConfig:
     order = None if seq is None else token_order(strategy, seq)
     recompute = o.remat not in KEEP_UNITS
     fp8 = RECIPES[o.fp8_recipe] if o.dtype == "float8" else None
-    matmuls = Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8, o.fp8_gather, recompute)
+    matmuls = Matmuls(o.overlap != "none", o.overlap == "collective_matmul_bidir", fp8, o.fp8_gather, recompute,
+                      o.fp8_sp_gather)
     return RunConfig(dtype=o.program_dtype, matmuls=matmuls,
                      core=AttentionCore(o.attention, o.attention_kernel, o.remat == "selective"),
                      scan=LayerScan(o.remat, o.fsdp_prefetch), ssm=SSMKernels(strategy.size("context") > 1),
