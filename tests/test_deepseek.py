@@ -275,10 +275,12 @@ def test_training_matches_one_device(mesh, options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, options", [
-    # on this session's 2-core machine the expert=8 losses part from one device's at step 3 by 3e-3, at
-    # 8861b1b too (before the float8 change); passed on earlier machines. Suspected: the balancing bias's
-    # discrete step (the overload's sign) flipped by float32 rounding; not verified: non-strict until then
-    pytest.param("expert=8", {}, marks=pytest.mark.xfail(strict=False, reason="machine-dependent, see above")),
+    # on some machines the expert=8 losses part from one device's at step 3 (by 3.7e-4 relative), where
+    # others pass: the biases are equal through step 3, and at step 3 one token copy of the third MoE
+    # layer goes to expert 3 instead of 0 (the overloads E x copies - sum read 88 / -88 against 96 / -96):
+    # a near-tie of the router's scores that float32 rounding of another reduction order tips; the
+    # layout computes what one device computes, up to that discrete choice. Non-strict.
+    pytest.param("expert=8", {}, marks=pytest.mark.xfail(strict=False, reason="a router near-tie, see above")),
     ("pipeline=2,expert=2,data=2", {"microbatches": 2})])
 def test_a_ten_step_trajectory_and_its_bias_updates_match_one_device(mesh, options):
     """Losses, and each MoE layer's balancing bias after 10 steps (moved by the overload's sign each step)."""
