@@ -275,8 +275,8 @@ def test_training_matches_one_device(mesh, options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, options", [
-    # on some machines the losses part from one device's at step 3 (by 3.7e-4 relative) where others pass
-    # (expert=8 since 8861b1b; the pipeline layout too in a later CI, the same step-3 losses): the biases are
+    # on some machines the losses part from one device's at step 3 (by 3.7e-4 relative) where others pass,
+    # under both layouts alike: the biases are
     # equal through step 3, and at step 3 one token copy of the third MoE layer goes to expert 3 instead of
     # 0 (the overloads E x copies - sum read 88 / -88 against 96 / -96): a near-tie of the router's scores
     # that float32 rounding of another reduction order tips; the layout computes what one device computes,

@@ -163,13 +163,7 @@ def check_fp8_gather(model: ModelConfig, strategy: Strategy) -> None:
         raise ConfigError(f"fp8_gather with remat={strategy.options.remat}: a policy that recomputes part of a unit "
                           "gathers float8 weights again where the cost model does not count them yet: use --remat "
                           "none or full with --fp8-gather")
-    if strategy.size("pipeline") > 1:
-        raise ConfigError(f"fp8_gather with pipeline={strategy.size('pipeline')}: a pipeline gathers each stage's "
-                          "float32 weights before its loop, not per projection: drop --fp8-gather")
-    other = "latent attention" if model.mla else ", ".join(sorted(set(model.layer_kinds) - {"A"}))
-    if other:
-        raise ConfigError(f"fp8_gather gathers the float8 weights of attention + MLP blocks (A) only; the model "
-                          f"has {other} blocks, whose weights are not gathered in float8: drop --fp8-gather")
+    check_fp8_gather_scope(model, strategy, "fp8_gather")
 
 
 def check_fp8_sp_gather(model: ModelConfig, strategy: Strategy) -> None:
@@ -185,12 +179,20 @@ def check_fp8_sp_gather(model: ModelConfig, strategy: Strategy) -> None:
         raise ConfigError(f"fp8_sp_gather reads one gathered float8 input in the forward and the weight gradient, "
                           f"which needs one scale per tensor; fp8_recipe={o.fp8_recipe} scales them apart: use "
                           "--fp8-recipe tensorwise")
+    check_fp8_gather_scope(model, strategy, "fp8_sp_gather")
+
+
+def check_fp8_gather_scope(model: ModelConfig, strategy: Strategy, name: str) -> None:
+    """The float8 gathers (`name`) are built for attention + MLP blocks (A, GQA) outside a pipeline, whose
+    stages gather their float32 weights before their loop, not per projection."""
+    flag = "--" + name.replace("_", "-")
     if strategy.size("pipeline") > 1:
-        raise ConfigError(f"fp8_sp_gather with pipeline={strategy.size('pipeline')} is not built: drop --fp8-sp-gather")
+        raise ConfigError(f"{name} with pipeline={strategy.size('pipeline')}: a pipeline gathers each stage's "
+                          f"float32 weights before its loop, not per projection: drop {flag}")
     other = "latent attention" if model.mla else ", ".join(sorted(set(model.layer_kinds) - {"A"}))
     if other:
-        raise ConfigError(f"fp8_sp_gather gathers the input of attention + MLP blocks (A) only; the model has "
-                          f"{other} blocks: drop --fp8-sp-gather")
+        raise ConfigError(f"{name} gathers in float8 for attention + MLP blocks (A) only; the model has {other} "
+                          f"blocks, whose weights are not gathered in float8: drop {flag}")
 
 
 def check_kv_heads(model: ModelConfig, tensor: int) -> None:

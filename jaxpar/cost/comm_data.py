@@ -48,11 +48,11 @@ def fsdp_gathers(m: ModelConfig, st: Strategy, shape: StepShape, act: int) -> li
     for e, block in ((shape.exec_attention, "attention"), (shape.exec_mamba, "mamba"), (shape.exec_moe, "moe")):
         if not e:
             continue
-        sharded, _ = zero_split(m, block, 3)
-        arrays = equal_buffers(sharded.per_device(t, e_axis) * act, sharded.moved)
         if st.options.fp8_gather:   # (attention blocks only: validate.check_fp8_gather)
             out += float8_gathers(m, st, e, act)
             continue
+        sharded, _ = zero_split(m, block, 3)
+        arrays = equal_buffers(sharded.per_device(t, e_axis) * act, sharded.moved)
         if shape.stages > 1:
             slots = e / (shape.accum * shape.iterations * shape.per_chunk) * shape.repeats * shape.per_chunk
             out += sites.issue(AG, ("fsdp",), shape.accum, [b * slots for b in arrays], "forward", sites.STAGE_WEIGHTS)
